@@ -1,0 +1,45 @@
+# cramswarm: reproduce Cramming (arXiv 2212.14034) end to end; SWARM (arXiv 2301.11913) plugs in later.
+# corpus -> tokenizers (one per vocab size) -> packed blocks -> MLM pretraining -> GLUE fine-tuning
+# per (model, task, seed) -> tables and figures. README.md lists the rules and the results/ layout.
+from snakemake.utils import min_version
+
+min_version("9.20")  # runtime units fixed in 9.20 (snakemake#4053)
+
+
+configfile: "config/config.yaml"
+
+
+include: "rules/common.smk"  # validates the config before any job runs
+include: "rules/data.smk"
+include: "rules/tokenizers.smk"
+include: "rules/pretrain.smk"
+include: "rules/glue.smk"
+include: "rules/report.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        GLUE_TABLES,
+        FIGURES,
+
+
+rule tokenizers:  # every tokenizer of the vocab sweep
+    input:
+        expand(TOKENIZER, source=SOURCE, vocab=VOCABS),
+
+
+rule pretrain_all:  # every checkpoint of the study (pretrained and random-init)
+    input:
+        [f"{checkpoint_dir(m, v)}/model.safetensors" for m, v in STUDY_RUNS],
+
+
+rule glue:  # Tables 3/4-style GLUE table (median over seeds)
+    input:
+        GLUE_TABLES,
+
+
+rule ablation_vocab:  # Figure 3: GLUE average and MNLI vs vocab size
+    input:
+        VOCAB_SWEEP_TABLES,
+        "results/figures/glue_vs_vocab.png",

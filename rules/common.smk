@@ -1,0 +1,90 @@
+# Config validation and the helper functions the rules share (no logic in the rule files themselves).
+import json
+from pathlib import Path
+
+from cramswarm.config import ConfigError, validate_config
+from cramswarm.glue.tasks import TASK_NAMES
+
+
+try:
+    validate_config(config, Path(workflow.basedir) / "config" / "schema.yaml", base_dir=Path.cwd())
+except ConfigError as err:
+    raise WorkflowError(str(err))
+
+SOURCE = config["source"]
+VOCABS = config["tokenizer"]["vocab_sizes"]
+MAIN_VOCAB = config["tokenizer"]["main_vocab_size"]
+TASKS = config["glue"]["tasks"]
+SEEDS = config["glue"]["seeds"]
+MODELS = config["models"]
+BASELINES = [name for name, spec in MODELS.items() if not spec["pretrain"]]
+
+# (model, vocab) pairs of the study: vocab-sweep models at every size, the others at the main size.
+STUDY_RUNS = [
+    (name, vocab)
+    for name, spec in MODELS.items()
+    for vocab in (VOCABS if spec["vocab_sweep"] else [MAIN_VOCAB])
+]
+
+CORPUS = "results/data/{source}/corpus.parquet"
+GLUE_DATA = "results/data/{source}/glue/{task}.parquet"
+TOKENIZER = "results/tokenizers/{source}/v{vocab}/tokenizer.json"
+BLOCKS = "results/packed/{source}/v{vocab}/blocks.npy"
+FINETUNE = "results/glue/{source}/{model}/v{vocab}/{task}/s{seed}.json"
+GLUE_TABLES = ["results/tables/glue.csv", "results/tables/glue.md"]
+VOCAB_SWEEP_TABLES = ["results/tables/vocab_sweep.csv", "results/tables/vocab_sweep.md"]
+FIGURES = [
+    "results/figures/mlm_loss_vs_tokens.png",
+    "results/figures/glue_by_task.png",
+    "results/figures/glue_vs_vocab.png",
+]
+
+
+wildcard_constraints:
+    source="synthetic|hub",
+    vocab=r"\d+",
+    seed=r"\d+",
+    task="|".join(TASK_NAMES),
+    model="|".join(MODELS),
+
+
+def checkpoint_dir(model, vocab):
+    kind = "pretrain" if MODELS[model]["pretrain"] else "init"
+    return f"results/{kind}/{SOURCE}/{model}/v{vocab}"
+
+
+def checkpoint_of(wildcards):
+    return f"{checkpoint_dir(wildcards.model, wildcards.vocab)}/model.safetensors"
+
+
+def source_spec(wildcards=None):
+    """Only the section of the chosen source, so editing the other one reruns nothing."""
+    return json.dumps({"source": SOURCE, SOURCE: config[SOURCE]}, sort_keys=True)
+
+
+def section_json(*keys):
+    section = config
+    for key in keys:
+        section = section[key]
+    return json.dumps(section, sort_keys=True)
+
+
+def arch_json(wildcards):
+    return section_json("models", wildcards.model, "arch")
+
+
+def finetune_results(wildcards=None):
+    return [
+        FINETUNE.format(source=SOURCE, model=model, vocab=vocab, task=task, seed=seed)
+        for model, vocab in STUDY_RUNS
+        for task in TASKS
+        for seed in SEEDS
+    ]
+
+
+def pretrain_logs(wildcards=None):
+    return [f"{checkpoint_dir(m, v)}/train_log.csv" for m, v in STUDY_RUNS if MODELS[m]["pretrain"]]
+
+
+def vocab_size(wildcards):
+    return int(wildcards.vocab)

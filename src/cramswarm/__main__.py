@@ -1,0 +1,3 @@
+from cramswarm.cli import main
+
+raise SystemExit(main())

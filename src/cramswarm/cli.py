@@ -1,0 +1,242 @@
+"""``python -m cramswarm <command>``: one command per workflow stage.
+
+Each Snakemake rule runs exactly one of these commands, so every stage also runs (and is tested) outside
+Snakemake. Structured settings (a config section) are passed as JSON strings, e.g.
+``--recipe "$(python -m cramswarm show-config config/config.yaml pretrain)"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+COMMANDS: dict[str, tuple[str, callable]] = {}
+
+
+def command(name: str, help: str):
+    def register(fn):
+        COMMANDS[name] = (help, fn)
+        return fn
+
+    return register
+
+
+def _json(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({err}): {text[:80]!r}") from None
+
+
+def _set_threads(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def _report(path: str | None, payload: dict) -> None:
+    from cramswarm.io import write_json
+
+    print(json.dumps(payload, sort_keys=True))
+    if path:
+        write_json(path, payload)
+
+
+@command("check-config", "validate config files (merged in order) against config/schema.yaml")
+def check_config(args) -> int:
+    from cramswarm.config import load_config
+
+    cfg = load_config(args.configs, args.schema)
+    print(f"ok: {len(cfg['models'])} models, vocab sizes {cfg['tokenizer']['vocab_sizes']}, source {cfg['source']}")
+    return 0
+
+
+@command("show-config", "print one validated config section as JSON (to pass to the other commands)")
+def show_config(args) -> int:
+    from cramswarm.config import load_config
+
+    cfg = load_config(args.configs, args.schema)
+    section = cfg
+    for key in args.key.split(".") if args.key else []:
+        section = section[key]
+    print(json.dumps(section))
+    return 0
+
+
+@command("corpus", "write the pretraining corpus (parquet, one 'text' column) from the configured source")
+def corpus(args) -> int:
+    from cramswarm.data.sources import corpus_documents, write_corpus
+
+    counts = write_corpus(corpus_documents(args.source_spec), args.out)
+    _report(args.report, {"source": args.source_spec["source"], **counts})
+    return 0
+
+
+@command("glue-data", "write one GLUE task's train and validation splits (parquet) from the configured source")
+def glue_data(args) -> int:
+    from cramswarm.data.sources import write_glue
+
+    counts = write_glue(args.source_spec, args.task, args.out)
+    _report(args.report, {"source": args.source_spec["source"], "task": args.task, "rows": counts})
+    return 0
+
+
+@command("tokenizer", "train a WordPiece tokenizer on the corpus")
+def tokenizer(args) -> int:
+    from cramswarm import tokenizer as tokenization
+    from cramswarm.io import atomic_path
+
+    tok = tokenization.train_wordpiece(
+        tokenization.iter_corpus_batches(args.corpus), args.vocab_size, not args.cased, args.min_frequency
+    )
+    if tok.get_vocab_size() < args.vocab_size:
+        print(
+            f"warning: the corpus filled only {tok.get_vocab_size()} of {args.vocab_size} vocab entries "
+            f"(min_frequency {args.min_frequency})",
+            file=sys.stderr,
+        )
+    with atomic_path(args.out) as tmp:
+        tok.save(str(tmp))
+    print(json.dumps({"vocab_size": tok.get_vocab_size(), "requested": args.vocab_size}))
+    return 0
+
+
+@command("pack", "tokenize the corpus and pack it into fixed-length blocks (.npy)")
+def pack(args) -> int:
+    from cramswarm import packing, tokenizer as tokenization
+
+    counts = packing.pack(args.corpus, tokenization.load(args.tokenizer), args.out, args.block_tokens, args.shuffle_seed)
+    _report(args.report, counts)
+    return 0
+
+
+@command("pretrain", "MLM-pretrain a crammed BERT on packed blocks under the recipe's budget")
+def pretrain(args) -> int:
+    from cramswarm.pretrain import pretrain as run
+
+    _set_threads(args.threads)
+    summary = run(args.recipe, args.arch, args.blocks, args.tokenizer, args.out_dir, args.device, not args.quiet)
+    print(json.dumps(summary, sort_keys=True))
+    return 0
+
+
+@command("init-model", "write a randomly initialised checkpoint (the no-pretraining baseline)")
+def init_model(args) -> int:
+    from cramswarm.io import write_json
+    from cramswarm.pretrain import init_random
+
+    summary = init_random(args.arch, args.tokenizer, args.out_dir, args.seed)
+    write_json(Path(args.out_dir) / "summary.json", summary)
+    print(json.dumps(summary))
+    return 0
+
+
+@command("finetune", "fine-tune a checkpoint on one GLUE task with one seed; write validation scores (JSON)")
+def finetune(args) -> int:
+    from cramswarm.finetune import finetune as run
+
+    _set_threads(args.threads)
+    labels = {"model": args.model, "vocab": args.vocab}
+    result = run(args.checkpoint, args.task, args.data, args.seed, args.protocol, args.out, labels, args.precision, not args.quiet)
+    print(json.dumps(result["scores"], sort_keys=True))
+    return 0
+
+
+@command("tables", "GLUE tables (CSV + Markdown): main table and vocab sweep, median over seeds")
+def tables(args) -> int:
+    from cramswarm.report import tables as t
+
+    df = t.load_results(args.results)
+    t.write_table(t.glue_table(df), args.out_stem)
+    t.write_table(t.vocab_sweep_table(df, exclude=args.baseline), args.sweep_stem)
+    return 0
+
+
+@command("figures", "figures (seaborn PNG): MLM loss vs tokens, GLUE per task, GLUE average vs vocab size")
+def figures(args) -> int:
+    import pandas as pd
+
+    from cramswarm.report import figures as f, tables as t
+
+    f.plot_loss_curves({Path(p).parent.parent.name + "/" + Path(p).parent.name: p for p in args.logs}, args.loss_png)
+    df = t.load_results(args.results)
+    f.plot_glue_by_task(df, args.tasks_png)
+    main = t.glue_table(df)
+    baseline_rows = main[main["model"].isin(args.baseline)]
+    baseline = baseline_rows.iloc[0].to_dict() if len(baseline_rows) else None
+    sweep = t.vocab_sweep_table(df, exclude=args.baseline)
+    f.plot_vocab_sweep(pd.DataFrame(sweep), args.vocab_png, baseline=baseline)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cramswarm", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = {name: sub.add_parser(name, help=help, description=help) for name, (help, _) in COMMANDS.items()}
+
+    from cramswarm.config import DEFAULT_SCHEMA
+
+    for name in ("check-config", "show-config"):
+        p[name].add_argument("configs", nargs="+", type=Path, help="config YAML files, later ones overlay earlier ones")
+        p[name].add_argument("--schema", type=Path, default=DEFAULT_SCHEMA)
+    p["show-config"].add_argument("--key", default="", help="dotted section to print, e.g. pretrain or models.crammed.arch")
+    source_help = "JSON with the config's source, synthetic and hub sections"
+    for name in ("corpus", "glue-data"):
+        p[name].add_argument("--source-spec", type=_json, required=True, help=source_help)
+        p[name].add_argument("--out", required=True)
+        p[name].add_argument("--report", help="also write the counts to this JSON file")
+    p["glue-data"].add_argument("--task", required=True)
+    p["tokenizer"].add_argument("--corpus", required=True)
+    p["tokenizer"].add_argument("--vocab-size", type=int, required=True)
+    p["tokenizer"].add_argument("--min-frequency", type=int, default=2)
+    p["tokenizer"].add_argument("--cased", action="store_true", help="keep case and accents")
+    p["tokenizer"].add_argument("--out", required=True)
+    p["pack"].add_argument("--corpus", required=True)
+    p["pack"].add_argument("--tokenizer", required=True)
+    p["pack"].add_argument("--block-tokens", type=int, default=128)
+    p["pack"].add_argument("--shuffle-seed", type=int, default=0)
+    p["pack"].add_argument("--out", required=True)
+    p["pack"].add_argument("--report")
+    for name in ("pretrain", "init-model"):
+        p[name].add_argument("--arch", type=_json, required=True, help="JSON of a models.<name>.arch section")
+        p[name].add_argument("--tokenizer", required=True)
+        p[name].add_argument("--out-dir", required=True)
+    p["init-model"].add_argument("--seed", type=int, default=0)
+    p["pretrain"].add_argument("--recipe", type=_json, required=True, help="JSON of the pretrain section")
+    p["pretrain"].add_argument("--blocks", required=True)
+    p["pretrain"].add_argument("--device", default="cpu")
+    for name in ("pretrain", "finetune"):
+        p[name].add_argument("--threads", type=int, default=1)
+        p[name].add_argument("--quiet", action="store_true", help="no progress bar")
+    p["finetune"].add_argument("--checkpoint", required=True)
+    p["finetune"].add_argument("--task", required=True)
+    p["finetune"].add_argument("--data", required=True)
+    p["finetune"].add_argument("--seed", type=int, required=True)
+    p["finetune"].add_argument("--protocol", type=_json, required=True, help="JSON of the glue section")
+    p["finetune"].add_argument("--model", required=True, help="model name recorded in the result")
+    p["finetune"].add_argument("--vocab", type=int, required=True, help="vocab size recorded in the result")
+    p["finetune"].add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
+    p["finetune"].add_argument("--out", required=True)
+    for name in ("tables", "figures"):
+        p[name].add_argument("--results", nargs="+", required=True, help="fine-tuning result JSON files")
+        p[name].add_argument("--baseline", nargs="*", default=[], help="models left out of the vocab sweep")
+    p["tables"].add_argument("--out-stem", required=True)
+    p["tables"].add_argument("--sweep-stem", required=True)
+    p["figures"].add_argument("--logs", nargs="+", required=True, help="pretraining train_log.csv files")
+    p["figures"].add_argument("--loss-png", required=True)
+    p["figures"].add_argument("--tasks-png", required=True)
+    p["figures"].add_argument("--vocab-png", required=True)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from cramswarm.config import ConfigError
+
+    try:
+        return COMMANDS[args.command][1](args)
+    except (ConfigError, FileNotFoundError, ValueError) as err:
+        print(f"cramswarm {args.command}: error: {err}", file=sys.stderr)
+        return 2

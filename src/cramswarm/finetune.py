@@ -1,0 +1,173 @@
+"""Fine-tune one checkpoint on one GLUE task with one seed, and score the last epoch on validation.
+
+One global hyperparameter set for every task (the paper's rule); the score reported is the last epoch's,
+never the best. Batches are dynamically padded, and length-bucketed (examples of similar length batched
+together inside shuffled pools) so short tasks don't pay for padding to the maximum length.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoModelForSequenceClassification, get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
+
+from cramswarm import tokenizer as tokenization
+from cramswarm.data.sources import read_glue
+from cramswarm.glue.metrics import compute_metrics
+from cramswarm.glue.tasks import get_task
+from cramswarm.io import write_json
+from cramswarm.pretrain import autocast
+
+BUCKET_POOL_BATCHES = 50  # batches per pool inside which examples are sorted by length
+
+
+def encode(tok, task: str, rows: list[dict], max_length: int) -> list[list[int]]:
+    spec = get_task(task)
+    tok.enable_truncation(max_length)
+    tok.no_padding()
+    if len(spec.text_columns) == 1:
+        inputs = [row[spec.text_columns[0]] for row in rows]
+    else:
+        first, second = spec.text_columns
+        inputs = [(row[first], row[second]) for row in rows]
+    return [enc.ids for enc in tok.encode_batch(inputs)]
+
+
+def bucketed_batches(lengths: np.ndarray, batch_size: int, rng: np.random.Generator | None) -> list[np.ndarray]:
+    """Index batches; with ``rng`` shuffled pools sorted by length (training), else length-sorted (evaluation)."""
+    if rng is None:
+        order = np.argsort(lengths, kind="stable")
+        return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    order = rng.permutation(len(lengths))
+    pool = batch_size * BUCKET_POOL_BATCHES
+    batches = []
+    for start in range(0, len(order), pool):
+        chunk = order[start : start + pool]
+        chunk = chunk[np.argsort(lengths[chunk], kind="stable")]
+        batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+def collate(ids: list[list[int]], index: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(ids[i]) for i in index)
+    input_ids = torch.full((len(index), width), tokenization.PAD_ID, dtype=torch.long)
+    mask = torch.zeros((len(index), width), dtype=torch.long)
+    for row, i in enumerate(index):
+        input_ids[row, : len(ids[i])] = torch.tensor(ids[i])
+        mask[row, : len(ids[i])] = 1
+    return input_ids, mask
+
+
+def load_model(checkpoint: str | Path, task: str, dropout: float):
+    spec = get_task(task)
+    checkpoint = Path(checkpoint)
+    tok = tokenization.load(checkpoint / "tokenizer.json")
+    config = AutoConfig.from_pretrained(checkpoint)
+    if config.vocab_size != tok.get_vocab_size():
+        raise ValueError(
+            f"checkpoint {checkpoint}: model vocab_size {config.vocab_size} disagrees with its tokenizer's "
+            f"{tok.get_vocab_size()} tokens"
+        )
+    model = AutoModelForSequenceClassification.from_pretrained(
+        checkpoint,
+        num_labels=spec.num_labels,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+        classifier_dropout=dropout,
+    )
+    return model, tok
+
+
+@torch.no_grad()
+def predict(model, ids: list[list[int]], batch_size: int, precision: str, regression: bool) -> np.ndarray:
+    model.eval()
+    out = np.zeros(len(ids), dtype=np.float64 if regression else np.int64)
+    for index in bucketed_batches(np.array([len(x) for x in ids]), batch_size * 4, None):
+        input_ids, mask = collate(ids, index)
+        with autocast(precision, torch.device("cpu")):
+            logits = model(input_ids, attention_mask=mask).logits.float()
+        out[index] = logits.squeeze(-1).numpy() if regression else logits.argmax(-1).numpy()
+    return out
+
+
+def finetune(
+    checkpoint: str | Path,
+    task: str,
+    data_path: str | Path,
+    seed: int,
+    protocol: dict,
+    out_json: str | Path,
+    labels: dict | None = None,
+    precision: str = "bf16",
+    progress: bool = True,
+) -> dict:
+    """``labels`` (e.g. model name and vocab size) are copied into the result for the tables."""
+    spec = get_task(task)
+    start = time.perf_counter()
+    torch.manual_seed(seed)
+    model, tok = load_model(checkpoint, task, protocol["dropout"])
+    train_rows = read_glue(data_path, "train")
+    train_ids = encode(tok, task, train_rows, protocol["max_length_tokens"])
+    dtype = torch.float32 if spec.is_regression else torch.long
+    train_labels = torch.tensor([row["label"] for row in train_rows], dtype=dtype)
+    lengths = np.array([len(x) for x in train_ids])
+    rng = np.random.default_rng(seed)
+
+    steps_per_epoch = -(-len(train_ids) // protocol["batch_size"])
+    total_steps = steps_per_epoch * protocol["epochs"]
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=protocol["lr"], betas=(0.9, 0.98), eps=1e-6, weight_decay=protocol["weight_decay"]
+    )
+    warmup = int(protocol["warmup_fraction"] * total_steps)
+    if protocol["schedule"] == "cosine":
+        scheduler = get_cosine_schedule_with_warmup(optimizer, warmup, total_steps)
+    else:
+        scheduler = get_constant_schedule_with_warmup(optimizer, warmup)
+
+    bar = tqdm(total=total_steps, desc=f"finetune {task} s{seed}", disable=not progress, mininterval=2.0)
+    padded_tokens = real_tokens = 0
+    losses = []
+    for _epoch in range(protocol["epochs"]):
+        model.train()
+        epoch_loss = 0.0
+        for index in bucketed_batches(lengths, protocol["batch_size"], rng):
+            input_ids, mask = collate(train_ids, index)
+            padded_tokens += input_ids.numel()
+            real_tokens += int(mask.sum())
+            with autocast(precision, torch.device("cpu")):
+                loss = model(input_ids, attention_mask=mask, labels=train_labels[index]).loss
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            epoch_loss += loss.item()
+            bar.update()
+        losses.append(epoch_loss / steps_per_epoch)
+    bar.close()
+
+    scores = {}
+    for split in spec.eval_splits:
+        rows = read_glue(data_path, split)
+        ids = encode(tok, task, rows, protocol["max_length_tokens"])
+        predictions = predict(model, ids, protocol["batch_size"], precision, spec.is_regression)
+        references = np.array([row["label"] for row in rows])
+        scores[split] = compute_metrics(task, predictions, references)
+    result = {
+        **(labels or {}),
+        "checkpoint": str(checkpoint),
+        "task": task,
+        "seed": seed,
+        "scores": scores,
+        "epochs": protocol["epochs"],
+        "train_examples": len(train_rows),
+        "train_loss_per_epoch": [round(x, 5) for x in losses],
+        "padding_efficiency": round(real_tokens / max(padded_tokens, 1), 4),
+        "wall_s": round(time.perf_counter() - start, 2),
+    }
+    write_json(out_json, result)
+    return result

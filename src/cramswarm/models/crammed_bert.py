@@ -1,0 +1,386 @@
+"""Crammed BERT (Geiping & Goldstein, arXiv 2212.14034, §4.2) as one self-contained transformers model.
+
+The final crammed architecture is the default; each modification the paper makes to BERT is one config
+switch, so an ablation flips one key (see config/schema.yaml, ``$defs.arch``):
+
+==========================  ===========================  =====================================
+switch                      crammed (default)            original BERT
+==========================  ===========================  =====================================
+``norm_scheme``             ``pre``  (x + f(LN(x)))      ``post`` (LN(x + f(x)))
+``qkv_bias`` / ``use_bias`` off                          on
+``ffn``                     ``glu`` gated GELU, halved   ``gelu``
+``pos_embedding``           ``scaled-sinusoidal``        ``learned``
+``embedding_norm``          on                           on
+``final_norm``              on                           off
+``head_transform``          off                          on (dense + GELU + LN before decoder)
+``decoder_bias``            off                          on
+``sparse_prediction``       on (only masked positions)   off
+==========================  ===========================  =====================================
+
+The decoder is always tied to the word embeddings. There are no token-type embeddings: inputs carry
+``input_ids`` and ``attention_mask`` only (a ``token_type_ids`` argument is accepted and ignored, so
+pipelines built for BERT still run). Attention goes through ``torch.nn.functional.scaled_dot_product_attention``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForMaskedLM,
+    AutoModelForSequenceClassification,
+    PretrainedConfig,
+    PreTrainedModel,
+)
+from transformers import initialization as init
+from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput, SequenceClassifierOutput
+
+MODEL_TYPE = "crammed-bert"
+
+
+class CrammedBertConfig(PretrainedConfig):
+    model_type = MODEL_TYPE
+
+    def __init__(
+        self,
+        vocab_size: int = 32768,
+        num_hidden_layers: int = 16,
+        hidden_size: int = 768,
+        num_attention_heads: int = 12,
+        intermediate_size: int = 3072,
+        norm_scheme: str = "pre",
+        norm_eps: float = 1e-12,
+        qkv_bias: bool = False,
+        use_bias: bool = False,
+        ffn: str = "glu",
+        pos_embedding: str = "scaled-sinusoidal",
+        max_position_embeddings: int = 128,
+        embedding_norm: bool = True,
+        final_norm: bool = True,
+        head_transform: bool = False,
+        decoder_bias: bool = False,
+        sparse_prediction: bool = True,
+        initializer_range: float = 0.02,
+        hidden_dropout_prob: float = 0.1,
+        attention_probs_dropout_prob: float = 0.1,
+        classifier_dim: int | None = None,
+        classifier_dropout: float = 0.1,
+        pad_token_id: int = 0,
+        tie_word_embeddings: bool = True,
+        **kwargs,
+    ):
+        if norm_scheme not in ("pre", "post"):
+            raise ValueError(f"norm_scheme must be 'pre' or 'post', got {norm_scheme!r}")
+        if ffn not in ("glu", "gelu"):
+            raise ValueError(f"ffn must be 'glu' or 'gelu', got {ffn!r}")
+        if pos_embedding not in ("scaled-sinusoidal", "sinusoidal", "learned"):
+            raise ValueError(f"pos_embedding must be scaled-sinusoidal, sinusoidal or learned, got {pos_embedding!r}")
+        if hidden_size % num_attention_heads:
+            raise ValueError(f"hidden_size {hidden_size} is not divisible by num_attention_heads {num_attention_heads}")
+        self.vocab_size = vocab_size
+        self.num_hidden_layers = num_hidden_layers
+        self.hidden_size = hidden_size
+        self.num_attention_heads = num_attention_heads
+        self.intermediate_size = intermediate_size
+        self.norm_scheme = norm_scheme
+        self.norm_eps = norm_eps
+        self.qkv_bias = qkv_bias
+        self.use_bias = use_bias
+        self.ffn = ffn
+        self.pos_embedding = pos_embedding
+        self.max_position_embeddings = max_position_embeddings
+        self.embedding_norm = embedding_norm
+        self.final_norm = final_norm
+        self.head_transform = head_transform
+        self.decoder_bias = decoder_bias
+        self.sparse_prediction = sparse_prediction
+        self.initializer_range = initializer_range
+        self.hidden_dropout_prob = hidden_dropout_prob
+        self.attention_probs_dropout_prob = attention_probs_dropout_prob
+        self.classifier_dim = classifier_dim or hidden_size
+        self.classifier_dropout = classifier_dropout
+        super().__init__(pad_token_id=pad_token_id, tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+    @classmethod
+    def from_arch(cls, arch: dict, vocab_size: int, **overrides) -> "CrammedBertConfig":
+        """Build from a validated ``models.<name>.arch`` section of the workflow config."""
+        return cls(
+            vocab_size=vocab_size,
+            num_hidden_layers=arch["layers"],
+            hidden_size=arch["hidden_size"],
+            num_attention_heads=arch["heads"],
+            intermediate_size=arch["intermediate_size"],
+            norm_scheme=arch["norm_scheme"],
+            norm_eps=arch["norm_eps"],
+            qkv_bias=arch["qkv_bias"],
+            use_bias=arch["use_bias"],
+            ffn=arch["ffn"],
+            pos_embedding=arch["pos_embedding"],
+            max_position_embeddings=arch["max_positions"],
+            embedding_norm=arch["embedding_norm"],
+            final_norm=arch["final_norm"],
+            head_transform=arch["head_transform"],
+            decoder_bias=arch["decoder_bias"],
+            sparse_prediction=arch["sparse_prediction"],
+            initializer_range=arch["init_std"],
+            classifier_dim=arch["classifier_dim"],
+            **overrides,
+        )
+
+
+def sinusoidal_table(positions: int, dim: int) -> torch.Tensor:
+    """The fixed sin/cos table of Vaswani et al. (base 10000; sin on even, cos on odd features)."""
+    pos = torch.arange(positions, dtype=torch.float32)[:, None]
+    freq = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32) * (-math.log(10000.0) / dim))
+    table = torch.zeros(positions, dim)
+    table[:, 0::2] = torch.sin(pos * freq)
+    table[:, 1::2] = torch.cos(pos * freq)[:, : dim // 2]
+    return table
+
+
+class Embeddings(nn.Module):
+    def __init__(self, config: CrammedBertConfig):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.kind = config.pos_embedding
+        if self.kind == "learned":
+            self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        else:
+            table = sinusoidal_table(config.max_position_embeddings, config.hidden_size)
+            self.register_buffer("position_table", table, persistent=False)
+            # FLASH-style scaled sinusoid: one learnable scalar, initialised to 1/sqrt(d).
+            scale = 1 / math.sqrt(config.hidden_size) if self.kind == "scaled-sinusoidal" else 1.0
+            self.position_scale = nn.Parameter(torch.tensor(scale), requires_grad=self.kind == "scaled-sinusoidal")
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps) if config.embedding_norm else nn.Identity()
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        length = input_ids.shape[1]
+        if self.kind == "learned":
+            positions = self.position_embeddings.weight[:length]
+        else:
+            positions = self.position_table[:length] * self.position_scale
+        return self.dropout(self.norm(self.word_embeddings(input_ids) + positions))
+
+
+class Attention(nn.Module):
+    def __init__(self, config: CrammedBertConfig):
+        super().__init__()
+        self.heads = config.num_attention_heads
+        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=config.qkv_bias)
+        self.out = nn.Linear(config.hidden_size, config.hidden_size, bias=config.use_bias)
+        self.dropout_p = config.attention_probs_dropout_prob
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = self.qkv(x).view(batch, length, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout_p if self.training else 0.0)
+        return self.out(y.transpose(1, 2).reshape(batch, length, width))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: CrammedBertConfig):
+        super().__init__()
+        self.gated = config.ffn == "glu"
+        inner = config.intermediate_size // 2 if self.gated else config.intermediate_size
+        self.dense_in = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.use_bias)
+        self.dense_out = nn.Linear(inner, config.hidden_size, bias=config.use_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.dense_in(x)
+        if self.gated:
+            h, gate = h.chunk(2, dim=-1)
+            h = F.gelu(gate) * h
+        else:
+            h = F.gelu(h)
+        return self.dense_out(h)
+
+
+class Layer(nn.Module):
+    def __init__(self, config: CrammedBertConfig):
+        super().__init__()
+        self.pre_norm = config.norm_scheme == "pre"
+        self.norm1 = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+        self.norm2 = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn = FeedForward(config)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        if self.pre_norm:
+            x = x + self.dropout(self.attention(self.norm1(x), mask))
+            return x + self.dropout(self.ffn(self.norm2(x)))
+        x = self.norm1(x + self.dropout(self.attention(x, mask)))
+        return self.norm2(x + self.dropout(self.ffn(x)))
+
+
+class CrammedBertPreTrainedModel(PreTrainedModel):
+    config_class = CrammedBertConfig
+    base_model_prefix = "bert"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["Layer"]
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if module.padding_idx is not None and not getattr(module.weight, "_is_hf_initialized", False):
+                init.zeros_(module.weight[module.padding_idx])
+        elif isinstance(module, nn.LayerNorm):
+            init.ones_(module.weight)
+            init.zeros_(module.bias)
+        elif isinstance(module, Embeddings) and module.kind != "learned":
+            table = sinusoidal_table(module.position_table.shape[0], module.position_table.shape[1])
+            init.copy_(module.position_table, table)
+            scale = 1 / math.sqrt(self.config.hidden_size) if module.kind == "scaled-sinusoidal" else 1.0
+            init.constant_(module.position_scale, scale)
+
+
+class CrammedBertModel(CrammedBertPreTrainedModel):
+    def __init__(self, config: CrammedBertConfig):
+        super().__init__(config)
+        self.embeddings = Embeddings(config)
+        self.layers = nn.ModuleList(Layer(config) for _ in range(config.num_hidden_layers))
+        final = config.final_norm and config.norm_scheme == "pre"
+        self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps) if final else nn.Identity()
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embeddings.word_embeddings
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embeddings.word_embeddings = value
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,  # accepted for BERT-style callers; the model has none
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutput:
+        if input_ids.shape[1] > self.config.max_position_embeddings:
+            raise ValueError(
+                f"input of {input_ids.shape[1]} tokens exceeds max_position_embeddings={self.config.max_position_embeddings}"
+            )
+        mask = None
+        if attention_mask is not None and not bool(attention_mask.all()):
+            mask = attention_mask[:, None, None, :].bool()  # True = attend; broadcast over heads and queries
+        x = self.embeddings(input_ids)
+        for layer in self.layers:
+            x = layer(x, mask)
+        return BaseModelOutput(last_hidden_state=self.final_norm(x))
+
+
+class MLMHead(nn.Module):
+    def __init__(self, config: CrammedBertConfig):
+        super().__init__()
+        if config.head_transform:
+            self.transform = nn.Sequential(
+                nn.Linear(config.hidden_size, config.hidden_size, bias=config.use_bias),
+                nn.GELU(),
+                nn.LayerNorm(config.hidden_size, eps=config.norm_eps),
+            )
+        else:
+            self.transform = nn.Identity()
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size, bias=config.decoder_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.transform(x))
+
+
+class CrammedBertForMaskedLM(CrammedBertPreTrainedModel):
+    _tied_weights_keys = {"head.decoder.weight": "bert.embeddings.word_embeddings.weight"}
+
+    def __init__(self, config: CrammedBertConfig):
+        super().__init__(config)
+        self.bert = CrammedBertModel(config)
+        self.head = MLMHead(config)
+        self.post_init()
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.head.decoder
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.head.decoder = value
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> MaskedLMOutput:
+        """``labels`` hold the original token at masked positions and -100 elsewhere.
+
+        With ``sparse_prediction`` and labels given, only the masked positions are decoded: the loss is the
+        same as dense prediction, and ``logits`` has shape (masked positions, vocab) instead of
+        (batch, length, vocab).
+        """
+        hidden = self.bert(input_ids, attention_mask=attention_mask).last_hidden_state
+        if labels is not None and self.config.sparse_prediction:
+            selected = labels.view(-1) != -100
+            logits = self.head(hidden.view(-1, hidden.shape[-1])[selected])
+            loss = F.cross_entropy(logits.float(), labels.view(-1)[selected])
+            return MaskedLMOutput(loss=loss, logits=logits)
+        logits = self.head(hidden)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1), ignore_index=-100)
+        return MaskedLMOutput(loss=loss, logits=logits)
+
+
+class CrammedBertForSequenceClassification(CrammedBertPreTrainedModel):
+    """A fresh pooler + classifier on the first token ([CLS]), as the paper's GLUE setup (``zero_index``)."""
+
+    def __init__(self, config: CrammedBertConfig):
+        super().__init__(config)
+        self.bert = CrammedBertModel(config)
+        self.pooler = nn.Linear(config.hidden_size, config.classifier_dim)
+        self.dropout = nn.Dropout(config.classifier_dropout)
+        self.classifier = nn.Linear(config.classifier_dim, config.num_labels)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> SequenceClassifierOutput:
+        hidden = self.bert(input_ids, attention_mask=attention_mask).last_hidden_state
+        # The head runs in fp32 even under autocast: bf16 logits (8 mantissa bits) flatten regression
+        # outputs such as STS-B scores, and the head's cost is negligible.
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            logits = self.classifier(self.dropout(torch.tanh(self.pooler(hidden[:, 0].float()))))
+        loss = None
+        if labels is not None:
+            if self.config.num_labels == 1:
+                loss = F.mse_loss(logits.float().squeeze(-1), labels.float())
+            else:
+                loss = F.cross_entropy(logits.float(), labels.long())
+        return SequenceClassifierOutput(loss=loss, logits=logits)
+
+
+def register() -> None:
+    """Make the Auto classes resolve ``model_type: crammed-bert`` (idempotent)."""
+    try:
+        AutoConfig.register(MODEL_TYPE, CrammedBertConfig)
+    except ValueError:  # already registered
+        return
+    AutoModel.register(CrammedBertConfig, CrammedBertModel)
+    AutoModelForMaskedLM.register(CrammedBertConfig, CrammedBertForMaskedLM)
+    AutoModelForSequenceClassification.register(CrammedBertConfig, CrammedBertForSequenceClassification)

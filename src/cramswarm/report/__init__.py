@@ -1,0 +1,1 @@
+"""Report assembly: GLUE tables (:mod:`.tables`) and figures (:mod:`.figures`) from fine-tuning results."""

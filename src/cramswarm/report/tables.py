@@ -1,0 +1,191 @@
+"""GLUE result tables: load fine-tuning result JSONs, aggregate over seeds, write CSV + Markdown.
+
+Aggregation rules (one row per (model, vocab)):
+
+* each score column is the **median over the seeds** that have it;
+* ``avg_paper`` / ``avg_glue`` are computed **per seed** (see :mod:`cramswarm.glue.metrics`) and then the median
+  over seeds is reported, with ``avg_paper_std`` the sample standard deviation (ddof=1) of the per-seed paper
+  averages — NaN with a single seed. A seed lacking any task needed by an average makes that seed's average
+  NaN and so the row's median NaN: a partial row says so instead of averaging fewer numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from cramswarm.glue.metrics import SCORE_COLUMNS, glue_average, paper_average, score_columns
+
+LONG_COLUMNS: tuple[str, ...] = ("model", "vocab", "task", "seed", "column", "value")
+KEYS: list[str] = ["model", "vocab"]
+
+# Headers for the Markdown tables (the CSV keeps the machine-readable keys).
+COLUMN_LABELS: dict[str, str] = {
+    "model": "Model",
+    "vocab": "Vocab",
+    "mnli_m": "MNLI-m",
+    "mnli_mm": "MNLI-mm",
+    "qqp_f1": "QQP F1",
+    "qqp_acc": "QQP acc",
+    "qnli": "QNLI",
+    "sst2": "SST-2",
+    "cola": "CoLA",
+    "stsb_pearson": "STS-B Pearson",
+    "stsb_spearman": "STS-B Spearman",
+    "mrpc_f1": "MRPC F1",
+    "mrpc_acc": "MRPC acc",
+    "rte": "RTE",
+    "wnli": "WNLI",
+    "avg_paper": "GLUE avg (paper)",
+    "avg_paper_std": "± seed std",
+    "avg_glue": "GLUE avg (benchmark)",
+    "mnli_m_std": "MNLI-m ± seed std",
+    "n_seeds": "Seeds",
+}
+
+
+def load_results(paths: Iterable[str | os.PathLike]) -> pd.DataFrame:
+    """Read fine-tuning result JSONs into a long frame with columns :data:`LONG_COLUMNS`.
+
+    Each file holds ``{"model", "vocab", "task", "seed", "scores": {split: {metric: value}}, ...}``; its scores
+    become one row per score column. A missing, unparsable or malformed file raises an error naming it, and so
+    does a (model, vocab, task, seed) given by two files.
+    """
+    rows: list[tuple] = []
+    seen: dict[tuple, Path] = {}
+    for path in map(Path, paths):
+        record = _read_result(path)
+        run = (record["model"], record["vocab"], record["task"], record["seed"])
+        if run in seen:
+            raise ValueError(f"{path}: duplicates the run {run} already read from {seen[run]}")
+        seen[run] = path
+        for split, metrics in record["scores"].items():
+            try:
+                columns = score_columns(record["task"], split, metrics)
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"{path}: {exc}") from exc
+            rows.extend((*run, column, value) for column, value in columns.items())
+    if not seen:
+        raise ValueError("load_results: no result files given")
+    df = pd.DataFrame(rows, columns=list(LONG_COLUMNS))
+    return df.astype({"vocab": "int64", "seed": "int64", "value": "float64"})
+
+
+def _read_result(path: Path) -> dict:
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"fine-tuning result file not found: {path}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not a readable JSON result file ({exc})") from exc
+    if not isinstance(record, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(record).__name__}")
+    missing = [k for k in ("model", "vocab", "task", "seed", "scores") if k not in record]
+    if missing:
+        raise ValueError(f"{path}: missing field(s) {', '.join(missing)}")
+    for key in ("vocab", "seed"):
+        if not isinstance(record[key], int) or isinstance(record[key], bool):
+            raise ValueError(f"{path}: {key!r} must be an integer, got {record[key]!r}")
+    if not isinstance(record["scores"], dict) or not record["scores"]:
+        raise ValueError(f"{path}: 'scores' must be a non-empty {{split: {{metric: value}}}} object")
+    return record
+
+
+def per_seed_scores(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per (model, vocab, seed): every score column (NaN where a task is missing) plus both averages."""
+    wide = (
+        df.pivot(index=[*KEYS, "seed"], columns="column", values="value")
+        .reindex(columns=list(SCORE_COLUMNS))
+        .rename_axis(columns=None)
+    )
+    wide["avg_paper"] = wide.apply(paper_average, axis=1, missing="nan")
+    wide["avg_glue"] = wide.apply(glue_average, axis=1, missing="nan")
+    return wide.reset_index()
+
+
+def _strict_median(values: pd.Series) -> float:
+    # NaN if any seed lacks the number: an aggregate over fewer seeds than n_seeds would hide a failed run.
+    return float(values.median(skipna=False))
+
+
+def _seed_std(values: pd.Series) -> float:
+    return float(values.std(ddof=1, skipna=False))
+
+
+def glue_table(df: pd.DataFrame) -> pd.DataFrame:
+    """The GLUE table: one row per (model, vocab), columns ``model, vocab``, :data:`SCORE_COLUMNS` (medians
+    over seeds, paper order, WNLI last), ``avg_paper, avg_paper_std, avg_glue, n_seeds``. See the module
+    docstring for the aggregation rules."""
+    groups = per_seed_scores(df).groupby(KEYS)
+    table = groups[list(SCORE_COLUMNS)].median()
+    table["avg_paper"] = groups["avg_paper"].agg(_strict_median)
+    table["avg_paper_std"] = groups["avg_paper"].agg(_seed_std)
+    table["avg_glue"] = groups["avg_glue"].agg(_strict_median)
+    table["n_seeds"] = groups.size()
+    return table.reset_index()
+
+
+def vocab_sweep_table(df: pd.DataFrame, *, exclude: Iterable[str] = ()) -> pd.DataFrame:
+    """Per (model, vocab): median and seed std of the paper's GLUE average and of MNLI-m, plus ``n_seeds``.
+
+    ``exclude`` names models to leave out, e.g. the no-pretraining baseline, so that only pretrained models
+    are swept. Rows are sorted by model, then vocab size.
+    """
+    seeds = per_seed_scores(df)
+    groups = seeds[~seeds["model"].isin(list(exclude))].groupby(KEYS)
+    table = pd.DataFrame(
+        {
+            "avg_paper": groups["avg_paper"].agg(_strict_median),
+            "avg_paper_std": groups["avg_paper"].agg(_seed_std),
+            "mnli_m": groups["mnli_m"].agg(_strict_median),
+            "mnli_m_std": groups["mnli_m"].agg(_seed_std),
+            "n_seeds": groups.size(),
+        }
+    )
+    return table.reset_index().sort_values(KEYS, ignore_index=True)
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+    """Call ``write(tmp)`` on a temporary file next to ``path`` (same extension), then rename it onto ``path``.
+
+    The rename is atomic on one filesystem, so a reader (or Snakemake after a crash) never sees half a file.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=path.suffix)
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def to_markdown(df: pd.DataFrame) -> str:
+    """A Markdown table: headers from :data:`COLUMN_LABELS`, floats to 1 decimal, missing values as ``NaN``."""
+    cells = pd.DataFrame({COLUMN_LABELS.get(name, name): column.map(_format_cell) for name, column in df.items()})
+    align = ["right" if pd.api.types.is_numeric_dtype(column) else "left" for _, column in df.items()]
+    # disable_numparse: the cells are already formatted; tabulate must not reformat "2048" as a float.
+    return cells.to_markdown(index=False, disable_numparse=True, colalign=align) + "\n"
+
+
+def _format_cell(value) -> str:
+    if isinstance(value, (float, np.floating)):
+        return "NaN" if np.isnan(value) else f"{value:.1f}"
+    return str(value)
+
+
+def write_table(df: pd.DataFrame, stem: str | os.PathLike) -> tuple[Path, Path]:
+    """Write ``df`` to ``<stem>.csv`` (full precision, NaN as ``NaN``) and ``<stem>.md``, each atomically."""
+    stem = Path(stem)
+    csv_path = atomic_write(stem.with_name(stem.name + ".csv"), lambda tmp: df.to_csv(tmp, index=False, na_rep="NaN"))
+    md_path = atomic_write(stem.with_name(stem.name + ".md"), lambda tmp: tmp.write_text(to_markdown(df)))
+    return csv_path, md_path

@@ -1,0 +1,73 @@
+"""WordPiece tokenizers trained on the study's corpus with the ``tokenizers`` library.
+
+Special tokens sit at fixed ids whatever the corpus or build order (the model relies on pad = 0):
+``[PAD]=0, [UNK]=1, [CLS]=2, [SEP]=3, [MASK]=4``. Normalisation follows the paper: NFD, lowercase,
+strip accents. Inputs are encoded as ``[CLS] A [SEP]`` or ``[CLS] A [SEP] B [SEP]``; no token-type ids.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import pyarrow.parquet as pq
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = range(len(SPECIAL_TOKENS))
+BATCH_DOCUMENTS = 1024  # documents read per batch while training or encoding
+
+
+def iter_corpus_batches(path: str | Path, batch: int = BATCH_DOCUMENTS) -> Iterator[list[str]]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"missing corpus file: {path}")
+    try:
+        reader = pq.ParquetFile(path)
+    except Exception as err:  # pyarrow raises several types for a damaged file
+        raise ValueError(f"corrupt corpus file {path}: {err}") from None
+    for record_batch in reader.iter_batches(batch_size=batch, columns=["text"]):
+        yield record_batch.column(0).to_pylist()
+
+
+def train_wordpiece(batches: Iterable[list[str]], vocab_size: int, lowercase: bool = True, min_frequency: int = 2) -> Tokenizer:
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]", max_input_chars_per_word=100))
+    steps = [normalizers.NFD()]
+    if lowercase:
+        steps += [normalizers.Lowercase(), normalizers.StripAccents()]
+    tok.normalizer = normalizers.Sequence(steps)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    trainer = trainers.WordPieceTrainer(
+        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=list(SPECIAL_TOKENS), show_progress=False
+    )
+    tok.train_from_iterator(batches, trainer=trainer)
+    for token_id, token in enumerate(SPECIAL_TOKENS):
+        if tok.token_to_id(token) != token_id:
+            raise RuntimeError(f"special token {token} landed at id {tok.token_to_id(token)}, expected {token_id}")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:0 [SEP]:0", special_tokens=[("[CLS]", CLS_ID), ("[SEP]", SEP_ID)]
+    )
+    return tok
+
+
+def load(path: str | Path) -> Tokenizer:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"missing tokenizer file: {path}")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as err:
+        raise ValueError(f"corrupt tokenizer file {path}: {err}") from None
+
+
+def to_transformers(tok: Tokenizer, max_length: int):
+    """Wrap for ``save_pretrained``/``AutoTokenizer``; emits input_ids and attention_mask only."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
+        model_max_length=max_length,
+        model_input_names=["input_ids", "attention_mask"],
+    )
