@@ -117,7 +117,7 @@ def pretrain(args) -> int:
     from cramswarm.pretrain import pretrain as run
 
     _set_threads(args.threads)
-    summary = run(args.recipe, args.arch, args.blocks, args.tokenizer, args.out_dir, args.device, not args.quiet)
+    summary = run(args.recipe, args.arch, args.blocks, args.tokenizer, args.out_dir, not args.quiet)
     print(json.dumps(summary, sort_keys=True))
     return 0
 
@@ -206,7 +206,6 @@ def build_parser() -> argparse.ArgumentParser:
     p["init-model"].add_argument("--seed", type=int, default=0)
     p["pretrain"].add_argument("--recipe", type=_json, required=True, help="JSON of the pretrain section")
     p["pretrain"].add_argument("--blocks", required=True)
-    p["pretrain"].add_argument("--device", default="cpu")
     for name in ("pretrain", "finetune"):
         p[name].add_argument("--threads", type=int, default=1)
         p[name].add_argument("--quiet", action="store_true", help="no progress bar")
@@ -217,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     p["finetune"].add_argument("--protocol", type=_json, required=True, help="JSON of the glue section")
     p["finetune"].add_argument("--model", required=True, help="model name recorded in the result")
     p["finetune"].add_argument("--vocab", type=int, required=True, help="vocab size recorded in the result")
-    p["finetune"].add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
+    p["finetune"].add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
     p["finetune"].add_argument("--out", required=True)
     for name in ("tables", "figures"):
         p[name].add_argument("--results", nargs="+", required=True, help="fine-tuning result JSON files")

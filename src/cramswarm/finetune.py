@@ -20,7 +20,7 @@ from cramswarm.data.sources import read_glue
 from cramswarm.glue.metrics import compute_metrics
 from cramswarm.glue.tasks import get_task
 from cramswarm.io import write_json
-from cramswarm.pretrain import autocast
+from cramswarm.pretrain import autocast, resolve_device
 
 BUCKET_POOL_BATCHES = 50  # batches per pool inside which examples are sorted by length
 
@@ -86,11 +86,12 @@ def load_model(checkpoint: str | Path, task: str, dropout: float):
 @torch.no_grad()
 def predict(model, ids: list[list[int]], batch_size: int, precision: str, regression: bool) -> np.ndarray:
     model.eval()
+    device = next(model.parameters()).device
     out = np.zeros(len(ids), dtype=np.float64 if regression else np.int64)
     for index in bucketed_batches(np.array([len(x) for x in ids]), batch_size * 4, None):
         input_ids, mask = collate(ids, index)
-        with autocast(precision, torch.device("cpu")):
-            logits = model(input_ids, attention_mask=mask).logits.float()
+        with autocast(precision, device):
+            logits = model(input_ids.to(device), attention_mask=mask.to(device)).logits.float().cpu()
         out[index] = logits.squeeze(-1).numpy() if regression else logits.argmax(-1).numpy()
     return out
 
@@ -110,7 +111,9 @@ def finetune(
     spec = get_task(task)
     start = time.perf_counter()
     torch.manual_seed(seed)
+    device = resolve_device(protocol["device"])
     model, tok = load_model(checkpoint, task, protocol["dropout"])
+    model.to(device)
     train_rows = read_glue(data_path, "train")
     train_ids = encode(tok, task, train_rows, protocol["max_length_tokens"])
     dtype = torch.float32 if spec.is_regression else torch.long
@@ -129,6 +132,7 @@ def finetune(
     else:
         scheduler = get_constant_schedule_with_warmup(optimizer, warmup)
 
+    scaler = torch.amp.GradScaler(enabled=precision == "fp16")
     bar = tqdm(total=total_steps, desc=f"finetune {task} s{seed}", disable=not progress, mininterval=2.0)
     padded_tokens = real_tokens = 0
     losses = []
@@ -139,10 +143,11 @@ def finetune(
             input_ids, mask = collate(train_ids, index)
             padded_tokens += input_ids.numel()
             real_tokens += int(mask.sum())
-            with autocast(precision, torch.device("cpu")):
-                loss = model(input_ids, attention_mask=mask, labels=train_labels[index]).loss
-            loss.backward()
-            optimizer.step()
+            with autocast(precision, device):
+                loss = model(input_ids.to(device), attention_mask=mask.to(device), labels=train_labels[index].to(device)).loss
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             epoch_loss += loss.item()

@@ -49,10 +49,9 @@ def lr_multiplier(schedule: str, t: float, warmup: float = 0.0) -> float:
 
 
 def budget_progress(budget: dict, tokens: int, steps: int, elapsed_s: float) -> float:
-    """Share of the budget spent; the budget names its unit (exactly one of tokens, steps, seconds)."""
-    (unit, value), = budget.items()
-    used = {"tokens": tokens, "steps": steps, "seconds": elapsed_s}[unit]
-    return used / value
+    """Share of the budget spent; ``budget`` is ``{"unit": tokens|steps|seconds, "value": amount}``."""
+    used = {"tokens": tokens, "steps": steps, "seconds": elapsed_s}[budget["unit"]]
+    return used / budget["value"]
 
 
 def mask_tokens(block: torch.Tensor, rate: float, mode: str, vocab_size: int, generator: torch.Generator):
@@ -90,6 +89,15 @@ def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
             exempt = name.endswith("bias") or id(param) in norm_params
             (no_decay if exempt else decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` picks CUDA when it is available; asking for ``cuda`` without one is an error."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda requested but torch sees no CUDA device (use device: auto or cpu)")
+    return torch.device(name)
 
 
 def autocast(precision: str, device: torch.device):
@@ -137,11 +145,10 @@ def pretrain(
     blocks_path: str | Path,
     tokenizer_path: str | Path,
     out_dir: str | Path,
-    device: str = "cpu",
     progress: bool = True,
 ) -> dict:
     """Train until the budget is spent; write the checkpoint, ``train_log.csv`` and ``summary.json``."""
-    device = torch.device(device)
+    device = resolve_device(recipe["device"])
     tok = tokenization.load(tokenizer_path)
     vocab_size = tok.get_vocab_size()
     blocks = np.load(blocks_path, mmap_mode="r") if Path(blocks_path).is_file() else None
@@ -218,6 +225,7 @@ def pretrain(
         "tokens_per_s": round(tokens / elapsed, 1),
         "parameters": sum(p.numel() for p in model.parameters()),
         "budget": recipe["budget"],
+        "device": str(device),
         "pretrained": True,
     }
     write_json(out_dir / "summary.json", summary)

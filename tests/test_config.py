@@ -1,0 +1,97 @@
+import copy
+import subprocess
+import sys
+
+import pytest
+
+from cramswarm.config import ConfigError, load_config, load_yaml, validate_config
+
+
+@pytest.fixture
+def default(repo):
+    return load_yaml(repo / "config" / "config.yaml")
+
+
+def check(cfg, repo):
+    return validate_config(copy.deepcopy(cfg), repo / "config" / "schema.yaml", base_dir=repo)
+
+
+@pytest.mark.parametrize("overlays", [[], ["paper.yaml"], ["test/tiny.yaml"]])
+def test_shipped_configs_validate(repo, overlays):
+    cfg = load_config([repo / "config" / "config.yaml", *(repo / "config" / o for o in overlays)])
+    assert cfg["tokenizer"]["main_vocab_size"] in cfg["tokenizer"]["vocab_sizes"]
+
+
+def test_defaults_are_filled(repo, default):
+    cfg = check(default, repo)
+    assert cfg["models"]["crammed"]["arch"]["norm_scheme"] == "pre"
+    assert cfg["packing"]["block_tokens"] == 128
+
+
+def mutate(cfg, path, value):
+    node = cfg
+    *parents, last = path
+    for key in parents:
+        node = node[key]
+    node[last] = value
+    return cfg
+
+
+@pytest.mark.parametrize(
+    "path, value, expected",
+    [
+        (("glue", "bogus"), 1, ["unknown config key 'glue.bogus'", "allowed keys here"]),
+        (("tokenizer", "vocab_sizes"), [0], ["tokenizer.vocab_sizes[0]", "minimum"]),
+        (("tokenizer", "vocab_sizes"), [512.5], ["tokenizer.vocab_sizes[0]", "integer"]),
+        (("tokenizer", "vocab_sizes"), "512", ["tokenizer.vocab_sizes", "array"]),
+        (("glue", "tasks"), ["cola", "squad"], ["glue.tasks[1]", "'squad'", "allowed values: cola, sst2"]),
+        (("source",), "web", ["'source'", "allowed values: synthetic, hub"]),
+        (("glue", "epochs"), 6, ["glue.epochs", "maximum"]),
+        (("pretrain", "budget"), {"unit": "hours", "value": 24}, ["pretrain.budget.unit", "tokens, steps, seconds"]),
+        (("pretrain", "budget"), {"unit": "tokens", "value": 0}, ["pretrain.budget.value"]),
+        (("tokenizer", "main_vocab_size"), 4096, ["tokenizer.main_vocab_size", "not one of"]),
+        (("pretrain", "batch_sequences"), 48, ["pretrain.batch_sequences", "multiple"]),
+        (("models", "crammed", "arch", "heads"), 3, ["models.crammed.arch.heads", "divide"]),
+        (("models", "crammed", "arch", "ffn"), "swiglu", ["models.crammed.arch.ffn", "glu, gelu"]),
+    ],
+)
+def test_invalid_values_name_the_key(repo, default, path, value, expected):
+    with pytest.raises(ConfigError) as err:
+        check(mutate(default, path, value), repo)
+    for text in expected:
+        assert text in str(err.value)
+
+
+def test_missing_mirror_folder_is_rejected(repo, default):
+    cfg = mutate(mutate(default, ("source",), "hub"), ("hub", "mirror"), "no/such/folder")
+    with pytest.raises(ConfigError, match=r"hub.mirror.*does not exist"):
+        check(cfg, repo)
+
+
+def test_overlay_replaces_budget_unit(repo, tmp_path):
+    overlay = tmp_path / "o.yaml"
+    overlay.write_text("pretrain:\n  budget: {unit: steps, value: 10}\n")
+    cfg = load_config([repo / "config" / "config.yaml", overlay])
+    assert cfg["pretrain"]["budget"] == {"unit": "steps", "value": 10}
+
+
+def test_cli_check_config_exit_code(repo, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tokenizer:\n  vocab_sizes: [0]\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "cramswarm", "check-config", str(repo / "config" / "config.yaml"), str(bad)],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode == 2
+    assert "tokenizer.vocab_sizes[0]" in proc.stderr
+
+
+def test_snakemake_rejects_bad_config_before_any_job(repo, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("glue:\n  tasks: [cola, squad]\n")
+    proc = subprocess.run(
+        ["snakemake", "-n", "--configfile", "config/config.yaml", str(bad)], cwd=repo, capture_output=True, text=True
+    )
+    assert proc.returncode != 0
+    assert "glue.tasks[1]" in proc.stdout + proc.stderr
+    assert "Job stats" not in proc.stdout
