@@ -1,5 +1,6 @@
 # Config validation and the helper functions the rules share (no logic in the rule files themselves).
 import json
+import os
 from pathlib import Path
 
 from cramswarm.config import ConfigError, validate_config
@@ -10,6 +11,11 @@ try:
     validate_config(config, Path(workflow.basedir) / "config" / "schema.yaml", base_dir=Path.cwd())
 except ConfigError as err:
     raise WorkflowError(str(err))
+
+# Jobs import the package from this checkout even inside a conda env (--sdm conda) that lacks it.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    filter(None, [str(Path(workflow.basedir) / "src"), os.environ.get("PYTHONPATH")])
+)
 
 SOURCE = config["source"]
 VOCABS = config["tokenizer"]["vocab_sizes"]

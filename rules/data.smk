@@ -7,6 +7,8 @@ rule corpus:
         report="results/data/{source}/corpus.report.json",
     params:
         spec=source_spec,
+    conda:
+        "../envs/cramswarm.yaml"
     log:
         "logs/corpus/{source}.log",
     shell:
@@ -20,6 +22,8 @@ rule glue_data:
         report="results/data/{source}/glue/{task}.report.json",
     params:
         spec=source_spec,
+    conda:
+        "../envs/cramswarm.yaml"
     log:
         "logs/glue_data/{source}/{task}.log",
     shell:

@@ -13,6 +13,8 @@ rule finetune:
         precision=config["pretrain"]["precision"],
         checkpoint_dir=subpath(input.checkpoint, parent=True),
     threads: 1
+    conda:
+        "../envs/cramswarm.yaml"
     log:
         "logs/finetune/{source}/{model}/v{vocab}/{task}/s{seed}.log",
     shell:

@@ -11,6 +11,8 @@ rule pack_corpus:
     params:
         block_tokens=config["packing"]["block_tokens"],
         shuffle_seed=config["packing"]["shuffle_seed"],
+    conda:
+        "../envs/cramswarm.yaml"
     log:
         "logs/pack/{source}/v{vocab}.log",
     shell:
@@ -32,6 +34,8 @@ rule pretrain:
         arch=arch_json,
         out_dir=subpath(output.model, parent=True),
     threads: 1
+    conda:
+        "../envs/cramswarm.yaml"
     log:
         "logs/pretrain/{source}/{model}/v{vocab}.log",
     shell:
@@ -49,6 +53,8 @@ rule init_model:  # the no-pretraining baseline: same architecture, random weigh
         arch=arch_json,
         seed=config["pretrain"]["seed"],
         out_dir=subpath(output.model, parent=True),
+    conda:
+        "../envs/cramswarm.yaml"
     log:
         "logs/init_model/{source}/{model}/v{vocab}.log",
     shell:

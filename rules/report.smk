@@ -9,6 +9,8 @@ rule tables:
         VOCAB_SWEEP_TABLES,
     params:
         baselines=BASELINES,
+    conda:
+        "../envs/cramswarm.yaml"
     log:
         "logs/report/tables.log",
     shell:
@@ -26,6 +28,8 @@ rule figures:
         vocab="results/figures/glue_vs_vocab.png",
     params:
         baselines=BASELINES,
+    conda:
+        "../envs/cramswarm.yaml"
     log:
         "logs/report/figures.log",
     shell:

@@ -10,6 +10,8 @@ rule train_tokenizer:
         vocab=vocab_size,  # a param, not only a wildcard, so the between-workflow cache hashes it
         min_frequency=config["tokenizer"]["min_frequency"],
         case="" if config["tokenizer"]["lowercase"] else "--cased",
+    conda:
+        "../envs/cramswarm.yaml"
     log:
         "logs/tokenizer/{source}/v{vocab}.log",
     shell:
