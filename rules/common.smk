@@ -13,6 +13,7 @@ except ConfigError as err:
     raise WorkflowError(str(err))
 
 # Jobs import the package from this checkout even inside a conda env (--sdm conda) that lacks it.
+# (`snakemake --lint` asks for an `envvars:` assertion here; PYTHONPATH is optional, so none is wanted.)
 os.environ["PYTHONPATH"] = os.pathsep.join(
     filter(None, [str(Path(workflow.basedir) / "src"), os.environ.get("PYTHONPATH")])
 )

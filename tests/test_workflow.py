@@ -83,4 +83,4 @@ def test_changing_a_finetuning_value_reruns_finetuning_only(workdir):
 @pytest.mark.slow
 def test_named_targets_resolve(workdir):
     for target in ("tokenizers", "pretrain_all", "glue", "ablation_vocab"):
-        assert planned_jobs(workdir, *TINY, target) == {}  # already built by the full run
+        assert planned_jobs(workdir, target, *TINY) == {}  # already built by the full run (target first: --configfile takes every following word)

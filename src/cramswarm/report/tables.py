@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from cramswarm.io import atomic_path
 from cramswarm.glue.metrics import SCORE_COLUMNS, glue_average, paper_average, score_columns
 
 LONG_COLUMNS: tuple[str, ...] = ("model", "vocab", "task", "seed", "column", "value")
@@ -152,21 +152,10 @@ def vocab_sweep_table(df: pd.DataFrame, *, exclude: Iterable[str] = ()) -> pd.Da
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
-    """Call ``write(tmp)`` on a temporary file next to ``path`` (same extension), then rename it onto ``path``.
-
-    The rename is atomic on one filesystem, so a reader (or Snakemake after a crash) never sees half a file.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=path.suffix)
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    """Call ``write(tmp)`` on a temporary file next to ``path`` (same extension), then rename it onto ``path``."""
+    with atomic_path(path) as tmp:
+        write(tmp)
+    return Path(path)
 
 
 def to_markdown(df: pd.DataFrame) -> str:

@@ -117,19 +117,24 @@ def modifier(rng: random.Random, pool: Pool, cls: str, p: float, avoid: Adj | No
 
 
 def sample_clause(rng: random.Random, pool: Pool, *, key: Pool | None = None, subj: NP | None = None,
-                  subj_class: str | None = None, transitive: bool | None = None, copular: float = 0.3,
-                  adj: float = 0.4, obj_adj: float = 0.3, place: float = 0.4, past: float = 0.5, neg: float = 0.0,
-                  plural: float = 0.3, rel: float = 0.0) -> Clause:
+                  subj_class: str | None = None, verb: Verb | None = None, transitive: bool | None = None,
+                  copular: float = 0.3, adj: float = 0.4, obj_adj: float = 0.3, place: float = 0.4,
+                  front: float = 0.3, past: float = 0.5, neg: float = 0.0, plural: float = 0.3,
+                  rel: float = 0.0) -> Clause:
     """A random well-formed clause. ``key`` (default ``pool``) feeds the subject noun, the verb and the
-    predicate adjective; ``transitive`` None allows a copular clause (with probability ``copular``)."""
+    predicate adjective. ``transitive`` None allows a copular clause, with probability ``copular`` or
+    whenever the subject class takes no verb (places, food, ...)."""
     key = key or pool
     cls = subj.noun.cls if subj is not None else subj_class
-    verb = pred = None
-    if transitive is None and rng.random() < copular:
-        cls = cls or rng.choice(CLASSES)
-        pred = pick(rng, key.adjs_for[cls], pool.adjs_for[cls])
-    else:
-        verb = pick(rng, key.verbs_for(cls, transitive), pool.verbs_for(cls, transitive))
+    pred = None
+    if verb is None:
+        verbs = key.verbs_for(cls, transitive) or pool.verbs_for(cls, transitive)
+        if transitive is None and (not verbs or rng.random() < copular):
+            cls = cls or rng.choice(CLASSES)
+            pred = pick(rng, key.adjs_for[cls], pool.adjs_for[cls])
+        else:
+            verb = rng.choice(verbs)
+    if verb is not None:
         cls = cls or rng.choice(verb.subj)
     if subj is None:
         noun = pick(rng, key.nouns[cls], pool.nouns[cls])
@@ -148,7 +153,7 @@ def sample_clause(rng: random.Random, pool: Pool, *, key: Pool | None = None, su
                 rel_obj = NP(rng.choice(pool.nouns[rcls]), rng.random() < plural, "a")
     where = rng.choice(pool.nouns["place"]) if rng.random() < place and cls != "place" else None
     return Clause(subj, verb, obj, pred, where, rng.random() < neg, rng.random() < past,
-                  where is not None and rng.random() < 0.3, rel_verb, rel_obj)
+                  where is not None and rng.random() < front, rel_verb, rel_obj)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -352,3 +357,17 @@ def apply_edit(ctx: Ctx, c: Clause, kind: str, used: set[str] | None = None) -> 
                 used.add(slot)
             return out
     return None
+
+
+# Question forms by intent. "howto" / "where" ask about a person's action on an object, "why" about the
+# habit of the (possessed) subject; forms of one intent ask the same thing.
+QUESTION_FORMS = {
+    "howto": ("how can i {vp} ?", "how do i {vp} ?", "what is the best way to {vp} ?", "what should i do to {vp} ?"),
+    "where": ("where can i {vp} ?", "where is the best place to {vp} ?", "where should i go to {vp} ?"),
+    "why": ("why {do} {np} {vp} so often ?", "what makes {np} {vp} so often ?"),
+}
+
+
+def ask(form: str, c: Clause) -> str:
+    vp = c.verb.base if c.obj is None else f"{c.verb.base} {np_text(c.obj)}"
+    return form.format(vp=vp, do="do" if c.subj.plural else "does", np=np_text(c.subj))

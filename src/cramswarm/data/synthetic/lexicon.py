@@ -226,17 +226,18 @@ def forms_of(word: Noun | Adj | Verb) -> tuple[str, ...]:
 
 
 class Pool:
-    """The words one kind of slot may draw from: the whole lexicon, its train-visible half or its held-out
-    half. Every index the generators sample from is precomputed (tuples, so that order is deterministic)."""
+    """The words one kind of slot may draw from (those ``keep`` accepts): the whole lexicon, its
+    train-visible half, its held-out half, or its words without sentiment. Every index the generators
+    sample from is precomputed (tuples, so that order is deterministic)."""
 
-    def __init__(self, lex: Lexicon, keep: Callable[[bool], bool]) -> None:
-        self.nouns = {c: tuple(n for n in lex.nouns if n.cls == c and keep(n.held_out)) for c in CLASSES}
-        self.adj_synset = {s: tuple(a for a in m if keep(a.held_out)) for s, m in lex.adj_synsets.items()}
-        self.adjs_for = {c: tuple(a for a in lex.adjs if c in a.classes and keep(a.held_out)) for c in CLASSES}
+    def __init__(self, lex: Lexicon, keep: Callable[[Noun | Adj | Verb], bool]) -> None:
+        self.nouns = {c: tuple(n for n in lex.nouns if n.cls == c and keep(n)) for c in CLASSES}
+        self.adj_synset = {s: tuple(a for a in m if keep(a)) for s, m in lex.adj_synsets.items()}
+        self.adjs_for = {c: tuple(a for a in lex.adjs if c in a.classes and keep(a)) for c in CLASSES}
         self.neutral_adjs_for = {c: tuple(a for a in self.adjs_for[c] if a.polarity == 0) for c in CLASSES}
-        self.sentiment_adjs = {p: tuple(a for a in lex.adjs if a.polarity == p and keep(a.held_out)) for p in (1, -1)}
-        self.verb_synset = {s: tuple(v for v in m if keep(v.held_out)) for s, m in lex.verb_synsets.items()}
-        self.verbs = tuple(v for v in lex.verbs if keep(v.held_out))
+        self.sentiment_adjs = {p: tuple(a for a in lex.adjs if a.polarity == p and keep(a)) for p in (1, -1)}
+        self.verb_synset = {s: tuple(v for v in m if keep(v)) for s, m in lex.verb_synsets.items()}
+        self.verbs = tuple(v for v in lex.verbs if keep(v))
         self.sentiment_verbs = {
             p: tuple(v for v in self.verbs if v.polarity == p and "person" in v.subj) for p in (1, -1)
         }
@@ -255,12 +256,14 @@ class Pool:
 
 LEXICON = Lexicon()
 HYPERNYMS = LEXICON.hypernyms
-FULL = Pool(LEXICON, lambda held_out: True)  # the corpus and non-deciding validation slots
-VISIBLE = Pool(LEXICON, lambda held_out: not held_out)  # everything in train rows
-HELD = Pool(LEXICON, lambda held_out: held_out)  # validation label-deciding slots (mostly)
+FULL = Pool(LEXICON, lambda w: True)  # the corpus and non-deciding validation slots
+VISIBLE = Pool(LEXICON, lambda w: not w.held_out)  # everything in train rows
+HELD = Pool(LEXICON, lambda w: w.held_out)  # validation label-deciding slots (mostly)
+NEUTRAL = Pool(LEXICON, lambda w: isinstance(w, Noun) or not w.polarity)  # the corpus's plain narrative
 
 
 def summary() -> dict[str, int]:
+    """Word counts per class of the lexicon (for the docs and tests)."""
     lex = LEXICON
     content = [*lex.nouns, *lex.adjs, *lex.verbs]
     return {
