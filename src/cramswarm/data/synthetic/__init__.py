@@ -30,6 +30,10 @@ every word in contexts that reveal its class, synonyms, antonyms and polarity. A
 random initialisation has never seen a held-out word, so it cannot know its polarity or class; a model
 pretrained on the corpus can.
 
+Contradictions follow the SNLI convention that premise and hypothesis describe the same scene ("the dog
+slept" vs "the cat slept" contradict). Scores on these tasks measure what pretraining on this corpus
+teaches a model; they are not comparable to numbers on the real GLUE benchmark.
+
 Everything is deterministic: local ``random.Random`` instances seeded from the arguments (task and split
 names are mixed into the seed), never global state.
 """

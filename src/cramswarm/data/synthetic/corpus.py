@@ -294,7 +294,8 @@ def _verb_lesson(rng: random.Random, n: int) -> list[str]:
         elif d == 3:
             c = sample_clause(rng, NEUTRAL, verb=x, adj=0.3, obj_adj=0.3, place=0.0, past=1.0)
             it_ = f" {'them' if c.obj.plural else 'it'}" if c.obj else ""
-            out.append(f"{clause_text(c)} ; in other words , {_pronoun(c.subj.noun, c.subj.plural, rng)} {y.past}{it_} .")
+            pron = _pronoun(c.subj.noun, c.subj.plural, rng)
+            out.append(f"{clause_text(c)} ; in other words , {pron} {y.past}{it_} .")
         else:
             out.append(clause_text(sample_clause(rng, NEUTRAL, verb=x, place=0.3, past=0.5, neg=0.1)) + " .")
     return out
@@ -324,9 +325,9 @@ def _forum(rng: random.Random, n: int) -> list[str]:
             out += [f"which {hyper.sg} {c.verb.s3} {np_text(c.obj)} ?", answer + " ."]
         elif d == 2:
             c = sample_clause(rng, NEUTRAL, transitive=True, adj=0.3, obj_adj=0.3, place=0.0, past=1.0, plural=0.2)
-            pron = _pronoun(c.subj.noun, c.subj.plural, rng)
+            pron, them = _pronoun(c.subj.noun, c.subj.plural, rng), "them" if c.obj.plural else "it"
             out += [f"where did {np_text(c.subj)} {c.verb.base} {np_text(c.obj)} ?",
-                    f"{pron} {c.verb.past} {'them' if c.obj.plural else 'it'} in the {rng.choice(P.nouns['place']).sg} ."]
+                    f"{pron} {c.verb.past} {them} in the {rng.choice(P.nouns['place']).sg} ."]
         elif d == 3:
             cls = rng.choice(_HYPER_CLASSES)
             x = rng.choice(P.nouns[cls])

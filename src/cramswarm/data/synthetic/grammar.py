@@ -54,7 +54,8 @@ def article(word: str) -> str:
 
 
 def np_words(np: NP) -> list[str]:
-    words = [np.adj.word, np.noun.pl if np.plural else np.noun.sg] if np.adj else [np.noun.pl if np.plural else np.noun.sg]
+    noun = np.noun.pl if np.plural else np.noun.sg
+    words = [np.adj.word, noun] if np.adj else [noun]
     det = _DET[np.det][np.plural]
     return [article(words[0]) if det == "a" else det, *words]
 

@@ -24,6 +24,7 @@ PORTABLE = ("food", "tool", "container", "instrument")
 GOODS = ("food", "vehicle", "tool", "container", "instrument", "work")
 FINDABLE = ("animal",) + GOODS
 MOVABLE = ("animal",) + ARTIFACT
+BUILT = ("vehicle", "container", "place")
 
 
 class Noun(NamedTuple):
@@ -121,8 +122,8 @@ _VERBS = (
     ("see", None, "see", ANIMATE, CLASSES, 0, "see|saw notice spot|spotted observe"),
     ("fix", "break", "repair", PERSON, ARTIFACT, 0, "fix repair mend"),
     ("break", "fix", "repair", ANIMATE, ARTIFACT, 0, "break|broke smash shatter damage"),
-    ("build", "destroy", "repair", PERSON, ("vehicle", "container", "place"), 0, "build|built construct assemble erect"),
-    ("destroy", "build", "repair", PERSON, ("vehicle", "container", "place"), 0, "destroy demolish ruin wreck"),
+    ("build", "destroy", "repair", PERSON, BUILT, 0, "build|built construct assemble erect"),
+    ("destroy", "build", "repair", PERSON, BUILT, 0, "destroy demolish ruin wreck"),
     ("buy", "sell", "trade", PERSON, GOODS, 0, "buy|bought purchase acquire"),
     ("sell", "buy", "trade", PERSON, GOODS, 0, "sell|sold trade peddle"),
     ("wash", None, "wash", PERSON, MOVABLE, 0, "wash scrub|scrubbed rinse cleanse"),

@@ -16,6 +16,7 @@ from cramswarm.data.synthetic.grammar import (
     QUESTION_FORMS,
     Clause,
     Ctx,
+    Edit,
     ant,
     apply_edit,
     article,
@@ -29,14 +30,14 @@ from cramswarm.data.synthetic.grammar import (
     sample_clause,
     syn,
 )
-from cramswarm.data.synthetic.lexicon import ARTIFACT, FULL, HELD, HYPERNYMS, LEXICON, VISIBLE, Pool
+from cramswarm.data.synthetic.lexicon import ARTIFACT, FULL, HELD, HYPERNYMS, LEXICON, VISIBLE
 from cramswarm.glue.tasks import get_task
 
-HELD_SHARE = 0.85  # share of validation rows whose label-deciding words are drawn from the held-out half
+HELD_SHARE = 0.7  # share of validation rows whose label-deciding words are drawn from the held-out half
 STSB_BUCKETS = 5  # stsb rows are spread evenly over the score ranges [0,1), [1,2), ... [4,5]
 _MAX_TRIES = 200
 
-Row = tuple[tuple[str, ...], "int | float", tuple[str, ...]]
+Row = tuple[tuple[str, ...], int | float, tuple[str, ...]]  # texts, label, deciding words
 
 
 class Example(NamedTuple):
@@ -53,7 +54,8 @@ def _weighted(rng: random.Random, options: tuple[tuple[str, float], ...]) -> lis
     return [first, *rest]
 
 
-def _first_edit(ctx: Ctx, c: Clause, kinds: list[str], used: set[str] | None = None):
+def _first_edit(ctx: Ctx, c: Clause, kinds: list[str], used: set[str] | None = None) -> Edit | None:
+    """The first of the edit kinds, in order, that applies."""
     for kind in kinds:
         edit = apply_edit(ctx, c, kind, used)
         if edit:
@@ -239,7 +241,7 @@ def _qqp(ctx: Ctx, label: int) -> Row | None:
 
 
 def _stsb(ctx: Ctx, bucket: int) -> Row | None:
-    """Similarity 5 minus 0.3 per synonym substitution, 0.2 for a moved place phrase and 1.2 per
+    """Similarity 5 minus 0.15 per synonym substitution, 0.2 for a moved place phrase and 1.2 per
     meaning-changing edit (plus a little rater noise); bucket 0 pairs two unrelated sentences."""
     rng = ctx.rng
     c = sample_clause(rng, ctx.base, copular=0.2, adj=0.7, obj_adj=0.6, place=0.5, past=0.6, neg=0.1)
@@ -296,7 +298,8 @@ _CONTRADICT = (("ant", "wrong_hyper"), ("negate",))
 _STRUCTURAL_SHARE = 0.2
 
 
-def _nli_edit(ctx: Ctx, c: Clause, kinds: tuple[tuple[str, ...], tuple[str, ...]]):
+def _nli_edit(ctx: Ctx, c: Clause, kinds: tuple[tuple[str, ...], tuple[str, ...]]) -> Edit | None:
+    """A lexical edit of the label's kinds, or with probability _STRUCTURAL_SHARE a structural one."""
     lexical, structural = list(kinds[0]), list(kinds[1])
     ctx.rng.shuffle(lexical)
     ctx.rng.shuffle(structural)
@@ -335,9 +338,6 @@ def _rte(ctx: Ctx, label: int) -> Row | None:
     return (" . ".join(parts) + " .", clause_text(hypothesis) + " ."), label, deciding
 
 
-_which_verbs: dict[int, tuple] = {}
-
-
 def _qnli(ctx: Ctx, label: int) -> Row | None:
     """Does the sentence answer the question? "which ANIMAL did ..." is answered by a sentence whose object
     is an animal (the noun's class decides); "who bought ..." by a sentence whose verb is a synonym."""
@@ -346,12 +346,8 @@ def _qnli(ctx: Ctx, label: int) -> Row | None:
     place = rng.choice(ctx.base.nouns["place"]) if rng.random() < 0.5 else None
     pp = f" in the {place.sg}" if place else ""
     if rng.random() < 0.5:
-        # person verbs whose objects span at least two classes with a hypernym
-        key = id(ctx.base)
-        if key not in _which_verbs:
-            _which_verbs[key] = tuple(v for v in ctx.base.verbs_for("person", True)
-                                      if sum(k in HYPERNYMS for k in v.obj) >= 2)
-        verb = rng.choice(_which_verbs[key])
+        # a person's verb whose objects span at least two classes with a hypernym
+        verb = rng.choice([v for v in ctx.base.verbs_for("person", True) if sum(k in HYPERNYMS for k in v.obj) >= 2])
         classes = tuple(k for k in verb.obj if k in HYPERNYMS)
         asked = rng.choice(classes)
         cls = asked if entail else rng.choice(tuple(k for k in classes if k != asked))
