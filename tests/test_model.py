@@ -99,3 +99,21 @@ def test_too_long_input_is_rejected():
     model = CrammedBertForMaskedLM(CrammedBertConfig(**TINY, max_position_embeddings=8))
     with pytest.raises(ValueError, match="max_position_embeddings"):
         model(torch.randint(5, 100, (1, 9)))
+
+
+def test_mean_pooling_ignores_padding():
+    config = CrammedBertConfig(**TINY, num_labels=2, classifier_pooling="mean")
+    model = AutoModelForSequenceClassification.from_config(config).eval()
+    x = torch.randint(5, 100, (1, 10))
+    padded = torch.cat([x, torch.zeros(1, 5, dtype=torch.long)], dim=1)
+    mask = torch.cat([torch.ones(1, 10), torch.zeros(1, 5)], dim=1).long()
+    torch.testing.assert_close(model(x).logits, model(padded, attention_mask=mask).logits, atol=1e-5, rtol=1e-5)
+    cls = AutoModelForSequenceClassification.from_config(CrammedBertConfig(**TINY, num_labels=2)).eval()
+    cls.load_state_dict(model.state_dict())
+    assert not torch.allclose(cls(x).logits, model(x).logits)  # the switch changes what the head reads
+
+
+def test_unknown_switch_values_are_rejected():
+    for bad in ({"norm_scheme": "sandwich"}, {"ffn": "swiglu"}, {"pos_embedding": "rotary"}, {"classifier_pooling": "max"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            CrammedBertConfig(**TINY, **bad)

@@ -70,6 +70,7 @@ class CrammedBertConfig(PretrainedConfig):
         attention_probs_dropout_prob: float = 0.1,
         classifier_dim: int | None = None,
         classifier_dropout: float = 0.1,
+        classifier_pooling: str = "cls",
         pad_token_id: int = 0,
         tie_word_embeddings: bool = True,
         **kwargs,
@@ -80,6 +81,8 @@ class CrammedBertConfig(PretrainedConfig):
             raise ValueError(f"ffn must be 'glu' or 'gelu', got {ffn!r}")
         if pos_embedding not in ("scaled-sinusoidal", "sinusoidal", "learned"):
             raise ValueError(f"pos_embedding must be scaled-sinusoidal, sinusoidal or learned, got {pos_embedding!r}")
+        if classifier_pooling not in ("cls", "mean"):
+            raise ValueError(f"classifier_pooling must be 'cls' or 'mean', got {classifier_pooling!r}")
         if hidden_size % num_attention_heads:
             raise ValueError(f"hidden_size {hidden_size} is not divisible by num_attention_heads {num_attention_heads}")
         self.vocab_size = vocab_size
@@ -104,6 +107,7 @@ class CrammedBertConfig(PretrainedConfig):
         self.attention_probs_dropout_prob = attention_probs_dropout_prob
         self.classifier_dim = classifier_dim or hidden_size
         self.classifier_dropout = classifier_dropout
+        self.classifier_pooling = classifier_pooling
         super().__init__(pad_token_id=pad_token_id, tie_word_embeddings=tie_word_embeddings, **kwargs)
 
     @classmethod
@@ -129,6 +133,7 @@ class CrammedBertConfig(PretrainedConfig):
             sparse_prediction=arch["sparse_prediction"],
             initializer_range=arch["init_std"],
             classifier_dim=arch["classifier_dim"],
+            classifier_pooling=arch["classifier_pooling"],
             **overrides,
         )
 
@@ -342,7 +347,9 @@ class CrammedBertForMaskedLM(CrammedBertPreTrainedModel):
 
 
 class CrammedBertForSequenceClassification(CrammedBertPreTrainedModel):
-    """A fresh pooler + classifier on the first token ([CLS]), as the paper's GLUE setup (``zero_index``)."""
+    """A fresh pooler + classifier. ``classifier_pooling``: ``cls`` reads the first token ([CLS]), as the
+    paper's GLUE setup (``zero_index``); ``mean`` averages the non-padding tokens (the public code's
+    architecture default, ``avg``)."""
 
     def __init__(self, config: CrammedBertConfig):
         super().__init__(config)
@@ -364,8 +371,15 @@ class CrammedBertForSequenceClassification(CrammedBertPreTrainedModel):
         hidden = self.bert(input_ids, attention_mask=attention_mask).last_hidden_state
         # The head runs in fp32 even under autocast: bf16 logits (8 mantissa bits) flatten regression
         # outputs such as STS-B scores, and the head's cost is negligible.
+        if self.config.classifier_pooling == "mean" and attention_mask is not None:
+            weights = attention_mask.to(hidden.dtype).unsqueeze(-1)
+            pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1)
+        elif self.config.classifier_pooling == "mean":
+            pooled = hidden.mean(1)
+        else:
+            pooled = hidden[:, 0]
         with torch.autocast(device_type=hidden.device.type, enabled=False):
-            logits = self.classifier(self.dropout(torch.tanh(self.pooler(hidden[:, 0].float()))))
+            logits = self.classifier(self.dropout(torch.tanh(self.pooler(pooled.float()))))
         loss = None
         if labels is not None:
             if self.config.num_labels == 1:
