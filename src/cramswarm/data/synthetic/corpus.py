@@ -33,6 +33,10 @@ _SENTIMENT_SYNSETS = {p: tuple(s for s, m in LEXICON.adj_synsets.items() if m[0]
 _OBJECT_OF = {c: tuple(v for v in NEUTRAL.verbs if v.obj is not None and c in v.obj) for c in CLASSES}
 _HERO_CLASSES = ("animal", "animal", "person", "person", "vehicle", "instrument", "food", "tool", "container")
 _REVIEW_ITEMS = ("work", "work", "work", "food", "place", "instrument", "vehicle")
+# Sentence-local polar cues for review sentences. Real reviews signal sentiment inside the sentence too;
+# a small MLM learns such one-hop evidence far sooner than document-level consistency. The cue words are
+# outside the lexicon and never occur in task rows, so they teach polarity without leaking labels.
+POLAR_CUES = {1: ("happily", "luckily", "thankfully", "wonderfully"), -1: ("sadly", "unluckily", "regrettably", "annoyingly")}
 # What things at each pole of a scale do or undergo: the world knowledge that, in real text, tells "huge"
 # from "tiny" although both describe the same nouns. Past-tense phrases (no agreement), free of lexicon
 # words; sentiment adjectives share one list per polarity ("+" / "-").
@@ -180,15 +184,15 @@ def _review(rng: random.Random, n: int) -> list[str]:
         elif d == 10:
             out.append(f"the {good()} {item} {_cue(rng, P.sentiment_adjs[polarity][0])} .")
         elif d == 1:
-            out.append(f"the {item} was {good()} .")
+            out.append(f"{rng.choice(POLAR_CUES[polarity])} , the {item} was {good()} .")
         elif d == 2:
             g = good()
-            out.append(f"it is {article(g)} {g} {item} .")
+            out.append(f"it is {article(g)} {g} {item} , {rng.choice(POLAR_CUES[polarity])} .")
         elif d == 3:
             out.append(f"critics {feel(polarity)} the {item} .")
         elif d == 4:
             a, b = (rng.choice(P.nouns[rng.choice(CLASSES)]).sg for _ in range(2))
-            out.append(f"the {a} was {good()} and the {b} was {good()} .")
+            out.append(f"{rng.choice(POLAR_CUES[polarity])} , the {a} was {good()} and the {b} was {good()} .")
         elif d == 5:
             out.append(f"the {item} was not {rng.choice(P.sentiment_adjs[-polarity]).word} ; it was {good()} .")
         elif d == 6:
