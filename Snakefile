@@ -42,4 +42,4 @@ rule glue:  # Tables 3/4-style GLUE table (median over seeds)
 rule ablation_vocab:  # Figure 3: GLUE average and MNLI vs vocab size
     input:
         VOCAB_SWEEP_TABLES,
-        "results/figures/glue_vs_vocab.png",
+        FIGURES[2],

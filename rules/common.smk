@@ -38,13 +38,10 @@ GLUE_DATA = "results/data/{source}/glue/{task}.parquet"
 TOKENIZER = "results/tokenizers/{source}/v{vocab}/tokenizer.json"
 BLOCKS = "results/packed/{source}/v{vocab}/blocks.npy"
 FINETUNE = "results/glue/{source}/{model}/v{vocab}/{task}/s{seed}.json"
-GLUE_TABLES = ["results/tables/glue.csv", "results/tables/glue.md"]
-VOCAB_SWEEP_TABLES = ["results/tables/vocab_sweep.csv", "results/tables/vocab_sweep.md"]
-FIGURES = [
-    "results/figures/mlm_loss_vs_tokens.png",
-    "results/figures/glue_by_task.png",
-    "results/figures/glue_vs_vocab.png",
-]
+# Tables and figures are kept per source, so the synthetic and the real-data study never overwrite each other.
+GLUE_TABLES = [f"results/tables/{SOURCE}/glue.{ext}" for ext in ("csv", "md")]
+VOCAB_SWEEP_TABLES = [f"results/tables/{SOURCE}/vocab_sweep.{ext}" for ext in ("csv", "md")]
+FIGURES = [f"results/figures/{SOURCE}/{name}.png" for name in ("mlm_loss_vs_tokens", "glue_by_task", "glue_vs_vocab")]
 
 
 wildcard_constraints:

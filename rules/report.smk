@@ -9,13 +9,15 @@ rule tables:
         VOCAB_SWEEP_TABLES,
     params:
         baselines=BASELINES,
+        glue_stem=subpath(GLUE_TABLES[0], strip_suffix=".csv"),
+        sweep_stem=subpath(VOCAB_SWEEP_TABLES[0], strip_suffix=".csv"),
     conda:
         "../envs/cramswarm.yaml"
     log:
-        "logs/report/tables.log",
+        f"logs/report/{SOURCE}/tables.log",
     shell:
         "python -m cramswarm tables --results {input} --baseline {params.baselines} "
-        "--out-stem results/tables/glue --sweep-stem results/tables/vocab_sweep > {log} 2>&1"
+        "--out-stem {params.glue_stem} --sweep-stem {params.sweep_stem} > {log} 2>&1"
 
 
 rule figures:
@@ -23,15 +25,15 @@ rule figures:
         results=finetune_results,
         logs=pretrain_logs,
     output:
-        loss="results/figures/mlm_loss_vs_tokens.png",
-        tasks="results/figures/glue_by_task.png",
-        vocab="results/figures/glue_vs_vocab.png",
+        loss=FIGURES[0],
+        tasks=FIGURES[1],
+        vocab=FIGURES[2],
     params:
         baselines=BASELINES,
     conda:
         "../envs/cramswarm.yaml"
     log:
-        "logs/report/figures.log",
+        f"logs/report/{SOURCE}/figures.log",
     shell:
         "python -m cramswarm figures --results {input.results} --logs {input.logs} "
         "--baseline {params.baselines} --loss-png {output.loss} --tasks-png {output.tasks} "

@@ -38,14 +38,14 @@ def workdir(repo, tmp_path_factory):
 
 @pytest.mark.slow
 def test_tiny_study_writes_tables_and_figures(workdir):
-    table = pd.read_csv(workdir / "results" / "tables" / "glue.csv")
+    table = pd.read_csv(workdir / "results" / "tables" / "synthetic" / "glue.csv")
     assert set(zip(table["model"], table["vocab"])) == {("crammed", 128), ("crammed", 160), ("no_pretrain", 128)}
     assert (table["n_seeds"] == 2).all()
     assert table[["mnli_m", "mnli_mm", "sst2", "stsb_pearson"]].notna().all().all()
-    sweep = pd.read_csv(workdir / "results" / "tables" / "vocab_sweep.csv")
+    sweep = pd.read_csv(workdir / "results" / "tables" / "synthetic" / "vocab_sweep.csv")
     assert sorted(sweep["vocab"]) == [128, 160] and set(sweep["model"]) == {"crammed"}
     for png in ("mlm_loss_vs_tokens", "glue_by_task", "glue_vs_vocab"):
-        assert (workdir / "results" / "figures" / f"{png}.png").read_bytes()[:4] == b"\x89PNG"
+        assert (workdir / "results" / "figures" / "synthetic" / f"{png}.png").read_bytes()[:4] == b"\x89PNG"
     assert (workdir / "logs" / "pretrain" / "synthetic" / "crammed" / "v128.log").is_file()
     leftovers = [p for p in (workdir / "results").rglob("*") if p.name.startswith(".")]
     assert leftovers == []  # no temporary files left behind by atomic writes

@@ -139,7 +139,8 @@ def plot_glue_by_task(df: pd.DataFrame, out_png: str | os.PathLike) -> Path:
     )
     order = [COLUMN_LABELS[c] for c in TASK_PLOT_COLUMNS if c in set(data["column"])]
     data["task"] = data["column"].map(COLUMN_LABELS)
-    hue_order = sorted(data["run"].unique())
+    runs = data[["model", "vocab", "run"]].drop_duplicates().sort_values(["model", "vocab"])
+    hue_order = list(dict.fromkeys(runs["run"]))  # by model, then numerically by vocab size
     with _style():
         fig = _new_figure(max(8.0, 1.0 + 0.35 * len(order) * len(hue_order)), 4.5)
         ax = fig.subplots()
