@@ -1,7 +1,11 @@
 # Config validation and the helper functions the rules share (no logic in the rule files themselves).
 import json
 import os
+import sys
 from pathlib import Path
+
+# Import the package from this checkout (not from whichever checkout pip's editable install points at).
+sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 
 from cramswarm.config import ConfigError, validate_config
 from cramswarm.glue.tasks import TASK_NAMES

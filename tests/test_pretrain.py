@@ -3,8 +3,10 @@ import csv
 import numpy as np
 import pytest
 import torch
+from conftest import REPO
 
 from cramswarm import tokenizer as tokenization
+from cramswarm.config import load_config
 from cramswarm.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
 from cramswarm.pretrain import budget_progress, decay_groups, lr_multiplier, mask_tokens, pretrain
 
@@ -93,10 +95,10 @@ def recipe(**kw):
     return base | kw
 
 
-ARCH = dict(layers=1, hidden_size=32, heads=2, intermediate_size=64, norm_scheme="pre", norm_eps=1e-12, qkv_bias=False,
-            use_bias=False, ffn="glu", pos_embedding="scaled-sinusoidal", max_positions=32, embedding_norm=True,
-            final_norm=True, head_transform=False, decoder_bias=False, sparse_prediction=True, init_std=0.02,
-            classifier_dim=None)
+# The default config's arch section (schema defaults filled in), shrunk to test size.
+ARCH = load_config([REPO / "config" / "config.yaml"])["models"]["crammed"]["arch"] | dict(
+    layers=1, hidden_size=32, heads=2, intermediate_size=64, max_positions=32
+)
 
 
 def test_pretrain_reduces_loss_and_writes_checkpoint(tiny_run):
