@@ -9,8 +9,8 @@ rule tables:
         VOCAB_SWEEP_TABLES,
     params:
         baselines=BASELINES,
-        glue_stem=subpath(GLUE_TABLES[0], strip_suffix=".csv"),
-        sweep_stem=subpath(VOCAB_SWEEP_TABLES[0], strip_suffix=".csv"),
+        glue_stem=subpath(output[0], strip_suffix=".csv"),  # GLUE_TABLES[0]
+        sweep_stem=subpath(output[2], strip_suffix=".csv"),  # VOCAB_SWEEP_TABLES[0]
     conda:
         "../envs/cramswarm.yaml"
     log:
