@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from cramswarm import tokenizer as tokenization
 from cramswarm.io import atomic_path, write_json
 from cramswarm.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
+from cramswarm.packing import load_blocks
 
 SCHEDULES = ("triangle", "one-cycle", "cosine", "linear", "inverse-sqrt", "constant")
 LOG_COLUMNS = ("step", "tokens", "loss", "lr", "elapsed_s")
@@ -151,9 +152,7 @@ def pretrain(
     device = resolve_device(recipe["device"])
     tok = tokenization.load(tokenizer_path)
     vocab_size = tok.get_vocab_size()
-    blocks = np.load(blocks_path, mmap_mode="r") if Path(blocks_path).is_file() else None
-    if blocks is None:
-        raise FileNotFoundError(f"missing packed data file: {blocks_path}")
+    blocks = load_blocks(blocks_path)
     if int(blocks.max(initial=0)) >= vocab_size:
         raise ValueError(f"packed data {blocks_path} holds token ids >= the tokenizer's vocab size {vocab_size}")
     model = build_model(arch, vocab_size, recipe["seed"]).to(device)
