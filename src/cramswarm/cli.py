@@ -156,8 +156,6 @@ def tables(args) -> int:
 
 @command("figures", "figures (seaborn PNG): MLM loss vs tokens, GLUE per task, GLUE average vs vocab size")
 def figures(args) -> int:
-    import pandas as pd
-
     from cramswarm.report import figures as f, tables as t
 
     f.plot_loss_curves({Path(p).parent.parent.name + "/" + Path(p).parent.name: p for p in args.logs}, args.loss_png)
@@ -167,7 +165,7 @@ def figures(args) -> int:
     baseline_rows = main[main["model"].isin(args.baseline)]
     baseline = baseline_rows.iloc[0].to_dict() if len(baseline_rows) else None
     sweep = t.vocab_sweep_table(df, exclude=args.baseline)
-    f.plot_vocab_sweep(pd.DataFrame(sweep), args.vocab_png, baseline=baseline)
+    f.plot_vocab_sweep(sweep, args.vocab_png, baseline=baseline)
     return 0
 
 

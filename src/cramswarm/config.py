@@ -56,8 +56,6 @@ def _describe(error) -> str:
         return f"unknown config key {names}; allowed keys here: {', '.join(allowed)}"
     if error.validator == "enum":
         return f"config key '{where}': {error.instance!r} is not allowed; allowed values: {', '.join(map(str, error.validator_value))}"
-    if error.validator == "required":
-        return f"config key '{where}': {error.message}"
     return f"config key '{where}': {error.message}"
 
 

@@ -2,8 +2,9 @@
 
 Each document is encoded without special tokens and ends in ``[SEP]``; documents are concatenated and cut
 into ``block_tokens`` blocks, so fragments of neighbouring documents share a block, separated only by
-``[SEP]`` (Cramming §3.2). The tail that does not fill a block is dropped (counted in the report). Blocks are
-written as a ``.npy`` array through a memory map, so memory stays bounded by one batch of documents.
+``[SEP]`` (Cramming §3.2). The tail that does not fill a block is dropped (counted in the report). The
+corpus is encoded once; texts and token ids are held in memory (ids as 2- or 4-byte integers, less than
+the text itself), which suits corpora of a few GB of text, not paper-scale C4.
 """
 
 from __future__ import annotations
@@ -31,32 +32,18 @@ def pack(corpus: str | Path, tok, out: str | Path, block_tokens: int, shuffle_se
     order = shuffled_order(len(texts), shuffle_seed)
     dtype = dtype_for(tok.get_vocab_size())
 
-    # First pass: count tokens so the output array can be preallocated (no growing lists of ids).
-    def encoded(batch_size: int = 1024):
-        for start in range(0, len(order), batch_size):
-            docs = [texts[i] for i in order[start : start + batch_size]]
-            for enc in tok.encode_batch(docs, add_special_tokens=False):
-                yield enc.ids
-
-    total = sum(len(ids) + 1 for ids in encoded())
+    pieces = []
+    for start in range(0, len(order), 1024):
+        docs = [texts[i] for i in order[start : start + 1024]]
+        for enc in tok.encode_batch(docs, add_special_tokens=False):
+            pieces.append(np.asarray(enc.ids + [SEP_ID], dtype=dtype))  # each document ends in [SEP]
+    stream = np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)
+    total = len(stream)
     n_blocks = total // block_tokens
     if n_blocks == 0:
         raise ValueError(f"corpus {corpus} has {total} tokens, fewer than one block of {block_tokens}")
     with atomic_path(out) as tmp:
-        blocks = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(n_blocks, block_tokens))
-        flat = blocks.reshape(-1)
-        pos, limit = 0, n_blocks * block_tokens
-        for ids in encoded():
-            take = min(len(ids), limit - pos)
-            flat[pos : pos + take] = ids[:take]
-            pos += take
-            if pos < limit:
-                flat[pos] = SEP_ID
-                pos += 1
-            if pos >= limit:
-                break
-        blocks.flush()
-        del blocks, flat
+        np.save(tmp, stream[: n_blocks * block_tokens].reshape(n_blocks, block_tokens))
     return {
         "documents": len(order),
         "tokens": total,

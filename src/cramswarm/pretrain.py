@@ -175,8 +175,7 @@ def pretrain(
     lr = recipe["lr"] * lr_multiplier(recipe["schedule"], 0.0, recipe["warmup_fraction"])
     start = time.perf_counter()
     bar = tqdm(total=100, desc="pretrain", unit="%", disable=not progress, mininterval=2.0)
-    while budget_progress(recipe["budget"], tokens, step, time.perf_counter() - start) < 1.0:
-        t = budget_progress(recipe["budget"], tokens, step, time.perf_counter() - start)
+    while (t := budget_progress(recipe["budget"], tokens, step, time.perf_counter() - start)) < 1.0:
         lr = recipe["lr"] * lr_multiplier(recipe["schedule"], t, recipe["warmup_fraction"])
         for group in optimizer.param_groups:
             group["lr"] = lr
