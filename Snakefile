@@ -15,6 +15,7 @@ include: "rules/tokenizers.smk"
 include: "rules/pretrain.smk"
 include: "rules/glue.smk"
 include: "rules/report.smk"
+include: "rules/ablations.smk"  # named targets only
 
 
 rule all:
@@ -43,3 +44,18 @@ rule ablation_vocab:  # Figure 3: GLUE average and MNLI vs vocab size
     input:
         VOCAB_SWEEP_TABLES,
         FIGURES[2],
+
+
+rule ablation_arch:  # Figure 1 / Table 11: MLM loss vs tokens and fine-tuned scores per shape variant
+    input:
+        rules.ablation_arch_report.output,
+
+
+rule ablation_schedule:  # Figure 2: LR schedules x peak LR
+    input:
+        rules.ablation_schedule_report.output,
+
+
+rule ablation_groups:  # Table 5: reset architecture / training to original BERT's
+    input:
+        rules.ablation_groups_report.output,

@@ -1,13 +1,14 @@
 # Config validation and the helper functions the rules share (no logic in the rule files themselves).
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
 # Import the package from this checkout (not from whichever checkout pip's editable install points at).
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 
-from cramswarm.config import ConfigError, validate_config
+from cramswarm.config import ConfigError, resolve_runs, validate_config
 from cramswarm.glue.tasks import TASK_NAMES
 
 
@@ -29,6 +30,10 @@ TASKS = config["glue"]["tasks"]
 SEEDS = config["glue"]["seeds"]
 MODELS = config["models"]
 BASELINES = [name for name, spec in MODELS.items() if not spec["pretrain"]]
+NOT_SWEPT = [name for name, spec in MODELS.items() if spec["pretrain"] and not spec["vocab_sweep"]]
+# Every checkpoint the workflow can build: the study's models plus the ablation runs, each with its full
+# arch and recipe (cramswarm.config.resolve_runs names them: arch-*, sched-*, groups-*).
+RUNS = resolve_runs(config)
 
 # (model, vocab) pairs of the study: vocab-sweep models at every size, the others at the main size.
 STUDY_RUNS = [
@@ -53,11 +58,11 @@ wildcard_constraints:
     vocab=r"\d+",
     seed=r"\d+",
     task="|".join(TASK_NAMES),
-    model="|".join(MODELS),
+    model="|".join(map(re.escape, RUNS)),
 
 
 def checkpoint_dir(model, vocab):
-    kind = "pretrain" if MODELS[model]["pretrain"] else "init"
+    kind = "pretrain" if RUNS[model]["pretrain"] else "init"
     return f"results/{kind}/{SOURCE}/{model}/v{vocab}"
 
 
@@ -78,7 +83,33 @@ def section_json(*keys):
 
 
 def arch_json(wildcards):
-    return section_json("models", wildcards.model, "arch")
+    return json.dumps(RUNS[wildcards.model]["arch"], sort_keys=True)
+
+
+def recipe_json(wildcards):
+    return json.dumps(RUNS[wildcards.model]["recipe"], sort_keys=True)
+
+
+def runs_of(study):
+    return [name for name, run in RUNS.items() if run["study"] == study]
+
+
+def run_dirs_json(study):
+    """{label: checkpoint folder} of one ablation study's runs, for the report command."""
+    return json.dumps({RUNS[r]["label"]: checkpoint_dir(r, MAIN_VOCAB) for r in runs_of(study)})
+
+
+def ablation_checkpoints(study):
+    return [f"{checkpoint_dir(r, MAIN_VOCAB)}/summary.json" for r in runs_of(study)]
+
+
+def ablation_finetunes(study):
+    return [
+        FINETUNE.format(source=SOURCE, model=r, vocab=MAIN_VOCAB, task=task, seed=seed)
+        for r in runs_of(study)
+        for task in config["ablations"]["glue_tasks"]
+        for seed in SEEDS
+    ]
 
 
 def finetune_results(wildcards=None):

@@ -30,9 +30,11 @@ rule pretrain:
         log_csv="results/pretrain/{source}/{model}/v{vocab}/train_log.csv",
         summary="results/pretrain/{source}/{model}/v{vocab}/summary.json",
     params:
-        recipe=section_json("pretrain"),
+        recipe=recipe_json,
         arch=arch_json,
         out_dir=subpath(output.model, parent=True),
+        # Resumable state: outside the declared outputs (Snakemake deletes those before a rerun).
+        state_dir="results/.state/pretrain/{source}/{model}/v{vocab}",
     threads: 1
     conda:
         "../envs/cramswarm.yaml"
@@ -40,7 +42,8 @@ rule pretrain:
         "logs/pretrain/{source}/{model}/v{vocab}.log",
     shell:
         "python -m cramswarm pretrain --recipe {params.recipe:q} --arch {params.arch:q} "
-        "--blocks {input.blocks} --tokenizer {input.tokenizer} --out-dir {params.out_dir} "
+        "--blocks {input.blocks} --tokenizer {input.tokenizer} --vocab-size {wildcards.vocab} "
+        "--out-dir {params.out_dir} --state-dir {params.state_dir} --run {wildcards.model} "
         "--threads {threads} > {log} 2>&1"
 
 

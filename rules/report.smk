@@ -9,6 +9,7 @@ rule tables:
         VOCAB_SWEEP_TABLES,
     params:
         baselines=BASELINES,
+        not_swept=NOT_SWEPT,
         glue_stem=subpath(output[0], strip_suffix=".csv"),  # GLUE_TABLES[0]
         sweep_stem=subpath(output[2], strip_suffix=".csv"),  # VOCAB_SWEEP_TABLES[0]
     conda:
@@ -16,7 +17,7 @@ rule tables:
     log:
         f"logs/report/{SOURCE}/tables.log",
     shell:
-        "python -m cramswarm tables --results {input} --baseline {params.baselines} "
+        "python -m cramswarm tables --results {input} --baseline {params.baselines} --not-swept {params.not_swept} "
         "--out-stem {params.glue_stem} --sweep-stem {params.sweep_stem} > {log} 2>&1"
 
 
@@ -30,11 +31,12 @@ rule figures:
         vocab=FIGURES[2],
     params:
         baselines=BASELINES,
+        not_swept=NOT_SWEPT,
     conda:
         "../envs/cramswarm.yaml"
     log:
         f"logs/report/{SOURCE}/figures.log",
     shell:
         "python -m cramswarm figures --results {input.results} --logs {input.logs} "
-        "--baseline {params.baselines} --loss-png {output.loss} --tasks-png {output.tasks} "
+        "--baseline {params.baselines} --not-swept {params.not_swept} --loss-png {output.loss} --tasks-png {output.tasks} "
         "--vocab-png {output.vocab} > {log} 2>&1"

@@ -1,7 +1,11 @@
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+from cramswarm import tokenizer as tokenization
+from cramswarm.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_HUB = REPO.parent / "shared" / "data" / "hub"
@@ -24,3 +28,37 @@ def repo() -> Path:
 @pytest.fixture(scope="session")
 def mirror() -> Path:
     return SHARED_HUB
+
+
+# Pretraining fixtures shared by test_pretrain and test_resume.
+DEFAULT = load_config([REPO / "config" / "config.yaml"])
+
+
+@pytest.fixture
+def tiny_run(tmp_path):
+    """A corpus with learnable structure: a repeated sentence pattern, tokenized and packed."""
+    rng = np.random.default_rng(0)
+    words = [f"w{i}" for i in range(40)]
+    docs = [" ".join(rng.choice(words[:20]) + " " + words[20 + i % 20] for i in range(12)) for _ in range(300)]
+    tok = tokenization.train_wordpiece([docs], 96, min_frequency=1)
+    tok_path = tmp_path / "tok.json"
+    tok.save(str(tok_path))
+    ids = [i for d in tok.encode_batch(docs, add_special_tokens=False) for i in d.ids + [tokenization.SEP_ID]]
+    blocks = np.array(ids[: len(ids) // 32 * 32], dtype=np.uint16).reshape(-1, 32)
+    np.save(tmp_path / "blocks.npy", blocks)
+    return tmp_path, tok_path
+
+
+def recipe(**kw):
+    """The default config's pretrain section (schema defaults filled in), shrunk to test size."""
+    base = dict(budget={"unit": "steps", "value": 30}, micro_batch_sequences=8, batch_sequences=16, lr=3e-3,
+                warmup_fraction=0.0, precision="bf16", device="cpu", log_every_steps=5, eval_blocks=16, eval_points=2)
+    return DEFAULT["pretrain"] | base | kw
+
+
+# The default config's arch section (schema defaults filled in), shrunk to test size.
+ARCH = DEFAULT["models"]["crammed"]["arch"] | dict(
+    layers=1, hidden_size=32, heads=2, intermediate_size=64, max_positions=32
+)
+
+

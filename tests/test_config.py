@@ -56,6 +56,25 @@ def mutate(cfg, path, value):
         (("pretrain", "batch_sequences"), 48, ["pretrain.batch_sequences", "multiple"]),
         (("models", "crammed", "arch", "heads"), 3, ["models.crammed.arch.heads", "divide"]),
         (("models", "crammed", "arch", "ffn"), "swiglu", ["models.crammed.arch.ffn", "glu, gelu"]),
+        (("pretrain", "schedule"), "cyclic", ["pretrain.schedule", "allowed values: triangle"]),
+        (("pretrain", "mask_mode"), "span", ["pretrain.mask_mode", "fixed, bernoulli"]),
+        (("pretrain", "budget"), {"unit": "steps", "value": -5}, ["pretrain.budget.value"]),
+        (("pretrain", "batch_ramp_fraction"), 1.0, ["pretrain.batch_ramp_fraction"]),
+        (("models", "bert_original", "recipe", "mask_mode"), "random",
+         ["models.bert_original.recipe.mask_mode", "fixed, bernoulli"]),
+        (("models", "bert_original", "recipe", "bogus"), 1, ["unknown config key 'models.bert_original.recipe.bogus'"]),
+        (("models", "bert_original", "recipe", "batch_sequences"), 48,
+         ["models.bert_original.recipe.batch_sequences", "multiple"]),
+        (("models", "izsak", "recipe", "budget"), {"unit": "tokens", "value": 0}, ["models.izsak.recipe.budget.value"]),
+        (("ablations", "groups", "original_model"), "bert", ["ablations.groups.original_model", "not in models"]),
+        (("ablations", "arch", "models"), ["no_pretrain"], ["ablations.arch.models[0]", "pretrain: false"]),
+        (("ablations", "arch", "variants"), [{"name": "x", "arch": {"heads": 3}}],
+         ["ablations.arch.variants[0].arch.heads", "divide"]),
+        (("ablations", "arch", "variants"), [{"name": "x", "arch": {"ffn": "relu"}}],
+         ["ablations.arch.variants[0].arch.ffn", "glu, gelu"]),
+        (("ablations", "arch", "variants"), [{"name": "x", "arch": {"layers": 1}}, {"name": "x", "arch": {}}],
+         ["ablations.arch.variants[1].name", "used twice"]),
+        (("ablations", "schedule", "schedules"), ["warmup-stable-decay"], ["ablations.schedule.schedules[0]"]),
     ],
 )
 def test_invalid_values_name_the_key(repo, default, path, value, expected):
@@ -98,3 +117,25 @@ def test_snakemake_rejects_bad_config_before_any_job(repo, tmp_path):
     assert proc.returncode != 0
     assert "glue.tasks[1]" in proc.stdout + proc.stderr
     assert "Job stats" not in proc.stdout
+
+
+def test_runs_carry_full_arch_and_merged_recipe(repo, default):
+    from cramswarm.config import resolve_runs
+
+    cfg = check(default, repo)
+    runs = resolve_runs(cfg)
+    bert = runs["bert_original"]
+    assert bert["arch"]["norm_scheme"] == "post" and bert["arch"]["sparse_prediction"] is False
+    assert bert["recipe"]["mask_rate"] == 0.15 and bert["recipe"]["budget"] == cfg["pretrain"]["budget"]
+    assert bert["recipe"]["micro_batch_sequences"] == cfg["pretrain"]["micro_batch_sequences"]  # not overridden
+    for name, run in runs.items():
+        if run["study"] != "models":
+            assert run["recipe"]["budget"] == cfg["ablations"]["budget"], name
+    sched = [r for r in runs.values() if r["study"] == "schedule"]
+    n = len(cfg["ablations"]["schedule"]["schedules"]) * len(cfg["ablations"]["schedule"]["lrs"])
+    assert len(sched) == n and {r["recipe"]["schedule"] for r in sched} == set(cfg["ablations"]["schedule"]["schedules"])
+    groups = {name: r for name, r in runs.items() if r["study"] == "groups"}
+    assert groups["groups-original_arch"]["arch"] == bert["arch"]
+    assert groups["groups-original_arch"]["recipe"]["mask_rate"] == 0.25  # crammed training
+    assert groups["groups-original_training"]["recipe"]["lr"] == bert["recipe"]["lr"]
+    assert runs["arch-depth4"]["arch"] == {**cfg["models"]["crammed"]["arch"], "layers": 4}

@@ -3,12 +3,20 @@ import csv
 import numpy as np
 import pytest
 import torch
-from conftest import REPO
+from conftest import ARCH, recipe
 
 from cramswarm import tokenizer as tokenization
-from cramswarm.config import load_config
 from cramswarm.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
-from cramswarm.pretrain import budget_progress, decay_groups, lr_multiplier, mask_tokens, pretrain
+from cramswarm.pretrain import (
+    HeldOut,
+    accumulation_at,
+    budget_progress,
+    decay_groups,
+    lr_multiplier,
+    mask_tokens,
+    pretrain,
+    resolve_precision,
+)
 
 
 @pytest.mark.parametrize(
@@ -72,35 +80,6 @@ def test_weight_decay_groups_exempt_biases_and_norms():
     assert decay["weight_decay"] == 0.01 and no_decay["weight_decay"] == 0.0
 
 
-@pytest.fixture
-def tiny_run(tmp_path):
-    """A corpus with learnable structure: a repeated sentence pattern, tokenized and packed."""
-    rng = np.random.default_rng(0)
-    words = [f"w{i}" for i in range(40)]
-    docs = [" ".join(rng.choice(words[:20]) + " " + words[20 + i % 20] for i in range(12)) for _ in range(300)]
-    tok = tokenization.train_wordpiece([docs], 96, min_frequency=1)
-    tok_path = tmp_path / "tok.json"
-    tok.save(str(tok_path))
-    ids = [i for d in tok.encode_batch(docs, add_special_tokens=False) for i in d.ids + [tokenization.SEP_ID]]
-    blocks = np.array(ids[: len(ids) // 32 * 32], dtype=np.uint16).reshape(-1, 32)
-    np.save(tmp_path / "blocks.npy", blocks)
-    return tmp_path, tok_path
-
-
-def recipe(**kw):
-    base = dict(seed=0, budget={"unit": "steps", "value": 30}, micro_batch_sequences=8, batch_sequences=16, lr=3e-3,
-                schedule="triangle", warmup_fraction=0.0, betas=[0.9, 0.98], eps=1e-12, weight_decay=0.01,
-                grad_clip_norm=0.5, mask_rate=0.25, mask_mode="fixed", precision="bf16", device="cpu",
-                log_every_steps=5)
-    return base | kw
-
-
-# The default config's arch section (schema defaults filled in), shrunk to test size.
-ARCH = load_config([REPO / "config" / "config.yaml"])["models"]["crammed"]["arch"] | dict(
-    layers=1, hidden_size=32, heads=2, intermediate_size=64, max_positions=32
-)
-
-
 def test_pretrain_reduces_loss_and_writes_checkpoint(tiny_run):
     folder, tok_path = tiny_run
     summary = pretrain(recipe(), ARCH, folder / "blocks.npy", tok_path, folder / "ckpt", progress=False)
@@ -130,3 +109,119 @@ def test_pretrain_rejects_token_ids_outside_the_vocab(tiny_run):
     np.save(folder / "bad.npy", np.full((4, 32), 500, dtype=np.uint16))
     with pytest.raises(ValueError, match="vocab size"):
         pretrain(recipe(), ARCH, folder / "bad.npy", tok_path, folder / "x", progress=False)
+
+
+@pytest.mark.parametrize(
+    "t, expected",
+    [(0.0, 1), (0.1, 1), (0.15, 2), (0.3, 3), (0.59, 4), (0.6, 4), (0.9, 4)],
+)
+def test_batch_ramp_grows_linearly_in_micro_batches(t, expected):
+    assert accumulation_at(t, final_accumulation=4, ramp_fraction=0.6) == expected
+
+
+def test_no_ramp_means_the_final_batch_from_the_start():
+    assert accumulation_at(0.0, 4, 0.0) == 4
+
+
+def test_pretrain_logs_the_ramp_the_schedule_and_held_out_losses(tiny_run):
+    folder, tok_path = tiny_run
+    r = recipe(budget={"unit": "tokens", "value": 40 * 8 * 32}, batch_sequences=32, batch_ramp_fraction=0.5,
+               log_every_steps=1, eval_points=4)
+    summary = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "ramp", progress=False)
+    rows = list(csv.DictReader(open(folder / "ramp" / "train_log.csv")))
+    batches = [int(row["batch_sequences"]) for row in rows]
+    assert batches[0] == 8 and batches[-1] == 32 and batches == sorted(batches)  # one micro-batch -> the final batch
+    assert sum(batches) * 32 == summary["tokens"] == int(rows[-1]["tokens"])
+    for row in rows:  # realised LR = peak x multiplier at the progress before the step
+        assert float(row["lr"]) == pytest.approx(3e-3 * float(row["lr_multiplier"]), rel=1e-4)
+    evals = [float(row["eval_loss"]) for row in rows if row["eval_loss"]]
+    assert len(evals) == 4 and evals[-1] < evals[0]
+    assert summary["eval_loss"] == pytest.approx(evals[-1], abs=1e-5)
+    progress = [float(row["progress"]) for row in rows]
+    assert progress[0] == 0.0 and progress == sorted(progress) and progress[-1] < 1.0
+    for row in rows:  # the logged multiplier is the schedule's at the logged progress
+        assert float(row["lr_multiplier"]) == pytest.approx(lr_multiplier("triangle", float(row["progress"])), abs=1e-4)
+
+
+def test_held_out_loss_is_the_same_measurement_for_every_recipe(tiny_run):
+    """Runs that differ only in their training masking are scored on the identical held-out masks."""
+    folder, tok_path = tiny_run
+    blocks = np.load(folder / "blocks.npy")[-16:]
+    a = HeldOut(blocks, 0.15, 96, 8)
+    b = HeldOut(blocks, 0.15, 96, 4)
+    assert torch.equal(a.inputs, b.inputs) and torch.equal(a.labels, b.labels)
+    model = CrammedBertForMaskedLM(CrammedBertConfig.from_arch(ARCH, 96))
+    assert a.loss(model, "fp32", torch.device("cpu")) == pytest.approx(b.loss(model, "fp32", torch.device("cpu")), rel=1e-5)
+
+
+def test_pretrain_rejects_a_tokenizer_of_the_wrong_size(tiny_run):
+    folder, tok_path = tiny_run
+    with pytest.raises(ValueError, match=r"expects vocab size 128 \(tokenizer.vocab_sizes\)"):
+        pretrain(recipe(), ARCH, folder / "blocks.npy", tok_path, folder / "x", progress=False, expected_vocab=128)
+
+
+def test_pretrain_rejects_holding_out_every_block(tiny_run):
+    folder, tok_path = tiny_run
+    n = len(np.load(folder / "blocks.npy"))
+    with pytest.raises(ValueError, match="pretrain.eval_blocks"):
+        pretrain(recipe(eval_blocks=n - 4), ARCH, folder / "blocks.npy", tok_path, folder / "x", progress=False)
+
+
+def test_precision_auto_is_bf16_on_cpu():
+    assert resolve_precision("auto", torch.device("cpu")) == "bf16"
+    assert resolve_precision("fp32", torch.device("cpu")) == "fp32"
+
+
+def test_pretrain_resumes_from_saved_state_in_process(tiny_run):
+    """A state saved mid-run and resumed gives the uninterrupted run's log, step for step."""
+    folder, tok_path = tiny_run
+    r = recipe(budget={"unit": "tokens", "value": 20 * 16 * 32}, resume_every_steps=4, log_every_steps=2)
+    full = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "full", progress=False)
+
+    class Stop(Exception):
+        pass
+
+    original = torch.save
+    saves = []
+
+    def save_then_die(obj, path, *a, **kw):
+        original(obj, path, *a, **kw)
+        saves.append(obj["counters"]["step"])
+        if len(saves) == 3:
+            raise Stop  # a kill during the third write (step 12), before its rename: the file keeps step 8
+
+    state = folder / "state"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "save", save_then_die)
+        with pytest.raises(Stop):
+            pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "resumed", progress=False, state_dir=state)
+    assert saves == [4, 8, 12] and (state / "state.pt").is_file()
+    resumed = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "resumed", progress=False, state_dir=state)
+    assert resumed["resumed_from_step"] == 8 and resumed["steps"] == full["steps"] == 20
+    strip = lambda path: [line.rsplit(",", 2)[0] for line in path.read_text().splitlines()]  # noqa: E731 (drop time)
+    log_a = [row.split(",") for row in strip(folder / "full" / "train_log.csv")]
+    log_b = [row.split(",") for row in strip(folder / "resumed" / "train_log.csv")]
+    assert [row[:3] for row in log_a] == [row[:3] for row in log_b]
+    for a, b in zip(log_a[1:], log_b[1:]):
+        assert float(a[3]) == pytest.approx(float(b[3]), abs=1e-4)  # the loss column
+    assert resumed["eval_loss"] == pytest.approx(full["eval_loss"], abs=1e-4)
+    assert not (state / "state.pt").exists()  # removed once the checkpoint is written
+
+
+def test_state_of_another_recipe_is_not_resumed(tiny_run):
+    folder, tok_path = tiny_run
+    state = folder / "state"
+    r = recipe(budget={"unit": "steps", "value": 6}, resume_every_steps=2)
+    original = torch.save
+
+    def save_then_die(obj, path, *a, **kw):
+        original(obj, path, *a, **kw)
+        raise KeyboardInterrupt
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "save", save_then_die)
+        with pytest.raises(KeyboardInterrupt):
+            pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "a", progress=False, state_dir=state)
+    other = pretrain(r | {"lr": 1e-3}, ARCH, folder / "blocks.npy", tok_path, folder / "a", progress=False,
+                     state_dir=state)
+    assert other["resumed_from_step"] is None and other["steps"] == 6

@@ -39,7 +39,9 @@ def workdir(repo, tmp_path_factory):
 @pytest.mark.slow
 def test_tiny_study_writes_tables_and_figures(workdir):
     table = pd.read_csv(workdir / "results" / "tables" / "synthetic" / "glue.csv")
-    assert set(zip(table["model"], table["vocab"])) == {("crammed", 128), ("crammed", 160), ("no_pretrain", 128)}
+    assert set(zip(table["model"], table["vocab"])) == {
+        ("crammed", 128), ("crammed", 160), ("bert_original", 128), ("izsak", 128), ("no_pretrain", 128)
+    }
     assert (table["n_seeds"] == 2).all()
     assert table[["mnli_m", "mnli_mm", "sst2", "stsb_pearson"]].notna().all().all()
     sweep = pd.read_csv(workdir / "results" / "tables" / "synthetic" / "vocab_sweep.csv")
@@ -47,8 +49,9 @@ def test_tiny_study_writes_tables_and_figures(workdir):
     for png in ("mlm_loss_vs_tokens", "glue_by_task", "glue_vs_vocab"):
         assert (workdir / "results" / "figures" / "synthetic" / f"{png}.png").read_bytes()[:4] == b"\x89PNG"
     assert (workdir / "logs" / "pretrain" / "synthetic" / "crammed" / "v128.log").is_file()
-    leftovers = [p for p in (workdir / "results").rglob("*") if p.name.startswith(".")]
+    leftovers = [p for p in (workdir / "results").rglob(".*") if p.is_file()]
     assert leftovers == []  # no temporary files left behind by atomic writes
+    assert [p for p in (workdir / "results" / ".state").rglob("*") if p.is_file()] == []  # resume state removed
 
 
 @pytest.mark.slow
@@ -77,10 +80,32 @@ def test_changing_a_finetuning_value_reruns_finetuning_only(workdir):
     overlay = workdir / "config" / "test" / "lr.yaml"
     overlay.write_text("glue:\n  lr: 1.0e-4\n")
     jobs = planned_jobs(workdir, *TINY, str(overlay.relative_to(workdir)))
-    assert jobs == {"finetune": 3 * 3 * 2, "tables": 1, "figures": 1, "all": 1}
+    assert jobs == {"finetune": 5 * 3 * 2, "tables": 1, "figures": 1, "all": 1}  # 5 (model, vocab) x 3 tasks x 2 seeds
 
 
 @pytest.mark.slow
 def test_named_targets_resolve(workdir):
     for target in ("tokenizers", "pretrain_all", "glue", "ablation_vocab"):
         assert planned_jobs(workdir, target, *TINY) == {}  # already built by the full run (target first: --configfile takes every following word)
+
+
+@pytest.mark.slow
+def test_ablation_targets_build_tables_and_figures(workdir):
+    jobs = planned_jobs(workdir, "ablation_arch", "ablation_schedule", "ablation_groups", *TINY)
+    # tiny overlay: arch = base + depth2 + bert_original; schedule = 2 x 2; groups = 4 rows; no study run is reused
+    assert jobs["pretrain"] == 3 + 4 + 4
+    assert jobs["finetune"] == (3 + 4) * 1 * 2  # ablations.glue_tasks [sst2] x glue.seeds [0, 1]
+    snakemake(workdir, "--cores", "2", "ablation_arch", "ablation_schedule", "ablation_groups", *TINY)
+    out = workdir / "results" / "ablations" / "synthetic"
+    arch = pd.read_csv(out / "arch.csv")
+    assert set(arch["label"]) == {"crammed", "depth2", "bert_original"}
+    assert (arch["tokens"] == 8192).all() and arch["eval_loss"].notna().all()
+    assert arch.set_index("label").loc["depth2", "layers"] == 2
+    schedule = pd.read_csv(out / "schedule.csv")
+    assert set(zip(schedule["schedule"], schedule["lr"])) == {(s, lr) for s in ("triangle", "constant") for lr in (1e-3, 4e-3)}
+    groups = pd.read_csv(out / "groups.csv")
+    assert list(groups["run"]) == ["groups-final", "groups-original_arch", "groups-original_training", "groups-original_both"]
+    for png in ("figure1_loss_vs_tokens", "figure2_schedules"):
+        assert (out / f"{png}.png").read_bytes()[:4] == b"\x89PNG"
+    summary = (workdir / "results" / "pretrain" / "synthetic" / "arch-bert_original" / "v128" / "summary.json").read_text()
+    assert '"mask_rate": 0.15' in summary and '"norm_scheme": "post"' in summary

@@ -117,7 +117,10 @@ def pretrain(args) -> int:
     from cramswarm.pretrain import pretrain as run
 
     _set_threads(args.threads)
-    summary = run(args.recipe, args.arch, args.blocks, args.tokenizer, args.out_dir, not args.quiet)
+    summary = run(
+        args.recipe, args.arch, args.blocks, args.tokenizer, args.out_dir, not args.quiet,
+        state_dir=args.state_dir, run=args.run, expected_vocab=args.vocab_size,
+    )
     print(json.dumps(summary, sort_keys=True))
     return 0
 
@@ -150,7 +153,7 @@ def tables(args) -> int:
 
     df = t.load_results(args.results)
     t.write_table(t.glue_table(df), args.out_stem)
-    t.write_table(t.vocab_sweep_table(df, exclude=args.baseline), args.sweep_stem)
+    t.write_table(t.vocab_sweep_table(df, exclude=args.baseline + args.not_swept), args.sweep_stem)
     return 0
 
 
@@ -164,8 +167,30 @@ def figures(args) -> int:
     main = t.glue_table(df)
     baseline_rows = main[main["model"].isin(args.baseline)]
     baseline = baseline_rows.iloc[0].to_dict() if len(baseline_rows) else None
-    sweep = t.vocab_sweep_table(df, exclude=args.baseline)
+    sweep = t.vocab_sweep_table(df, exclude=args.baseline + args.not_swept)
     f.plot_vocab_sweep(sweep, args.vocab_png, baseline=baseline)
+    return 0
+
+
+@command("ablation-report", "tables and figures of one training ablation (arch: Figure 1, schedule: Figure 2, groups: Table 5)")
+def ablation_report(args) -> int:
+    from cramswarm.report import ablations as a
+
+    dirs = {label: Path(folder) for label, folder in args.runs.items()}
+    summaries = {label: folder / "summary.json" for label, folder in dirs.items()}
+    logs = {label: folder / "train_log.csv" for label, folder in dirs.items()}
+    if args.kind == "arch":
+        a.write_ablation_table(a.arch_table(summaries, args.results), args.out_stem)
+        a.plot_arch(logs, args.png)
+    elif args.kind == "schedule":
+        table = a.schedule_table(summaries)
+        a.write_ablation_table(table, args.out_stem)
+        a.write_ablation_table(a.schedule_pivot(table), f"{args.out_stem}_pivot")
+        a.plot_schedule(logs, summaries, args.png)
+    else:  # groups: rows keyed by run name (the folder above v<vocab>)
+        labels = {folder.parent.name: label for label, folder in dirs.items()}
+        by_run = {folder.parent.name: summaries[label] for label, folder in dirs.items()}
+        a.write_ablation_table(a.groups_table(args.results, labels, summaries=by_run), args.out_stem)
     return 0
 
 
@@ -204,6 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     p["init-model"].add_argument("--seed", type=int, default=0)
     p["pretrain"].add_argument("--recipe", type=_json, required=True, help="JSON of the pretrain section")
     p["pretrain"].add_argument("--blocks", required=True)
+    p["pretrain"].add_argument("--state-dir", help="resumable training state (kept outside the outputs; resumed if present)")
+    p["pretrain"].add_argument("--run", help="run name recorded in the summary")
+    p["pretrain"].add_argument("--vocab-size", type=int, help="vocab size this run expects; the tokenizer must match")
     for name in ("pretrain", "finetune"):
         p[name].add_argument("--threads", type=int, default=1)
         p[name].add_argument("--quiet", action="store_true", help="no progress bar")
@@ -214,17 +242,23 @@ def build_parser() -> argparse.ArgumentParser:
     p["finetune"].add_argument("--protocol", type=_json, required=True, help="JSON of the glue section")
     p["finetune"].add_argument("--model", required=True, help="model name recorded in the result")
     p["finetune"].add_argument("--vocab", type=int, required=True, help="vocab size recorded in the result")
-    p["finetune"].add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
+    p["finetune"].add_argument("--precision", default="bf16", choices=("auto", "bf16", "fp16", "fp32"))
     p["finetune"].add_argument("--out", required=True)
     for name in ("tables", "figures"):
         p[name].add_argument("--results", nargs="+", required=True, help="fine-tuning result JSON files")
-        p[name].add_argument("--baseline", nargs="*", default=[], help="models left out of the vocab sweep")
+        p[name].add_argument("--baseline", nargs="*", default=[], help="random-init models (the reference line)")
+        p[name].add_argument("--not-swept", nargs="*", default=[], help="pretrained models left out of the vocab sweep")
     p["tables"].add_argument("--out-stem", required=True)
     p["tables"].add_argument("--sweep-stem", required=True)
     p["figures"].add_argument("--logs", nargs="+", required=True, help="pretraining train_log.csv files")
     p["figures"].add_argument("--loss-png", required=True)
     p["figures"].add_argument("--tasks-png", required=True)
     p["figures"].add_argument("--vocab-png", required=True)
+    p["ablation-report"].add_argument("--kind", required=True, choices=("arch", "schedule", "groups"))
+    p["ablation-report"].add_argument("--runs", type=_json, required=True, help="JSON {label: checkpoint folder}")
+    p["ablation-report"].add_argument("--results", nargs="*", default=[], help="fine-tuning result JSON files")
+    p["ablation-report"].add_argument("--out-stem", required=True, help="table path without suffix (.csv and .md)")
+    p["ablation-report"].add_argument("--png", help="figure path (arch and schedule)")
     return parser
 
 

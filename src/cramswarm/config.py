@@ -83,7 +83,49 @@ def deep_merge(base: dict, overlay: dict) -> dict:
     return out
 
 
-def _semantic_errors(cfg: dict, base_dir: Path) -> list[str]:
+def _subschema_errors(instance: dict, schema: dict, defs: dict, where: str) -> tuple[dict, list[str]]:
+    """Validate (and fill defaults of) ``instance`` against ``schema``; error paths are prefixed with ``where``."""
+    instance = copy.deepcopy(instance)
+    errors = _Validator({**schema, "$defs": defs}).iter_errors(instance)
+    messages = []
+    for error in sorted(errors, key=lambda e: list(map(str, e.absolute_path))):
+        error.path.extendleft(reversed(where.split(".")))
+        messages.append(_describe(error))
+    return instance, messages
+
+
+def _batch_errors(recipe: dict, where: str) -> list[str]:
+    if recipe["batch_sequences"] % recipe["micro_batch_sequences"]:
+        return [
+            f"config key '{where}.batch_sequences': {recipe['batch_sequences']} is not a multiple of "
+            f"{where}.micro_batch_sequences ({recipe['micro_batch_sequences']})"
+        ]
+    return []
+
+
+def _arch_errors(arch: dict, where: str, longest: int) -> list[str]:
+    errors = []
+    if arch["hidden_size"] % arch["heads"]:
+        errors.append(f"config key '{where}.heads': {arch['heads']} does not divide hidden_size {arch['hidden_size']}")
+    if arch["ffn"] == "glu" and arch["intermediate_size"] % 2:
+        errors.append(f"config key '{where}.intermediate_size': must be even for ffn: glu")
+    if arch["max_positions"] < longest:
+        errors.append(
+            f"config key '{where}.max_positions': {arch['max_positions']} is shorter than the "
+            f"longest input ({longest} tokens from packing.block_tokens / glue.max_length_tokens)"
+        )
+    return errors
+
+
+def _model_ref_errors(cfg: dict, where: str, name: str, pretrained: bool = True) -> list[str]:
+    if name not in cfg["models"]:
+        return [f"config key '{where}': model {name!r} is not in models ({', '.join(cfg['models'])})"]
+    if pretrained and not cfg["models"][name]["pretrain"]:
+        return [f"config key '{where}': model {name!r} has pretrain: false; an ablation needs a pretrained model"]
+    return []
+
+
+def _semantic_errors(cfg: dict, base_dir: Path, schema: dict) -> list[str]:
     errors = []
     tok = cfg["tokenizer"]
     if tok["main_vocab_size"] not in tok["vocab_sizes"]:
@@ -91,28 +133,32 @@ def _semantic_errors(cfg: dict, base_dir: Path) -> list[str]:
             f"config key 'tokenizer.main_vocab_size': {tok['main_vocab_size']} is not one of "
             f"tokenizer.vocab_sizes {tok['vocab_sizes']}"
         )
-    pre = cfg["pretrain"]
-    if pre["batch_sequences"] % pre["micro_batch_sequences"]:
-        errors.append(
-            f"config key 'pretrain.batch_sequences': {pre['batch_sequences']} is not a multiple of "
-            f"pretrain.micro_batch_sequences ({pre['micro_batch_sequences']})"
-        )
+    errors += _batch_errors(cfg["pretrain"], "pretrain")
+    pretrain_schema, defs = schema["properties"]["pretrain"], schema["$defs"]
     longest = max(cfg["packing"]["block_tokens"], cfg["glue"]["max_length_tokens"])
     for name, model in cfg["models"].items():
-        arch = model["arch"]
-        if arch["hidden_size"] % arch["heads"]:
-            errors.append(
-                f"config key 'models.{name}.arch.heads': {arch['heads']} does not divide hidden_size {arch['hidden_size']}"
-            )
-        if arch["ffn"] == "glu" and arch["intermediate_size"] % 2:
-            errors.append(f"config key 'models.{name}.arch.intermediate_size': must be even for ffn: glu")
-        if arch["max_positions"] < longest:
-            errors.append(
-                f"config key 'models.{name}.arch.max_positions': {arch['max_positions']} is shorter than the "
-                f"longest input ({longest} tokens from packing.block_tokens / glue.max_length_tokens)"
-            )
+        errors += _arch_errors(model["arch"], f"models.{name}.arch", longest)
+        where = f"models.{name}.recipe"
+        recipe, messages = _subschema_errors(deep_merge(cfg["pretrain"], model["recipe"]), pretrain_schema, defs, where)
+        errors += messages or _batch_errors(recipe, where)
     if not any(m["pretrain"] for m in cfg["models"].values()):
         errors.append("config key 'models': at least one model needs pretrain: true")
+    abl = cfg["ablations"]
+    errors += _model_ref_errors(cfg, "ablations.arch.base_model", abl["arch"]["base_model"])
+    for i, name in enumerate(abl["arch"]["models"]):
+        errors += _model_ref_errors(cfg, f"ablations.arch.models[{i}]", name)
+    errors += _model_ref_errors(cfg, "ablations.schedule.base_model", abl["schedule"]["base_model"])
+    for key in ("final_model", "original_model"):
+        errors += _model_ref_errors(cfg, f"ablations.groups.{key}", abl["groups"][key])
+    if not errors:
+        base_arch = cfg["models"][abl["arch"]["base_model"]]["arch"]
+        names = [v["name"] for v in abl["arch"]["variants"]]
+        for i, variant in enumerate(abl["arch"]["variants"]):
+            where = f"ablations.arch.variants[{i}].arch"
+            if names.count(variant["name"]) > 1:
+                errors.append(f"config key 'ablations.arch.variants[{i}].name': {variant['name']!r} is used twice")
+            arch, messages = _subschema_errors(deep_merge(base_arch, variant["arch"]), defs["arch"], defs, where)
+            errors += messages or _arch_errors(arch, where, longest)
     if cfg["source"] == "hub" and cfg["hub"]["mirror"] is not None:
         mirror = Path(cfg["hub"]["mirror"])
         mirror = mirror if mirror.is_absolute() else base_dir / mirror
@@ -121,13 +167,71 @@ def _semantic_errors(cfg: dict, base_dir: Path) -> list[str]:
     return errors
 
 
+def model_recipe(cfg: dict, name: str) -> dict:
+    """The full pretraining recipe of model ``name``: ``pretrain`` with the model's ``recipe`` overrides."""
+    return deep_merge(cfg["pretrain"], cfg["models"][name]["recipe"])
+
+
+def _fmt_lr(lr: float) -> str:
+    return f"{lr:g}"
+
+
+def resolve_runs(cfg: dict) -> dict[str, dict]:
+    """Every checkpoint the workflow can build, by run name, with its full arch and recipe.
+
+    The study's models keep their names; ablation runs are ``arch-<variant>``, ``arch-<model>``,
+    ``sched-<schedule>-lr<peak>`` and ``groups-<row>``, all trained at ``ablations.budget``. Each entry:
+    ``{"pretrain", "vocab_sweep", "arch", "recipe", "study", "label"}`` (study: models | arch | schedule | groups).
+    """
+    runs = {
+        name: {
+            "pretrain": spec["pretrain"],
+            "vocab_sweep": spec["vocab_sweep"],
+            "arch": spec["arch"],
+            "recipe": model_recipe(cfg, name),
+            "study": "models",
+            "label": name,
+        }
+        for name, spec in cfg["models"].items()
+    }
+    abl = cfg["ablations"]
+
+    def add(run: str, study: str, label: str, arch: dict, recipe: dict) -> None:
+        recipe = {**recipe, "budget": abl["budget"]}
+        runs[run] = {"pretrain": True, "vocab_sweep": False, "arch": arch, "recipe": recipe, "study": study, "label": label}
+
+    base = abl["arch"]["base_model"]
+    add(f"arch-{base}", "arch", base, cfg["models"][base]["arch"], model_recipe(cfg, base))
+    for variant in abl["arch"]["variants"]:
+        arch = deep_merge(cfg["models"][base]["arch"], variant["arch"])  # the base arch has its defaults filled
+        add(f"arch-{variant['name']}", "arch", variant["name"], arch, model_recipe(cfg, base))
+    for name in abl["arch"]["models"]:
+        add(f"arch-{name}", "arch", name, cfg["models"][name]["arch"], model_recipe(cfg, name))
+    sched = abl["schedule"]
+    for schedule in sched["schedules"]:
+        for lr in sched["lrs"]:
+            recipe = {**model_recipe(cfg, sched["base_model"]), "schedule": schedule, "lr": lr}
+            add(f"sched-{schedule}-lr{_fmt_lr(lr)}", "schedule", f"{schedule} @ {_fmt_lr(lr)}",
+                cfg["models"][sched["base_model"]]["arch"], recipe)
+    final, original = abl["groups"]["final_model"], abl["groups"]["original_model"]
+    rows = {
+        "final": ("final (crammed arch + recipe)", final, final),
+        "original_arch": ("original BERT architecture", original, final),
+        "original_training": ("original BERT training recipe", final, original),
+        "original_both": ("original BERT arch + training", original, original),
+    }
+    for row, (label, arch_from, recipe_from) in rows.items():
+        add(f"groups-{row}", "groups", label, cfg["models"][arch_from]["arch"], model_recipe(cfg, recipe_from))
+    return runs
+
+
 def validate_config(cfg: dict, schema_path: str | Path = DEFAULT_SCHEMA, base_dir: str | Path = ".") -> dict:
     """Validate ``cfg`` in place (filling defaults) and return it; raise ConfigError listing every problem."""
     schema = load_yaml(schema_path)
     errors = sorted(_Validator(schema).iter_errors(cfg), key=lambda e: list(map(str, e.absolute_path)))
     messages = [_describe(e) for e in errors]
     if not messages:
-        messages = _semantic_errors(cfg, Path(base_dir))
+        messages = _semantic_errors(cfg, Path(base_dir), schema)
     if messages:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(messages))
     return cfg

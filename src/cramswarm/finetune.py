@@ -20,7 +20,7 @@ from cramswarm.data.sources import read_glue
 from cramswarm.glue.metrics import compute_metrics
 from cramswarm.glue.tasks import get_task
 from cramswarm.io import write_json
-from cramswarm.pretrain import autocast, resolve_device
+from cramswarm.pretrain import autocast, resolve_device, resolve_precision
 
 BUCKET_POOL_BATCHES = 50  # batches per pool inside which examples are sorted by length
 
@@ -112,6 +112,7 @@ def finetune(
     start = time.perf_counter()
     torch.manual_seed(seed)
     device = resolve_device(protocol["device"])
+    precision = resolve_precision(precision, device)
     model, tok = load_model(checkpoint, task, protocol["dropout"])
     model.to(device)
     train_rows = read_glue(data_path, "train")

@@ -7,8 +7,8 @@ makes mini runs repeatable). Every optimizer step's realised LR is logged.
 
 from __future__ import annotations
 
-import csv
-import io
+import hashlib
+import json
 import math
 import os
 import shutil
@@ -26,7 +26,8 @@ from cramswarm.models.crammed_bert import CrammedBertConfig, CrammedBertForMaske
 from cramswarm.packing import load_blocks
 
 SCHEDULES = ("triangle", "one-cycle", "cosine", "linear", "inverse-sqrt", "constant")
-LOG_COLUMNS = ("step", "tokens", "loss", "lr", "elapsed_s")
+# progress: budget fraction at the start of the step, where its LR multiplier and batch size were set.
+LOG_COLUMNS = ("step", "tokens", "progress", "loss", "lr", "lr_multiplier", "batch_sequences", "elapsed_s", "eval_loss")
 
 
 def lr_multiplier(schedule: str, t: float, warmup: float = 0.0) -> float:
@@ -101,6 +102,15 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def resolve_precision(name: str, device: torch.device) -> str:
+    """``auto``: bf16 on CPUs and on GPUs that support it, fp16 (with a GradScaler) on older GPUs."""
+    if name != "auto":
+        return name
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return "fp16"
+    return "bf16"
+
+
 def autocast(precision: str, device: torch.device):
     if precision == "fp32":
         return torch.autocast(device.type, enabled=False)
@@ -110,13 +120,26 @@ def autocast(precision: str, device: torch.device):
     return torch.autocast(device.type, dtype=dtype)
 
 
+def accumulation_at(t: float, final_accumulation: int, ramp_fraction: float) -> int:
+    """Micro-batches per optimizer step at budget progress ``t``: one at the start, growing linearly in
+    micro-batch steps to ``final_accumulation`` at ``t = ramp_fraction`` (Cramming's batch-size ramp)."""
+    if ramp_fraction <= 0 or t >= ramp_fraction:
+        return final_accumulation
+    return max(1, min(final_accumulation, 1 + math.floor(t / ramp_fraction * final_accumulation)))
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside a ``torch.compile`` wrapper (whose state-dict keys would carry ``_orig_mod.``)."""
+    return getattr(model, "_orig_mod", model)
+
+
 def save_checkpoint(model, tok, out_dir: str | Path, max_length: int) -> None:
     """save_pretrained into a temporary folder beside ``out_dir``, then move each file into place."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".ckpt-", dir=out_dir))
     try:
-        model.save_pretrained(tmp)
+        unwrap(model).save_pretrained(tmp)
         tokenization.to_transformers(tok, max_length).save_pretrained(tmp)
         for path in tmp.iterdir():
             os.replace(path, out_dir / path.name)
@@ -140,6 +163,58 @@ def init_random(arch: dict, tokenizer_path: str | Path, out_dir: str | Path, see
     return {"parameters": sum(p.numel() for p in model.parameters()), "pretrained": False}
 
 
+def fingerprint(recipe: dict, arch: dict, blocks_path: str | Path, vocab_size: int) -> str:
+    """What a saved training state must match to be resumed: the recipe (minus save cadence), arch and data."""
+    relevant = {k: v for k, v in recipe.items() if not k.startswith("resume_every")}
+    stat = Path(blocks_path).stat()
+    payload = json.dumps([relevant, arch, vocab_size, stat.st_size], sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+class HeldOut:
+    """Held-out MLM loss on fixed blocks with fixed masks (one seed for every run, so recipes compare)."""
+
+    SEED = 1234
+
+    def __init__(self, blocks: np.ndarray, rate: float, vocab_size: int, micro: int):
+        generator = torch.Generator().manual_seed(self.SEED)
+        batch = torch.from_numpy(blocks.astype(np.int64))
+        self.inputs, self.labels = mask_tokens(batch, rate, "bernoulli", vocab_size, generator)
+        self.micro = micro
+
+    @torch.no_grad()
+    def loss(self, model, precision: str, device: torch.device) -> float:
+        was_training = model.training
+        model.eval()
+        total, count = 0.0, 0
+        for start in range(0, len(self.inputs), self.micro):
+            labels = self.labels[start : start + self.micro]
+            n = int((labels != -100).sum())
+            if n == 0:
+                continue
+            with autocast(precision, device):
+                out = model(self.inputs[start : start + self.micro].to(device), labels=labels.to(device))
+            total, count = total + out.loss.float().item() * n, count + n
+        model.train(was_training)
+        return total / max(count, 1)
+
+
+def _save_state(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        torch.save(payload, tmp)
+
+
+def _load_state(path: Path | None, expected: str) -> dict | None:
+    if path is None or not path.is_file():
+        return None
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    if state.get("fingerprint") != expected:
+        print(f"ignoring training state {path}: it belongs to a different recipe, arch or data", flush=True)
+        return None
+    return state
+
+
 def pretrain(
     recipe: dict,
     arch: dict,
@@ -147,84 +222,146 @@ def pretrain(
     tokenizer_path: str | Path,
     out_dir: str | Path,
     progress: bool = True,
+    state_dir: str | Path | None = None,
+    run: str | None = None,
+    expected_vocab: int | None = None,
 ) -> dict:
-    """Train until the budget is spent; write the checkpoint, ``train_log.csv`` and ``summary.json``."""
+    """Train until the budget is spent; write the checkpoint, ``train_log.csv`` and ``summary.json``.
+
+    With ``state_dir``, the full training state (weights, optimizer, scaler, RNG, counters, log) is saved
+    there atomically every ``resume_every_seconds`` / ``resume_every_steps``; a rerun with the same recipe,
+    arch and data continues from it, and it is deleted once the checkpoint is written.
+    """
     device = resolve_device(recipe["device"])
+    precision = resolve_precision(recipe["precision"], device)
     tok = tokenization.load(tokenizer_path)
     vocab_size = tok.get_vocab_size()
+    if expected_vocab is not None and expected_vocab != vocab_size:
+        raise ValueError(
+            f"tokenizer {tokenizer_path} has {vocab_size} tokens but this run expects vocab size {expected_vocab} "
+            "(tokenizer.vocab_sizes); rebuild the tokenizer"
+        )
     blocks = load_blocks(blocks_path)
     if int(blocks.max(initial=0)) >= vocab_size:
         raise ValueError(f"packed data {blocks_path} holds token ids >= the tokenizer's vocab size {vocab_size}")
+    micro, final_accumulation = recipe["micro_batch_sequences"], recipe["batch_sequences"] // recipe["micro_batch_sequences"]
+    n_blocks = blocks.shape[0] - recipe["eval_blocks"]
+    if n_blocks < micro:
+        raise ValueError(
+            f"pretrain.eval_blocks: holding out {recipe['eval_blocks']} of {blocks.shape[0]} packed blocks leaves "
+            f"{n_blocks}, fewer than one micro-batch ({micro}); lower eval_blocks or use a larger corpus"
+        )
+    heldout = HeldOut(blocks[n_blocks:], recipe["eval_mask_rate"], vocab_size, micro) if recipe["eval_blocks"] else None
+    block_tokens = blocks.shape[1]
+
     model = build_model(arch, vocab_size, recipe["seed"]).to(device)
     model.train()
     optimizer = torch.optim.AdamW(
         decay_groups(model, recipe["weight_decay"]), lr=recipe["lr"], betas=tuple(recipe["betas"]), eps=recipe["eps"]
     )
-    scaler = torch.amp.GradScaler(enabled=recipe["precision"] == "fp16")
+    scaler = torch.amp.GradScaler(enabled=precision == "fp16")
     generator = torch.Generator().manual_seed(recipe["seed"])
-    micro, accumulate = recipe["micro_batch_sequences"], recipe["batch_sequences"] // recipe["micro_batch_sequences"]
-    block_tokens = blocks.shape[1]
-    n_blocks = blocks.shape[0]
+    forward = torch.compile(model) if recipe["compile"] else model
 
-    log = io.StringIO()
-    writer = csv.writer(log)
-    writer.writerow(LOG_COLUMNS)
-    step = tokens = cursor = 0
-    epochs_of_data = 0.0
-    window_loss, window_n = 0.0, 0
-    lr = recipe["lr"] * lr_multiplier(recipe["schedule"], 0.0, recipe["warmup_fraction"])
-    start = time.perf_counter()
-    bar = tqdm(total=100, desc="pretrain", unit="%", disable=not progress, mininterval=2.0)
-    while (t := budget_progress(recipe["budget"], tokens, step, time.perf_counter() - start)) < 1.0:
-        lr = recipe["lr"] * lr_multiplier(recipe["schedule"], t, recipe["warmup_fraction"])
+    counters = dict(step=0, tokens=0, cursor=0, epochs_of_data=0.0, window_loss=0.0, window_n=0, next_eval=1,
+                    elapsed_s=0.0, resumed_from_step=None)
+    log_text = ",".join(LOG_COLUMNS) + "\n"
+    state_path = Path(state_dir) / "state.pt" if state_dir is not None else None
+    key = fingerprint(recipe, arch, blocks_path, vocab_size)
+    if (state := _load_state(state_path, key)) is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scaler.load_state_dict(state["scaler"])
+        generator.set_state(state["generator"])
+        counters, log_text = state["counters"], state["log"]
+        counters["resumed_from_step"] = counters["step"]
+        print(f"resuming from {state_path} at step {counters['step']} ({counters['tokens']:,} tokens)", flush=True)
+
+    def save_state() -> None:
+        _save_state(state_path, {
+            "fingerprint": key, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "scaler": scaler.state_dict(), "generator": generator.get_state(), "counters": dict(counters), "log": log_text,
+        })
+
+    c = counters
+    start, last_save = time.perf_counter(), time.perf_counter()
+    elapsed = lambda: c["elapsed_s"] + time.perf_counter() - start  # noqa: E731
+    bar = tqdm(total=100, desc=run or "pretrain", unit="%", disable=not progress, mininterval=2.0)
+    while (t := budget_progress(recipe["budget"], c["tokens"], c["step"], elapsed())) < 1.0:
+        multiplier = lr_multiplier(recipe["schedule"], t, recipe["warmup_fraction"])
+        lr = recipe["lr"] * multiplier
         for group in optimizer.param_groups:
             group["lr"] = lr
+        accumulate = accumulation_at(t, final_accumulation, recipe["batch_ramp_fraction"])
         step_loss = 0.0
         for _ in range(accumulate):
-            idx = np.arange(cursor, cursor + micro) % n_blocks
-            cursor = (cursor + micro) % n_blocks
-            epochs_of_data += micro / n_blocks
+            idx = np.arange(c["cursor"], c["cursor"] + micro) % n_blocks
+            c["cursor"] = (c["cursor"] + micro) % n_blocks
+            c["epochs_of_data"] += micro / n_blocks
             batch = torch.from_numpy(blocks[np.sort(idx)].astype(np.int64))
             inputs, labels = mask_tokens(batch, recipe["mask_rate"], recipe["mask_mode"], vocab_size, generator)
-            with autocast(recipe["precision"], device):
-                loss = model(inputs.to(device), labels=labels.to(device)).loss / accumulate
+            with autocast(precision, device):
+                loss = forward(inputs.to(device), labels=labels.to(device)).loss / accumulate
             scaler.scale(loss).backward()
             step_loss += loss.item()
-            tokens += micro * block_tokens
+            c["tokens"] += micro * block_tokens
         scaler.unscale_(optimizer)
         if recipe["grad_clip_norm"] is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), recipe["grad_clip_norm"])
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
-        step += 1
+        c["step"] += 1
         if not math.isfinite(step_loss):
-            raise FloatingPointError(f"pretraining loss became {step_loss} at step {step}; lower pretrain.lr")
-        window_loss, window_n = window_loss + step_loss, window_n + 1
-        if step % recipe["log_every_steps"] == 0:
-            elapsed = time.perf_counter() - start
-            writer.writerow((step, tokens, f"{window_loss / window_n:.5f}", f"{lr:.6g}", f"{elapsed:.2f}"))
-            bar.set_postfix(loss=f"{window_loss / window_n:.3f}", lr=f"{lr:.2e}", tok_s=f"{tokens / elapsed:,.0f}")
-            window_loss, window_n = 0.0, 0
-        bar.update(min(100, int(100 * t)) - bar.n)
+            raise FloatingPointError(f"pretraining loss became {step_loss} at step {c['step']}; lower pretrain.lr")
+        c["window_loss"], c["window_n"] = c["window_loss"] + step_loss, c["window_n"] + 1
+        done = budget_progress(recipe["budget"], c["tokens"], c["step"], elapsed())
+        eval_loss = ""
+        if heldout is not None and done * recipe["eval_points"] >= c["next_eval"] - 1e-9:
+            eval_loss = f"{heldout.loss(model, precision, device):.5f}"
+            c["next_eval"] = math.floor(done * recipe["eval_points"] + 1e-9) + 1
+        if c["step"] % recipe["log_every_steps"] == 0 or eval_loss or done >= 1.0:
+            mean_loss = c["window_loss"] / c["window_n"]
+            row = (c["step"], c["tokens"], f"{t:.5f}", f"{mean_loss:.5f}", f"{lr:.6g}", f"{multiplier:.5f}",
+                   accumulate * micro, f"{elapsed():.2f}", eval_loss)
+            log_text += ",".join(map(str, row)) + "\n"
+            c["last_loss"] = mean_loss
+            if eval_loss:
+                c["last_eval_loss"] = float(eval_loss)
+            bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{c['tokens'] / elapsed():,.0f}")
+            c["window_loss"], c["window_n"] = 0.0, 0
+        bar.update(min(100, int(100 * done)) - bar.n)
+        if state_path is not None and done < 1.0:
+            every = recipe["resume_every_steps"]
+            if (every and c["step"] % every == 0) or time.perf_counter() - last_save >= recipe["resume_every_seconds"]:
+                c["elapsed_s"] = elapsed()
+                start = last_save = time.perf_counter()
+                save_state()
     bar.close()
-    elapsed = time.perf_counter() - start
-    if window_n:
-        writer.writerow((step, tokens, f"{window_loss / window_n:.5f}", f"{lr:.6g}", f"{elapsed:.2f}"))
+    total_s = elapsed()
     out_dir = Path(out_dir)
-    save_checkpoint(model.cpu(), tok, out_dir, arch["max_positions"])
+    save_checkpoint(unwrap(model).cpu(), tok, out_dir, arch["max_positions"])
     with atomic_path(out_dir / "train_log.csv") as tmp:
-        tmp.write_text(log.getvalue())
+        tmp.write_text(log_text)
     summary = {
-        "steps": step,
-        "tokens": tokens,
-        "epochs_of_data": round(epochs_of_data, 4),
-        "elapsed_s": round(elapsed, 2),
-        "tokens_per_s": round(tokens / elapsed, 1),
+        "run": run,
+        "steps": c["step"],
+        "tokens": c["tokens"],
+        "epochs_of_data": round(c["epochs_of_data"], 4),
+        "elapsed_s": round(total_s, 2),
+        "tokens_per_s": round(c["tokens"] / total_s, 1),
+        "final_loss": round(c.get("last_loss", float("nan")), 5),
+        "eval_loss": c.get("last_eval_loss"),
+        "resumed_from_step": c["resumed_from_step"],
         "parameters": sum(p.numel() for p in model.parameters()),
         "budget": recipe["budget"],
+        "precision": precision,
         "device": str(device),
+        "recipe": recipe,
+        "arch": arch,
         "pretrained": True,
     }
     write_json(out_dir / "summary.json", summary)
+    if state_path is not None:
+        state_path.unlink(missing_ok=True)
     return summary
