@@ -3,7 +3,12 @@ import torch
 from transformers import AutoModelForMaskedLM, AutoModelForSequenceClassification
 
 import cramswarm  # noqa: F401  (registers the Auto classes)
-from cramswarm.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
+from cramswarm.models.crammed_bert import (
+    CrammedBertConfig,
+    CrammedBertForMaskedLM,
+    CrammedBertForSequenceClassification,
+    unwrap_compiled,
+)
 
 TINY = dict(vocab_size=100, num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64)
 
@@ -117,3 +122,106 @@ def test_unknown_switch_values_are_rejected():
     for bad in ({"norm_scheme": "sandwich"}, {"ffn": "swiglu"}, {"pos_embedding": "rotary"}, {"classifier_pooling": "max"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             CrammedBertConfig(**TINY, **bad)
+
+
+def prefix_checkpoint_keys(directory, prefix="_orig_mod."):
+    """Rewrite a saved checkpoint as a torch.compile-wrapped model's state dict would name it."""
+    from safetensors.torch import load_file, save_file
+
+    path = directory / "model.safetensors"
+    state = load_file(path)
+    save_file({prefix + key: value for key, value in state.items()}, path, metadata={"format": "pt"})
+    return sorted(state)
+
+
+def test_checkpoint_with_compiled_prefix_loads_with_auto_classes(tmp_path):
+    """Issue #34 of the original code: keys saved from a compiled model carry ``_orig_mod.``."""
+    model = CrammedBertForMaskedLM(CrammedBertConfig(**TINY)).eval()
+    model.save_pretrained(tmp_path)
+    keys = prefix_checkpoint_keys(tmp_path)
+    assert keys and not any(key.startswith("_orig_mod.") for key in keys)
+    x, labels = masked_batch()
+    loaded = AutoModelForMaskedLM.from_pretrained(tmp_path).eval()
+    assert type(loaded) is CrammedBertForMaskedLM
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    assert torch.equal(loaded(x).logits, model(x).logits)
+    torch.testing.assert_close(loaded(x, labels=labels).loss, model(x, labels=labels).loss, rtol=0, atol=0)
+    classifier = AutoModelForSequenceClassification.from_pretrained(tmp_path, num_labels=3).eval()
+    assert type(classifier) is CrammedBertForSequenceClassification
+    assert torch.equal(classifier.bert(x).last_hidden_state, model.bert(x).last_hidden_state)
+
+
+def test_fresh_model_saves_clean_keys(tmp_path):
+    from safetensors.torch import load_file
+
+    CrammedBertForMaskedLM(CrammedBertConfig(**TINY)).save_pretrained(tmp_path)
+    assert not any(key.startswith("_orig_mod.") for key in load_file(tmp_path / "model.safetensors"))
+
+
+def test_unwrap_compiled_saves_clean_keys(tmp_path):
+    from safetensors.torch import load_file
+
+    model = CrammedBertForMaskedLM(CrammedBertConfig(**TINY)).eval()
+    assert unwrap_compiled(model) is model
+    compiled = torch.compile(model)
+    assert all(key.startswith("_orig_mod.") for key in compiled.state_dict())  # the problem unwrap_compiled solves
+    x, _ = masked_batch()
+    try:
+        out = compiled(x).logits
+    except Exception as error:  # no working C++ toolchain for inductor
+        pytest.skip(f"torch.compile cannot run here: {type(error).__name__}: {error}")
+    torch.testing.assert_close(out, model(x).logits, atol=1e-5, rtol=1e-5)
+    assert unwrap_compiled(compiled) is model
+    unwrap_compiled(compiled).save_pretrained(tmp_path)
+    keys = list(load_file(tmp_path / "model.safetensors"))
+    assert keys and not any(key.startswith("_orig_mod.") for key in keys)
+    loaded = AutoModelForMaskedLM.from_pretrained(tmp_path).eval()
+    assert torch.equal(loaded(x).logits, model(x).logits)
+
+
+@pytest.mark.parametrize("head", ["mlm", "classifier"])
+def test_bert_style_batch_with_token_type_ids(head):
+    """A BERT tokenizer returns token_type_ids; the model accepts and ignores them (it has no type embeddings)."""
+    torch.manual_seed(0)
+    if head == "mlm":
+        model = CrammedBertForMaskedLM(CrammedBertConfig(**TINY)).eval()
+    else:
+        model = CrammedBertForSequenceClassification(CrammedBertConfig(**TINY, num_labels=3)).eval()
+    x = torch.randint(5, 100, (2, 12))
+    mask = torch.ones_like(x)
+    mask[1, 8:] = 0
+    batch = {"input_ids": x, "token_type_ids": torch.zeros_like(x), "attention_mask": mask}
+    plain = model(**batch).logits
+    second_segment = torch.zeros_like(x)
+    second_segment[:, 6:] = 1
+    assert torch.equal(model(**{**batch, "token_type_ids": second_segment}).logits, plain)
+    assert torch.equal(model(input_ids=x, attention_mask=mask).logits, plain)
+    assert plain.shape == ((2, 12, 100) if head == "mlm" else (2, 3))
+
+
+@pytest.mark.parametrize("dropout, deterministic", [(0.0, True), (0.1, False)])
+def test_dropout_in_train_mode(dropout, deterministic):
+    """Pretraining builds with dropout 0 (deterministic even in train mode); fine-tuning uses 0.1."""
+    config = CrammedBertConfig(**TINY, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    model = CrammedBertForMaskedLM(config).train()
+    x, labels = masked_batch()
+    first, second = model(x, labels=labels), model(x, labels=labels)
+    assert torch.equal(first.logits, second.logits) is deterministic
+    assert torch.equal(first.loss, second.loss) is deterministic
+    model.eval()
+    assert torch.equal(model(x).logits, model(x).logits)
+
+
+def test_cpu_autocast_training_attention_matches_bf16_path():
+    """Under CPU autocast with grad, attention runs in fp32 (speed); it must agree with the bf16 kernel's result."""
+    model = CrammedBertForMaskedLM(CrammedBertConfig(**TINY, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    x, labels = masked_batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x, labels=labels)
+        with torch.no_grad():
+            reference = model(x, labels=labels)
+    out.loss.backward()
+    assert out.logits.dtype == torch.bfloat16
+    torch.testing.assert_close(out.logits.float(), reference.logits.float(), atol=2e-2, rtol=2e-2)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)

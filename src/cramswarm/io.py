@@ -48,3 +48,17 @@ def read_json(path: str | os.PathLike) -> Any:
         raise FileNotFoundError(f"missing file: {path}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"corrupt JSON file {path}: {err}") from None
+
+
+def read_json_object(path: str | os.PathLike, kind: str, missing: type[Exception] = FileNotFoundError) -> dict:
+    """Read a JSON object; errors name ``kind`` and the file (``missing`` is raised for an absent file)."""
+    path = Path(path)
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise missing(f"{kind} not found: {path}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not a readable {kind} ({exc})") from exc
+    if not isinstance(record, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(record).__name__}")
+    return record

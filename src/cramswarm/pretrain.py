@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from cramswarm import tokenizer as tokenization
 from cramswarm.io import atomic_path, write_json
-from cramswarm.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
+from cramswarm.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM, unwrap_compiled
 from cramswarm.packing import load_blocks
 
 SCHEDULES = ("triangle", "one-cycle", "cosine", "linear", "inverse-sqrt", "constant")
@@ -128,18 +128,13 @@ def accumulation_at(t: float, final_accumulation: int, ramp_fraction: float) -> 
     return max(1, min(final_accumulation, 1 + math.floor(t / ramp_fraction * final_accumulation)))
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The module inside a ``torch.compile`` wrapper (whose state-dict keys would carry ``_orig_mod.``)."""
-    return getattr(model, "_orig_mod", model)
-
-
 def save_checkpoint(model, tok, out_dir: str | Path, max_length: int) -> None:
     """save_pretrained into a temporary folder beside ``out_dir``, then move each file into place."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".ckpt-", dir=out_dir))
     try:
-        unwrap(model).save_pretrained(tmp)
+        unwrap_compiled(model).save_pretrained(tmp)
         tokenization.to_transformers(tok, max_length).save_pretrained(tmp)
         for path in tmp.iterdir():
             os.replace(path, out_dir / path.name)
@@ -340,7 +335,7 @@ def pretrain(
     bar.close()
     total_s = elapsed()
     out_dir = Path(out_dir)
-    save_checkpoint(unwrap(model).cpu(), tok, out_dir, arch["max_positions"])
+    save_checkpoint(unwrap_compiled(model).cpu(), tok, out_dir, arch["max_positions"])
     with atomic_path(out_dir / "train_log.csv") as tmp:
         tmp.write_text(log_text)
     summary = {

@@ -38,6 +38,8 @@ from transformers import (
     PreTrainedModel,
 )
 from transformers import initialization as init
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
+from transformers.core_model_loading import PrefixChange
 from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput, SequenceClassifierOutput
 
 MODEL_TYPE = "crammed-bert"
@@ -184,7 +186,17 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         batch, length, width = x.shape
         q, k, v = self.qkv(x).view(batch, length, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout_p if self.training else 0.0)
+        dropout_p = self.dropout_p if self.training else 0.0
+        if x.device.type == "cpu" and torch.is_grad_enabled() and torch.is_autocast_enabled("cpu"):
+            # Training under CPU autocast: PyTorch's CPU flash-attention backward is about twice as slow in bf16
+            # as in fp32 (measured: 2 cores, batch 32 x 128, 12 heads of 64), while attention holds few FLOPs.
+            # Running the attention kernel in fp32 is the same function at higher precision and ~10 % faster per
+            # training step at BERT-base shape (benchmarks/README.md). Inference keeps the faster bf16 forward.
+            with torch.autocast("cpu", enabled=False):
+                y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, dropout_p=dropout_p)
+            y = y.to(torch.get_autocast_dtype("cpu"))
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
         return self.out(y.transpose(1, 2).reshape(batch, length, width))
 
 
@@ -389,8 +401,22 @@ class CrammedBertForSequenceClassification(CrammedBertPreTrainedModel):
         return SequenceClassifierOutput(loss=loss, logits=logits)
 
 
+def unwrap_compiled(model: nn.Module) -> nn.Module:
+    """The module ``torch.compile`` wrapped (whose state-dict keys lack the ``_orig_mod.`` prefix), else ``model``."""
+    return getattr(model, "_orig_mod", model)
+
+
 def register() -> None:
-    """Make the Auto classes resolve ``model_type: crammed-bert`` (idempotent)."""
+    """Make the Auto classes resolve ``model_type: crammed-bert`` (idempotent).
+
+    Also registers a load-time key renaming with transformers' conversion mapping: a checkpoint saved from a
+    ``torch.compile``-wrapped model (keys ``_orig_mod.bert....``, GitHub issue #34 of the original code) loads
+    with ``from_pretrained``. The renaming only applies to keys that carry the prefix; a model built from scratch
+    saves clean keys, and one loaded from a prefixed checkpoint re-saves with the prefix (transformers keeps the
+    layout it loaded) unless saved with ``save_original_format=False``.
+    """
+    if get_checkpoint_conversion_mapping(MODEL_TYPE) is None:
+        register_checkpoint_conversion_mapping(MODEL_TYPE, [PrefixChange(prefix_to_remove="_orig_mod")])
     try:
         AutoConfig.register(MODEL_TYPE, CrammedBertConfig)
     except ValueError:  # already registered

@@ -23,7 +23,6 @@ Markdown with per-column precision (losses need three decimals, learning rates a
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -36,6 +35,7 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
 
 from cramswarm.glue.metrics import PAPER_AVERAGE_COLUMNS
+from cramswarm.io import read_json_object
 from cramswarm.report.figures import PALETTE, _new_figure, _save, _style
 from cramswarm.report.tables import COLUMN_LABELS, atomic_write, load_results, per_seed_scores
 
@@ -85,14 +85,7 @@ def read_summary(path: PathLike, fields: Sequence[str] = ()) -> dict:
     A missing or unreadable file, or a missing field, raises ``ValueError`` naming the file (and the field).
     """
     path = Path(path)
-    try:
-        summary = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"pretraining summary not found: {path}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: not a readable summary JSON ({exc})") from exc
-    if not isinstance(summary, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(summary).__name__}")
+    summary = read_json_object(path, "pretraining summary", missing=ValueError)
     for field in fields:
         _field(summary, field, path)
     return summary

@@ -11,7 +11,6 @@ Aggregation rules (one row per (model, vocab)):
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -19,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from cramswarm.io import atomic_path
+from cramswarm.io import atomic_path, read_json_object
 from cramswarm.glue.metrics import SCORE_COLUMNS, glue_average, paper_average, score_columns
 
 LONG_COLUMNS: tuple[str, ...] = ("model", "vocab", "task", "seed", "column", "value")
@@ -78,14 +77,7 @@ def load_results(paths: Iterable[str | os.PathLike]) -> pd.DataFrame:
 
 
 def _read_result(path: Path) -> dict:
-    try:
-        record = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"fine-tuning result file not found: {path}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: not a readable JSON result file ({exc})") from exc
-    if not isinstance(record, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(record).__name__}")
+    record = read_json_object(path, "fine-tuning result file")
     missing = [k for k in ("model", "vocab", "task", "seed", "scores") if k not in record]
     if missing:
         raise ValueError(f"{path}: missing field(s) {', '.join(missing)}")

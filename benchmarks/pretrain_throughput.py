@@ -1,0 +1,238 @@
+"""Pretraining throughput of crammed BERT vs HF ``BertForMaskedLM`` at the same shape, in one process.
+
+One training step = forward + backward + AdamW step under bf16 autocast (CPU), masked-LM on random token
+blocks with a fixed number of masked positions per sequence (25 % of 128 = 32 by default). Crammed BERT
+decodes only the masked positions (sparse prediction); HF decodes every position and ignores the rest
+through ``labels == -100``. Both models see the same inputs and masks.
+
+Step time is the fastest timed step (the median is printed too): on a shared machine other processes only
+ever slow a step down. MFU is model FLOPs / (step time x peak), with the peak measured here from large square bf16 matmuls.
+Model FLOPs per token are counted analytically (see ``flops_per_token``): 6 x the matmul parameters
+each token passes through (2 forward, 4 backward), the decoder only on the positions actually decoded,
+plus the attention score and value matmuls (2 x 2 x seq x hidden per layer per token forward, x3 for
+forward + backward). Embedding lookups, LayerNorms, activations, softmax and the optimizer count zero.
+
+    python benchmarks/pretrain_throughput.py                       # BERT-base shape, ~2 minutes on 2 cores
+    python benchmarks/pretrain_throughput.py --layers 2 --batch 4 --steps 2 --warmup 1 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# Benchmark this checkout's model, whichever checkout the editable install points at.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+
+TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736"
+
+
+def physical_cores() -> int:
+    try:
+        import psutil
+
+        count = psutil.cpu_count(logical=False)
+        if count:
+            return count
+    except ImportError:
+        pass
+    return os.cpu_count() or 1
+
+
+def measure_matmul_peak(size: int, repeats: int = 5, dtype=torch.bfloat16) -> float:
+    """Best-of-``repeats`` TFLOP/s of a size^3 matmul in ``dtype``."""
+    a = torch.randn(size, size, dtype=dtype)
+    b = torch.randn(size, size, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e12
+
+
+def flops_per_token(kind: str, args: argparse.Namespace) -> float:
+    """Training FLOPs per input token (forward + backward = 3 x forward, forward = 2 x MACs)."""
+    h, inter, layers, vocab, seq = args.hidden, args.intermediate, args.layers, args.vocab, args.seq
+    if kind == "crammed":  # fused qkv, out proj, gated FFN (h -> inter, inter/2 -> h), no head transform
+        layer_params = 3 * h * h + h * h + h * inter + (inter // 2) * h
+        head_params = 0
+        decoded = args.masked / seq  # sparse prediction: only masked positions reach the decoder
+    else:  # HF BERT: q, k, v, out, FFN (h -> inter -> h); head transform dense h x h; dense decoding
+        layer_params = 4 * h * h + 2 * h * inter
+        head_params = h * h
+        decoded = 1.0
+    encoder = 6 * layers * layer_params
+    head = 6 * (head_params + h * vocab) * decoded
+    attention = 3 * layers * 2 * 2 * seq * h
+    return encoder + head + attention
+
+
+def build(kind: str, args: argparse.Namespace) -> torch.nn.Module:
+    if kind == "crammed":
+        from cramswarm.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
+
+        config = CrammedBertConfig(
+            vocab_size=args.vocab,
+            num_hidden_layers=args.layers,
+            hidden_size=args.hidden,
+            num_attention_heads=args.heads,
+            intermediate_size=args.intermediate,
+            max_position_embeddings=args.seq,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+        return CrammedBertForMaskedLM(config)
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(
+        vocab_size=args.vocab,
+        num_hidden_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        intermediate_size=args.intermediate,
+        max_position_embeddings=max(512, args.seq),
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        attn_implementation="sdpa",
+    )
+    return BertForMaskedLM(config)
+
+
+def make_batches(args: argparse.Namespace, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(count):
+        ids = torch.randint(5, args.vocab, (args.batch, args.seq), generator=generator)
+        order = torch.rand(args.batch, args.seq, generator=generator).argsort(dim=1)
+        selected = torch.zeros(args.batch, args.seq, dtype=torch.bool).scatter_(1, order[:, : args.masked], True)
+        labels = torch.where(selected, ids, torch.full_like(ids, -100))
+        inputs = torch.where(selected, torch.full_like(ids, 4), ids)  # 4 = a stand-in <mask> id
+        batches.append((inputs, labels))
+    return batches
+
+
+def run(kind: str, args: argparse.Namespace, batches) -> dict:
+    torch.manual_seed(0)
+    model = build(kind, args).train()
+    params = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
+    step_model = torch.compile(model) if args.compile else model
+    times = []
+    for i, (inputs, labels) in enumerate(batches):
+        start = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = step_model(input_ids=inputs, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        elapsed = time.perf_counter() - start
+        if i >= args.warmup:
+            times.append(elapsed)
+        if args.verbose:
+            print(f"  {kind} step {i}: {elapsed:.3f} s, loss {loss.item():.3f}", flush=True)
+    # The fastest timed step: on a shared machine other processes only ever slow a step down.
+    step = min(times)
+    tokens = args.batch * args.seq
+    flops = flops_per_token(kind, args)
+    achieved = flops * tokens / step / 1e12
+    return {
+        "model": kind,
+        "parameters": params,
+        "step_s_best": step,
+        "step_s_median": statistics.median(times),
+        "step_s_all": times,
+        "tokens_per_s": tokens / step,
+        "flops_per_token": flops,
+        "achieved_tflops": achieved,
+        "mfu": achieved / args.peak_tflops,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--intermediate", type=int, default=3072)
+    parser.add_argument("--vocab", type=int, default=32768)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=32, help="sequences per step (config.yaml micro batch: 32)")
+    parser.add_argument("--mask-rate", type=float, default=0.25)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per model")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per model before timing")
+    parser.add_argument("--threads", type=int, default=physical_cores(), help="default: physical cores")
+    parser.add_argument("--compile", action="store_true", help="torch.compile both models")
+    parser.add_argument("--peak-size", type=int, default=4096, help="square bf16 matmul size for the peak")
+    parser.add_argument("--models", default="crammed,hf", help="comma-separated subset of crammed,hf")
+    parser.add_argument(
+        "--no-malloc-trim",
+        action="store_true",
+        help="re-run under GLIBC_TUNABLES that keep freed memory in the heap (no mmap, no trim), so big activation "
+        "buffers are not page-faulted in again every step",
+    )
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--verbose", action="store_true", help="print every step")
+    args = parser.parse_args(argv)
+    args.masked = round(args.mask_rate * args.seq)
+    if args.no_malloc_trim and TUNABLES not in os.environ.get("GLIBC_TUNABLES", ""):
+        env = dict(os.environ, GLIBC_TUNABLES=TUNABLES)
+        os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *(argv or sys.argv[1:])], env)
+
+    torch.set_num_threads(args.threads)
+    args.peak_tflops = measure_matmul_peak(args.peak_size)
+    malloc = f", GLIBC_TUNABLES={os.environ['GLIBC_TUNABLES']}" if "GLIBC_TUNABLES" in os.environ else ""
+    print(
+        f"torch {torch.__version__}, {args.threads} threads, {platform.processor() or platform.machine()}{malloc}; "
+        f"bf16 matmul peak ({args.peak_size}^3): {args.peak_tflops:.3f} TFLOP/s"
+    )
+    print(
+        f"shape: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, intermediate {args.intermediate}, "
+        f"vocab {args.vocab}, seq {args.seq}, batch {args.batch}, {args.masked} masked/seq, "
+        f"{args.warmup} warmup + {args.steps} timed steps{', compiled' if args.compile else ''}"
+    )
+    batches = make_batches(args, args.warmup + args.steps)
+    results = [run(kind, args, batches) for kind in args.models.split(",")]
+
+    by_kind = {r["model"]: r for r in results}
+    header = f"{'model':<8} {'params':>8} {'best s':>7} {'median s':>8} {'tokens/s':>9} {'GFLOP/tok':>9} {'TFLOP/s':>8} {'MFU':>6} {'vs HF':>6}"
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        ratio = r["tokens_per_s"] / by_kind["hf"]["tokens_per_s"] if "hf" in by_kind else float("nan")
+        r["ratio_vs_hf"] = ratio
+        print(
+            f"{r['model']:<8} {r['parameters'] / 1e6:>7.1f}M {r['step_s_best']:>7.3f} {r['step_s_median']:>8.3f} "
+            f"{r['tokens_per_s']:>9.0f} "
+            f"{r['flops_per_token'] / 1e9:>9.3f} {r['achieved_tflops']:>8.3f} {r['mfu']:>6.1%} {ratio:>6.2f}"
+        )
+    report = {
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "peak_tflops_bf16": args.peak_tflops,
+        "shape": {k: getattr(args, k) for k in ("layers", "hidden", "heads", "intermediate", "vocab", "seq", "batch", "masked")},
+        "compile": args.compile,
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "results": results,
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return report
+
+
+if __name__ == "__main__":
+    main()
