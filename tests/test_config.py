@@ -16,9 +16,11 @@ def check(cfg, repo):
     return validate_config(copy.deepcopy(cfg), repo / "config" / "schema.yaml", base_dir=repo)
 
 
-@pytest.mark.parametrize("overlays", [[], ["paper.yaml"], ["test/tiny.yaml"], ["mirror.yaml"]])
+@pytest.mark.parametrize(
+    "overlays", [[], ["paper.yaml"], ["test/tiny.yaml"], ["mirror.yaml"], ["mirror.yaml", "mirror_arch.yaml"]]
+)
 def test_shipped_configs_validate(repo, overlays, monkeypatch):
-    if overlays == ["mirror.yaml"] and not (repo.parent / "shared" / "data" / "hub").is_dir():
+    if "mirror.yaml" in overlays and not (repo.parent / "shared" / "data" / "hub").is_dir():
         pytest.skip("config/mirror.yaml points at ../shared/data/hub, which is absent here")
     monkeypatch.chdir(repo)
     cfg = load_config([repo / "config" / "config.yaml", *(repo / "config" / o for o in overlays)], base_dir=repo)
@@ -139,3 +141,11 @@ def test_runs_carry_full_arch_and_merged_recipe(repo, default):
     assert groups["groups-original_arch"]["recipe"]["mask_rate"] == 0.25  # crammed training
     assert groups["groups-original_training"]["recipe"]["lr"] == bert["recipe"]["lr"]
     assert runs["arch-depth4"]["arch"] == {**cfg["models"]["crammed"]["arch"], "layers": 4}
+
+
+def test_model_info_prints_the_paper_shape_parameter_count(repo):
+    out = subprocess.run(
+        [sys.executable, "-m", "cramswarm", "model-info", "config/config.yaml", "config/paper.yaml", "--runs", "crammed"],
+        cwd=repo, capture_output=True, text=True, check=True,
+    ).stdout
+    assert "crammed: 16 layers x 768 (12 heads), vocab 32768: 119,589,889 parameters" in out

@@ -65,6 +65,29 @@ def show_config(args) -> int:
     return 0
 
 
+@command("model-info", "parameter counts of every run's model at the main vocab size (counted from the built shapes)")
+def model_info(args) -> int:
+    import torch
+
+    from cramswarm.config import load_config, resolve_runs
+    from cramswarm.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
+
+    cfg = load_config(args.configs, args.schema)
+    vocab = args.vocab_size or cfg["tokenizer"]["main_vocab_size"]
+    runs = resolve_runs(cfg)
+    for name in args.runs or [n for n, r in runs.items() if r["study"] == "models"]:
+        if name not in runs:
+            raise ValueError(f"unknown run {name!r}; known: {', '.join(runs)}")
+        arch = runs[name]["arch"]
+        with torch.device("meta"):  # shapes only, no memory
+            model = CrammedBertForMaskedLM(CrammedBertConfig.from_arch(arch, vocab))
+        total = sum(p.numel() for p in model.parameters())
+        embedding = model.bert.embeddings.word_embeddings.weight.numel()
+        print(f"{name}: {arch['layers']} layers x {arch['hidden_size']} ({arch['heads']} heads), vocab {vocab}: "
+              f"{total:,} parameters ({embedding:,} in the tied word embedding, {total - embedding:,} elsewhere)")
+    return 0
+
+
 @command("corpus", "write the pretraining corpus (parquet, one 'text' column) from the configured source")
 def corpus(args) -> int:
     from cramswarm.data.sources import corpus_documents, write_corpus
@@ -201,9 +224,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from cramswarm.config import DEFAULT_SCHEMA
 
-    for name in ("check-config", "show-config"):
+    for name in ("check-config", "show-config", "model-info"):
         p[name].add_argument("configs", nargs="+", type=Path, help="config YAML files, later ones overlay earlier ones")
         p[name].add_argument("--schema", type=Path, default=DEFAULT_SCHEMA)
+    p["model-info"].add_argument("--runs", nargs="*", help="run names (default: the study's models)")
+    p["model-info"].add_argument("--vocab-size", type=int, help="default: tokenizer.main_vocab_size")
     p["show-config"].add_argument("--key", default="", help="dotted section to print, e.g. pretrain or models.crammed.arch")
     source_help = "JSON with the config's source, synthetic and hub sections"
     for name in ("corpus", "glue-data"):
