@@ -225,3 +225,20 @@ def test_state_of_another_recipe_is_not_resumed(tiny_run):
     other = pretrain(r | {"lr": 1e-3}, ARCH, folder / "blocks.npy", tok_path, folder / "a", progress=False,
                      state_dir=state)
     assert other["resumed_from_step"] is None and other["steps"] == 6
+
+
+def test_compiled_pretraining_matches_eager_and_saves_clean_keys(tiny_run):
+    """pretrain.compile: torch.compile (CPU inductor) trains the same model and the checkpoint has no _orig_mod."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("torch.compile on CPU needs a C compiler (cc/gcc), none on PATH")
+    folder, tok_path = tiny_run
+    r = recipe(budget={"unit": "steps", "value": 6}, precision="fp32")
+    eager = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "eager", progress=False)
+    compiled = pretrain(r | {"compile": True}, ARCH, folder / "blocks.npy", tok_path, folder / "compiled",
+                        progress=False)
+    assert compiled["final_loss"] == pytest.approx(eager["final_loss"], abs=1e-3)
+    assert not [k for k in load_file(folder / "compiled" / "model.safetensors") if k.startswith("_orig_mod")]
