@@ -49,6 +49,8 @@ BLOCKS = "results/packed/{source}/v{vocab}/blocks.npy"
 FINETUNE = "results/glue/{source}/{model}/v{vocab}/{task}/s{seed}.json"
 # Tables and figures are kept per source, so the synthetic and the real-data study never overwrite each other.
 GLUE_TABLES = [f"results/tables/{SOURCE}/glue.{ext}" for ext in ("csv", "md")]
+# Our GLUE table with the published rows (report/paper_glue.csv) below it, and LaTeX.
+GLUE_PAPER_TABLES = [f"results/tables/{SOURCE}/glue_paper.{ext}" for ext in ("csv", "md", "tex")]
 VOCAB_SWEEP_TABLES = [f"results/tables/{SOURCE}/vocab_sweep.{ext}" for ext in ("csv", "md")]
 FIGURES = [f"results/figures/{SOURCE}/{name}.png" for name in ("mlm_loss_vs_tokens", "glue_by_task", "glue_vs_vocab")]
 

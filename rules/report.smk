@@ -7,6 +7,7 @@ rule tables:
     output:
         GLUE_TABLES,
         VOCAB_SWEEP_TABLES,
+        GLUE_PAPER_TABLES,  # written by `tables` from the --out-stem: <glue stem>_paper.{csv,md,tex}
     params:
         baselines=BASELINES,
         not_swept=NOT_SWEPT,

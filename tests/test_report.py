@@ -9,10 +9,21 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from cramswarm.glue.metrics import SCORE_COLUMNS, paper_average
+from cramswarm.cli import main as cli_main
+from cramswarm.glue.metrics import PAPER_AVERAGE_COLUMNS, SCORE_COLUMNS, paper_average
 from cramswarm.glue.tasks import TASKS
 from cramswarm.report.figures import plot_glue_by_task, plot_loss_curves, plot_vocab_sweep
-from cramswarm.report.tables import glue_table, load_results, vocab_sweep_table, write_table
+from cramswarm.report.tables import (
+    DEFAULT_REFERENCE_MODEL,
+    glue_table,
+    glue_table_with_paper,
+    latex_escape,
+    load_results,
+    paper_rows,
+    to_latex,
+    vocab_sweep_table,
+    write_table,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -198,3 +209,125 @@ def test_plot_vocab_sweep(tmp_path):
 
 def test_plot_glue_by_task(results, tmp_path):
     assert_png(plot_glue_by_task(results, tmp_path / "fig" / "tasks.png"))
+
+
+# --- published rows beside ours -------------------------------------------------------------------------------
+
+
+def test_paper_rows_transcription_matches_published_average():
+    rows = paper_rows()
+    assert list(rows.columns) == ["source", "model", *PAPER_AVERAGE_COLUMNS, "avg_paper", "note"]
+    assert DEFAULT_REFERENCE_MODEL in set(rows["model"])
+    assert rows["note"].str.match(r"\[(paper|third-party|derived)\]").all()
+    assert rows["source"].str.len().gt(0).all() and rows["avg_paper"].notna().all()
+    complete = rows.dropna(subset=list(PAPER_AVERAGE_COLUMNS))
+    assert len(complete) >= 5  # v1: BERT-base, no-pretrain, RoBERTa-base, crammed A6000; ICML HF card
+    for _, row in complete.iterrows():
+        # The paper's rule: mean of the nine (MNLI-m and -mm separately, QQP/MRPC F1, STS-B Pearson, no WNLI).
+        assert paper_average(row) == pytest.approx(row["avg_paper"], abs=0.1), row["model"]
+    crammed = rows.set_index("model").loc[DEFAULT_REFERENCE_MODEL]
+    assert (crammed["mnli_m"], crammed["cola"], crammed["avg_paper"]) == (83.9, 44.5, 78.6)
+
+
+def ours_frame():
+    scores = dict.fromkeys(SCORE_COLUMNS, 80.0)
+    return pd.DataFrame(
+        [
+            {"model": "crammed", "vocab": 2048, **scores, "avg_paper": 80.0, "avg_paper_std": 0.5, "avg_glue": 80.0,
+             "n_seeds": 3},
+            {"model": "scratch", "vocab": 2048, **scores, "avg_paper": float("nan"), "avg_paper_std": float("nan"),
+             "avg_glue": float("nan"), "n_seeds": 1},
+        ]
+    )
+
+
+def paper_frame():
+    return pd.DataFrame(
+        {
+            "source": ["S1", "S2"],
+            "model": ["ref_a", "ref_b"],
+            **{c: [70.0, float("nan")] for c in PAPER_AVERAGE_COLUMNS},
+            "avg_paper": [78.6, 75.0],
+            "note": ["[paper]", "[third-party]"],
+        }
+    )
+
+
+def test_glue_table_with_paper_delta():
+    ours = ours_frame()
+    table = glue_table_with_paper(ours, "ref_a", paper=paper_frame())
+    assert table["kind"].tolist() == ["ours", "ours", "published", "published"]
+    assert table["model"].tolist() == ["crammed", "scratch", "ref_a", "ref_b"]
+    columns = list(table.columns)
+    assert columns[0] == "kind" and columns[-2:] == ["source", "note"]
+    assert columns.index("avg_paper_delta") == columns.index("avg_paper") + 1
+    assert table.loc[0, "avg_paper_delta"] == pytest.approx(80.0 - 78.6)
+    assert table["avg_paper_delta"][1:].isna().all()  # no average for scratch; none for the published rows
+    assert table.loc[2, "avg_paper"] == 78.6 and table.loc[3, "note"] == "[third-party]"
+    assert str(table["vocab"].dtype) == "Int64" and table["vocab"].tolist()[:2] == [2048, 2048]
+    assert table["vocab"][2:].isna().all()
+    pd.testing.assert_frame_equal(ours, ours_frame())  # the input is not modified
+    other = glue_table_with_paper(ours, "ref_b", paper=paper_frame())
+    assert other.loc[0, "avg_paper_delta"] == pytest.approx(5.0)
+    with pytest.raises(ValueError, match="unknown reference model 'nope'"):
+        glue_table_with_paper(ours, "nope", paper=paper_frame())
+    # Default: the shipped rows, delta against the v1 crammed A6000 row (78.6).
+    default = glue_table_with_paper(ours)
+    assert default.loc[0, "avg_paper_delta"] == pytest.approx(80.0 - 78.6)
+    assert (default["kind"] == "published").sum() == len(paper_rows())
+
+
+def test_latex_escaping_and_nan():
+    assert latex_escape("a_b 5% R&D #1") == r"a\_b 5\% R\&D \#1"
+    df = pd.DataFrame(
+        {"kind": ["ours", "published"], "model": ["crammed_v1", "BERT & co"], "vocab": pd.array([2048, None], "Int64"),
+         "cola": [44.46, float("nan")], "avg_paper_delta": [-2.34, float("nan")]}
+    )
+    tex = to_latex(df)
+    lines = tex.splitlines()
+    assert lines[0] == r"\begin{tabular}{llrrr}" and lines[1] == r"\toprule" and lines[-1] == r"\end{tabular}"
+    assert lines[2] == r"Kind & Model & Vocab & CoLA & $\Delta$ avg vs paper crammed \\"
+    assert r"ours & crammed\_v1 & 2048 & 44.5 & -2.3 \\" in lines
+    assert r"published & BERT \& co & -- & -- & -- \\" in lines
+    # a rule separates our rows from the published ones
+    assert lines.index(r"published & BERT \& co & -- & -- & -- \\") - 1 == lines.index(r"\midrule", 4)
+    assert "nan" not in tex.lower() and "<NA>" not in tex
+
+
+def test_write_table_latex_option(tmp_path):
+    df = pd.DataFrame({"model": ["m_1"], "cola": [float("nan")]})
+    assert [p.name for p in write_table(df, tmp_path / "t")] == ["t.csv", "t.md"]
+    paths = write_table(df, tmp_path / "u", latex=True)
+    assert [p.name for p in paths] == ["u.csv", "u.md", "u.tex"]
+    assert r"m\_1 & -- \\" in paths[2].read_text()
+
+
+def test_cli_tables_writes_paper_files(tmp_path):
+    folder = tmp_path / "results"
+    folder.mkdir()
+    paths = write_runs(folder, "crammed", 2048, base=80.0) + write_runs(folder, "scratch", 2048, base=30.0)
+    out = tmp_path / "tables"
+    argv = ["tables", "--results", *map(str, paths), "--baseline", "scratch",
+            "--out-stem", str(out / "glue"), "--sweep-stem", str(out / "vocab_sweep")]
+    assert cli_main(argv) == 0
+    # exactly these files: no temporary leftovers
+    assert sorted(p.name for p in out.iterdir()) == [
+        "glue.csv", "glue.md", "glue_paper.csv", "glue_paper.md", "glue_paper.tex", "vocab_sweep.csv", "vocab_sweep.md"
+    ]
+
+    paper = pd.read_csv(out / "glue_paper.csv")
+    assert paper["kind"].tolist() == ["ours"] * 2 + ["published"] * len(paper_rows())
+    crammed = paper.set_index("model").loc["crammed"]
+    assert crammed["avg_paper"] == pytest.approx(84.0)  # 80 + median seed offset 4
+    assert crammed["avg_paper_delta"] == pytest.approx(84.0 - 78.6)
+    assert pd.read_csv(out / "glue.csv").columns.tolist()[0] == "model"  # the plain table is unchanged
+    md = (out / "glue_paper.md").read_text()
+    assert "Δ avg vs paper crammed" in md and DEFAULT_REFERENCE_MODEL in md
+    tex = (out / "glue_paper.tex").read_text()
+    assert tex.startswith(r"\begin{tabular}") and r"Crammed BERT (A6000, 24 h, v1)" in tex and "5.4" in tex
+
+    # another reference row
+    assert cli_main([*argv, "--paper-reference", "RoBERTa-base"]) == 0
+    paper = pd.read_csv(out / "glue_paper.csv").set_index("model")
+    assert paper.loc["crammed", "avg_paper_delta"] == pytest.approx(84.0 - 85.1)
+    assert cli_main([*argv, "--paper-reference", "no such row"]) == 2

@@ -170,12 +170,15 @@ def finetune(args) -> int:
     return 0
 
 
-@command("tables", "GLUE tables (CSV + Markdown): main table and vocab sweep, median over seeds")
+@command("tables", "GLUE tables (CSV + Markdown): main table, main table beside the published rows (+ LaTeX), vocab sweep")
 def tables(args) -> int:
     from cramswarm.report import tables as t
 
     df = t.load_results(args.results)
-    t.write_table(t.glue_table(df), args.out_stem)
+    main = t.glue_table(df)
+    t.write_table(main, args.out_stem)
+    # <out-stem>_paper.{csv,md,tex}: our rows, the published ones below, and our delta to a published average.
+    t.write_table(t.glue_table_with_paper(main, args.paper_reference), f"{args.out_stem}_paper", latex=True)
     t.write_table(t.vocab_sweep_table(df, exclude=args.baseline + args.not_swept), args.sweep_stem)
     return 0
 
@@ -275,6 +278,11 @@ def build_parser() -> argparse.ArgumentParser:
         p[name].add_argument("--not-swept", nargs="*", default=[], help="pretrained models left out of the vocab sweep")
     p["tables"].add_argument("--out-stem", required=True)
     p["tables"].add_argument("--sweep-stem", required=True)
+    p["tables"].add_argument(
+        "--paper-reference",
+        default="Crammed BERT (A6000, 24 h, v1)",
+        help="published row (its 'model' in report/paper_glue.csv) that <out-stem>_paper's GLUE-average delta refers to",
+    )
     p["figures"].add_argument("--logs", nargs="+", required=True, help="pretraining train_log.csv files")
     p["figures"].add_argument("--loss-png", required=True)
     p["figures"].add_argument("--tasks-png", required=True)

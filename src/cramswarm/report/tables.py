@@ -13,13 +13,20 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from cramswarm.io import atomic_path, read_json_object
-from cramswarm.glue.metrics import SCORE_COLUMNS, glue_average, paper_average, score_columns
+from cramswarm.glue.metrics import (
+    PAPER_AVERAGE_COLUMNS,
+    SCORE_COLUMNS,
+    glue_average,
+    paper_average,
+    score_columns,
+)
 
 LONG_COLUMNS: tuple[str, ...] = ("model", "vocab", "task", "seed", "column", "value")
 KEYS: list[str] = ["model", "vocab"]
@@ -46,7 +53,16 @@ COLUMN_LABELS: dict[str, str] = {
     "avg_glue": "GLUE avg (benchmark)",
     "mnli_m_std": "MNLI-m ± seed std",
     "n_seeds": "Seeds",
+    "kind": "Kind",
+    "avg_paper_delta": "Δ avg vs paper crammed",
+    "source": "Source",
+    "note": "Note",
 }
+
+# The published GLUE-dev rows (package data next to this module) and the row our deltas refer to by default.
+PAPER_GLUE_CSV = "paper_glue.csv"
+PAPER_COLUMNS: tuple[str, ...] = ("source", "model", *PAPER_AVERAGE_COLUMNS, "avg_paper", "note")
+DEFAULT_REFERENCE_MODEL = "Crammed BERT (A6000, 24 h, v1)"
 
 
 def load_results(paths: Iterable[str | os.PathLike]) -> pd.DataFrame:
@@ -159,14 +175,131 @@ def to_markdown(df: pd.DataFrame) -> str:
 
 
 def _format_cell(value) -> str:
+    if value is pd.NA:  # a missing entry of a nullable integer column (e.g. vocab of a published row)
+        return "NaN"
     if isinstance(value, (float, np.floating)):
         return "NaN" if np.isnan(value) else f"{value:.1f}"
     return str(value)
 
 
-def write_table(df: pd.DataFrame, stem: str | os.PathLike) -> tuple[Path, Path]:
-    """Write ``df`` to ``<stem>.csv`` (full precision, NaN as ``NaN``) and ``<stem>.md``, each atomically."""
+def write_table(df: pd.DataFrame, stem: str | os.PathLike, *, latex: bool = False) -> tuple[Path, ...]:
+    """Write ``df`` to ``<stem>.csv`` (full precision, NaN as ``NaN``) and ``<stem>.md``, each atomically; with
+    ``latex=True`` also ``<stem>.tex`` (see :func:`to_latex`). Returns the paths written, in that order."""
     stem = Path(stem)
     csv_path = atomic_write(stem.with_name(stem.name + ".csv"), lambda tmp: df.to_csv(tmp, index=False, na_rep="NaN"))
     md_path = atomic_write(stem.with_name(stem.name + ".md"), lambda tmp: tmp.write_text(to_markdown(df)))
-    return csv_path, md_path
+    if not latex:
+        return csv_path, md_path
+    tex_path = atomic_write(stem.with_name(stem.name + ".tex"), lambda tmp: tmp.write_text(to_latex(df)))
+    return csv_path, md_path, tex_path
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Published rows beside ours
+
+
+def paper_rows() -> pd.DataFrame:
+    """The published GLUE-dev rows shipped as ``paper_glue.csv``: columns :data:`PAPER_COLUMNS`, scores in
+    percent, NaN where the source gives no number. ``note`` carries the confidence tag of the reference
+    ([paper] = printed by the authors, [third-party] = quoted by someone else)."""
+    with resources.as_file(resources.files(__package__).joinpath(PAPER_GLUE_CSV)) as path:
+        rows = pd.read_csv(path, dtype={"source": "str", "model": "str", "note": "str"}, keep_default_na=False,
+                           na_values={c: [""] for c in (*PAPER_AVERAGE_COLUMNS, "avg_paper")})
+    missing = [c for c in PAPER_COLUMNS if c not in rows.columns]
+    if missing:
+        raise ValueError(f"{PAPER_GLUE_CSV}: missing column(s) {', '.join(missing)}")
+    if rows["model"].duplicated().any():
+        raise ValueError(f"{PAPER_GLUE_CSV}: duplicate model(s) {sorted(set(rows['model'][rows['model'].duplicated()]))}")
+    numeric = [*PAPER_AVERAGE_COLUMNS, "avg_paper"]
+    rows[numeric] = rows[numeric].astype("float64")
+    return rows[list(PAPER_COLUMNS)]
+
+
+def glue_table_with_paper(
+    ours: pd.DataFrame,
+    reference_model: str = DEFAULT_REFERENCE_MODEL,
+    *,
+    paper: pd.DataFrame | None = None,
+) -> pd.DataFrame:
+    """Our GLUE table (the output of :func:`glue_table`) with the published rows appended below it.
+
+    A leading ``kind`` column says ``"ours"`` or ``"published"``. ``avg_paper_delta`` is, for our rows, our
+    ``avg_paper`` minus the published ``avg_paper`` of ``reference_model`` (NaN for the published rows and for
+    our rows without an average). ``source`` and ``note`` cite the published rows. ``paper`` defaults to
+    :func:`paper_rows`; an unknown reference model, or one without a published average, raises ValueError.
+    """
+    paper = paper_rows() if paper is None else paper
+    matches = paper.loc[paper["model"] == reference_model, "avg_paper"]
+    if matches.empty:
+        raise ValueError(f"unknown reference model {reference_model!r}; published rows: {list(paper['model'])}")
+    reference = float(matches.iloc[0])
+    if np.isnan(reference):
+        raise ValueError(f"reference model {reference_model!r} has no published GLUE average")
+
+    ours = ours.copy()
+    ours.insert(0, "kind", "ours")
+    ours["avg_paper_delta"] = ours["avg_paper"] - reference
+    published = paper.copy()
+    published.insert(0, "kind", "published")
+    combined = pd.concat([ours, published], ignore_index=True, sort=False)
+
+    columns = list(ours.columns)
+    columns.insert(columns.index("avg_paper") + 1, columns.pop(columns.index("avg_paper_delta")))
+    columns += [c for c in published.columns if c not in columns]
+    combined = combined[columns]
+    # Integer columns of our table stay integers (nullable, missing for the published rows), not 2048.0.
+    for name in ("vocab", "n_seeds"):
+        if name in combined and name in ours and pd.api.types.is_integer_dtype(ours[name]):
+            combined[name] = combined[name].astype("Int64")
+    return combined
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# LaTeX
+
+LATEX_NAN = "--"  # an en dash in LaTeX source: how a missing number is typeset
+_LATEX_SPECIALS = {
+    "\\": r"\textbackslash{}",
+    "&": r"\&",
+    "%": r"\%",
+    "$": r"\$",
+    "#": r"\#",
+    "_": r"\_",
+    "{": r"\{",
+    "}": r"\}",
+    "~": r"\textasciitilde{}",
+    "^": r"\textasciicircum{}",
+}
+_LATEX_SYMBOLS = {"Δ": r"$\Delta$", "±": r"$\pm$", "–": "--"}
+
+
+def latex_escape(text: str) -> str:
+    """Escape LaTeX's special characters in ``text`` (and typeset Δ, ± and – portably)."""
+    out = []
+    for char in str(text):
+        out.append(_LATEX_SPECIALS.get(char) or _LATEX_SYMBOLS.get(char) or char)
+    return "".join(out)
+
+
+def _latex_cell(value) -> str:
+    if value is pd.NA or value is None:
+        return LATEX_NAN
+    if isinstance(value, (float, np.floating)):
+        return LATEX_NAN if np.isnan(value) else f"{value:.1f}"
+    return latex_escape(value)
+
+
+def to_latex(df: pd.DataFrame) -> str:
+    """A booktabs ``tabular`` (needs ``\\usepackage{booktabs}``): headers from :data:`COLUMN_LABELS`, floats to
+    one decimal, missing values as an en dash, text escaped. Numeric columns are right-aligned. With a ``kind``
+    column, a ``\\midrule`` separates each run of equal kinds (our rows from the published ones)."""
+    align = "".join("r" if pd.api.types.is_numeric_dtype(column) else "l" for _, column in df.items())
+    header = " & ".join(latex_escape(COLUMN_LABELS.get(name, name)) for name in df.columns)
+    lines = [f"\\begin{{tabular}}{{{align}}}", "\\toprule", header + r" \\", "\\midrule"]
+    kinds = df["kind"].tolist() if "kind" in df.columns else [None] * len(df)
+    for i, (kind, row) in enumerate(zip(kinds, df.itertuples(index=False))):
+        if i and kind != kinds[i - 1]:
+            lines.append("\\midrule")
+        lines.append(" & ".join(_latex_cell(value) for value in row) + r" \\")
+    lines += ["\\bottomrule", "\\end{tabular}"]
+    return "\n".join(lines) + "\n"
