@@ -25,7 +25,6 @@ from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's package
 
-from cramswarm import tokenizer as tokenization  # noqa: E402
 from cramswarm.data.sources import read_glue  # noqa: E402
 from cramswarm.finetune import bucketed_batches, collate, encode, load_model  # noqa: E402
 from cramswarm.glue.tasks import TASK_NAMES, get_task  # noqa: E402
@@ -37,15 +36,6 @@ def padded_batches(n: int, batch_size: int, rng: np.random.Generator) -> list[np
     return [order[i : i + batch_size] for i in range(0, n, batch_size)]
 
 
-def collate_to(ids: list[list[int]], index: np.ndarray, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    input_ids = torch.full((len(index), width), tokenization.PAD_ID, dtype=torch.long)
-    mask = torch.zeros((len(index), width), dtype=torch.long)
-    for row, i in enumerate(index):
-        input_ids[row, : len(ids[i])] = torch.tensor(ids[i])
-        mask[row, : len(ids[i])] = 1
-    return input_ids, mask
-
-
 def run(model, batches, ids, labels, width, warmup: int) -> tuple[float, float]:
     """Examples/s over the timed batches, and the share of real (non-pad) tokens in them."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -55,7 +45,7 @@ def run(model, batches, ids, labels, width, warmup: int) -> tuple[float, float]:
     for step, index in enumerate(batches):
         if step == warmup:
             start = time.perf_counter()
-        input_ids, mask = collate(ids, index) if width is None else collate_to(ids, index, width)
+        input_ids, mask = collate(ids, index, width)
         with autocast("bf16", device):
             loss = model(input_ids, attention_mask=mask, labels=labels[index]).loss
         loss.backward()

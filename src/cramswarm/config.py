@@ -117,10 +117,11 @@ def _arch_errors(arch: dict, where: str, longest: int) -> list[str]:
     return errors
 
 
-def _model_ref_errors(cfg: dict, where: str, name: str, pretrained: bool = True) -> list[str]:
+def _model_ref_errors(cfg: dict, where: str, name: str) -> list[str]:
+    """An ablation's reference to a study model: it must exist and be pretrained."""
     if name not in cfg["models"]:
         return [f"config key '{where}': model {name!r} is not in models ({', '.join(cfg['models'])})"]
-    if pretrained and not cfg["models"][name]["pretrain"]:
+    if not cfg["models"][name]["pretrain"]:
         return [f"config key '{where}': model {name!r} has pretrain: false; an ablation needs a pretrained model"]
     return []
 

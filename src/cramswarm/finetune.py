@@ -53,8 +53,9 @@ def bucketed_batches(lengths: np.ndarray, batch_size: int, rng: np.random.Genera
     return batches
 
 
-def collate(ids: list[list[int]], index: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(ids[i]) for i in index)
+def collate(ids: list[list[int]], index: np.ndarray, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad the batch to its longest example (dynamic padding), or to ``width`` tokens when given."""
+    width = width or max(len(ids[i]) for i in index)
     input_ids = torch.full((len(index), width), tokenization.PAD_ID, dtype=torch.long)
     mask = torch.zeros((len(index), width), dtype=torch.long)
     for row, i in enumerate(index):

@@ -162,7 +162,7 @@ def fingerprint(recipe: dict, arch: dict, blocks_path: str | Path, vocab_size: i
     """What a saved training state must match to be resumed: the recipe (minus save cadence), arch and data."""
     relevant = {k: v for k, v in recipe.items() if not k.startswith("resume_every")}
     stat = Path(blocks_path).stat()
-    payload = json.dumps([relevant, arch, vocab_size, stat.st_size], sort_keys=True, default=str)
+    payload = json.dumps([relevant, arch, vocab_size, stat.st_size], sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
@@ -195,8 +195,7 @@ class HeldOut:
 
 
 def _save_state(path: Path, payload: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(path) as tmp:
+    with atomic_path(path) as tmp:  # creates the folder
         torch.save(payload, tmp)
 
 

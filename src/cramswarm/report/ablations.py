@@ -37,7 +37,7 @@ from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
 from cramswarm.glue.metrics import PAPER_AVERAGE_COLUMNS
 from cramswarm.io import read_json_object
 from cramswarm.report.figures import PALETTE, _new_figure, _save, _style
-from cramswarm.report.tables import COLUMN_LABELS, atomic_write, load_results, per_seed_scores
+from cramswarm.report.tables import COLUMN_LABELS, load_results, per_seed_scores, write_table
 
 PathLike = str | os.PathLike
 
@@ -313,10 +313,7 @@ def write_ablation_table(df: pd.DataFrame, stem: PathLike) -> tuple[Path, Path]:
     ``<stem>.md`` (see :func:`to_markdown`), each atomically. A pivot's ``schedule`` index becomes a column."""
     if df.index.name is not None:
         df = df.reset_index()
-    stem = Path(stem)
-    csv_path = atomic_write(stem.with_name(stem.name + ".csv"), lambda tmp: df.to_csv(tmp, index=False, na_rep="NaN"))
-    md_path = atomic_write(stem.with_name(stem.name + ".md"), lambda tmp: tmp.write_text(to_markdown(df)))
-    return csv_path, md_path
+    return write_table(df, stem, markdown=to_markdown)
 
 
 # --------------------------------------------------------------------------------------------------- figures

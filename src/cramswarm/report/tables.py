@@ -182,12 +182,19 @@ def _format_cell(value) -> str:
     return str(value)
 
 
-def write_table(df: pd.DataFrame, stem: str | os.PathLike, *, latex: bool = False) -> tuple[Path, ...]:
-    """Write ``df`` to ``<stem>.csv`` (full precision, NaN as ``NaN``) and ``<stem>.md``, each atomically; with
-    ``latex=True`` also ``<stem>.tex`` (see :func:`to_latex`). Returns the paths written, in that order."""
+def write_table(
+    df: pd.DataFrame,
+    stem: str | os.PathLike,
+    *,
+    latex: bool = False,
+    markdown: Callable[[pd.DataFrame], str] = to_markdown,
+) -> tuple[Path, ...]:
+    """Write ``df`` to ``<stem>.csv`` (full precision, NaN as ``NaN``) and ``<stem>.md`` (rendered by
+    ``markdown``), each atomically; with ``latex=True`` also ``<stem>.tex`` (see :func:`to_latex`). Returns the
+    paths written, in that order."""
     stem = Path(stem)
     csv_path = atomic_write(stem.with_name(stem.name + ".csv"), lambda tmp: df.to_csv(tmp, index=False, na_rep="NaN"))
-    md_path = atomic_write(stem.with_name(stem.name + ".md"), lambda tmp: tmp.write_text(to_markdown(df)))
+    md_path = atomic_write(stem.with_name(stem.name + ".md"), lambda tmp: tmp.write_text(markdown(df)))
     if not latex:
         return csv_path, md_path
     tex_path = atomic_write(stem.with_name(stem.name + ".tex"), lambda tmp: tmp.write_text(to_latex(df)))
