@@ -72,16 +72,19 @@ def checkpoint_of(wildcards):
     return f"{checkpoint_dir(wildcards.model, wildcards.vocab)}/model.safetensors"
 
 
-def source_spec(wildcards=None):
-    """Only the section of the chosen source, so editing the other one reruns nothing."""
-    return json.dumps({"source": SOURCE, SOURCE: config[SOURCE]}, sort_keys=True)
+# The keys of the source's section each stage reads, so that a change to one (say, the GLUE train cap)
+# reruns only the stages that read it, not the corpus and everything pretrained from it.
+SOURCE_KEYS = {
+    "corpus": {"synthetic": ["seed", "corpus_documents"], "hub": ["mirror", "corpus"]},
+    "glue": {"synthetic": ["seed", "glue_train_examples", "glue_validation_examples"],
+             "hub": ["mirror", "glue", "glue_max_train_examples"]},
+}
 
 
-def section_json(*keys):
-    section = config
-    for key in keys:
-        section = section[key]
-    return json.dumps(section, sort_keys=True)
+def source_spec(stage):
+    """JSON of the chosen source with only the keys ``stage`` (corpus | glue) reads."""
+    section = {key: config[SOURCE][key] for key in SOURCE_KEYS[stage][SOURCE]}
+    return json.dumps({"source": SOURCE, SOURCE: section}, sort_keys=True)
 
 
 def arch_json(wildcards):
@@ -90,6 +93,11 @@ def arch_json(wildcards):
 
 def recipe_json(wildcards):
     return json.dumps(RUNS[wildcards.model]["recipe"], sort_keys=True)
+
+
+def protocol_json(wildcards):
+    """The run's GLUE fine-tuning protocol (glue.protocols entry with its name, plus the shared settings)."""
+    return json.dumps(RUNS[wildcards.model]["glue"], sort_keys=True)
 
 
 def runs_of(study):

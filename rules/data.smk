@@ -6,7 +6,7 @@ rule corpus:
         corpus=CORPUS,
         report="results/data/{source}/corpus.report.json",
     params:
-        spec=source_spec,
+        spec=source_spec("corpus"),
     conda:
         "../envs/cramswarm.yaml"
     log:
@@ -21,7 +21,7 @@ rule glue_data:
         data=GLUE_DATA,
         report="results/data/{source}/glue/{task}.report.json",
     params:
-        spec=source_spec,
+        spec=source_spec("glue"),
     conda:
         "../envs/cramswarm.yaml"
     log:

@@ -9,7 +9,7 @@ rule finetune:
     output:
         FINETUNE,
     params:
-        protocol=section_json("glue"),
+        protocol=protocol_json,
         precision=config["pretrain"]["precision"],
         checkpoint_dir=subpath(input.checkpoint, parent=True),
     threads: 1

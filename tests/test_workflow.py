@@ -78,9 +78,25 @@ def test_changing_one_vocab_size_reruns_only_its_dependents(workdir):
 @pytest.mark.slow
 def test_changing_a_finetuning_value_reruns_finetuning_only(workdir):
     overlay = workdir / "config" / "test" / "lr.yaml"
-    overlay.write_text("glue:\n  lr: 1.0e-4\n")
+    overlay.write_text("glue:\n  protocols:\n    crammed:\n      lr: 1.0e-4\n")
     jobs = planned_jobs(workdir, *TINY, str(overlay.relative_to(workdir)))
     assert jobs == {"finetune": 5 * 3 * 2, "tables": 1, "figures": 1, "all": 1}  # 5 (model, vocab) x 3 tasks x 2 seeds
+
+
+@pytest.mark.slow
+def test_switching_one_models_protocol_reruns_its_finetuning_only(workdir):
+    overlay = workdir / "config" / "test" / "protocol.yaml"
+    overlay.write_text("models:\n  no_pretrain:\n    glue_protocol: bert_checkpoint\n")
+    jobs = planned_jobs(workdir, *TINY, str(overlay.relative_to(workdir)))
+    assert jobs == {"finetune": 3 * 2, "tables": 1, "figures": 1, "all": 1}
+
+
+@pytest.mark.slow
+def test_changing_the_glue_data_size_keeps_the_corpus_and_checkpoints(workdir):
+    overlay = workdir / "config" / "test" / "rows.yaml"
+    overlay.write_text("synthetic:\n  glue_train_examples: 48\n")
+    jobs = planned_jobs(workdir, *TINY, str(overlay.relative_to(workdir)))
+    assert jobs == {"glue_data": 3, "finetune": 5 * 3 * 2, "tables": 1, "figures": 1, "all": 1}
 
 
 @pytest.mark.slow

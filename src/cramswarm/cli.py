@@ -55,10 +55,15 @@ def check_config(args) -> int:
 
 @command("show-config", "print one validated config section as JSON (to pass to the other commands)")
 def show_config(args) -> int:
-    from cramswarm.config import load_config
+    from cramswarm.config import load_config, resolve_runs
 
     cfg = load_config(args.configs, args.schema)
     section = cfg
+    if args.run:
+        runs = resolve_runs(cfg)
+        if args.run not in runs:
+            raise ValueError(f"unknown run {args.run!r}; runs: {', '.join(runs)}")
+        section = runs[args.run]
     for key in args.key.split(".") if args.key else []:
         section = section[key]
     print(json.dumps(section))
@@ -233,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     p["model-info"].add_argument("--runs", nargs="*", help="run names (default: the study's models)")
     p["model-info"].add_argument("--vocab-size", type=int, help="default: tokenizer.main_vocab_size")
     p["show-config"].add_argument("--key", default="", help="dotted section to print, e.g. pretrain or models.crammed.arch")
+    p["show-config"].add_argument("--run", help="print this run's resolved arch, recipe and GLUE protocol (--key picks one, e.g. glue)")
     source_help = "JSON with the config's source, synthetic and hub sections"
     for name in ("corpus", "glue-data"):
         p[name].add_argument("--source-spec", type=_json, required=True, help=source_help)
@@ -267,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     p["finetune"].add_argument("--task", required=True)
     p["finetune"].add_argument("--data", required=True)
     p["finetune"].add_argument("--seed", type=int, required=True)
-    p["finetune"].add_argument("--protocol", type=_json, required=True, help="JSON of the glue section")
+    p["finetune"].add_argument("--protocol", type=_json, required=True, help="JSON of one fine-tuning protocol: a glue.protocols entry plus glue.max_length_tokens and glue.device")
     p["finetune"].add_argument("--model", required=True, help="model name recorded in the result")
     p["finetune"].add_argument("--vocab", type=int, required=True, help="vocab size recorded in the result")
     p["finetune"].add_argument("--precision", default="bf16", choices=("auto", "bf16", "fp16", "fp32"))

@@ -142,6 +142,12 @@ def _semantic_errors(cfg: dict, base_dir: Path, schema: dict) -> list[str]:
         where = f"models.{name}.recipe"
         recipe, messages = _subschema_errors(deep_merge(cfg["pretrain"], model["recipe"]), pretrain_schema, defs, where)
         errors += messages or _batch_errors(recipe, where)
+    protocols = cfg["glue"]["protocols"]
+    for where, name in [("glue.protocol", cfg["glue"]["protocol"])] + [
+        (f"models.{m}.glue_protocol", spec["glue_protocol"]) for m, spec in cfg["models"].items()
+    ]:
+        if name is not None and name not in protocols:
+            errors.append(f"config key '{where}': {name!r} is not in glue.protocols ({', '.join(protocols)})")
     if not any(m["pretrain"] for m in cfg["models"].values()):
         errors.append("config key 'models': at least one model needs pretrain: true")
     abl = cfg["ablations"]
@@ -173,6 +179,14 @@ def model_recipe(cfg: dict, name: str) -> dict:
     return deep_merge(cfg["pretrain"], cfg["models"][name]["recipe"])
 
 
+def glue_protocol(cfg: dict, name: str | None = None) -> dict:
+    """The fine-tuning protocol ``name`` (default: ``glue.protocol``) as the finetune command takes it:
+    the protocols entry plus its ``name`` and the settings shared by every protocol."""
+    glue = cfg["glue"]
+    name = name or glue["protocol"]
+    return {"name": name, **glue["protocols"][name], "max_length_tokens": glue["max_length_tokens"], "device": glue["device"]}
+
+
 def _fmt_lr(lr: float) -> str:
     return f"{lr:g}"
 
@@ -182,7 +196,9 @@ def resolve_runs(cfg: dict) -> dict[str, dict]:
 
     The study's models keep their names; ablation runs are ``arch-<variant>``, ``arch-<model>``,
     ``sched-<schedule>-lr<peak>`` and ``groups-<row>``, all trained at ``ablations.budget``. Each entry:
-    ``{"pretrain", "vocab_sweep", "arch", "recipe", "study", "label"}`` (study: models | arch | schedule | groups).
+    ``{"pretrain", "vocab_sweep", "arch", "recipe", "glue", "study", "label"}`` (study: models | arch | schedule |
+    groups; glue: the fine-tuning protocol, :func:`glue_protocol`). Ablation runs are fine-tuned with the
+    study's default protocol (``glue.protocol``): they compare pretraining, so fine-tuning is held fixed.
     """
     runs = {
         name: {
@@ -190,6 +206,7 @@ def resolve_runs(cfg: dict) -> dict[str, dict]:
             "vocab_sweep": spec["vocab_sweep"],
             "arch": spec["arch"],
             "recipe": model_recipe(cfg, name),
+            "glue": glue_protocol(cfg, spec["glue_protocol"]),
             "study": "models",
             "label": name,
         }
@@ -199,7 +216,8 @@ def resolve_runs(cfg: dict) -> dict[str, dict]:
 
     def add(run: str, study: str, label: str, arch: dict, recipe: dict) -> None:
         recipe = {**recipe, "budget": abl["budget"]}
-        runs[run] = {"pretrain": True, "vocab_sweep": False, "arch": arch, "recipe": recipe, "study": study, "label": label}
+        runs[run] = {"pretrain": True, "vocab_sweep": False, "arch": arch, "recipe": recipe, "glue": glue_protocol(cfg),
+                     "study": study, "label": label}
 
     base = abl["arch"]["base_model"]
     add(f"arch-{base}", "arch", base, cfg["models"][base]["arch"], model_recipe(cfg, base))

@@ -23,6 +23,9 @@ from cramswarm.io import write_json
 from cramswarm.pretrain import autocast, resolve_device, resolve_precision
 
 BUCKET_POOL_BATCHES = 50  # batches per pool inside which examples are sorted by length
+# Keys of a protocol (cramswarm.config.glue_protocol: a glue.protocols entry plus the shared settings).
+PROTOCOL_KEYS = ("epochs", "batch_size", "lr", "schedule", "warmup_fraction", "weight_decay", "dropout",
+                 "max_length_tokens", "device")
 
 
 def encode(tok, task: str, rows: list[dict], max_length: int) -> list[list[int]]:
@@ -108,8 +111,14 @@ def finetune(
     precision: str = "bf16",
     progress: bool = True,
 ) -> dict:
-    """``labels`` (e.g. model name and vocab size) are copied into the result for the tables."""
+    """``labels`` (e.g. model name and vocab size) are copied into the result for the tables.
+
+    ``protocol`` holds :data:`PROTOCOL_KEYS` (``name`` optional), as ``cramswarm.config.glue_protocol`` returns.
+    """
     spec = get_task(task)
+    missing = [key for key in PROTOCOL_KEYS if key not in protocol]
+    if missing:
+        raise ValueError(f"fine-tuning protocol lacks {', '.join(missing)} (see glue.protocols in config/config.yaml)")
     start = time.perf_counter()
     torch.manual_seed(seed)
     device = resolve_device(protocol["device"])
@@ -170,6 +179,9 @@ def finetune(
         "task": task,
         "seed": seed,
         "scores": scores,
+        "protocol": {key: protocol[key] for key in ("name", *PROTOCOL_KEYS) if key in protocol},
+        "steps": total_steps,
+        "final_lr": scheduler.get_last_lr()[0],
         "epochs": protocol["epochs"],
         "train_examples": len(train_rows),
         "train_loss_per_epoch": [round(x, 5) for x in losses],

@@ -1,0 +1,139 @@
+"""Fine-tuning: the two protocol settings, the last-epoch result, and bad inputs caught before training."""
+
+import json
+import math
+import subprocess
+import sys
+
+import datasets
+import pytest
+
+from cramswarm import tokenizer as tokenization
+from cramswarm.config import glue_protocol, load_config, resolve_runs
+from cramswarm.data import hub, sources
+from cramswarm.data.synthetic import corpus_documents
+from cramswarm.finetune import finetune
+from cramswarm.glue.tasks import TASKS
+from cramswarm.pretrain import init_random
+
+from conftest import ARCH, DEFAULT, REPO
+
+SYNTHETIC = {"source": "synthetic", "synthetic": {"seed": 0, "glue_train_examples": 40, "glue_validation_examples": 24}}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A random-init tiny checkpoint with a real tokenizer (what init-model writes)."""
+    root = tmp_path_factory.mktemp("ckpt")
+    docs = list(corpus_documents(300, 0))
+    tok = tokenization.train_wordpiece([docs], 256)
+    tok.save(str(root / "tokenizer.json"))
+    init_random(ARCH | {"max_positions": 64}, root / "tokenizer.json", root / "model", seed=0)
+    return root / "model"
+
+
+@pytest.fixture(scope="module")
+def sst2(tmp_path_factory):
+    path = tmp_path_factory.mktemp("glue") / "sst2.parquet"
+    sources.write_glue(SYNTHETIC, "sst2", path)
+    return path
+
+
+def protocol(name: str, **overrides) -> dict:
+    return glue_protocol(DEFAULT, name) | {"max_length_tokens": 64, "device": "cpu", "epochs": 2} | overrides
+
+
+def test_default_config_has_both_paper_settings():
+    cfg = load_config([REPO / "config" / "config.yaml", REPO / "config" / "paper.yaml"])
+    crammed, bert = glue_protocol(cfg, "crammed"), glue_protocol(cfg, "bert_checkpoint")
+    assert (crammed["batch_size"], crammed["lr"], crammed["schedule"], crammed["warmup_fraction"]) == (16, 4e-5, "cosine", 0.1)
+    assert (bert["batch_size"], bert["lr"], bert["schedule"]) == (32, 2e-5, "constant")
+    assert crammed["epochs"] == bert["epochs"] == 5 and crammed["dropout"] == 0.1
+    runs = resolve_runs(cfg)
+    # The paper fine-tuned its random-init baseline with the BERT setting; ablation runs use the default protocol.
+    assert runs["no_pretrain"]["glue"]["name"] == "bert_checkpoint"
+    assert runs["crammed"]["glue"]["name"] == runs["arch-crammed"]["glue"]["name"] == "crammed"
+
+
+@pytest.mark.parametrize(
+    "name,batch,final_lr",
+    [("crammed", 16, 0.0), ("bert_checkpoint", 32, "peak")],
+)
+def test_protocol_switch_sets_batch_and_schedule(checkpoint, sst2, tmp_path, name, batch, final_lr):
+    proto = protocol(name)
+    result = finetune(checkpoint, "sst2", sst2, 0, proto, tmp_path / "r.json", {"model": "m", "vocab": 256}, "fp32", False)
+    assert result["protocol"]["name"] == name
+    assert result["steps"] == math.ceil(40 / batch) * 2  # 40 train rows, 2 epochs
+    expected = proto["lr"] if final_lr == "peak" else 0.0
+    assert result["final_lr"] == pytest.approx(expected, abs=1e-12)  # cosine decays to 0; constant stays at peak
+    assert len(result["train_loss_per_epoch"]) == 2
+    assert set(result["scores"]) == {"validation"}
+    assert json.loads((tmp_path / "r.json").read_text())["scores"] == result["scores"]
+
+
+def test_same_seed_same_scores(checkpoint, sst2, tmp_path):
+    runs = [finetune(checkpoint, "sst2", sst2, 3, protocol("crammed"), tmp_path / f"{i}.json", None, "fp32", False) for i in range(2)]
+    assert runs[0]["scores"] == runs[1]["scores"]
+    assert runs[0]["train_loss_per_epoch"] == runs[1]["train_loss_per_epoch"]
+
+
+def test_incomplete_protocol_is_refused_before_training(checkpoint, sst2, tmp_path):
+    proto = {k: v for k, v in protocol("crammed").items() if k != "lr"}
+    with pytest.raises(ValueError, match="protocol lacks lr"):
+        finetune(checkpoint, "sst2", sst2, 0, proto, tmp_path / "r.json", None, "fp32", False)
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_task_outside_the_nine_is_refused(checkpoint, sst2, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "cramswarm", "finetune", "--checkpoint", str(checkpoint), "--task", "squad",
+         "--data", str(sst2), "--seed", "0", "--protocol", json.dumps(protocol("crammed")), "--model", "m",
+         "--vocab", "256", "--out", str(tmp_path / "r.json")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "unknown GLUE task 'squad'; allowed: cola, sst2, mrpc, qqp, stsb, mnli, qnli, rte, wnli" in proc.stderr
+
+
+def test_vocab_disagreeing_with_tokenizer_is_refused(checkpoint, sst2, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in checkpoint.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    tok = tokenization.train_wordpiece([list(corpus_documents(100, 1))], 128)
+    tok.save(str(bad / "tokenizer.json"))
+    with pytest.raises(ValueError, match="model vocab_size 256 disagrees with its tokenizer's 128 tokens"):
+        finetune(bad, "sst2", sst2, 0, protocol("crammed"), tmp_path / "r.json", None, "fp32", False)
+
+
+def test_unexpected_label_values_are_refused_when_the_data_is_written(tmp_path, monkeypatch):
+    rows = {"train": [{"sentence": "good", "label": 1, "idx": 0}, {"sentence": "bad", "label": 2, "idx": 1}]}
+    monkeypatch.setattr(sources, "glue_rows", lambda cfg, task, split: rows.get(split, rows["train"]))
+    with pytest.raises(ValueError, match=r"sst2/train row idx=1 has label 2; expected integers 0\.\.1"):
+        sources.write_glue(SYNTHETIC, "sst2", tmp_path / "x.parquet")
+    assert not (tmp_path / "x.parquet").exists()
+    rows["train"] = [{"sentence1": "a", "sentence2": "b", "label": float("nan"), "idx": 0}]
+    with pytest.raises(ValueError, match="stsb/train row idx=0 has label nan; expected a finite number"):
+        sources.write_glue(SYNTHETIC, "stsb", tmp_path / "y.parquet")
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+def test_test_splits_are_never_requested(task, tmp_path, monkeypatch):
+    """Writing a task's data from the hub asks datasets for train and validation splits only, by name."""
+    requested = []
+
+    def fake_load_dataset(path, name=None, split=None, **kwargs):
+        requested.append(split)
+        n = 4
+        cols = {c: [f"text {i}" for i in range(n)] for c in TASKS[task].text_columns}
+        labels = [float(i) for i in range(n)] if TASKS[task].is_regression else [i % TASKS[task].num_labels for i in range(n)]
+        return datasets.Dataset.from_dict({**cols, "label": labels, "idx": list(range(n))})
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    cfg = {"source": "hub", "hub": {"mirror": None, "glue": "nyu-mll/glue", "glue_max_train_examples": None}}
+    counts = sources.write_glue(cfg, task, tmp_path / "t.parquet")
+    assert requested == ["train", *TASKS[task].eval_splits]
+    assert not any(s is None or "test" in s for s in requested)
+    assert set(counts) == set(requested)
+    with pytest.raises(ValueError, match="not read by this workflow"):
+        hub.load_glue_split(task, "test")
