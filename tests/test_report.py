@@ -64,7 +64,7 @@ def results(tmp_path):
 
 
 def test_load_results_long_form(results):
-    assert list(results.columns) == ["model", "vocab", "task", "seed", "column", "value"]
+    assert list(results.columns) == ["model", "vocab", "task", "seed", "protocol", "column", "value"]
     crammed = results[results["model"] == "crammed"]
     # 13 score columns per seed (MNLI gives two rows, MRPC/QQP/STS-B two metrics each).
     assert len(crammed) == len(SCORE_COLUMNS) * len(SEED_OFFSETS)
@@ -98,9 +98,9 @@ def test_load_results_errors_name_the_file(tmp_path):
 
 def test_glue_table_medians_over_three_seeds(results):
     table = glue_table(results)
-    expected = ["model", "vocab", *SCORE_COLUMNS, "avg_paper", "avg_paper_std", "avg_glue", "n_seeds"]
+    expected = ["model", "vocab", "protocol", *SCORE_COLUMNS, "avg_paper", "avg_paper_std", "avg_glue", "n_seeds"]
     assert list(table.columns) == expected
-    assert list(table.columns[2:12]) == [
+    assert list(table.columns[3:13]) == [
         "mnli_m", "mnli_mm", "qqp_f1", "qqp_acc", "qnli", "sst2", "cola", "stsb_pearson", "stsb_spearman", "mrpc_f1"
     ]
     crammed = table.set_index("model").loc["crammed"]
@@ -150,14 +150,23 @@ def test_write_table_csv_and_markdown(results, tmp_path):
 
     lines = md_path.read_text().splitlines()
     header = [cell.strip() for cell in lines[0].strip("|").split("|")]
-    assert header[:4] == ["Model", "Vocab", "MNLI-m", "MNLI-mm"]
+    assert header[:5] == ["Model", "Vocab", "Protocol", "MNLI-m", "MNLI-mm"]
     assert "GLUE avg (paper)" in header and "Seeds" in header
     crammed = [cell.strip() for cell in next(l for l in lines if "crammed" in l).strip("|").split("|")]
-    assert crammed[:3] == ["crammed", "2048", "54.0"]
+    assert crammed[:4] == ["crammed", "2048", "", "54.0"]  # these results record no protocol
     assert crammed[header.index("± seed std")] == "5.0"
     assert crammed[header.index("Seeds")] == "3"
     scratch = [cell.strip() for cell in next(l for l in lines if "scratch" in l).strip("|").split("|")]
     assert scratch[header.index("RTE")] == "NaN"
+
+
+def test_glue_table_names_the_protocols_the_results_record(tmp_path):
+    paths = [write_result(tmp_path, "a", 64, task, 0, 50.0, protocol={"name": "crammed", "lr": 1e-4}) for task in TASKS]
+    paths += [write_result(tmp_path, "b", 64, task, 0, 50.0, protocol={"name": "bert_checkpoint"}) for task in TASKS]
+    paths.append(write_result(tmp_path, "b", 64, "cola", 1, 50.0, protocol={"name": "crammed"}))
+    table = glue_table(load_results(paths)).set_index("model")
+    assert table.loc["a", "protocol"] == "crammed"
+    assert table.loc["b", "protocol"] == "bert_checkpoint/crammed"  # a mixed row says so
 
 
 def test_vocab_sweep_table(tmp_path):
@@ -323,6 +332,10 @@ def test_cli_tables_writes_paper_files(tmp_path):
     assert pd.read_csv(out / "glue.csv").columns.tolist()[0] == "model"  # the plain table is unchanged
     md = (out / "glue_paper.md").read_text()
     assert "Δ avg vs paper crammed" in md and DEFAULT_REFERENCE_MODEL in md
+    header = [cell.strip() for cell in md.splitlines()[0].strip("|").split("|")]
+    crammed_md = [cell.strip() for cell in next(l for l in md.splitlines() if "| crammed" in l).strip("|").split("|")]
+    assert crammed_md[header.index("Source")] == ""  # text our rows lack is blank, not "NaN"
+    assert "NaN" not in crammed_md
     tex = (out / "glue_paper.tex").read_text()
     assert tex.startswith(r"\begin{tabular}") and r"Crammed BERT (A6000, 24 h, v1)" in tex and "5.4" in tex
 

@@ -28,13 +28,14 @@ from cramswarm.glue.metrics import (
     score_columns,
 )
 
-LONG_COLUMNS: tuple[str, ...] = ("model", "vocab", "task", "seed", "column", "value")
+LONG_COLUMNS: tuple[str, ...] = ("model", "vocab", "task", "seed", "protocol", "column", "value")
 KEYS: list[str] = ["model", "vocab"]
 
 # Headers for the Markdown tables (the CSV keeps the machine-readable keys).
 COLUMN_LABELS: dict[str, str] = {
     "model": "Model",
     "vocab": "Vocab",
+    "protocol": "Protocol",
     "mnli_m": "MNLI-m",
     "mnli_mm": "MNLI-mm",
     "qqp_f1": "QQP F1",
@@ -69,7 +70,8 @@ def load_results(paths: Iterable[str | os.PathLike]) -> pd.DataFrame:
     """Read fine-tuning result JSONs into a long frame with columns :data:`LONG_COLUMNS`.
 
     Each file holds ``{"model", "vocab", "task", "seed", "scores": {split: {metric: value}}, ...}``; its scores
-    become one row per score column. A missing, unparsable or malformed file raises an error naming it, and so
+    become one row per score column. ``protocol`` is the name of the fine-tuning protocol the file records
+    (empty when it records none). A missing, unparsable or malformed file raises an error naming it, and so
     does a (model, vocab, task, seed) given by two files.
     """
     rows: list[tuple] = []
@@ -80,12 +82,13 @@ def load_results(paths: Iterable[str | os.PathLike]) -> pd.DataFrame:
         if run in seen:
             raise ValueError(f"{path}: duplicates the run {run} already read from {seen[run]}")
         seen[run] = path
+        protocol = str((record.get("protocol") or {}).get("name", ""))
         for split, metrics in record["scores"].items():
             try:
                 columns = score_columns(record["task"], split, metrics)
             except (ValueError, TypeError) as exc:
                 raise ValueError(f"{path}: {exc}") from exc
-            rows.extend((*run, column, value) for column, value in columns.items())
+            rows.extend((*run, protocol, column, value) for column, value in columns.items())
     if not seen:
         raise ValueError("load_results: no result files given")
     df = pd.DataFrame(rows, columns=list(LONG_COLUMNS))
@@ -127,15 +130,18 @@ def _seed_std(values: pd.Series) -> float:
 
 
 def glue_table(df: pd.DataFrame) -> pd.DataFrame:
-    """The GLUE table: one row per (model, vocab), columns ``model, vocab``, :data:`SCORE_COLUMNS` (medians
-    over seeds, paper order, WNLI last), ``avg_paper, avg_paper_std, avg_glue, n_seeds``. See the module
-    docstring for the aggregation rules."""
+    """The GLUE table: one row per (model, vocab), columns ``model, vocab, protocol`` (the fine-tuning
+    protocols the results record, ``/``-joined if several), :data:`SCORE_COLUMNS` (medians over seeds, paper
+    order, WNLI last), ``avg_paper, avg_paper_std, avg_glue, n_seeds``. See the module docstring for the
+    aggregation rules."""
+    protocols = df.groupby(KEYS)["protocol"].agg(lambda names: "/".join(sorted(set(names) - {""})))
     groups = per_seed_scores(df).groupby(KEYS)
     table = groups[list(SCORE_COLUMNS)].median()
     table["avg_paper"] = groups["avg_paper"].agg(_strict_median)
     table["avg_paper_std"] = groups["avg_paper"].agg(_seed_std)
     table["avg_glue"] = groups["avg_glue"].agg(_strict_median)
     table["n_seeds"] = groups.size()
+    table.insert(0, "protocol", protocols)
     return table.reset_index()
 
 
@@ -167,8 +173,16 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path
 
 
 def to_markdown(df: pd.DataFrame) -> str:
-    """A Markdown table: headers from :data:`COLUMN_LABELS`, floats to 1 decimal, missing values as ``NaN``."""
-    cells = pd.DataFrame({COLUMN_LABELS.get(name, name): column.map(_format_cell) for name, column in df.items()})
+    """A Markdown table: headers from :data:`COLUMN_LABELS`, floats to 1 decimal, missing numbers as ``NaN``,
+    missing text (e.g. the source of our own rows) as an empty cell."""
+    cells = pd.DataFrame(
+        {
+            COLUMN_LABELS.get(name, name): column.map(
+                _format_cell if pd.api.types.is_numeric_dtype(column) else lambda v: "" if pd.isna(v) else _format_cell(v)
+            )
+            for name, column in df.items()
+        }
+    )
     align = ["right" if pd.api.types.is_numeric_dtype(column) else "left" for _, column in df.items()]
     # disable_numparse: the cells are already formatted; tabulate must not reformat "2048" as a float.
     return cells.to_markdown(index=False, disable_numparse=True, colalign=align) + "\n"
