@@ -2,11 +2,13 @@
 
 import json
 import math
+import os
 import subprocess
 import sys
 
 import datasets
 import pytest
+import torch
 
 from cramswarm import tokenizer as tokenization
 from cramswarm.config import glue_protocol, load_config, resolve_runs
@@ -15,6 +17,7 @@ from cramswarm.data.synthetic import corpus_documents
 from cramswarm.finetune import finetune
 from cramswarm.glue.tasks import TASKS
 from cramswarm.pretrain import init_random
+from cramswarm.provenance import settings_hash
 
 from conftest import ARCH, DEFAULT, REPO
 
@@ -69,12 +72,19 @@ def test_protocol_switch_sets_batch_and_schedule(checkpoint, sst2, tmp_path, nam
     assert len(result["train_loss_per_epoch"]) == 2
     assert set(result["scores"]) == {"validation"}
     assert json.loads((tmp_path / "r.json").read_text())["scores"] == result["scores"]
+    prov = result["provenance"]
+    assert prov["settings_sha256"] == settings_hash(proto) and prov["seed"] == 0
+    assert prov["packages"]["torch"].split("+")[0] == torch.__version__.split("+")[0]
+    assert prov["hardware"]["cpu_count"] == os.cpu_count() and prov["hardware"]["gpu"] is None
 
 
 def test_same_seed_same_scores(checkpoint, sst2, tmp_path):
     runs = [finetune(checkpoint, "sst2", sst2, 3, protocol("crammed"), tmp_path / f"{i}.json", None, "fp32", False) for i in range(2)]
     assert runs[0]["scores"] == runs[1]["scores"]
     assert runs[0]["train_loss_per_epoch"] == runs[1]["train_loss_per_epoch"]
+    assert runs[0]["provenance"]["settings_sha256"] == runs[1]["provenance"]["settings_sha256"]
+    other = finetune(checkpoint, "sst2", sst2, 3, protocol("crammed", lr=1e-3), tmp_path / "o.json", None, "fp32", False)
+    assert other["provenance"]["settings_sha256"] != runs[0]["provenance"]["settings_sha256"]
 
 
 def test_incomplete_protocol_is_refused_before_training(checkpoint, sst2, tmp_path):

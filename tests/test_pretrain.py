@@ -1,4 +1,5 @@
 import csv
+import json
 
 import numpy as np
 import pytest
@@ -7,6 +8,7 @@ from conftest import ARCH, recipe
 
 from cramswarm import tokenizer as tokenization
 from cramswarm.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
+from cramswarm.provenance import settings_hash
 from cramswarm.pretrain import (
     HeldOut,
     accumulation_at,
@@ -92,6 +94,9 @@ def test_pretrain_reduces_loss_and_writes_checkpoint(tiny_run):
         assert float(r["lr"]) == pytest.approx(3e-3 * lr_multiplier("triangle", progress), rel=1e-4)
     for name in ("model.safetensors", "config.json", "tokenizer.json", "summary.json"):
         assert (folder / "ckpt" / name).is_file()
+    prov = json.loads((folder / "ckpt" / "summary.json").read_text())["provenance"]
+    assert prov["settings_sha256"] == settings_hash({"recipe": recipe(), "arch": ARCH}) and prov["seed"] == recipe()["seed"]
+    assert set(prov) >= {"packages", "python", "hardware", "hostname", "git_commit", "finished_utc"}
 
 
 def test_pretrain_is_deterministic_with_a_token_budget(tiny_run):

@@ -21,6 +21,7 @@ from cramswarm.glue.metrics import compute_metrics
 from cramswarm.glue.tasks import get_task
 from cramswarm.io import write_json
 from cramswarm.pretrain import autocast, resolve_device, resolve_precision
+from cramswarm.provenance import provenance
 
 BUCKET_POOL_BATCHES = 50  # batches per pool inside which examples are sorted by length
 # Keys of a protocol (cramswarm.config.glue_protocol: a glue.protocols entry plus the shared settings).
@@ -187,6 +188,7 @@ def finetune(
         "train_loss_per_epoch": [round(x, 5) for x in losses],
         "padding_efficiency": round(real_tokens / max(padded_tokens, 1), 4),
         "wall_s": round(time.perf_counter() - start, 2),
+        "provenance": provenance(protocol, seed, str(device)),
     }
     write_json(out_json, result)
     return result

@@ -24,6 +24,7 @@ from cramswarm import tokenizer as tokenization
 from cramswarm.io import atomic_path, write_json
 from cramswarm.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM, unwrap_compiled
 from cramswarm.packing import load_blocks
+from cramswarm.provenance import provenance
 
 SCHEDULES = ("triangle", "one-cycle", "cosine", "linear", "inverse-sqrt", "constant")
 # progress: budget fraction at the start of the step, where its LR multiplier and batch size were set.
@@ -155,7 +156,8 @@ def init_random(arch: dict, tokenizer_path: str | Path, out_dir: str | Path, see
     tok = tokenization.load(tokenizer_path)
     model = build_model(arch, tok.get_vocab_size(), seed)
     save_checkpoint(model, tok, out_dir, arch["max_positions"])
-    return {"parameters": sum(p.numel() for p in model.parameters()), "pretrained": False}
+    return {"parameters": sum(p.numel() for p in model.parameters()), "pretrained": False,
+            "provenance": provenance({"arch": arch}, seed)}
 
 
 def fingerprint(recipe: dict, arch: dict, blocks_path: str | Path, vocab_size: int) -> str:
@@ -354,6 +356,7 @@ def pretrain(
         "recipe": recipe,
         "arch": arch,
         "pretrained": True,
+        "provenance": provenance({"recipe": recipe, "arch": arch}, recipe["seed"], str(device)),
     }
     write_json(out_dir / "summary.json", summary)
     if state_path is not None:
