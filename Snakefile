@@ -1,5 +1,5 @@
 # cramswarm: reproduce Cramming (arXiv 2212.14034) end to end; SWARM (arXiv 2301.11913) plugs in later.
-# corpus -> tokenizers (one per vocab size) -> packed blocks -> MLM pretraining -> GLUE fine-tuning
+# corpus -> filters -> tokenizers (one per vocab size) -> packed and ordered blocks -> MLM pretraining -> GLUE fine-tuning
 # per (model, task, seed) -> tables and figures. README.md lists the rules and the results/ layout.
 from snakemake.utils import min_version
 
@@ -26,9 +26,9 @@ rule all:
         FIGURES,
 
 
-rule tokenizers:  # every tokenizer of the vocab sweep
+rule tokenizers:  # every tokenizer of the vocab sweep (the study's data recipe)
     input:
-        expand(TOKENIZER, source=SOURCE, vocab=VOCABS),
+        [data_files(STUDY_DATA, vocab)["tokenizer"] for vocab in VOCABS],
 
 
 rule pretrain_all:  # every checkpoint of the study (pretrained and random-init)
@@ -61,3 +61,8 @@ rule ablation_schedule:  # Figure 2: LR schedules x peak LR
 rule ablation_groups:  # Table 5: reset architecture / training to original BERT's
     input:
         rules.ablation_groups_report.output,
+
+
+rule ablation_data:  # Table 2: sources x {none, filtered, filtered + sorted} plus dedup on/off
+    input:
+        rules.ablation_data_report.output,

@@ -61,3 +61,50 @@ rule ablation_groups_report:  # Table 5: architecture / training recipe reset to
     shell:
         "python -m cramswarm ablation-report --kind groups --runs {params.runs:q} --results {input.results} "
         "--out-stem {params.stem} > {log} 2>&1"
+
+
+def data_reports(recipe):
+    """The stage reports of a data recipe's chain at the main vocab size (only the filters it switches on)."""
+    keys = {**data_wildcards(recipe), "vocab": MAIN_VOCAB}
+    reports = {"corpus": "results/data/{corpus}/corpus.report.json".format(**keys)}
+    steps = keys["filters"].split("-") if keys["filters"] != "raw" else []
+    for i, step in enumerate(steps):
+        kind = "trash" if step.startswith("trash") else "dedup"
+        reports[kind] = "results/data/{corpus}/{chain}/report.json".format(chain="-".join(steps[: i + 1]), **keys)
+    packed = "results/packed/{corpus}/{filters}/{family}-v{vocab}".format(**keys)
+    reports["pack"] = f"{packed}/packed.report.json"
+    reports["order"] = f"{packed}/{keys['order']}/report.json"
+    return reports
+
+
+def data_runs_json():
+    """{run: label, source, cell, data recipe, summary, stage reports} of the Table 2 runs."""
+    runs = {}
+    for run in runs_of("data"):
+        spec = RUNS[run]
+        source, cell = spec["label"].split(" / ")
+        runs[run] = {"label": spec["label"], "source": source, "cell": cell, "data": spec["data"],
+                     "summary": f"{checkpoint_dir(run, MAIN_VOCAB)}/summary.json", "reports": data_reports(spec["data"])}
+    return json.dumps(runs)  # in config order (sources, then cells): the table's row order
+
+
+rule ablation_data_report:  # Table 2: sources x {none, filtered, filtered + sorted, + dedup} at ablations.budget
+    input:
+        summaries=ablation_checkpoints("data"),
+        results=ablation_finetunes("data"),
+        reports=[path for run in runs_of("data") for path in data_reports(RUNS[run]["data"]).values()],
+    output:
+        table=f"{ABLATIONS}/data.csv",
+        markdown=f"{ABLATIONS}/data.md",
+        table2=f"{ABLATIONS}/data_table2.csv",
+        table2_markdown=f"{ABLATIONS}/data_table2.md",
+    params:
+        runs=data_runs_json(),
+        stem=subpath(output.table, strip_suffix=".csv"),
+    conda:
+        "../envs/cramswarm.yaml"
+    log:
+        f"logs/report/{SOURCE}/ablation_data.log",
+    shell:
+        "python -m cramswarm data-ablation-report --runs {params.runs:q} --results {input.results} "
+        "--out-stem {params.stem} > {log} 2>&1"

@@ -2,13 +2,14 @@
 import json
 import os
 import re
+import shutil
 import sys
 from pathlib import Path
 
 # Import the package from this checkout (not from whichever checkout pip's editable install points at).
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 
-from cramswarm.config import ConfigError, resolve_runs, validate_config
+from cramswarm.config import ConfigError, corpus_spec, data_recipe, data_wildcards, resolve_runs, validate_config
 from cramswarm.glue.tasks import TASK_NAMES
 
 
@@ -42,10 +43,17 @@ STUDY_RUNS = [
     for vocab in (VOCABS if spec["vocab_sweep"] else [MAIN_VOCAB])
 ]
 
-CORPUS = "results/data/{source}/corpus.parquet"
+# The data chain (README, "Data pipeline"), each file keyed by exactly the settings it depends on:
+# {corpus} a corpus name; {filters} raw | trash<cutoff> | dedup<threshold> | trash<cutoff>-dedup<threshold>;
+# {family} the tokenizer model; {order} the block order. Runs that share these share the files.
+CORPUS = "results/data/{corpus}/corpus.parquet"
+FILTERED = "results/data/{corpus}/{filters}/corpus.parquet"
+TOKENIZER = "results/tokenizers/{corpus}/{filters}/{family}-v{vocab}/tokenizer.json"
+PACKED = "results/packed/{corpus}/{filters}/{family}-v{vocab}/packed.npy"
+BLOCKS = "results/packed/{corpus}/{filters}/{family}-v{vocab}/{order}/blocks.npy"
 GLUE_DATA = "results/data/{source}/glue/{task}.parquet"
-TOKENIZER = "results/tokenizers/{source}/v{vocab}/tokenizer.json"
-BLOCKS = "results/packed/{source}/v{vocab}/blocks.npy"
+STUDY_DATA = data_recipe(config)  # the data recipe of the study's models
+CORPORA = ["synthetic", "hub", *config["data"]["corpora"]]
 FINETUNE = "results/glue/{source}/{model}/v{vocab}/{task}/s{seed}.json"
 # Tables and figures are kept per source, so the synthetic and the real-data study never overwrite each other.
 GLUE_TABLES = [f"results/tables/{SOURCE}/glue.{ext}" for ext in ("csv", "md")]
@@ -57,6 +65,10 @@ FIGURES = [f"results/figures/{SOURCE}/{name}.png" for name in ("mlm_loss_vs_toke
 
 wildcard_constraints:
     source="synthetic|hub",
+    corpus="|".join(map(re.escape, CORPORA)),
+    filters=r"raw|trash[0-9.]+|dedup[0-9.]+|trash[0-9.]+-dedup[0-9.]+",
+    family="wordpiece|bpe|unigram",
+    order="random|sentence-length|unigram|unigram-reverse",
     vocab=r"\d+",
     seed=r"\d+",
     task="|".join(TASK_NAMES),
@@ -68,23 +80,45 @@ def checkpoint_dir(model, vocab):
     return f"results/{kind}/{SOURCE}/{model}/v{vocab}"
 
 
+def corpus_variant(wildcards):
+    """The corpus file a tokenizer or packing job reads: the raw corpus or one of its filtered variants."""
+    pattern = CORPUS if wildcards.filters == "raw" else FILTERED
+    return pattern.format(corpus=wildcards.corpus, filters=wildcards.filters)
+
+
+def data_files(recipe, vocab):
+    """{tokenizer, blocks} of a data recipe at one vocab size."""
+    keys = {**data_wildcards(recipe), "vocab": vocab}
+    return {"tokenizer": TOKENIZER.format(**keys), "blocks": BLOCKS.format(**keys)}
+
+
+def run_data(wildcards):
+    """{tokenizer, blocks} a run's pretraining (or random init) reads."""
+    return data_files(RUNS[wildcards.model]["data"], wildcards.vocab)
+
+
 def checkpoint_of(wildcards):
     return f"{checkpoint_dir(wildcards.model, wildcards.vocab)}/model.safetensors"
 
 
 # The keys of the source's section each stage reads, so that a change to one (say, the GLUE train cap)
-# reruns only the stages that read it, not the corpus and everything pretrained from it.
+# reruns only the stages that read it, not the corpus and everything pretrained from it. (The corpus
+# stage's keys, for every corpus name: cramswarm.config.corpus_spec.)
 SOURCE_KEYS = {
-    "corpus": {"synthetic": ["seed", "corpus_documents"], "hub": ["mirror", "corpus"]},
     "glue": {"synthetic": ["seed", "glue_train_examples", "glue_validation_examples"],
              "hub": ["mirror", "glue", "glue_max_train_examples"]},
 }
 
 
 def source_spec(stage):
-    """JSON of the chosen source with only the keys ``stage`` (corpus | glue) reads."""
+    """JSON of the chosen source with only the keys ``stage`` (glue) reads."""
     section = {key: config[SOURCE][key] for key in SOURCE_KEYS[stage][SOURCE]}
     return json.dumps({"source": SOURCE, SOURCE: section}, sort_keys=True)
+
+
+def corpus_spec_json(wildcards):
+    """JSON of what the corpus stage reads for corpus ``wildcards.corpus`` (and nothing else)."""
+    return json.dumps(corpus_spec(config, wildcards.corpus), sort_keys=True)
 
 
 def arch_json(wildcards):
@@ -137,3 +171,20 @@ def pretrain_logs(wildcards=None):
 
 def vocab_size(wildcards):
     return int(wildcards.vocab)
+
+
+def gpus(device):
+    """GPUs a job holds (the `gpu` resource): none for device cpu, one for cuda, and for auto one only where
+    this machine has a GPU driver. profiles/default caps the sum at 1, so local GPU jobs run one at a time
+    while CPU-only machines keep running them in parallel; profiles/slurm sets the count on a cluster."""
+    if device == "auto":
+        return int(any(shutil.which(tool) for tool in ("nvidia-smi", "rocm-smi")))
+    return int(device == "cuda")
+
+
+def pretrain_gpus(wildcards):
+    return gpus(RUNS[wildcards.model]["recipe"]["device"])
+
+
+def finetune_gpus(wildcards):
+    return gpus(RUNS[wildcards.model]["glue"]["device"])

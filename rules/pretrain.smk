@@ -1,30 +1,51 @@
-# Stage 3: pack the corpus into blocks per tokenizer, then pretrain (or randomly initialise) each model.
+# Stage 3: pack each corpus variant into blocks per tokenizer (streamed, bounded memory), order the blocks
+# (the curriculum), then pretrain (or randomly initialise) each model on its run's data recipe.
 
 
 rule pack_corpus:
     input:
-        corpus=CORPUS,
+        corpus=corpus_variant,
         tokenizer=TOKENIZER,
     output:
-        blocks=BLOCKS,
-        report="results/packed/{source}/v{vocab}/report.json",
+        blocks=PACKED,
+        report="results/packed/{corpus}/{filters}/{family}-v{vocab}/packed.report.json",
     params:
         block_tokens=config["packing"]["block_tokens"],
         shuffle_seed=config["packing"]["shuffle_seed"],
     conda:
         "../envs/cramswarm.yaml"
     log:
-        "logs/pack/{source}/v{vocab}.log",
+        "logs/pack/{corpus}/{filters}/{family}-v{vocab}.log",
     shell:
         "python -m cramswarm pack --corpus {input.corpus} --tokenizer {input.tokenizer} "
-        "--block-tokens {params.block_tokens} --shuffle-seed {params.shuffle_seed} "
-        "--out {output.blocks} --report {output.report} > {log} 2>&1"
+        "--block-tokens {params.block_tokens} --shuffle-seed {params.shuffle_seed} --out {output.blocks} "
+        "--report {output.report} --memory-cap-mb {config[data][memory_cap_mb]} > {log} 2>&1"
+
+
+rule order_blocks:  # the curriculum; the last pretrain.eval_blocks rows are the same random held-out sample for every order
+    input:
+        packed=PACKED,
+        tokenizer=TOKENIZER,
+    output:
+        blocks=BLOCKS,
+        report="results/packed/{corpus}/{filters}/{family}-v{vocab}/{order}/report.json",
+    params:
+        order=lambda wildcards: wildcards.order,
+        seed=config["data"]["order_seed"],
+        holdout=config["pretrain"]["eval_blocks"],
+    conda:
+        "../envs/cramswarm.yaml"
+    log:
+        "logs/order/{corpus}/{filters}/{family}-v{vocab}/{order}.log",
+    shell:
+        "python -m cramswarm order --packed {input.packed} --tokenizer {input.tokenizer} --order {params.order} "
+        "--seed {params.seed} --holdout-blocks {params.holdout} --out {output.blocks} --report {output.report} "
+        "--memory-cap-mb {config[data][memory_cap_mb]} > {log} 2>&1"
 
 
 rule pretrain:
     input:
-        blocks=BLOCKS,
-        tokenizer=TOKENIZER,
+        unpack(run_data),  # blocks and tokenizer of the run's data recipe (cramswarm.config.data_recipe)
     output:
         model="results/pretrain/{source}/{model}/v{vocab}/model.safetensors",
         log_csv="results/pretrain/{source}/{model}/v{vocab}/train_log.csv",
@@ -36,6 +57,8 @@ rule pretrain:
         # Resumable state: outside the declared outputs (Snakemake deletes those before a rerun).
         state_dir="results/.state/pretrain/{source}/{model}/v{vocab}",
     threads: 1
+    resources:
+        gpu=pretrain_gpus,  # see gpus() in common.smk
     conda:
         "../envs/cramswarm.yaml"
     log:
@@ -49,7 +72,7 @@ rule pretrain:
 
 rule init_model:  # the no-pretraining baseline: same architecture, random weights
     input:
-        tokenizer=TOKENIZER,
+        tokenizer=lambda wildcards: run_data(wildcards)["tokenizer"],
     output:
         model="results/init/{source}/{model}/v{vocab}/model.safetensors",
     params:

@@ -1,19 +1,23 @@
-# Stage 2: one WordPiece tokenizer per vocab size, trained on the corpus.
+# Stage 2: one tokenizer per (corpus variant, family, vocab size), trained on that corpus variant (the paper
+# trains its tokenizer after filtering). Special tokens keep ids 0-4 in every family.
 
 
 rule train_tokenizer:
     input:
-        corpus=CORPUS,
+        corpus=corpus_variant,
     output:
-        TOKENIZER,
+        tokenizer=TOKENIZER,
+        report="results/tokenizers/{corpus}/{filters}/{family}-v{vocab}/report.json",
     params:
         vocab=vocab_size,  # a param, not only a wildcard, so the between-workflow cache hashes it
+        family=lambda wildcards: wildcards.family,
         min_frequency=config["tokenizer"]["min_frequency"],
         case="" if config["tokenizer"]["lowercase"] else "--cased",
     conda:
         "../envs/cramswarm.yaml"
     log:
-        "logs/tokenizer/{source}/v{vocab}.log",
+        "logs/tokenizer/{corpus}/{filters}/{family}-v{vocab}.log",
     shell:
-        "python -m cramswarm tokenizer --corpus {input.corpus} --vocab-size {params.vocab} "
-        "--min-frequency {params.min_frequency} {params.case} --out {output} > {log} 2>&1"
+        "python -m cramswarm tokenizer --corpus {input.corpus} --vocab-size {params.vocab} --family {params.family} "
+        "--min-frequency {params.min_frequency} {params.case} --out {output.tokenizer} --report {output.report} "
+        "> {log} 2>&1"

@@ -1,4 +1,7 @@
 import os
+import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +21,38 @@ requires_mirror = pytest.mark.skipif(
     not (SHARED_HUB / "nyu-mll" / "glue").is_dir(),
     reason=f"offline hub mirror not found at {SHARED_HUB} (the ../shared/data/hub folder beside the repo)",
 )
+
+
+# Snakemake runs of the workflow (test_workflow, test_slurm): the tiny overlay on top of the default config.
+TINY = ["--configfile", "config/config.yaml", "config/test/tiny.yaml"]
+
+
+def copy_workflow(dest: Path) -> Path:
+    """A copy of the workflow (not of results/) to run Snakemake in."""
+    for item in ("Snakefile", "rules", "config", "profiles", "envs", "src"):
+        src = REPO / item
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, dest / item)
+    return dest
+
+
+def snakemake(cwd, *args, check=True, env=None, timeout=1800):
+    proc = subprocess.run(["snakemake", *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"snakemake {' '.join(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def job_stats(out: str) -> dict[str, int]:
+    """Job counts per rule from the summary table Snakemake prints before it runs anything."""
+    if "Job stats:" not in out:  # nothing to be done
+        return {}
+    table = out.split("Job stats:")[1].split("total")[0]
+    return {m[1]: int(m[2]) for m in re.finditer(r"^(\w+)\s+(\d+)$", table, re.M)}
+
+
+def planned_jobs(cwd, *args, env=None) -> dict[str, int]:
+    """Job counts per rule of a dry run."""
+    return job_stats(snakemake(cwd, "-n", *args, env=env).stdout)
 
 
 @pytest.fixture(scope="session")

@@ -1,37 +1,15 @@
 """The whole DAG through Snakemake on the tiny overlay: outputs, caching, and what a config change reruns."""
-import re
-import shutil
-import subprocess
+import json
 
 import pandas as pd
 import pytest
-
-TINY = ["--configfile", "config/config.yaml", "config/test/tiny.yaml"]
-
-
-def snakemake(cwd, *args, check=True):
-    proc = subprocess.run(["snakemake", *args], cwd=cwd, capture_output=True, text=True)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"snakemake {' '.join(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-    return proc
-
-
-def planned_jobs(cwd, *args) -> dict[str, int]:
-    """Job counts per rule from a dry run's summary table."""
-    out = snakemake(cwd, "-n", *args).stdout
-    if "Nothing to be done" in out:
-        return {}
-    table = out.split("Job stats:")[1].split("total")[0]
-    return {m[1]: int(m[2]) for m in re.finditer(r"^(\w+)\s+(\d+)$", table, re.M)}
+from conftest import TINY, copy_workflow, planned_jobs, snakemake
 
 
 @pytest.fixture(scope="module")
-def workdir(repo, tmp_path_factory):
+def workdir(tmp_path_factory):
     """A copy of the workflow (not of results/) run once with the tiny overlay."""
-    work = tmp_path_factory.mktemp("wf")
-    for item in ("Snakefile", "rules", "config", "profiles", "envs", "src"):
-        src = repo / item
-        (shutil.copytree if src.is_dir() else shutil.copy)(src, work / item)
+    work = copy_workflow(tmp_path_factory.mktemp("wf"))
     snakemake(work, "--cores", "2", *TINY)
     return work
 
@@ -67,6 +45,7 @@ def test_changing_one_vocab_size_reruns_only_its_dependents(workdir):
     assert jobs == {
         "train_tokenizer": 1,  # v192 only
         "pack_corpus": 1,
+        "order_blocks": 1,
         "pretrain": 1,
         "finetune": 3 * 2,  # 3 tasks x 2 seeds for crammed v192; nothing for v128 or no_pretrain
         "tables": 1,
@@ -125,3 +104,64 @@ def test_ablation_targets_build_tables_and_figures(workdir):
         assert (out / f"{png}.png").read_bytes()[:4] == b"\x89PNG"
     summary = (workdir / "results" / "pretrain" / "synthetic" / "arch-bert_original" / "v128" / "summary.json").read_text()
     assert '"mask_rate": 0.15' in summary and '"norm_scheme": "post"' in summary
+
+
+@pytest.mark.slow
+def test_settings_that_change_no_file_rerun_nothing(workdir):
+    # the memory cap bounds memory only; the study's filters are off, so their settings are in no file's key
+    overlay = workdir / "config" / "test" / "cap.yaml"
+    overlay.write_text("data:\n  memory_cap_mb: 128\n  trash_cutoff: 0.5\n  dedup_threshold: 0.7\n")
+    assert planned_jobs(workdir, *TINY, str(overlay.relative_to(workdir))) == {}
+
+
+@pytest.mark.slow
+def test_changing_the_block_order_reorders_and_retrains_only(workdir):
+    overlay = workdir / "config" / "test" / "order.yaml"
+    overlay.write_text("data:\n  order: sentence-length\n")
+    jobs = planned_jobs(workdir, *TINY, str(overlay.relative_to(workdir)))
+    # one order job per vocab; the 4 pretrained (model, vocab) pairs; no corpus, tokenizer, packing or init job
+    assert jobs == {"order_blocks": 2, "pretrain": 4, "finetune": 4 * 3 * 2, "tables": 1, "figures": 1, "all": 1}
+
+
+@pytest.mark.slow
+def test_ablation_data_reuses_files_shared_with_the_study_and_between_cells(workdir):
+    jobs = planned_jobs(workdir, "ablation_data", *TINY)
+    # sources synthetic + noisy x cells none / filtered / filtered_sorted / filtered_dedup (tiny overlay)
+    assert jobs == {
+        "corpus": 1,  # noisy; the study's synthetic corpus is reused
+        "filter_corpus": 2 * 2,  # trash, then dedup of the trash-filtered corpus, per source
+        "train_tokenizer": 5,  # raw, trash, trash-dedup per source, less the study's synthetic raw one
+        "pack_corpus": 5,  # one per tokenizer: filtered and filtered_sorted share theirs
+        "order_blocks": 7,  # one per (packed file, order), less the study's synthetic raw / random
+        "pretrain": 8,
+        "finetune": 8 * 1 * 2,  # ablations.glue_tasks [sst2] x glue.seeds [0, 1]
+        "ablation_data_report": 1,
+        "ablation_data": 1,
+    }
+
+
+@pytest.mark.slow
+def test_ablation_data_writes_table2_with_stage_counts(workdir):
+    overlay = workdir / "config" / "test" / "table2.yaml"
+    overlay.write_text(
+        "ablations:\n  data:\n    sources: [noisy]\n    cells:\n"
+        "      - {name: none, trash_filter: false, dedup: false, order: random}\n"
+        "      - {name: filtered_sorted, trash_filter: true, dedup: false, order: sentence-length}\n"
+        "      - {name: filtered_dedup, trash_filter: true, dedup: true, order: random}\n"
+    )
+    snakemake(workdir, "--cores", "2", "ablation_data", *TINY, str(overlay.relative_to(workdir)))
+    out = workdir / "results" / "ablations" / "synthetic"
+    table = pd.read_csv(out / "data.csv").set_index("cell")
+    assert list(table.index) == ["none", "filtered_sorted", "filtered_dedup"]  # config order
+    assert (table["documents_raw"] == 1500).all() and (table["pretrain_tokens"] == 8192).all()
+    raw, trash, dedup = table.loc["filtered_dedup", ["documents_raw", "documents_after_trash", "documents_after_dedup"]]
+    assert 1500 * 0.1 < raw - trash < 1500 * 0.2  # ~15 % trash documents in the noisy corpus
+    assert 1500 * 0.05 < trash - dedup < 1500 * 0.1  # ~10 % duplicates, near-copies partly kept
+    assert table.loc["none", "blocks"] > table.loc["filtered_sorted", "blocks"] > table.loc["filtered_dedup", "blocks"]
+    assert table["sst2"].notna().all() and (table["n_seeds"] == 2).all()
+    table2 = pd.read_csv(out / "data_table2.csv")
+    assert list(table2.columns) == ["source", "none", "filtered_sorted", "filtered_dedup"] and list(table2["source"]) == ["noisy"]
+    reports = workdir / "results" / "data" / "noisy"
+    trash_report = json.loads((reports / "trash0.72" / "report.json").read_text())
+    assert trash_report["tokenizer"] == "results/tokenizers/noisy/raw/wordpiece-v128/tokenizer.json"  # its own tokenizer
+    assert "GLUE scores" in (out / "data_table2.md").read_text()

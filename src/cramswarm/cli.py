@@ -40,6 +40,8 @@ def _report(path: str | None, payload: dict) -> None:
     from cramswarm.io import write_json
 
     print(json.dumps(payload, sort_keys=True))
+    for warning in payload.get("warnings", []):
+        print(f"warning: {warning}", file=sys.stderr)
     if path:
         write_json(path, payload)
 
@@ -111,31 +113,60 @@ def glue_data(args) -> int:
     return 0
 
 
-@command("tokenizer", "train a WordPiece tokenizer on the corpus")
+@command("tokenizer", "train a tokenizer (WordPiece, BPE or Unigram) on the corpus")
 def tokenizer(args) -> int:
     from cramswarm import tokenizer as tokenization
     from cramswarm.io import atomic_path
 
-    tok = tokenization.train_wordpiece(
-        tokenization.iter_corpus_batches(args.corpus), args.vocab_size, not args.cased, args.min_frequency
+    tok = tokenization.train(
+        tokenization.iter_corpus_batches(args.corpus), args.vocab_size, args.family, not args.cased, args.min_frequency
     )
     if tok.get_vocab_size() < args.vocab_size:
-        print(
-            f"warning: the corpus filled only {tok.get_vocab_size()} of {args.vocab_size} vocab entries "
-            f"(min_frequency {args.min_frequency})",
-            file=sys.stderr,
+        raise ValueError(
+            f"the corpus {args.corpus} filled only {tok.get_vocab_size()} of {args.vocab_size} {args.family} vocab "
+            f"entries (min_frequency {args.min_frequency}); lower tokenizer.vocab_sizes or use a larger corpus"
         )
     with atomic_path(args.out) as tmp:
         tok.save(str(tmp))
-    print(json.dumps({"vocab_size": tok.get_vocab_size(), "requested": args.vocab_size}))
+    _report(args.report, {"family": args.family, "vocab_size": tok.get_vocab_size(), "requested": args.vocab_size,
+                          "min_frequency": args.min_frequency, "lowercase": not args.cased, "corpus": args.corpus})
     return 0
 
 
-@command("pack", "tokenize the corpus and pack it into fixed-length blocks (.npy)")
+@command("filter", "one raw-text filter step (trash or dedup) from corpus to corpus, with a report of rows in/out")
+def filter_corpus(args) -> int:
+    from cramswarm.data import filters
+
+    if args.kind == "trash":
+        from cramswarm import tokenizer as tokenization
+
+        if not args.tokenizer:
+            raise ValueError("the trash filter needs --tokenizer (the corpus's own tokenizer)")
+        counts = filters.trash_filter(args.corpus, tokenization.load(args.tokenizer), args.out, args.trash_cutoff,
+                                      args.memory_cap_mb)
+        counts["tokenizer"] = args.tokenizer
+    else:
+        counts = filters.dedup(args.corpus, args.out, args.dedup_threshold, args.shingle_words, args.num_perm)
+    _report(args.report, {"corpus": args.corpus, **counts})
+    return 0
+
+
+@command("pack", "tokenize the corpus and pack it into fixed-length blocks (.npy), streaming in bounded memory")
 def pack(args) -> int:
     from cramswarm import packing, tokenizer as tokenization
 
-    counts = packing.pack(args.corpus, tokenization.load(args.tokenizer), args.out, args.block_tokens, args.shuffle_seed)
+    counts = packing.pack(args.corpus, tokenization.load(args.tokenizer), args.out, args.block_tokens,
+                          args.shuffle_seed, args.memory_cap_mb)
+    _report(args.report, counts)
+    return 0
+
+
+@command("order", "order packed blocks (random or a curriculum); the held-out sample goes last")
+def order(args) -> int:
+    from cramswarm import ordering, tokenizer as tokenization
+
+    counts = ordering.order_blocks(args.packed, tokenization.load(args.tokenizer), args.out, args.order, args.seed,
+                                   args.holdout_blocks, args.memory_cap_mb)
     _report(args.report, counts)
     return 0
 
@@ -225,6 +256,14 @@ def ablation_report(args) -> int:
     return 0
 
 
+@command("data-ablation-report", "Table 2: per-run data-chain counts, held-out loss and fine-tuned scores; sources x cells")
+def data_ablation_report(args) -> int:
+    from cramswarm.report import data_ablation
+
+    data_ablation.write_data_tables(data_ablation.data_table(args.runs, args.results), args.out_stem)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cramswarm", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -245,17 +284,38 @@ def build_parser() -> argparse.ArgumentParser:
         p[name].add_argument("--out", required=True)
         p[name].add_argument("--report", help="also write the counts to this JSON file")
     p["glue-data"].add_argument("--task", required=True)
+    for name in ("filter", "pack", "order"):
+        p[name].add_argument("--memory-cap-mb", type=float, default=256,
+                             help="working-set cap of the stage's batches (MiB; the trash filter, packing, order)")
     p["tokenizer"].add_argument("--corpus", required=True)
     p["tokenizer"].add_argument("--vocab-size", type=int, required=True)
+    p["tokenizer"].add_argument("--family", default="wordpiece", choices=("wordpiece", "bpe", "unigram"))
     p["tokenizer"].add_argument("--min-frequency", type=int, default=2)
     p["tokenizer"].add_argument("--cased", action="store_true", help="keep case and accents")
     p["tokenizer"].add_argument("--out", required=True)
+    p["tokenizer"].add_argument("--report", help="also write the vocab facts to this JSON file")
+    p["filter"].add_argument("--kind", required=True, choices=("trash", "dedup"))
+    p["filter"].add_argument("--corpus", required=True)
+    p["filter"].add_argument("--tokenizer", help="trash: the corpus's own tokenizer (tokenizer.json)")
+    p["filter"].add_argument("--trash-cutoff", type=float, default=0.25, help="trash: tokens per character")
+    p["filter"].add_argument("--dedup-threshold", type=float, default=0.8, help="dedup: Jaccard similarity")
+    p["filter"].add_argument("--shingle-words", type=int, default=5, help="dedup: words per shingle")
+    p["filter"].add_argument("--num-perm", type=int, default=128, help="dedup: MinHash permutations")
+    p["filter"].add_argument("--out", required=True)
+    p["filter"].add_argument("--report")
     p["pack"].add_argument("--corpus", required=True)
     p["pack"].add_argument("--tokenizer", required=True)
     p["pack"].add_argument("--block-tokens", type=int, default=128)
     p["pack"].add_argument("--shuffle-seed", type=int, default=0)
     p["pack"].add_argument("--out", required=True)
     p["pack"].add_argument("--report")
+    p["order"].add_argument("--packed", required=True)
+    p["order"].add_argument("--tokenizer", required=True)
+    p["order"].add_argument("--order", required=True, choices=("random", "sentence-length", "unigram", "unigram-reverse"))
+    p["order"].add_argument("--seed", type=int, default=0)
+    p["order"].add_argument("--holdout-blocks", type=int, default=0, help="blocks of a random sample put last (held out)")
+    p["order"].add_argument("--out", required=True)
+    p["order"].add_argument("--report")
     for name in ("pretrain", "init-model"):
         p[name].add_argument("--arch", type=_json, required=True, help="JSON of a models.<name>.arch section")
         p[name].add_argument("--tokenizer", required=True)
@@ -298,6 +358,10 @@ def build_parser() -> argparse.ArgumentParser:
     p["ablation-report"].add_argument("--results", nargs="*", default=[], help="fine-tuning result JSON files")
     p["ablation-report"].add_argument("--out-stem", required=True, help="table path without suffix (.csv and .md)")
     p["ablation-report"].add_argument("--png", help="figure path (arch and schedule)")
+    p["data-ablation-report"].add_argument("--runs", type=_json, required=True,
+                                           help="JSON {run: {label, source, cell, data, summary, reports}}")
+    p["data-ablation-report"].add_argument("--results", nargs="*", default=[], help="fine-tuning result JSON files")
+    p["data-ablation-report"].add_argument("--out-stem", required=True, help="<stem>.{csv,md} and <stem>_table2.{csv,md}")
     return parser
 
 

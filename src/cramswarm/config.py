@@ -166,12 +166,66 @@ def _semantic_errors(cfg: dict, base_dir: Path, schema: dict) -> list[str]:
                 errors.append(f"config key 'ablations.arch.variants[{i}].name': {variant['name']!r} is used twice")
             arch, messages = _subschema_errors(deep_merge(base_arch, variant["arch"]), defs["arch"], defs, where)
             errors += messages or _arch_errors(arch, where, longest)
+    errors += _data_errors(cfg)
     if cfg["source"] == "hub" and cfg["hub"]["mirror"] is not None:
         mirror = Path(cfg["hub"]["mirror"])
         mirror = mirror if mirror.is_absolute() else base_dir / mirror
         if not mirror.is_dir():
             errors.append(f"config key 'hub.mirror': folder {str(mirror)!r} does not exist")
     return errors
+
+
+STUDY_CORPORA = ("synthetic", "hub")  # corpus names built from the config's own source sections
+RECIPE_KEYS = ("trash_filter", "trash_cutoff", "dedup", "dedup_threshold", "order")
+
+
+def _data_errors(cfg: dict) -> list[str]:
+    errors = []
+    for name in cfg["data"]["corpora"]:
+        if name in STUDY_CORPORA:
+            errors.append(f"config key 'data.corpora.{name}': the name is taken by the config's own {name!r} section")
+    abl = cfg["ablations"]["data"]
+    known = [*STUDY_CORPORA, *cfg["data"]["corpora"]]
+    for i, name in enumerate(abl["sources"]):
+        if name not in known:
+            errors.append(f"config key 'ablations.data.sources[{i}]': {name!r} is not a corpus ({', '.join(known)})")
+    names = [cell["name"] for cell in abl["cells"]]
+    for i, name in enumerate(names):
+        if names.count(name) > 1:
+            errors.append(f"config key 'ablations.data.cells[{i}].name': {name!r} is used twice")
+    return errors + _model_ref_errors(cfg, "ablations.data.base_model", abl["base_model"])
+
+
+def data_recipe(cfg: dict, corpus: str | None = None, overrides: dict | None = None) -> dict:
+    """The data recipe a run's blocks come from: corpus name, filters, order and tokenizer family."""
+    recipe = {key: cfg["data"][key] for key in RECIPE_KEYS} | {"family": cfg["tokenizer"]["family"]}
+    recipe |= {k: v for k, v in (overrides or {}).items() if k != "name"}
+    return {"corpus": corpus or cfg["source"], **recipe}
+
+
+def filters_key(recipe: dict) -> str:
+    """The path segment naming a corpus variant: ``raw``, ``trash0.25``, ``dedup0.8`` or ``trash0.25-dedup0.8``
+    (trash first, the paper's order). Settings of a switched-off filter are not part of it."""
+    parts = [f"trash{recipe['trash_cutoff']:g}"] if recipe["trash_filter"] else []
+    parts += [f"dedup{recipe['dedup_threshold']:g}"] if recipe["dedup"] else []
+    return "-".join(parts) or "raw"
+
+
+def data_wildcards(recipe: dict) -> dict:
+    """The path wildcards of a recipe's files (rules/common.smk: FILTERED, TOKENIZER, PACKED, BLOCKS)."""
+    return {"corpus": recipe["corpus"], "filters": filters_key(recipe), "family": recipe["family"], "order": recipe["order"]}
+
+
+def corpus_spec(cfg: dict, name: str) -> dict:
+    """What the ``corpus`` command reads for corpus ``name``: the keys of the source section it uses only."""
+    if name == "synthetic":
+        return {"source": "synthetic", "synthetic": {k: cfg["synthetic"][k] for k in ("seed", "corpus_documents")}}
+    if name == "hub":
+        return {"source": "hub", "hub": {k: cfg["hub"][k] for k in ("mirror", "corpus")}}
+    spec = cfg["data"]["corpora"][name]
+    if "synthetic" in spec:
+        return {"source": "synthetic", "synthetic": spec["synthetic"]}
+    return {"source": "hub", "hub": {"mirror": cfg["hub"]["mirror"], "corpus": spec["hub"]}}
 
 
 def model_recipe(cfg: dict, name: str) -> dict:
@@ -195,9 +249,10 @@ def resolve_runs(cfg: dict) -> dict[str, dict]:
     """Every checkpoint the workflow can build, by run name, with its full arch and recipe.
 
     The study's models keep their names; ablation runs are ``arch-<variant>``, ``arch-<model>``,
-    ``sched-<schedule>-lr<peak>`` and ``groups-<row>``, all trained at ``ablations.budget``. Each entry:
-    ``{"pretrain", "vocab_sweep", "arch", "recipe", "glue", "study", "label"}`` (study: models | arch | schedule |
-    groups; glue: the fine-tuning protocol, :func:`glue_protocol`). Ablation runs are fine-tuned with the
+    ``sched-<schedule>-lr<peak>``, ``groups-<row>`` and ``data-<source>-<cell>``, all trained at
+    ``ablations.budget``. Each entry: ``{"pretrain", "vocab_sweep", "arch", "recipe", "glue", "study", "label",
+    "data"}`` (study: models | arch | schedule | groups | data; glue: the fine-tuning protocol,
+    :func:`glue_protocol`; data: the data recipe, :func:`data_recipe`). Ablation runs are fine-tuned with the
     study's default protocol (``glue.protocol``): they compare pretraining, so fine-tuning is held fixed.
     """
     runs = {
@@ -209,15 +264,16 @@ def resolve_runs(cfg: dict) -> dict[str, dict]:
             "glue": glue_protocol(cfg, spec["glue_protocol"]),
             "study": "models",
             "label": name,
+            "data": data_recipe(cfg),
         }
         for name, spec in cfg["models"].items()
     }
     abl = cfg["ablations"]
 
-    def add(run: str, study: str, label: str, arch: dict, recipe: dict) -> None:
+    def add(run: str, study: str, label: str, arch: dict, recipe: dict, data: dict | None = None) -> None:
         recipe = {**recipe, "budget": abl["budget"]}
         runs[run] = {"pretrain": True, "vocab_sweep": False, "arch": arch, "recipe": recipe, "glue": glue_protocol(cfg),
-                     "study": study, "label": label}
+                     "study": study, "label": label, "data": data or data_recipe(cfg)}
 
     base = abl["arch"]["base_model"]
     add(f"arch-{base}", "arch", base, cfg["models"][base]["arch"], model_recipe(cfg, base))
@@ -241,6 +297,11 @@ def resolve_runs(cfg: dict) -> dict[str, dict]:
     }
     for row, (label, arch_from, recipe_from) in rows.items():
         add(f"groups-{row}", "groups", label, cfg["models"][arch_from]["arch"], model_recipe(cfg, recipe_from))
+    base = abl["data"]["base_model"]
+    for source in abl["data"]["sources"] or [cfg["source"]]:
+        for cell in abl["data"]["cells"]:
+            add(f"data-{source}-{cell['name']}", "data", f"{source} / {cell['name']}", cfg["models"][base]["arch"],
+                model_recipe(cfg, base), data_recipe(cfg, source, cell))
     return runs
 
 

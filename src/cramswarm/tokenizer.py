@@ -1,8 +1,11 @@
-"""WordPiece tokenizers trained on the study's corpus with the ``tokenizers`` library.
+"""Tokenizers trained on the study's corpus with the ``tokenizers`` library: WordPiece (the paper's), BPE, Unigram.
 
-Special tokens sit at fixed ids whatever the corpus or build order (the model relies on pad = 0):
-``[PAD]=0, [UNK]=1, [CLS]=2, [SEP]=3, [MASK]=4``. Normalisation follows the paper: NFD, lowercase,
-strip accents. Inputs are encoded as ``[CLS] A [SEP]`` or ``[CLS] A [SEP] B [SEP]``; no token-type ids.
+Special tokens sit at fixed ids whatever the family, corpus or build order (the model relies on pad = 0):
+``[PAD]=0, [UNK]=1, [CLS]=2, [SEP]=3, [MASK]=4``. Every trainer gets them first, in this order, and the ids
+are checked after training (a mismatch is an error, never a shifted model). Normalisation follows the paper:
+NFD, lowercase, strip accents. Every family splits on whitespace and punctuation first (BERT's
+pre-tokenizer), so no token spans a space: a long document can be encoded in whitespace-cut pieces with the
+same ids. Inputs are encoded as ``[CLS] A [SEP]`` or ``[CLS] A [SEP] B [SEP]``; no token-type ids.
 """
 
 from __future__ import annotations
@@ -30,17 +33,33 @@ def iter_corpus_batches(path: str | Path, batch: int = BATCH_DOCUMENTS) -> Itera
         yield record_batch.column(0).to_pylist()
 
 
-def train_wordpiece(batches: Iterable[list[str]], vocab_size: int, lowercase: bool = True, min_frequency: int = 2) -> Tokenizer:
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]", max_input_chars_per_word=100))
+FAMILIES = ("wordpiece", "bpe", "unigram")
+
+
+def _model_and_trainer(family: str, vocab_size: int, min_frequency: int):
+    common = dict(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False)
+    if family == "wordpiece":
+        model = models.WordPiece(unk_token="[UNK]", max_input_chars_per_word=100)
+        return model, trainers.WordPieceTrainer(min_frequency=min_frequency, **common)
+    if family == "bpe":  # word-internal merges marked "##" as WordPiece does, so the same decoder applies
+        model = models.BPE(unk_token="[UNK]", continuing_subword_prefix="##")
+        return model, trainers.BpeTrainer(min_frequency=min_frequency, continuing_subword_prefix="##", **common)
+    if family == "unigram":  # the Unigram trainer has no min_frequency (it prunes by likelihood instead)
+        return models.Unigram(), trainers.UnigramTrainer(unk_token="[UNK]", **common)
+    raise ValueError(f"unknown tokenizer family {family!r}; allowed: {', '.join(FAMILIES)}")
+
+
+def train(batches: Iterable[list[str]], vocab_size: int, family: str = "wordpiece", lowercase: bool = True,
+          min_frequency: int = 2) -> Tokenizer:
+    """Train a ``family`` tokenizer on batches of documents; special tokens at ids 0-4 (checked)."""
+    model, trainer = _model_and_trainer(family, vocab_size, min_frequency)
+    tok = Tokenizer(model)
     steps = [normalizers.NFD()]
     if lowercase:
         steps += [normalizers.Lowercase(), normalizers.StripAccents()]
     tok.normalizer = normalizers.Sequence(steps)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.decoder = decoders.WordPiece(prefix="##")
-    trainer = trainers.WordPieceTrainer(
-        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=list(SPECIAL_TOKENS), show_progress=False
-    )
+    tok.decoder = decoders.WordPiece(prefix="##") if family != "unigram" else None
     tok.train_from_iterator(batches, trainer=trainer)
     for token_id, token in enumerate(SPECIAL_TOKENS):
         if tok.token_to_id(token) != token_id:
@@ -49,6 +68,10 @@ def train_wordpiece(batches: Iterable[list[str]], vocab_size: int, lowercase: bo
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:0 [SEP]:0", special_tokens=[("[CLS]", CLS_ID), ("[SEP]", SEP_ID)]
     )
     return tok
+
+
+def train_wordpiece(batches: Iterable[list[str]], vocab_size: int, lowercase: bool = True, min_frequency: int = 2) -> Tokenizer:
+    return train(batches, vocab_size, "wordpiece", lowercase, min_frequency)
 
 
 def load(path: str | Path) -> Tokenizer:

@@ -14,44 +14,80 @@ from typing import Iterable, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from cramswarm.data.stream import CorpusWriter
 from cramswarm.glue.tasks import get_task
 from cramswarm.io import atomic_path
 
-CHUNK_DOCUMENTS = 4096  # documents per parquet row group: bounds memory while writing large corpora
 
-
-def corpus_documents(cfg: dict) -> Iterator[str]:
+def corpus_documents(cfg: dict) -> Iterator:
     if cfg["source"] == "synthetic":
         from cramswarm.data import synthetic
 
         syn = cfg["synthetic"]
-        return synthetic.corpus_documents(syn["corpus_documents"], syn["seed"])
+        docs = synthetic.corpus_documents(syn["corpus_documents"], syn["seed"])
+        noise = syn.get("noise") or {}
+        if noise.get("trash_share") or noise.get("duplicate_share"):
+            from cramswarm.data.synthetic.noise import with_noise
+
+            docs = with_noise(docs, noise.get("trash_share", 0.0), noise.get("duplicate_share", 0.0), syn["seed"])
+        return docs
     from cramswarm.data import hub
 
     return hub.iter_corpus(cfg["hub"]["corpus"], cfg["hub"]["mirror"])
 
 
-def write_corpus(documents: Iterable[str], out: str | Path) -> dict:
-    """Write non-empty documents to a parquet file in chunks; return counts for the stage report."""
-    schema = pa.schema([("text", pa.string())])
-    kept = empty = characters = 0
-    with atomic_path(out) as tmp, pq.ParquetWriter(tmp, schema) as writer:
-        chunk: list[str] = []
+def as_text(doc) -> tuple[str | None, bool]:
+    """``(text, repaired)``: a document as valid UTF-8 text. Bytes are decoded; bytes that are not UTF-8, and
+    strings holding lone surrogates (undecodable bytes smuggled through ``surrogateescape``), get U+FFFD in
+    place of the bad bytes (``repaired`` True). Anything that is not text gives ``(None, False)``."""
+    if isinstance(doc, bytes):
+        try:
+            return doc.decode("utf-8"), False
+        except UnicodeDecodeError:
+            return doc.decode("utf-8", errors="replace"), True
+    if not isinstance(doc, str):
+        return None, False
+    try:
+        doc.encode("utf-8")
+        return doc, False
+    except UnicodeEncodeError:
+        return doc.encode("utf-8", "surrogatepass").decode("utf-8", "replace"), True
+
+
+def write_corpus(documents: Iterable, out: str | Path) -> dict:
+    """Write documents to a parquet file in bounded memory (one row group at a time); return counts for the report.
+
+    Nothing is dropped silently: empty documents and values that are not text are dropped and counted,
+    documents with invalid UTF-8 are kept with U+FFFD replacement characters and counted; each count above
+    zero also appears in the report's ``warnings``. No document at all is an error (and no file is written).
+    """
+    empty = not_text = repaired = 0
+    with CorpusWriter(out) as writer:
         for doc in documents:
-            if not isinstance(doc, str) or not doc.strip():
+            text, fixed = as_text(doc)
+            if text is None:
+                not_text += 1
+                continue
+            if not text.strip():
                 empty += 1
                 continue
-            chunk.append(doc)
-            kept += 1
-            characters += len(doc)
-            if len(chunk) == CHUNK_DOCUMENTS:
-                writer.write_table(pa.table({"text": chunk}, schema=schema))
-                chunk = []
-        if chunk:
-            writer.write_table(pa.table({"text": chunk}, schema=schema))
-        if kept == 0:
-            raise ValueError(f"the corpus is empty: no non-empty documents ({empty} empty ones) for {out}")
-    return {"documents": kept, "empty_documents_dropped": empty, "characters": characters}
+            repaired += fixed
+            writer.write(text)
+        if writer.documents == 0:
+            raise ValueError(
+                f"the corpus is empty: no non-empty documents ({empty} empty ones, {not_text} not text) for {out}"
+            )
+    warnings = [
+        message
+        for count, message in (
+            (empty, f"{empty} empty documents dropped"),
+            (not_text, f"{not_text} values that are not text dropped"),
+            (repaired, f"{repaired} documents had invalid UTF-8; bad bytes replaced by U+FFFD"),
+        )
+        if count
+    ]
+    return {"documents": writer.documents, "empty_documents_dropped": empty, "non_text_dropped": not_text,
+            "invalid_utf8_repaired": repaired, "characters": writer.characters, "warnings": warnings}
 
 
 def glue_rows(cfg: dict, task: str, split: str) -> list[dict]:
