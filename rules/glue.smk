@@ -13,6 +13,8 @@ rule finetune:
         precision=config["pretrain"]["precision"],
         checkpoint_dir=subpath(input.checkpoint, parent=True),
     threads: 1
+    resources:
+        gpu=finetune_gpus,  # see gpus() in common.smk
     conda:
         "../envs/cramswarm.yaml"
     log:

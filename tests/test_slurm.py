@@ -1,0 +1,219 @@
+"""profiles/slurm on a real SLURM: a one-node cluster on this machine (tests/slurm_cluster.py).
+
+The tiny config's pretraining chain runs locally; then, from the same corpus and tokenizer, its packing and
+pretraining jobs go through `snakemake --workflow-profile profiles/slurm` exactly as the README tells a
+CPU-only cluster's user. SLURM requeues the pretrain job mid-run (as a preempting scheduler does); it must
+resume from its saved state, and the outputs must equal the local run's. Bad input (a missing partition, a
+GPU job on a partition without GPUs) must fail fast with sbatch's message. Where SLURM cannot be installed or
+started, the cluster tests skip with the reason; the dry-run checks of the profiles run everywhere.
+"""
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from collections import Counter
+
+from pathlib import Path
+
+import pytest
+from conftest import TINY, copy_workflow, job_stats, planned_jobs, snakemake
+from slurm_cluster import LocalSlurm, Unavailable, run
+
+pytestmark = pytest.mark.slurm
+
+PRETRAIN = "results/pretrain/synthetic/crammed/v128"
+STATE = "results/.state/pretrain/synthetic/crammed/v128/state.pt"
+# 300 optimizer steps of 32 x 128 tokens (about 10 s on one core), the state saved every 10: time to requeue.
+STEPS = 300
+OVERLAY = f"pretrain:\n  budget: {{unit: tokens, value: {STEPS * 32 * 128}}}\n  resume_every_steps: 10\n"
+CONFIG = [*TINY, "slurm_test.yaml"]
+# What the README's "CPU-only cluster" lines set; the status poll starts after 2 s instead of 40.
+CPU_CLUSTER = {"CRAMSWARM_SLURM_PARTITION": "test", "CRAMSWARM_SLURM_GPUS": "0"}
+PROFILE = ["--workflow-profile", "profiles/slurm", "--slurm-init-seconds-before-status-checks", "2"]
+
+
+def workflow(tmp_path_factory, name):
+    work = copy_workflow(tmp_path_factory.mktemp(name))
+    (work / "slurm_test.yaml").write_text(OVERLAY)
+    return work
+
+
+def env(**values):
+    base = {k: v for k, v in os.environ.items() if not k.startswith("CRAMSWARM_SLURM_")}
+    return {**base, **values}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    # Not under pytest's temporary folders: another pytest session on this machine may prune those.
+    folder = Path(tempfile.mkdtemp(prefix="cramswarm-slurm-"))
+    try:
+        slurm = LocalSlurm(folder).start()
+    except Unavailable as err:
+        shutil.rmtree(folder, ignore_errors=True)
+        if os.environ.get("CRAMSWARM_REQUIRE_SLURM"):  # set by .ci/run: there a skip would hide a SLURM test never run
+            pytest.fail(f"CRAMSWARM_REQUIRE_SLURM is set, but there is no local SLURM cluster: {err}")
+        pytest.skip(f"no local SLURM cluster: {err}")
+    yield slurm
+    slurm.stop()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def rule_of(job):
+    return job["comment"].split("_wildcards_")[0].removeprefix("rule_")  # the plugin's job comment
+
+
+def pretrain_job(cluster):
+    return next((job for job in cluster.jobs() if rule_of(job) == "pretrain"), None)
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory):
+    """The target run locally (profiles/default), uninterrupted."""
+    work = workflow(tmp_path_factory, "local")
+    snakemake(work, "--cores", "2", f"{PRETRAIN}/summary.json", *CONFIG, timeout=600)
+    return work
+
+
+@pytest.fixture(scope="module")
+def on_slurm(cluster, local, tmp_path_factory):
+    """The target through the SLURM profile, starting from the local run's corpus and tokenizer. Two reasons:
+    each SLURM stage costs about half a minute of status polling, and a tokenizer trained twice on the same
+    corpus can number tied subword tokens differently (hash-map order, huggingface/tokenizers#1794).
+    Once the pretrain job has saved state, `scontrol requeue` it."""
+    work = workflow(tmp_path_factory, "on_slurm")
+    for folder in ("results/data", "results/tokenizers"):
+        shutil.copytree(local / folder, work / folder)  # keeps the times: nothing looks outdated
+    planned = planned_jobs(work, f"{PRETRAIN}/summary.json", *CONFIG)
+    assert "pretrain" in planned and "train_tokenizer" not in planned, planned
+    log = work / "snakemake.log"
+    cmd = ["snakemake", *PROFILE, f"{PRETRAIN}/summary.json", *CONFIG]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=work, env=env(**CPU_CLUSTER), stdout=out, stderr=subprocess.STDOUT)
+    requeued, deadline = None, time.monotonic() + 900
+    try:
+        while proc.poll() is None:
+            assert time.monotonic() < deadline, f"SLURM run still going after 900 s:\n{log.read_text()[-3000:]}"
+            job = pretrain_job(cluster) if requeued is None and (work / STATE).exists() else None
+            if job and job["state"] == "RUNNING":
+                run("scontrol", "requeue", job["id"])
+                requeued = job["id"]
+                # A requeued job waits 120 s before it may start again; let it start as soon as it is pending.
+                while pretrain_job(cluster)["state"] != "PENDING":
+                    assert time.monotonic() < deadline, "requeued job never went back to PENDING"
+                    time.sleep(0.2)
+                run("scontrol", "update", f"JobId={requeued}", "StartTime=now")
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return work, proc.returncode, log.read_text(), requeued, planned
+
+
+def test_jobs_ran_under_slurm(on_slurm, cluster):
+    work, returncode, log, _, planned = on_slurm
+    assert returncode == 0, log[-4000:]
+    jobs = cluster.jobs()
+    assert Counter(map(rule_of, jobs)) == planned and "pretrain" in planned  # every job of the dry run, once
+    for job in jobs:
+        assert job["state"] == "COMPLETED", job
+        assert f"submitted with SLURM jobid {job['id']} " in log, job  # Snakemake's record of the same job
+    # The profile's units as SLURM read them: runtime 1560 min, mem_mb 16000; no GPU (CRAMSWARM_SLURM_GPUS=0).
+    pretrain = pretrain_job(cluster)
+    assert pretrain["time_limit"] == "1-02:00:00"
+    assert "mem=16000M" in pretrain["tres"] and "gpu" not in pretrain["tres"]
+
+
+def packed_files(work):
+    """{path: sha256} of every packed-blocks file a run wrote."""
+    return {str(p.relative_to(work)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in work.glob("results/packed/**/*.npy")}
+
+
+def test_outputs_equal_a_local_run(on_slurm, local):
+    work = on_slurm[0]
+    assert packed_files(work) and packed_files(work) == packed_files(local)
+    ours, theirs = (json.loads((w / PRETRAIN / "summary.json").read_text()) for w in (work, local))
+    assert ours["steps"] == theirs["steps"] and ours["tokens"] == theirs["tokens"]
+    assert ours["final_loss"] == pytest.approx(theirs["final_loss"], abs=1e-3)
+    assert ours["eval_loss"] == pytest.approx(theirs["eval_loss"], abs=1e-3)
+
+
+def test_requeued_pretraining_resumes_from_its_state(on_slurm, cluster):
+    work, returncode, log, requeued, _ = on_slurm
+    assert requeued is not None, "the pretrain job was never seen running with saved state"
+    job = pretrain_job(cluster)
+    assert (job["id"], job["state"], job["restarts"]) == (requeued, "COMPLETED", 1)
+    summary = json.loads((work / PRETRAIN / "summary.json").read_text())
+    assert 0 < summary["resumed_from_step"] < summary["steps"]
+    assert "resuming from" in (work / "logs/pretrain/synthetic/crammed/v128.log").read_text()
+    assert not (work / STATE).exists()  # removed once the checkpoint is written
+
+
+# Bad input: a pretrain job whose inputs the SLURM run built, so that it is the only job; sbatch refuses it.
+OTHER = "results/pretrain/synthetic/bert_original/v128/summary.json"
+
+
+def test_missing_partition_fails_with_sbatchs_message(on_slurm):
+    start = time.monotonic()
+    proc = snakemake(on_slurm[0], *PROFILE, OTHER, *CONFIG, check=False, timeout=300,
+                     env=env(**{**CPU_CLUSTER, "CRAMSWARM_SLURM_PARTITION": "nosuch"}))
+    output = proc.stdout + proc.stderr
+    assert job_stats(output) == {"pretrain": 1}
+    assert proc.returncode != 0 and "Invalid partition name specified" in output
+    assert time.monotonic() - start < 120
+
+
+def test_gpu_job_on_a_partition_without_gpus_fails_with_sbatchs_message(on_slurm):
+    start = time.monotonic()
+    proc = snakemake(on_slurm[0], *PROFILE, OTHER, *CONFIG, check=False, timeout=300,
+                     env=env(CRAMSWARM_SLURM_PARTITION="test"))  # GPUs left at the profile's 1
+    output = proc.stdout + proc.stderr
+    assert job_stats(output) == {"pretrain": 1}
+    assert proc.returncode != 0 and "--gpus=1" in output and "Requested node configuration is not available" in output
+    assert time.monotonic() - start < 120
+
+
+# The profiles' resources, from dry runs (no cluster needed).
+def planned_resources(work, *args, environ=None) -> dict[str, str]:
+    """{rule: its 'resources:' line} of a dry run."""
+    out = snakemake(work, "-n", *args, env=environ, timeout=300).stdout
+    return dict(re.findall(r"^(?:local)?rule (\w+):\n(?:    .*\n)*?    resources: (.*)$", out, re.M))
+
+
+@pytest.fixture(scope="module")
+def dry(tmp_path_factory):
+    return copy_workflow(tmp_path_factory.mktemp("dry"))
+
+
+def test_slurm_profile_puts_gpu_rules_on_the_gpu_partition(dry):
+    environ = env(CRAMSWARM_SLURM_PARTITION="cpu", CRAMSWARM_SLURM_GPU_PARTITION="gpu", CRAMSWARM_SLURM_GPUS="2",
+                  CRAMSWARM_SLURM_ACCOUNT="lab")
+    resources = planned_resources(dry, "--workflow-profile", "profiles/slurm", f"{PRETRAIN}/summary.json", *TINY,
+                                  environ=environ)
+    assert "slurm_partition=gpu" in resources["pretrain"] and "gpu=2" in resources["pretrain"]
+    assert "runtime=1560" in resources["pretrain"] and "slurm_account=lab" in resources["pretrain"]
+    assert "slurm_partition=cpu" in resources["train_tokenizer"] and "gpu" not in resources["train_tokenizer"]
+
+
+def test_local_gpu_jobs_hold_the_default_profiles_one_gpu(dry, tmp_path):
+    """pretrain and finetune hold the `gpu` that profiles/default caps at 1 where a GPU driver is there
+    (device auto), and none when their config says device: cpu."""
+    (tmp_path / "nvidia-smi").write_text("#!/bin/sh\n")
+    (tmp_path / "nvidia-smi").chmod(0o755)
+    with_gpu = env(PATH=f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    target = f"{PRETRAIN}/summary.json"
+    assert "gpu=1" in planned_resources(dry, target, *TINY, environ=with_gpu)["pretrain"]
+    cpu = tmp_path / "cpu.yaml"
+    cpu.write_text("pretrain:\n  device: cpu\n")
+    assert "gpu=0" in planned_resources(dry, target, *TINY, str(cpu), environ=with_gpu)["pretrain"]
+    finetune = "results/glue/synthetic/no_pretrain/v128/sst2/s0.json"
+    assert "gpu=1" in planned_resources(dry, finetune, *TINY, environ=with_gpu)["finetune"]
+    cpu.write_text("glue:\n  device: cpu\n")
+    assert "gpu=0" in planned_resources(dry, finetune, *TINY, str(cpu), environ=with_gpu)["finetune"]
