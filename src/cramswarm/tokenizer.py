@@ -13,8 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable, Iterator
 
-import pyarrow.parquet as pq
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+from cramswarm.data.stream import open_corpus
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = range(len(SPECIAL_TOKENS))
@@ -22,14 +23,7 @@ BATCH_DOCUMENTS = 1024  # documents read per batch while training or encoding
 
 
 def iter_corpus_batches(path: str | Path, batch: int = BATCH_DOCUMENTS) -> Iterator[list[str]]:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"missing corpus file: {path}")
-    try:
-        reader = pq.ParquetFile(path)
-    except Exception as err:  # pyarrow raises several types for a damaged file
-        raise ValueError(f"corrupt corpus file {path}: {err}") from None
-    for record_batch in reader.iter_batches(batch_size=batch, columns=["text"]):
+    for record_batch in open_corpus(path).iter_batches(batch_size=batch, columns=["text"]):
         yield record_batch.column(0).to_pylist()
 
 
