@@ -65,6 +65,16 @@ def mirror() -> Path:
     return SHARED_HUB
 
 
+def mirror_corpus(wikipedia_articles: int, gutenberg_books: int) -> list[dict]:
+    """A hub corpus spec of the mirror's two real-text datasets, capped at the given document counts."""
+    return [
+        {"path": "wikimedia/wikipedia", "name": "en-2015-sample", "split": "train", "text_column": "text",
+         "max_documents": wikipedia_articles},
+        {"path": "bookcorpus-like/gutenberg", "name": None, "split": "train", "text_column": "text",
+         "max_documents": gutenberg_books},
+    ]
+
+
 # Pretraining fixtures shared by test_pretrain and test_resume.
 DEFAULT = load_config([REPO / "config" / "config.yaml"])
 

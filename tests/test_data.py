@@ -9,7 +9,7 @@ import pytest
 from cramswarm import packing, tokenizer as tokenization
 from cramswarm.data import hub, sources
 from cramswarm.glue.tasks import TASKS
-from conftest import requires_mirror
+from conftest import mirror_corpus, requires_mirror
 
 DOCS = [f"the {a} saw a {b} near the river . it was {c} ." for a in ("dog", "cat", "fox") for b in ("bird", "horse")
         for c in ("late", "early", "cold", "warm")] * 5
@@ -110,10 +110,7 @@ def test_real_glue_from_the_mirror(task, mirror, tmp_path):
 
 @requires_mirror
 def test_real_corpora_from_the_mirror(mirror, tmp_path):
-    spec = [
-        {"path": "wikimedia/wikipedia", "name": "en-2015-sample", "split": "train", "text_column": "text", "max_documents": 20},
-        {"path": "bookcorpus-like/gutenberg", "name": None, "split": "train", "text_column": "text", "max_documents": 2},
-    ]
+    spec = mirror_corpus(20, 2)
     counts = sources.write_corpus(hub.iter_corpus(spec, mirror), tmp_path / "c.parquet")
     assert counts["documents"] == 22 and counts["characters"] > 100_000
     tok = tokenization.train_wordpiece(tokenization.iter_corpus_batches(tmp_path / "c.parquet"), 1024)

@@ -13,7 +13,7 @@ from cramswarm.data import filters, hub, sources
 from cramswarm.data.stream import iter_documents, split_long
 from cramswarm.data.synthetic import corpus_documents
 from cramswarm.data.synthetic.noise import BOILERPLATE, trash_document, with_noise
-from conftest import requires_mirror
+from conftest import mirror_corpus, requires_mirror
 
 CLEAN = list(corpus_documents(400, 0))
 
@@ -265,10 +265,7 @@ def test_empty_corpus_through_the_cli_is_a_clear_error(tmp_path):
 @requires_mirror
 def test_real_text_through_every_data_stage(mirror, tmp_path):
     """The mirror's Wikipedia and Gutenberg configs: corpus, tokenizer, trash, dedup, pack, order."""
-    spec = [
-        {"path": "wikimedia/wikipedia", "name": "en-2015-sample", "split": "train", "text_column": "text", "max_documents": 300},
-        {"path": "bookcorpus-like/gutenberg", "name": None, "split": "train", "text_column": "text", "max_documents": 3},
-    ]
+    spec = mirror_corpus(300, 3)
     raw = sources.write_corpus(hub.iter_corpus(spec, mirror), tmp_path / "raw.parquet")
     assert raw["documents"] == 303 and raw["warnings"] == []
     tok = tokenization.train(tokenization.iter_corpus_batches(tmp_path / "raw.parquet"), 2048)
