@@ -101,18 +101,17 @@ def checkpoint_of(wildcards):
     return f"{checkpoint_dir(wildcards.model, wildcards.vocab)}/model.safetensors"
 
 
-# The keys of the source's section each stage reads, so that a change to one (say, the GLUE train cap)
-# reruns only the stages that read it, not the corpus and everything pretrained from it. (The corpus
-# stage's keys, for every corpus name: cramswarm.config.corpus_spec.)
-SOURCE_KEYS = {
-    "glue": {"synthetic": ["seed", "glue_train_examples", "glue_validation_examples"],
-             "hub": ["mirror", "glue", "glue_max_train_examples"]},
+# The keys of the source's section the GLUE stage reads, so that a change to another (say, the corpus size)
+# does not rerun it. (The corpus stage's keys, for every corpus name: cramswarm.config.corpus_spec.)
+GLUE_SOURCE_KEYS = {
+    "synthetic": ["seed", "glue_train_examples", "glue_validation_examples"],
+    "hub": ["mirror", "glue", "glue_max_train_examples"],
 }
 
 
-def source_spec(stage):
-    """JSON of the chosen source with only the keys ``stage`` (glue) reads."""
-    section = {key: config[SOURCE][key] for key in SOURCE_KEYS[stage][SOURCE]}
+def glue_source_spec(wildcards=None):
+    """JSON of the chosen source with only the keys the GLUE stage reads."""
+    section = {key: config[SOURCE][key] for key in GLUE_SOURCE_KEYS[SOURCE]}
     return json.dumps({"source": SOURCE, SOURCE: section}, sort_keys=True)
 
 

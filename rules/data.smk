@@ -69,7 +69,7 @@ rule glue_data:
         data=GLUE_DATA,
         report="results/data/{source}/glue/{task}.report.json",
     params:
-        spec=source_spec("glue"),
+        spec=glue_source_spec,
     conda:
         "../envs/cramswarm.yaml"
     log:
