@@ -12,7 +12,7 @@ import pytest
 from cramswarm.cli import main as cli_main
 from cramswarm.glue.metrics import PAPER_AVERAGE_COLUMNS, SCORE_COLUMNS, paper_average
 from cramswarm.glue.tasks import TASKS
-from cramswarm.report.figures import plot_glue_by_task, plot_loss_curves, plot_vocab_sweep
+from cramswarm.report.figures import _new_figure, _save, plot_glue_by_task, plot_loss_curves, plot_vocab_sweep
 from cramswarm.report.tables import (
     DEFAULT_REFERENCE_MODEL,
     glue_table,
@@ -181,10 +181,17 @@ def test_vocab_sweep_table(tmp_path):
     assert sweep["mnli_m_std"].tolist() == pytest.approx([math.sqrt(76 / 3)] * 3)
 
 
-def assert_png(path):
+def assert_png(path) -> str:
+    """The figure exists as PNG and PDF with a caption beside it (and nothing else: temp files were renamed);
+    returns the caption."""
     data = path.read_bytes()
     assert len(data) > 1000 and data.startswith(PNG_MAGIC)
-    assert [p.name for p in path.parent.iterdir()] == [path.name]  # the temp file was renamed, not left behind
+    assert path.with_suffix(".pdf").read_bytes().startswith(b"%PDF")
+    stem = path.name.removesuffix(".png")
+    assert sorted(p.name for p in path.parent.iterdir()) == sorted(f"{stem}{ext}" for ext in (".caption.rst", ".pdf", ".png"))
+    caption = path.with_suffix(".caption.rst").read_text()
+    assert len(caption) > 100 and "{{" not in caption
+    return caption
 
 
 def test_plot_loss_curves(tmp_path):
@@ -195,7 +202,9 @@ def test_plot_loss_curves(tmp_path):
     csv = tmp_path / "v512.csv"
     log.assign(loss=log["loss"] + 0.5).to_csv(csv, index=False)
     out = plot_loss_curves({"vocab 2048": log, "vocab 512": csv}, tmp_path / "fig" / "loss.png", log_x=True)
-    assert_png(out)
+    caption = assert_png(out)
+    # the caption states each run's last loss and what the paper gives (no values for this plot)
+    assert f"vocab 512 {log['loss'].iloc[-1] + 0.5:.3f} at 204,800 tokens" in caption and "paper" in caption
     with pytest.raises(ValueError, match="tokens"):
         plot_loss_curves({"bad": log.drop(columns="tokens")}, tmp_path / "bad.png")
 
@@ -213,11 +222,27 @@ def test_plot_vocab_sweep(tmp_path):
         }
     )
     baseline = pd.Series({"avg_paper": 45.0, "mnli_m": 55.0})
-    assert_png(plot_vocab_sweep(sweep, tmp_path / "fig" / "sweep.png", baseline=baseline))
+    caption = assert_png(plot_vocab_sweep(sweep, tmp_path / "fig" / "sweep.png", baseline=baseline))
+    assert "crammed 68.0 at 8192" in caption and "[paper]" in caption
 
 
 def test_plot_glue_by_task(results, tmp_path):
-    assert_png(plot_glue_by_task(results, tmp_path / "fig" / "tasks.png"))
+    caption = assert_png(plot_glue_by_task(results, tmp_path / "fig" / "tasks.png"))
+    assert "paper: crammed BERT, 24 h (v1 Table 3)" in caption  # the published per-task values are drawn
+    assert "synthetic stand-in" in caption
+    hub = assert_png(plot_glue_by_task(results, tmp_path / "hub" / "tasks.png", source="hub"))
+    assert "synthetic" not in hub
+
+
+def test_figure_needs_png_path_and_caption(tmp_path):
+    fig = _new_figure(2, 2)
+    with pytest.raises(ValueError, match="must end in .png"):
+        _save(fig, tmp_path / "x.jpg", "a caption")
+    with pytest.raises(ValueError, match="empty caption"):
+        _save(fig, tmp_path / "x.png", "  ")
+    with pytest.raises(ValueError, match="Jinja"):
+        _save(fig, tmp_path / "x.png", "a {{ template }}")
+    assert not list(tmp_path.iterdir())
 
 
 # --- published rows beside ours -------------------------------------------------------------------------------

@@ -300,7 +300,11 @@ def test_plots_are_written(arch_runs, schedule_runs, tmp_path):
     for png in (arch_png, schedule_png):
         data = png.read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 10_000
-    assert sorted(p.name for p in (tmp_path / "figs").iterdir()) == ["fig1_arch.png", "fig2_schedule.png"]
+    assert sorted(p.name for p in (tmp_path / "figs").iterdir()) == sorted(
+        f"{stem}{ext}" for stem in ("fig1_arch", "fig2_schedule") for ext in (".png", ".pdf", ".caption.rst")
+    )
+    assert "Figure 1 of the paper" in (tmp_path / "figs" / "fig1_arch.caption.rst").read_text()
+    assert "Lowest held-out loss" in (tmp_path / "figs" / "fig2_schedule.caption.rst").read_text()
 
 
 def test_groups_table_markdown_and_summary_checks(group_results, tmp_path):

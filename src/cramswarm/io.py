@@ -15,9 +15,20 @@ from pathlib import Path
 from typing import Any, Iterator
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+# mkstemp creates files readable by their owner only; results get the mode a plain open() would give them.
+FILE_MODE = 0o666 & ~_umask()
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path beside ``path`` (same suffix); rename it to ``path`` on success."""
+    """Yield a temporary path beside ``path`` (same suffix); rename it to ``path`` on success, with the
+    permissions a newly created file gets under the process umask (not mkstemp's owner-only 0600)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix or ".tmp", dir=path.parent)
@@ -25,6 +36,8 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(tmp)
     try:
         yield tmp
+        if tmp.exists():  # a writer may have replaced or removed it (then it set its own mode)
+            os.chmod(tmp, FILE_MODE)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

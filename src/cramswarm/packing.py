@@ -16,8 +16,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from tqdm.auto import tqdm
 
-from cramswarm.data.stream import batch_chars, encode_documents, iter_documents
+from cramswarm.data.stream import batch_chars, encode_documents, iter_documents, open_corpus
 from cramswarm.io import atomic_path
 from cramswarm.tokenizer import SEP_ID
 
@@ -60,8 +61,10 @@ class BlockWriter:
         return len(self._carry)
 
 
-def pack(corpus: str | Path, tok, out: str | Path, block_tokens: int, shuffle_seed: int, memory_cap_mb: float = 256) -> dict:
-    """Write blocks to ``out`` (.npy, shape (blocks, block_tokens)); return counts for the stage report."""
+def pack(corpus: str | Path, tok, out: str | Path, block_tokens: int, shuffle_seed: int, memory_cap_mb: float = 256,
+         progress: bool = False) -> dict:
+    """Write blocks to ``out`` (.npy, shape (blocks, block_tokens)); return counts for the stage report.
+    ``progress`` draws a tqdm bar over documents packed."""
     dtype = dtype_for(tok.get_vocab_size())
     max_chars = batch_chars(memory_cap_mb)
     documents = tokens = characters = short = empty = 0
@@ -70,7 +73,10 @@ def pack(corpus: str | Path, tok, out: str | Path, block_tokens: int, shuffle_se
         writer = BlockWriter(file, block_tokens, dtype)
         pending: list[np.ndarray] = []
         pending_tokens = 0
+        bar = tqdm(total=open_corpus(corpus).metadata.num_rows, unit="doc", desc=f"packing {Path(corpus).name}",
+                   disable=not progress, mininterval=2.0)
         for doc, ids in encode_documents(tok, iter_documents(corpus, shuffle_seed), max_chars):
+            bar.update()
             documents += 1
             characters += len(doc)
             empty += len(ids) == 0
@@ -86,6 +92,7 @@ def pack(corpus: str | Path, tok, out: str | Path, block_tokens: int, shuffle_se
             tokens += pending_tokens
         if documents == 0:
             raise ValueError(f"corpus {corpus} has no documents")
+        bar.close()
         tail = writer.finish()
         if writer.blocks == 0:
             raise ValueError(f"corpus {corpus} has {tokens} tokens, fewer than one block of {block_tokens}")

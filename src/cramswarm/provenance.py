@@ -26,7 +26,10 @@ from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 
-PACKAGES = ("cramswarm", "torch", "transformers", "tokenizers", "datasets", "numpy", "scikit-learn", "scipy")
+PACKAGES = (
+    "cramswarm", "torch", "transformers", "tokenizers", "datasets", "numpy", "pandas", "scikit-learn", "scipy",
+    "seaborn", "matplotlib", "snakemake", "snakemake-executor-plugin-slurm", "hivemind",
+)
 
 
 def settings_hash(settings: object) -> str:

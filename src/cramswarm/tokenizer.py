@@ -11,6 +11,8 @@ same ids. Inputs are encoded as ``[CLS] A [SEP]`` or ``[CLS] A [SEP] B [SEP]``; 
 from __future__ import annotations
 
 from pathlib import Path
+
+from tqdm.auto import tqdm
 from typing import Iterable, Iterator
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
@@ -22,9 +24,15 @@ PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = range(len(SPECIAL_TOKENS))
 BATCH_DOCUMENTS = 1024  # documents read per batch while training or encoding
 
 
-def iter_corpus_batches(path: str | Path, batch: int = BATCH_DOCUMENTS) -> Iterator[list[str]]:
-    for record_batch in open_corpus(path).iter_batches(batch_size=batch, columns=["text"]):
-        yield record_batch.column(0).to_pylist()
+def iter_corpus_batches(path: str | Path, batch: int = BATCH_DOCUMENTS, progress: bool = False) -> Iterator[list[str]]:
+    """The corpus's documents in batches of ``batch``; ``progress`` draws a tqdm bar over documents read (the
+    tokenizer trainer counts words as it reads, so this is most of its time; the merges follow)."""
+    reader = open_corpus(path)
+    with tqdm(total=reader.metadata.num_rows, unit="doc", desc=f"tokenizer: reading {Path(path).name}",
+              disable=not progress, mininterval=2.0) as bar:
+        for record_batch in reader.iter_batches(batch_size=batch, columns=["text"]):
+            yield record_batch.column(0).to_pylist()
+            bar.update(record_batch.num_rows)
 
 
 FAMILIES = ("wordpiece", "bpe", "unigram")
