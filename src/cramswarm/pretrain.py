@@ -211,6 +211,31 @@ def _load_state(path: Path | None, expected: str) -> dict | None:
     return state
 
 
+def load_training_data(recipe: dict, tokenizer_path: str | Path, blocks_path: str | Path,
+                       expected_vocab: int | None = None):
+    """(tokenizer, blocks, training blocks): the tokenizer and packed blocks a pretraining run reads, checked
+    against each other and the recipe; the last ``eval_blocks`` rows are held out, so rows
+    ``[0, training blocks)`` are trained on."""
+    tok = tokenization.load(tokenizer_path)
+    vocab_size = tok.get_vocab_size()
+    if expected_vocab is not None and expected_vocab != vocab_size:
+        raise ValueError(
+            f"tokenizer {tokenizer_path} has {vocab_size} tokens but this run expects vocab size {expected_vocab} "
+            "(tokenizer.vocab_sizes); rebuild the tokenizer"
+        )
+    blocks = load_blocks(blocks_path)
+    if int(blocks.max(initial=0)) >= vocab_size:
+        raise ValueError(f"packed data {blocks_path} holds token ids >= the tokenizer's vocab size {vocab_size}")
+    micro = recipe["micro_batch_sequences"]
+    n_blocks = blocks.shape[0] - recipe["eval_blocks"]
+    if n_blocks < micro:
+        raise ValueError(
+            f"pretrain.eval_blocks: holding out {recipe['eval_blocks']} of {blocks.shape[0]} packed blocks leaves "
+            f"{n_blocks}, fewer than one micro-batch ({micro}); lower eval_blocks or use a larger corpus"
+        )
+    return tok, blocks, n_blocks
+
+
 def pretrain(
     recipe: dict,
     arch: dict,
@@ -230,23 +255,9 @@ def pretrain(
     """
     device = resolve_device(recipe["device"])
     precision = resolve_precision(recipe["precision"], device)
-    tok = tokenization.load(tokenizer_path)
+    tok, blocks, n_blocks = load_training_data(recipe, tokenizer_path, blocks_path, expected_vocab)
     vocab_size = tok.get_vocab_size()
-    if expected_vocab is not None and expected_vocab != vocab_size:
-        raise ValueError(
-            f"tokenizer {tokenizer_path} has {vocab_size} tokens but this run expects vocab size {expected_vocab} "
-            "(tokenizer.vocab_sizes); rebuild the tokenizer"
-        )
-    blocks = load_blocks(blocks_path)
-    if int(blocks.max(initial=0)) >= vocab_size:
-        raise ValueError(f"packed data {blocks_path} holds token ids >= the tokenizer's vocab size {vocab_size}")
     micro, final_accumulation = recipe["micro_batch_sequences"], recipe["batch_sequences"] // recipe["micro_batch_sequences"]
-    n_blocks = blocks.shape[0] - recipe["eval_blocks"]
-    if n_blocks < micro:
-        raise ValueError(
-            f"pretrain.eval_blocks: holding out {recipe['eval_blocks']} of {blocks.shape[0]} packed blocks leaves "
-            f"{n_blocks}, fewer than one micro-batch ({micro}); lower eval_blocks or use a larger corpus"
-        )
     heldout = HeldOut(blocks[n_blocks:], recipe["eval_mask_rate"], vocab_size, micro) if recipe["eval_blocks"] else None
     block_tokens = blocks.shape[1]
 
@@ -324,7 +335,8 @@ def pretrain(
             c["last_loss"] = mean_loss
             if eval_loss:
                 c["last_eval_loss"] = float(eval_loss)
-            bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{c['tokens'] / elapsed():,.0f}")
+            bar.set_postfix(tokens=f"{c['tokens']:,}", loss=f"{mean_loss:.3f}", lr=f"{lr:.2e}",
+                            tok_s=f"{c['tokens'] / elapsed():,.0f}")
             c["window_loss"], c["window_n"] = 0.0, 0
         bar.update(min(100, int(100 * done)) - bar.n)
         if state_path is not None and done < 1.0:

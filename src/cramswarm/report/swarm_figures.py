@@ -1,0 +1,440 @@
+"""Tables (CSV + Markdown) and figures (PNG + PDF + caption) of the swarm_study experiments.
+
+Each experiment of :mod:`cramswarm.swarm.study` writes one CSV; here each becomes a summary table
+``<name>_table.csv`` / ``<name>_table.md``, a figure ``<name>.png`` / ``<name>.pdf`` (150 dpi, the report's one
+seaborn style from :mod:`cramswarm.report.figures`) and a caption ``<name>.caption.rst`` saying what is shown, the
+setup read from the CSV, and the paper's number where swarm.md gives one, with its confidence tag.
+:func:`swarm_report` does all experiments whose CSV is present. Every file is written atomically.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import seaborn as sns
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.ticker import MaxNLocator
+
+from cramswarm.report.figures import PALETTE, _new_figure, _save, _style, figure_paths
+from cramswarm.report.tables import write_table
+
+EXPERIMENTS = ("square_cube", "wiring_throughput", "failures_timeline", "rebalancing_recovery", "compression_loss",
+               "sim_scale")
+
+# Published numbers quoted in captions (swarm.md section 3; tags as there).
+PAPER_E4 = ("SWARM paper, E4 (simulation on T4 preemption logs): rebalancing every T = 300 s reaches 95.8 % of the "
+            "optimal throughput, no rebalancing 82.7 % [secondary: third-party summary, not verified against the "
+            "paper].")
+
+TABLE_LABELS: dict[str, str] = {
+    "transport": "Transport",
+    "routing": "Routing",
+    "failures": "Failures",
+    "hidden_size": "Hidden size",
+    "scheme": "Scheme",
+    "bandwidth_mbit_s": "Bandwidth (Mbit/s)",
+    "compute_s": "Compute fwd+bwd (s)",
+    "comm_s": "Comm. fwd+bwd (s)",
+    "activation_payload_bytes": "Payload (bytes)",
+    "compute_to_comm": "Compute / comm.",
+    "throughput_mb_s": "Throughput (microbatches/s)",
+    "optimum_mb_s": "Optimum (microbatches/s)",
+    "percent_of_optimum": "% of optimum",
+    "percent_of_failure_free": "% of failure-free",
+    "retries": "Retries",
+    "lost_microbatches": "Lost microbatches",
+    "rebalance_period_s": "Rebalance period (s)",
+    "before_mb_s": "Before kill, after fill (microbatches/s)",
+    "after_mb_s": "Last half, after kill (microbatches/s)",
+    "moves": "Moves",
+    "first_move_s": "First move (s)",
+    "config": "Boundary",
+    "final_loss": "Final loss (nats/token)",
+    "delta_vs_none": "Δ vs none (nats)",
+    "peers": "Peers",
+    "static_percent": "Initial assignment % of optimum",
+    "preemptions": "Preemptions",
+    "events": "Events",
+    "sim_wall_s": "Sim wall time (s)",
+}
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+
+def _format(value) -> str:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        return str(value)
+    if isinstance(value, (int, np.integer)):
+        return f"{int(value):,}"
+    if np.isnan(value):
+        return "NaN"
+    return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+
+
+def to_markdown(df: pd.DataFrame) -> str:
+    """Markdown with :data:`TABLE_LABELS` headers, 3 significant digits (whole numbers from 1000 on), integers
+    with thousands separators, missing numbers as ``NaN``."""
+    cells = pd.DataFrame({TABLE_LABELS.get(name, name): column.map(_format) for name, column in df.items()})
+    align = ["right" if pd.api.types.is_numeric_dtype(column) else "left" for _, column in df.items()]
+    return cells.to_markdown(index=False, disable_numparse=True, colalign=align) + "\n"
+
+
+def write_swarm_table(df: pd.DataFrame, stem: str | os.PathLike) -> tuple[Path, ...]:
+    """``<stem>.csv`` (full precision) and ``<stem>.md`` (see :func:`to_markdown`), atomically."""
+    return write_table(df, stem, markdown=to_markdown)
+
+
+def _save_all(fig: Figure, stem: Path, caption: str) -> list[Path]:
+    """``<stem>.png`` (150 dpi), ``<stem>.pdf`` and ``<stem>.caption.rst``, as every report figure
+    (:func:`cramswarm.report.figures._save`)."""
+    return list(figure_paths(_save(fig, stem.with_name(stem.name + ".png"), caption)).values())
+
+
+def _read(csv: str | os.PathLike, columns: tuple[str, ...]) -> pd.DataFrame:
+    frame = pd.read_csv(csv, na_values=["NaN"])
+    missing = [c for c in columns if c not in frame.columns]
+    if missing:
+        raise ValueError(f"{csv}: missing column(s) {', '.join(missing)}")
+    if frame.empty:
+        raise ValueError(f"{csv}: no rows")
+    return frame
+
+
+def _legend_outside(ax, title: str | None = None) -> None:
+    """One legend right of the axes with every labelled artist (bars, lines and reference lines)."""
+    handles, labels = ax.get_legend_handles_labels()
+    ax.legend(handles, labels, title=title, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
+
+
+def _periods(column: pd.Series) -> list[float]:
+    """Distinct rebalancing periods, off (NaN) first, then ascending."""
+    values = sorted(column.dropna().unique())
+    return ([math.nan] if column.isna().any() else []) + values
+
+
+def _same_period(column: pd.Series, period: float) -> pd.Series:
+    return column.isna() if pd.isna(period) else column == period
+
+
+def _period_label(period: float) -> str:
+    return "off" if pd.isna(period) else f"T = {period:g} s"
+
+
+def _stairs(ax, rows: pd.DataFrame, **style) -> None:
+    """Windowed throughput as a step line spanning each window (``t_s`` = window start)."""
+    rows = rows.sort_values("t_s")
+    if rows.empty:
+        return
+    edges = [*rows["t_s"], rows["t_s"].iloc[-1] + rows["window_s"].iloc[-1]]
+    ax.stairs(rows["throughput_mb_s"], edges, baseline=None, **style)
+
+
+# ------------------------------------------------------------------------------------------------ square-cube
+
+def square_cube_figure(csv: str | os.PathLike, out_dir: str | os.PathLike) -> list[Path]:
+    """M1: compute/communication ratio vs hidden size, one panel per bandwidth, one line per scheme."""
+    data = _read(csv, ("hidden_size", "scheme", "bandwidth_mbit_s", "compute_s", "comm_s", "compute_to_comm"))
+    out = Path(out_dir)
+    table = data.pivot_table(index=["hidden_size", "compute_s"], columns=["bandwidth_mbit_s", "scheme"],
+                             values="compute_to_comm")
+    table.columns = [f"ratio_{b:g}mbit_{s}" for b, s in table.columns]
+    paths = list(write_swarm_table(table.reset_index(), out / "square_cube_table"))
+    bandwidths = sorted(data["bandwidth_mbit_s"].unique())
+    schemes = list(dict.fromkeys(data["scheme"]))
+    with _style():
+        colors = dict(zip(schemes, sns.color_palette(PALETTE, len(schemes))))
+        fig = _new_figure(3.4 * len(bandwidths) + 1.6, 3.8)
+        axes = np.atleast_1d(fig.subplots(1, len(bandwidths), sharey=True))
+        for ax, bandwidth in zip(axes, bandwidths):
+            rows = data[data["bandwidth_mbit_s"] == bandwidth]
+            for scheme in schemes:
+                line = rows[rows["scheme"] == scheme].sort_values("hidden_size")
+                ax.plot(line["hidden_size"], line["compute_to_comm"], marker="o", color=colors[scheme], label=scheme)
+            ax.axhline(1.0, color="0.4", linestyle="--", linewidth=1)
+            ax.set_xscale("log", base=2)
+            sizes = sorted(rows["hidden_size"].unique())
+            ax.set_xticks(sizes, [str(s) for s in sizes])
+            ax.minorticks_off()
+            ax.set_yscale("log")
+            ax.set_title(f"{bandwidth:g} Mbit/s")
+            ax.set_xlabel("hidden size d (features, log2 scale)")
+        axes[0].set_ylabel("compute time / transfer time (ratio, log scale)")
+        fig.legend(handles=axes[0].get_lines()[: len(schemes)], title="boundary encoding",
+                   loc="outside right upper")
+        fig.suptitle("Square-cube law: one crammed-BERT layer, measured fwd+bwd compute vs boundary transfer")
+    first = data.iloc[0]
+    caption = f"""
+**Square-cube law (M1).** For one crammed-BERT layer (FFN 4d, heads of 64 features) on a microbatch of
+{int(first['batch'])} x {int(first['seq_len'])} tokens, the measured forward + backward time under bf16 autocast on
+this CPU divided by the time to send the layer's boundary traffic (encoded activation forward + encoded gradient of
+the same size backward, payload bytes measured from `compression.encode`) over a link of the panel's bandwidth.
+Above the dashed line computation dominates. Compute grows as d^2 per token (weights d x d) while the traffic grows
+as d, so the ratio rises with d; fp16 halves and blockwise 8-bit quarters the traffic. Small widths are dominated
+by per-kernel overheads on a CPU, so the trend is clearest at the larger widths.
+Paper (E1): relative device utilisation of "base"-sized layers 1.5-18 %, GPT-3-sized layers 48-82 % across latency
+settings at 500 Mbit/s; d >= ~4096 gives > 50 % at 500 Mbit/s and 100 ms [secondary: third-party notes]. The
+transformer form t_comp / t_comm ~ (36 L d / q) (B / F) is derived in swarm.md 1.7 [derived].
+"""
+    return paths + _save_all(fig, out / "square_cube", caption)
+
+
+# --------------------------------------------------------------------------------------------------- wiring
+
+def wiring_figure(csv: str | os.PathLike, out_dir: str | os.PathLike) -> list[Path]:
+    """M2: throughput per routing policy and transport, with the optimum as a line."""
+    data = _read(csv, ("transport", "routing", "throughput_mb_s", "optimum_mb_s", "percent_of_optimum"))
+    out = Path(out_dir)
+    columns = ["transport", "routing", "throughput_mb_s", "optimum_mb_s", "percent_of_optimum", "retries"]
+    paths = list(write_swarm_table(data[[c for c in columns if c in data.columns]], out / "wiring_throughput_table"))
+    with _style():
+        fig = _new_figure(6.5, 4.0)
+        ax = fig.subplots()
+        sns.barplot(data=data, x="routing", y="throughput_mb_s", hue="transport", ax=ax)
+        ax.axhline(data["optimum_mb_s"].iloc[0], color="0.3", linestyle="--", linewidth=1,
+                   label="optimum (every peer busy)")
+        for container in ax.containers:
+            ax.bar_label(container, fmt="%.2f", fontsize=7, padding=2)
+        ax.set_xlabel("routing policy")
+        ax.set_ylabel("throughput (microbatches/s)")
+        ax.set_title("Stochastic wiring on heterogeneous peers")
+        ax.set_ylim(0, data["optimum_mb_s"].iloc[0] * 1.15)
+        _legend_outside(ax)
+    first = data.iloc[0]
+    ratio = _ratio(data, "weighted", "uniform")
+    caption = f"""
+**Stochastic wiring (M2).** Throughput (completed forward + backward microbatches per second) of SWARM's weighted
+routing (interleaved weighted round-robin on measured peer throughput), uniform random routing and fixed chains
+(the c-th peer of every stage), on {int(first['stages'])} stages of peers with speeds 1, 0.5 and 0.25 (rotated per
+stage so that fixed chains mix fast and slow peers), {int(first['trainers'])} concurrent trainers, no failures,
+{first['duration_s']:g} emulated seconds; thread emulation and discrete-event simulator side by side. Dashed: the
+optimum, every stage's summed peer rate (all peers busy). Weighted / uniform throughput: {ratio}.
+Expected shape (swarm.md 6.2 M2 [proposal]): weighted approaches the sum of the rates, uniform tends to
+3 x the slowest peer, up to ~2.3x apart. swarm.md gives no published number for this experiment.
+"""
+    return paths + _save_all(fig, out / "wiring_throughput", caption)
+
+
+def _ratio(data: pd.DataFrame, a: str, b: str) -> str:
+    parts = []
+    for transport, rows in data.groupby("transport", sort=False):
+        by_routing = rows.set_index("routing")["throughput_mb_s"]
+        if a in by_routing and b in by_routing and by_routing[b] > 0:
+            parts.append(f"{by_routing[a] / by_routing[b]:.2f}x ({transport})")
+    return ", ".join(parts) or "n/a"
+
+
+# ------------------------------------------------------------------------------------------------- failures
+
+def failures_figure(csv: str | os.PathLike, out_dir: str | os.PathLike) -> list[Path]:
+    """M3: throughput over time with periodic kills, swarm vs fixed chains, per transport; failure-free dotted."""
+    data = _read(csv, ("transport", "routing", "failures", "t_s", "throughput_mb_s", "peers_up"))
+    out = Path(out_dir)
+    summary = (data.groupby(["transport", "routing", "failures"], sort=False)
+               .agg(throughput_mb_s=("throughput_mb_s", "mean"), retries=("retries", "first"),
+                    lost_microbatches=("lost_microbatches", "first")).reset_index())
+    free = summary[summary["failures"] == "none"].set_index(["transport", "routing"])["throughput_mb_s"]
+    summary["percent_of_failure_free"] = [
+        100 * row.throughput_mb_s / free.get((row.transport, row.routing), np.nan) for row in summary.itertuples()
+    ]
+    paths = list(write_swarm_table(summary, out / "failures_timeline_table"))
+    transports = list(dict.fromkeys(data["transport"]))
+    routings = list(dict.fromkeys(data["routing"]))
+    with _style():
+        colors = dict(zip(routings, sns.color_palette(PALETTE, len(routings))))
+        fig = _new_figure(5.0 * len(transports) + 1.8, 4.6)
+        axes = np.atleast_1d(fig.subplots(2, len(transports), sharex=True, height_ratios=(3, 1), squeeze=False))
+        for col, transport in enumerate(transports):
+            ax, lower = axes[0, col], axes[1, col]
+            for routing in routings:
+                for label, style in (("periodic", "-"), ("none", ":")):
+                    rows = data[(data["transport"] == transport) & (data["routing"] == routing)
+                                & (data["failures"] == label)]
+                    _stairs(ax, rows, linestyle=style, color=colors[routing], linewidth=1.6 if style == "-" else 1.0)
+            ax.set_title(f"{transport}")
+            ax.set_ylabel("throughput (microbatches/s)")
+            ax.set_ylim(bottom=0)
+            up = data[(data["transport"] == transport) & (data["failures"] == "periodic")].drop_duplicates("t_s")
+            lower.stairs(up["peers_up"], [*up["t_s"], up["t_s"].iloc[-1] + up["window_s"].iloc[-1]], color="0.3",
+                         baseline=None)
+            lower.yaxis.set_major_locator(MaxNLocator(integer=True))
+            lower.set_ylabel("peers up\n(window mean)")
+            lower.set_xlabel("time (emulated s; window start)")
+        handles = [Line2D([], [], color=colors[r], label="swarm (weighted)" if r == "weighted" else r)
+                   for r in routings]
+        handles += [Line2D([], [], color="0.3", linestyle="-", label="with kills"),
+                    Line2D([], [], color="0.3", linestyle=":", label="failure-free")]
+        fig.legend(handles=handles, loc="outside right upper")
+        fig.suptitle("Throughput under failures: swarm vs fixed pipeline chains")
+    first = data.iloc[0]
+    window = first["window_s"]
+    lines = [f"{r.transport} {r.routing}: {r.percent_of_failure_free:.0f} %" for r in summary.itertuples()
+             if r.failures == "periodic"]
+    caption = f"""
+**Throughput under failures (M3).** Microbatches completed per {window:g} s window for SWARM's weighted routing and
+for fixed GPipe-style chains, with one random live peer killed at regular intervals and restarted later (solid; the
+same kill schedule for both) and without failures (dotted); lower panels: peers up. A killed peer drops its queue
+(those calls time out and are re-sent to another replica by the swarm; a fixed chain waits for its member).
+Throughput under failures as a percentage of the same routing's failure-free run: {'; '.join(lines)}.
+swarm.md 6.2 M3 [proposal]: SWARM keeps the remaining capacity minus timeout waste, static chains lose a whole chain
+per failure. The paper's throughput-over-time figure (E6) has no number in swarm.md [unverified].
+"""
+    return paths + _save_all(fig, out / "failures_timeline", caption)
+
+
+# ---------------------------------------------------------------------------------------------- rebalancing
+
+def rebalancing_figure(csv: str | os.PathLike, out_dir: str | os.PathLike) -> list[Path]:
+    """M4: throughput over time after a stage is starved, rebalancing off vs periods, per transport."""
+    data = _read(csv, ("transport", "rebalance_period_s", "kill_at_s", "t_s", "window_s", "throughput_mb_s",
+                       "peers_up", "moves", "first_move_s"))
+    out = Path(out_dir)
+    kill_at = float(data["kill_at_s"].iloc[0])
+    duration = data["t_s"].max() + data["window_s"].iloc[0]
+    rows = []
+    for (transport, period), group in data.groupby(["transport", "rebalance_period_s"], sort=False, dropna=False):
+        # windows wholly before the kill, skipping the first (pipeline fill: no microbatch is done yet)
+        before = group[(group["t_s"] > 0) & (group["t_s"] + group["window_s"] <= kill_at)]["throughput_mb_s"].mean()
+        after = group[group["t_s"] >= kill_at + (duration - kill_at) / 2]["throughput_mb_s"].mean()
+        rows.append({"transport": transport, "rebalance_period_s": period, "before_mb_s": before,
+                     "after_mb_s": after, "moves": int(group["moves"].iloc[0]),
+                     "first_move_s": group["first_move_s"].iloc[0]})
+    paths = list(write_swarm_table(pd.DataFrame(rows), out / "rebalancing_recovery_table"))
+    transports = list(dict.fromkeys(data["transport"]))
+    periods = _periods(data["rebalance_period_s"])
+    labels = [_period_label(p) for p in periods]
+    with _style():
+        colors = dict(zip(labels, sns.color_palette(PALETTE, len(labels))))
+        fig = _new_figure(4.6 * len(transports) + 1.6, 3.8)
+        axes = np.atleast_1d(fig.subplots(1, len(transports), sharey=True))
+        for ax, transport in zip(axes, transports):
+            for period, label in zip(periods, labels):
+                rows = data[(data["transport"] == transport) & _same_period(data["rebalance_period_s"], period)]
+                _stairs(ax, rows, color=colors[label], label=label)
+            ax.axvline(kill_at, color="0.3", linestyle="--", linewidth=1)
+            ax.annotate("stage starved", (kill_at, 0.98), xycoords=ax.get_xaxis_transform(), xytext=(3, 0),
+                        textcoords="offset points", va="top", fontsize=7, color="0.3")
+            ax.set_title(transport)
+            ax.set_xlabel("time (emulated s; window start)")
+            ax.set_ylim(bottom=0)
+        axes[0].set_ylabel("throughput (microbatches/s)")
+        handles = [Line2D([], [], color=colors[label], label=label) for label in labels]
+        fig.legend(handles=handles, title="rebalancing", loc="outside right upper")
+        fig.suptitle("Recovery of a starved stage by adaptive rebalancing")
+    caption = f"""
+**Rebalancing recovery (M4).** Microbatches completed per {data['window_s'].iloc[0]:g} s window (weighted routing).
+At the dashed line peers of one stage die for good (peers up: {data['peers_up'].max():g} ->
+{data['peers_up'].min():g}), leaving that stage the bottleneck. Without rebalancing the swarm stays at the
+starved stage's rate; with rebalancing every T seconds a peer of the least loaded stage moves to the most loaded one
+(Rebalancer: hysteresis 1.5 on the backlog ratio, only if the bottleneck rate improves), loads the stage state and
+serves it, and throughput recovers after about T + the state download. The table gives the mean throughput before
+the kill and over the last half of the run after it, the number of moves and the time of the first.
+{PAPER_E4}
+"""
+    return paths + _save_all(fig, out / "rebalancing_recovery", caption)
+
+
+# ---------------------------------------------------------------------------------------------- compression
+
+def compression_figure(csv: str | os.PathLike, out_dir: str | os.PathLike) -> list[Path]:
+    """M5: MLM loss vs step per boundary compression config (rolling mean)."""
+    data = _read(csv, ("config", "step", "loss"))
+    out = Path(out_dir)
+    steps = int(data["step"].max())
+    tail = max(1, steps // 10)
+    final = data[data["step"] > steps - tail].groupby("config", sort=False)["loss"].mean()
+    table = pd.DataFrame({"config": final.index, "final_loss": final.values})
+    table["delta_vs_none"] = table["final_loss"] - final.get("none", np.nan)
+    paths = list(write_swarm_table(table, out / "compression_loss_table"))
+    window = max(1, steps // 20)
+    configs = list(dict.fromkeys(data["config"]))
+    with _style():
+        colors = dict(zip(configs, sns.color_palette(PALETTE, len(configs))))
+        fig = _new_figure(7.0, 4.0)
+        ax = fig.subplots()
+        for config in configs:
+            rows = data[data["config"] == config].sort_values("step")
+            smooth = rows["loss"].rolling(window, min_periods=1).mean()
+            ax.plot(rows["step"], smooth, color=colors[config], label=config, linewidth=1.4,
+                    linestyle={"fp16": "--", "blockwise8": ":"}.get(config, "-"))
+        ax.set_xlabel("optimizer step (count)")
+        ax.set_ylabel(f"MLM loss (nats/token, rolling mean of {window} steps)")
+        ax.set_title(f"Stage-boundary compression vs loss ({int(data['stages'].iloc[0])} stages)")
+        ax.legend(title="boundary", loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
+    caption = f"""
+**Compression at stage boundaries (M5).** Masked-LM training loss of the tiny crammed-BERT model split into
+{int(data['stages'].iloc[0])} stages and trained in one process with every stage boundary compressed: `none` (fp32),
+`fp16`, `blockwise8` (blockwise absmax 8-bit; activations forward and gradients backward), or narrowed by SWARM's
+compression-aware layers `bottleneck<f>` / `maxout<k>` (factor in the name, no quantisation, as the paper's
+published runs). Same initial weights, batches and masks; {steps} steps; rolling mean of {window} steps. The table
+gives the mean loss over the last {tail} steps and its difference from `none`.
+Paper (E5): perplexities not in swarm.md; qualitatively 8-bit quantisation of activations and gradients costs
+essentially nothing, maxout degrades less than bottleneck at the same factor, 2x is cheap and 4x hurts more
+[unverified].
+"""
+    return paths + _save_all(fig, out / "compression_loss", caption)
+
+
+# ------------------------------------------------------------------------------------------------ sim scale
+
+def sim_scale_figure(csv: str | os.PathLike, out_dir: str | os.PathLike) -> list[Path]:
+    """Simulator at scale: throughput as % of optimum vs swarm size, rebalancing off vs on."""
+    data = _read(csv, ("peers", "rebalance_period_s", "throughput_mb_s", "optimum_mb_s", "percent_of_optimum"))
+    out = Path(out_dir)
+    columns = ["peers", "rebalance_period_s", "throughput_mb_s", "optimum_mb_s", "percent_of_optimum",
+               "static_percent", "preemptions", "moves", "retries", "lost_microbatches", "events", "sim_wall_s"]
+    paths = list(write_swarm_table(data[[c for c in columns if c in data.columns]], out / "sim_scale_table"))
+    plot = data.assign(rebalancing=data["rebalance_period_s"].map(_period_label), peers=data["peers"].astype(str))
+    with _style():
+        fig = _new_figure(9.0, 4.0)
+        ax = fig.subplots()
+        sns.barplot(data=plot, x="peers", y="percent_of_optimum", hue="rebalancing", ax=ax)
+        for container in ax.containers:
+            ax.bar_label(container, fmt="%.1f", fontsize=7, padding=2)
+        ax.axhline(95.8, color="0.25", linestyle="--", linewidth=1, label="paper, T = 300 s: 95.8 % [secondary]")
+        ax.axhline(82.7, color="0.55", linestyle=":", linewidth=1, label="paper, no rebalancing: 82.7 % [secondary]")
+        ax.set_ylim(0, 110)
+        ax.set_xlabel("swarm size (peers)")
+        ax.set_ylabel("throughput (% of optimal assignment)")
+        ax.set_title("Simulated swarms with preemptions: throughput vs optimum")
+        _legend_outside(ax, "rebalancing")
+    first = data.iloc[0]
+    sizes = ", ".join(map(str, sorted(data["peers"].unique())))
+    caption = f"""
+**Simulated swarms at scale (E4 shape).** Discrete-event simulation of swarms of {sizes}
+peers on {int(first['stages'])} stages (random initial stage per peer, heterogeneous speeds), with Poisson
+preemptions and rejoins; throughput as a percentage of the optimum, the time average of the best assignment of the
+live peers to stages (max over assignments of the slowest stage's summed rate). Bars: rebalancing off vs on (one
+move per period at most). The table adds the initial assignment's bottleneck as a percentage of the optimum (what a
+swarm that never moves peers is capped at), preemptions, moves, retries, lost microbatches and simulator cost.
+{PAPER_E4} The paper's swarm size and preemption trace differ from this simulation.
+"""
+    return paths + _save_all(fig, out / "sim_scale", caption)
+
+
+FIGURES: dict[str, Callable[[str | os.PathLike, str | os.PathLike], list[Path]]] = {
+    "square_cube": square_cube_figure,
+    "wiring_throughput": wiring_figure,
+    "failures_timeline": failures_figure,
+    "rebalancing_recovery": rebalancing_figure,
+    "compression_loss": compression_figure,
+    "sim_scale": sim_scale_figure,
+}
+
+
+def swarm_report(study_dir: str | os.PathLike, out_dir: str | os.PathLike) -> list[Path]:
+    """Tables, figures and captions for every ``<experiment>.csv`` of :data:`EXPERIMENTS` in ``study_dir``;
+    returns the paths written. No CSV at all is an error."""
+    study_dir = Path(study_dir)
+    present = [name for name in EXPERIMENTS if (study_dir / f"{name}.csv").is_file()]
+    if not present:
+        raise FileNotFoundError(f"{study_dir}: none of {', '.join(f'{n}.csv' for n in EXPERIMENTS)}")
+    paths: list[Path] = []
+    for name in present:
+        paths.extend(FIGURES[name](study_dir / f"{name}.csv", out_dir))
+    return paths

@@ -1,0 +1,14 @@
+"""SWARM parallelism (Ryabinin et al., ICML 2023) re-implemented on crammed BERT.
+
+Modules (imported explicitly; nothing is imported here, so ``import cramswarm.swarm`` never pulls in hivemind):
+
+* ``policies``     pure routing, fault and synchronisation policies (stochastic wiring / IWRR balancer, retry
+                   policy, adaptive rebalancer, in-stage batch accounting); time is passed in, no I/O;
+* ``compression``  inter-stage compression (fp16, blockwise absmax 8-bit, bottleneck and maxout layers);
+* ``stages``       splitting the crammed-BERT MLM model into pipeline stages and assembling it back;
+* ``emulation``    transport 2: stage peers and trainers as threads in one process (emulated speed, network
+                   and failures), a throughput emulation ``run`` and a real training ``train``;
+* ``sim``          transport 3: discrete-event simulator driving the same policy objects;
+* ``hivemind_transport``  transport 1: one OS process per peer over hivemind's DHT and RPC;
+* ``train``        ``swarm_pretrain``: the swarm_pretrain rule's command.
+"""

@@ -1,0 +1,140 @@
+"""Compression of the tensors that cross a pipeline-stage boundary (activations forward, gradients backward).
+
+Schemes (``SCHEMES``):
+
+* ``none``       - fp32 as is;
+* ``fp16``       - half precision (2 bytes per value);
+* ``blockwise8`` - blockwise absmax 8-bit: the flattened tensor is cut into blocks of ``block_size`` values;
+                   each block is scaled by its absolute maximum and rounded to a symmetric linear code
+                   (-127..127, stored as uint8 with offset 128), plus one fp32 absmax per block (~1 byte per
+                   value). Scaling per block keeps outlier channels of LayerNorm'd transformer activations
+                   representable, where one per-tensor clipped code destroys them (swarm.md 2.1). This is a
+                   pure-torch linear code, not bitsandbytes' dynamic (non-uniform) code.
+
+``Boundary`` quantises in the forward pass and quantises the incoming gradient in the backward pass, i.e. it
+simulates a stage boundary inside one process. ``Bottleneck`` and ``Maxout`` are SWARM's compression-aware
+layers (swarm.md 2.2): only a narrower tensor crosses the boundary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+SCHEMES = ("none", "fp16", "blockwise8")
+_DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
+
+
+def _check(scheme: str) -> None:
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown compression scheme {scheme!r}; allowed: {', '.join(SCHEMES)}")
+
+
+def encode(t: torch.Tensor, scheme: str, *, block_size: int = 4096) -> dict:
+    """The payload that would travel over the network: tensors plus shape/dtype metadata."""
+    _check(scheme)
+    payload = {"scheme": scheme, "shape": tuple(t.shape), "dtype": str(t.dtype)}
+    flat = t.detach().reshape(-1)
+    if scheme == "none":
+        payload["values"] = flat.float().clone()
+    elif scheme == "fp16":
+        payload["values"] = flat.to(torch.float16)
+    else:
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        flat = flat.float()
+        blocks = math.ceil(flat.numel() / block_size) if flat.numel() else 0
+        padded = torch.zeros(blocks * block_size)
+        padded[: flat.numel()] = flat
+        padded = padded.view(blocks, block_size)
+        absmax = padded.abs().amax(dim=1)
+        scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
+        codes = torch.round(padded / scale[:, None]).clamp_(-127, 127) + 128
+        # only the tensor's own codes travel (the last block's zero padding is restored on decode)
+        payload.update(codes=codes.to(torch.uint8).reshape(-1)[: flat.numel()].clone(), absmax=absmax,
+                       block_size=block_size)
+    return payload
+
+
+def decode(payload: dict) -> torch.Tensor:
+    dtype, shape = _DTYPES[payload["dtype"]], payload["shape"]
+    if payload["scheme"] == "blockwise8":
+        numel, size = math.prod(shape), payload["block_size"]
+        codes = torch.full((payload["absmax"].numel() * size,), 128.0)
+        codes[:numel] = payload["codes"].float()
+        values = ((codes.view(-1, size) - 128.0) * (payload["absmax"] / 127.0)[:, None]).reshape(-1)
+        return values[:numel].reshape(shape).to(dtype)
+    return payload["values"].reshape(shape).to(dtype)
+
+
+def payload_bytes(payload: dict) -> int:
+    """Bytes of the payload's tensors (shape and dtype metadata are a few bytes and not counted)."""
+    return sum(v.numel() * v.element_size() for v in payload.values() if isinstance(v, torch.Tensor))
+
+
+def roundtrip(t: torch.Tensor, scheme: str) -> torch.Tensor:
+    """``decode(encode(t))``: what the receiver sees."""
+    return decode(encode(t, scheme))
+
+
+class Boundary(torch.autograd.Function):
+    """Identity up to compression: quantise->dequantise activations forward, gradients backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scheme: str) -> torch.Tensor:
+        ctx.scheme = scheme
+        return roundtrip(x, scheme)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return roundtrip(grad, ctx.scheme), None
+
+
+def boundary(x: torch.Tensor, scheme: str) -> torch.Tensor:
+    _check(scheme)
+    return x if scheme == "none" else Boundary.apply(x, scheme)
+
+
+class Bottleneck(nn.Module):
+    """LayerNorm(d) -> Linear(d, d/f) -> LayerNorm(d/f) -> [boundary] -> Linear(d/f, d).
+
+    Replaces the residual stream at a stage's end; only the d/f-wide tensor crosses the boundary.
+    """
+
+    def __init__(self, hidden: int, factor: int, scheme: str = "none", eps: float = 1e-12):
+        super().__init__()
+        if factor < 1 or hidden % factor:
+            raise ValueError(f"bottleneck factor {factor} must be a positive divisor of the width {hidden}")
+        _check(scheme)
+        self.scheme = scheme
+        self.norm_in = nn.LayerNorm(hidden, eps=eps)
+        self.down = nn.Linear(hidden, hidden // factor)
+        self.norm_mid = nn.LayerNorm(hidden // factor, eps=eps)
+        self.up = nn.Linear(hidden // factor, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.up(boundary(self.norm_mid(self.down(self.norm_in(x))), self.scheme))
+
+
+class Maxout(nn.Module):
+    """LayerNorm(d) -> max over groups of k channels -> LayerNorm(d/k) -> [boundary] -> Linear(d/k, d).
+
+    The sender side has no parameters besides the norms; only the d/k-wide tensor crosses the boundary.
+    """
+
+    def __init__(self, hidden: int, k: int, scheme: str = "none", eps: float = 1e-12):
+        super().__init__()
+        if k < 1 or hidden % k:
+            raise ValueError(f"maxout group size {k} must be a positive divisor of the width {hidden}")
+        _check(scheme)
+        self.k, self.scheme = k, scheme
+        self.norm_in = nn.LayerNorm(hidden, eps=eps)
+        self.norm_mid = nn.LayerNorm(hidden // k, eps=eps)
+        self.up = nn.Linear(hidden // k, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm_in(x)
+        pooled = x.view(*x.shape[:-1], x.shape[-1] // self.k, self.k).amax(dim=-1)
+        return self.up(boundary(self.norm_mid(pooled), self.scheme))

@@ -1,0 +1,1059 @@
+"""Transport 2: a SWARM in one process - stage peers and trainers are real threads.
+
+Every peer is a thread serving a request queue for the stage it currently holds; every trainer is a thread
+that pushes microbatches through the stages, picking a peer per stage and per call with its own
+``StageBalancer`` (or ``UniformBalancer``, or a fixed GPipe-style chain), with per-call timeouts and retries on
+another replica (``RetryPolicy``). Peers declare themselves in a shared directory (a stand-in for the DHT:
+records with an expiration time, re-declared every ``forward_timeout_s``, valid for ``3 x forward_timeout_s``).
+
+Failure model: a killed peer stops answering - requests already queued or being computed are dropped, so the
+trainers waiting on them hit their timeout and resend elsewhere; a new call to a dead peer fails at once
+("connection refused") and bans it until its record expires; a rejoining peer re-declares with a later
+expiration and is admitted again. Rebalancing (``Rebalancer``) runs in its own thread; a moving peer hands
+its unaveraged work to a replica, withdraws, loads the new stage's state and re-declares.
+
+Two entry points share this machinery:
+
+* ``run(setup)`` - throughput emulation. Compute is ``sleep(stage_time_s / speed)`` per forward call and
+  ``BACKWARD_COMPUTE_FACTOR`` times that per backward call; the network costs
+  ``activation_bytes * 8 / bandwidth + latency`` for the request and again for the reply of every call, slept
+  by the trainer (links are not shared). Time is a *scaled wall clock* (``ScaledClock``): emulated seconds =
+  wall seconds / ``time_scale``, so a 60 s setup runs in 3 s with ``time_scale=0.05``. The threads really run
+  concurrently, so results carry thread-scheduling jitter: compare them with margins, not exactly (the
+  discrete-event simulator ``sim`` is the exact, deterministic counterpart).
+* ``train(...)`` - real training of crammed BERT split into stages (``stages.split_model``): each peer holds a
+  replica of its stage's module and AdamW state; activations and gradients cross stage boundaries encoded with
+  ``compression.encode``/``decode``; backward goes to any replica of the stage and recomputes the stage forward
+  (as in SWARM's code). Each stage accumulates gradients across its replicas until the recipe's global batch
+  (``StageSync``), then takes one synchronous step: the gradient average weighted by local samples, the same
+  clipping and the same AdamW step on every live replica, so replicas stay bitwise equal. Stages step
+  independently (bounded staleness across stages, inherent to SWARM). Gradient clipping is therefore per stage,
+  not over the whole model as in single-process pretraining. A stage processes each microbatch's gradient once
+  (a resent request is recognised by its microbatch id). A killed peer's unaveraged gradients are lost, as in
+  SWARM (counted in ``lost_gradient_samples``); the fault injector never kills the last live replica of a stage
+  (its state would be gone); a rejoining peer downloads parameters and optimizer state from a live replica.
+  Emulated speed: a peer of speed s sleeps ``t_compute * (1/s - 1)`` after each computation.
+"""
+
+from __future__ import annotations
+
+import abc
+import copy
+import math
+import queue
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from tqdm.auto import tqdm
+
+from cramswarm.pretrain import (
+    accumulation_at,
+    autocast,
+    budget_progress,
+    build_model,
+    decay_groups,
+    lr_multiplier,
+    resolve_precision,
+)
+from cramswarm.swarm.compression import SCHEMES, decode, encode, payload_bytes
+from cramswarm.swarm.policies import (
+    Move,
+    NoPeersError,
+    PeerLoad,
+    PerformanceEMA,
+    Rebalancer,
+    RetryPolicy,
+    StageBalancer,
+    StageSync,
+    UniformBalancer,
+)
+from cramswarm.swarm.stages import split_model
+
+ROUTINGS = ("weighted", "uniform", "fixed")
+BACKWARD_COMPUTE_FACTOR = 2.0   # emulated backward compute = 2 x forward (run() only)
+BACKWARD_TASK_SIZE = 2.5        # the balancers' backward task-size multiplier (SWARM's default)
+RECORD_TTL_TIMEOUTS = 3.0       # directory records live this many forward timeouts; re-declared every timeout
+
+
+@dataclass
+class PeerSpec:
+    stage: int
+    speed: float = 1.0   # 0.5 = twice as slow
+
+
+@dataclass
+class FailureEvent:
+    at_s: float
+    peer: int                              # index into SwarmSetup.peers
+    rejoin_after_s: float | None = None    # None: never comes back
+
+
+@dataclass
+class SwarmSetup:
+    peers: list[PeerSpec]
+    trainers: int
+    stage_time_s: float                    # emulated compute seconds per forward call at speed 1
+    bandwidth_mbit_s: float | None = None  # None: no transfer time
+    latency_s: float = 0.0
+    activation_bytes: int = 0
+    routing: str = "weighted"              # weighted (StageBalancer) | uniform (UniformBalancer) | fixed (chains)
+    failures: list[FailureEvent] = field(default_factory=list)
+    rebalance_period_s: float | None = None
+    forward_timeout_s: float = 1.0
+    duration_s: float = 30.0
+    seed: int = 0
+    state_download_s: float = 0.0          # emulated time a rejoining or moving peer spends loading stage state
+
+    @property
+    def num_stages(self) -> int:
+        return max(p.stage for p in self.peers) + 1 if self.peers else 0
+
+    def validate(self) -> None:
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {self.routing!r}")
+        if not self.peers:
+            raise ValueError("a swarm setup needs at least one peer")
+        empty = sorted(set(range(self.num_stages)) - {p.stage for p in self.peers})
+        if empty:
+            raise ValueError(f"stage(s) {empty} have no peer")
+        if self.trainers < 1 or self.stage_time_s <= 0 or self.duration_s <= 0 or self.forward_timeout_s <= 0:
+            raise ValueError("trainers, stage_time_s, duration_s and forward_timeout_s must be positive")
+        if any(p.speed <= 0 for p in self.peers):
+            raise ValueError("peer speeds must be positive")
+        for event in self.failures:
+            if not 0 <= event.peer < len(self.peers):
+                raise ValueError(f"failure event names peer {event.peer}, but there are {len(self.peers)} peers")
+
+
+class ScaledClock:
+    """Emulated time on the wall clock: emulated seconds = wall seconds since creation / ``time_scale``."""
+
+    def __init__(self, time_scale: float = 1.0):
+        if time_scale <= 0:
+            raise ValueError(f"time_scale must be positive, got {time_scale}")
+        self.time_scale = time_scale
+        self._start = time.perf_counter()
+
+    def now(self) -> float:
+        return (time.perf_counter() - self._start) / self.time_scale
+
+    def wall(self, seconds: float) -> float:
+        return max(seconds, 0.0) * self.time_scale
+
+    def sleep(self, seconds: float) -> None:
+        if seconds > 0:
+            time.sleep(seconds * self.time_scale)
+
+
+class Directory:
+    """The DHT stand-in: stage -> {uid: record expiration}; expired records are not returned."""
+
+    def __init__(self, ttl_s: float):
+        self.ttl_s = ttl_s
+        self._lock = threading.Lock()
+        self._records: dict[int, dict[str, float]] = {}
+
+    def declare(self, uid: str, stage: int, now: float) -> None:
+        with self._lock:
+            for records in self._records.values():
+                records.pop(uid, None)
+            self._records.setdefault(stage, {})[uid] = now + self.ttl_s
+
+    def withdraw(self, uid: str) -> None:
+        with self._lock:
+            for records in self._records.values():
+                records.pop(uid, None)
+
+    def records(self, stage: int, now: float) -> dict[str, float]:
+        with self._lock:
+            return {uid: exp for uid, exp in self._records.get(stage, {}).items() if exp >= now}
+
+
+class _Dropped(Exception):
+    """The peer died (or moved) while computing: the reply is never sent."""
+
+
+class Request:
+    """One RPC: the caller waits on ``done``; a dropped request is never answered."""
+
+    def __init__(self, kind: str, stage: int, mb: int, data: Any):
+        self.kind, self.stage, self.mb, self.data = kind, stage, mb, data
+        self.done = threading.Event()
+        self.result: Any = None
+        self.error: str | None = None
+
+    def reply(self, result: Any) -> None:
+        self.result = result
+        self.done.set()
+
+    def fail(self, error: str) -> None:
+        self.error = error
+        self.done.set()
+
+
+class Peer(threading.Thread):
+    """A stage server thread: serves its queue with the swarm's ``serve`` while up.
+
+    ``status``: ``up`` (serving, reachable), ``down`` (killed: unreachable, answers nothing), ``joining``
+    (restarted, loading its stage's state before it declares itself), ``moving`` (rebalancing to another stage).
+    """
+
+    def __init__(self, index: int, stage: int, speed: float, swarm: "_Swarm"):
+        super().__init__(name=f"peer{index}", daemon=True)
+        self.index, self.uid, self.stage, self.speed = index, f"peer{index:03d}", stage, speed
+        self.swarm = swarm
+        self.queue: queue.Queue[Request] = queue.Queue()
+        self.status = "up"
+        self.incarnation = 0
+        self.busy = False
+        self.pending_move: int | None = None
+        self.ema = PerformanceEMA()
+        self.served: dict[str, int] = {"forward": 0, "backward": 0, "last": 0}
+        self.state: Any = None   # transport-specific stage state (train: module, optimizer, gradient buffers)
+        self._wake = threading.Event()
+        self._next_declare = -math.inf
+
+    @property
+    def alive(self) -> bool:
+        return self.status == "up"
+
+    def load(self) -> PeerLoad:
+        rate = self.ema.samples_per_second
+        return PeerLoad(self.uid, self.queue.qsize() + int(self.busy), rate if rate is not None else 0.0)
+
+    def _drain(self, error: str | None) -> None:
+        while True:
+            try:
+                request = self.queue.get_nowait()
+            except queue.Empty:
+                return
+            if error is not None:
+                request.fail(error)
+
+    def kill(self) -> None:
+        """Stop answering; queued requests are dropped (their callers time out)."""
+        self.status = "down"
+        self.incarnation += 1
+        self._drain(None)
+
+    def revive(self) -> None:
+        """Restart: the peer thread loads its stage's state from a live replica, then declares itself."""
+        self._drain(None)  # a restarted process starts with an empty queue
+        self.status = "joining"
+        self._wake.set()
+
+    def run(self) -> None:
+        try:
+            self._serve_forever()
+        except BaseException as exc:  # surfaced by the thread that owns the emulation
+            self.swarm.record_error(exc)
+
+    def _serve_forever(self) -> None:
+        swarm, clock = self.swarm, self.swarm.clock
+        while not swarm.stop.is_set():
+            if self.status == "down":
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            if self.status == "joining":
+                swarm.join_state(self)
+                clock.sleep(swarm.state_download_s)
+                self.ema, self.status, self._next_declare = PerformanceEMA(), "up", -math.inf
+                continue
+            if self.pending_move is not None:
+                self._move(self.pending_move)
+                continue
+            now = clock.now()
+            if now >= self._next_declare:
+                swarm.directory.declare(self.uid, self.stage, now)
+                self._next_declare = now + swarm.declare_period_s
+            try:
+                request = self.queue.get(timeout=min(0.05, clock.wall(self._next_declare - now)))
+            except queue.Empty:
+                continue
+            if request.stage != self.stage:
+                request.fail(f"{self.uid} serves stage {self.stage}, not {request.stage}")
+                continue
+            incarnation, start = self.incarnation, clock.now()
+            self.busy = True
+            try:
+                result = swarm.serve(self, request, incarnation)
+            except _Dropped:
+                continue
+            except Exception as exc:  # a server-side bug: reported to the caller and to the run's owner
+                swarm.record_error(exc)
+                request.fail(f"{self.uid}: {exc!r}")
+                continue
+            finally:
+                self.busy = False
+            if not self.alive or self.incarnation != incarnation:
+                continue
+            self.ema.update(clock.now() - start, swarm.work_units(request))
+            self.served[request.kind] += 1
+            request.reply(result)
+
+    def _move(self, to_stage: int) -> None:
+        swarm = self.swarm
+        self.status = "moving"
+        swarm.directory.withdraw(self.uid)
+        self._drain(f"{self.uid} left stage {self.stage}")
+        swarm.move_state(self, self.stage, to_stage)
+        self.stage = to_stage
+        swarm.clock.sleep(swarm.state_download_s)
+        self.pending_move = None
+        self.ema, self.status, self._next_declare = PerformanceEMA(), "up", -math.inf
+
+
+class _Swarm(abc.ABC):
+    """State shared by the threads of one emulation: clock, directory, peers, counters, stop flag."""
+
+    def __init__(self, specs: list[PeerSpec], clock: ScaledClock, forward_timeout_s: float, state_download_s: float):
+        self.clock = clock
+        self.declare_period_s = forward_timeout_s
+        self.directory = Directory(RECORD_TTL_TIMEOUTS * forward_timeout_s)
+        self.state_download_s = state_download_s
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.membership = threading.Lock()   # kill and move decisions: never two at once on one stage
+        self.counters = {"retries": 0, "timeouts": 0, "errors": 0, "peers_killed": 0, "rejoins": 0}
+        self.moves: list[dict] = []
+        self.errors: list[BaseException] = []
+        self.peers = [Peer(i, spec.stage, spec.speed, self) for i, spec in enumerate(specs)]
+        for peer in self.peers:
+            self.directory.declare(peer.uid, peer.stage, clock.now())
+        self.by_uid = {peer.uid: peer for peer in self.peers}
+
+    # transport hooks: the emulated swarm only sleeps, the training swarm computes and holds state
+    @abc.abstractmethod
+    def serve(self, peer: Peer, request: Request, incarnation: int) -> Any:
+        """Compute ``request`` on ``peer``; raise ``_Dropped`` if the peer died meanwhile."""
+
+    @abc.abstractmethod
+    def work_units(self, request: Request) -> float:
+        """The request's size for the peer's own throughput estimate (the rebalancer's input)."""
+
+    def kill(self, peer: Peer) -> None:
+        peer.kill()
+
+    def join_state(self, peer: Peer) -> None:
+        """A restarted peer downloads its stage's state (no state to copy when compute is emulated)."""
+
+    def move_state(self, peer: Peer, from_stage: int, to_stage: int) -> None:
+        """A moving peer hands its unaveraged work to its old stage and loads the new stage's state."""
+
+    def record_error(self, exc: BaseException) -> None:
+        with self.lock:
+            self.errors.append(exc)
+
+    def count(self, key: str, n: int = 1) -> None:
+        with self.lock:
+            self.counters[key] += n
+
+    def live(self, stage: int) -> list[Peer]:
+        return [p for p in self.peers if p.alive and p.stage == stage and p.pending_move is None]
+
+    def stage_peers(self) -> dict[int, list[str]]:
+        stages: dict[int, list[str]] = {}
+        for peer in self.peers:
+            if peer.alive:
+                stages.setdefault(peer.stage, []).append(peer.uid)
+        return {s: sorted(uids) for s, uids in sorted(stages.items())}
+
+    def start(self) -> None:
+        for peer in self.peers:
+            peer.start()
+
+    def shutdown(self) -> None:
+        self.stop.set()
+        for peer in self.peers:
+            peer._wake.set()
+            peer.join(timeout=5.0)
+
+    def rebalance_loop(self, rebalancer: Rebalancer, stages: int) -> None:
+        while not self.stop.wait(self.clock.wall(rebalancer.period_s)):
+            with self.membership:
+                loads = {s: [p.load() for p in self.live(s)] for s in range(stages)}
+                if any(load.samples_per_s <= 0 for peers in loads.values() for load in peers):
+                    continue  # a peer without a measured rate yet: wait for the next period
+                move = rebalancer.decide(loads, self.clock.now())
+                if move is not None:
+                    self.begin_move(move)
+
+    def begin_move(self, move: Move) -> None:
+        peer = self.by_uid[move.uid]
+        with self.lock:
+            self.moves.append({"t_s": round(self.clock.now(), 3), "uid": move.uid,
+                               "from_stage": move.from_stage, "to_stage": move.to_stage})
+        peer.pending_move = move.to_stage
+
+
+class _StopRun(Exception):
+    """The emulation's duration is over: the trainer abandons its microbatch."""
+
+
+class Router:
+    """A trainer's view of the swarm: one balancer per stage (or a fixed chain), timeouts and retries."""
+
+    def __init__(self, swarm: _Swarm, stages: int, routing: str, retry: RetryPolicy, rng: random.Random,
+                 chain: list[Peer] | None = None, network_s: Callable[[int], float] = lambda nbytes: 0.0,
+                 deadline_s: float = math.inf):
+        self.swarm, self.retry = swarm, retry
+        self.chain, self.network_s, self.deadline_s = chain, network_s, deadline_s
+        cls = UniformBalancer if routing == "uniform" else StageBalancer
+        self.balancers = [cls(s, rng=random.Random(rng.random())) for s in range(stages)]
+        self._refreshed = [-math.inf] * stages
+
+    def _refresh(self, stage: int, now: float, force: bool = False) -> None:
+        if force or now - self._refreshed[stage] >= self.swarm.declare_period_s:
+            self.balancers[stage].update_peers(self.swarm.directory.records(stage, now), now)
+            self._refreshed[stage] = now
+
+    def _check_deadline(self) -> None:
+        if self.swarm.stop.is_set() or self.swarm.clock.now() >= self.deadline_s:
+            raise _StopRun
+
+    def _wait(self, request: Request, timeout_s: float) -> bool:
+        clock = self.swarm.clock
+        until = clock.now() + timeout_s
+        while True:
+            self._check_deadline()
+            left = until - clock.now()
+            if left <= 0:
+                return request.done.is_set()
+            if request.done.wait(min(clock.wall(left), 0.05)):
+                return True
+
+    def call(self, stage: int, kind: str, mb: int, data: Any, task_size: float, nbytes: tuple[int, int]) -> Any:
+        """Send one request to a peer of ``stage`` and return its result, retrying until a peer answers."""
+        swarm, clock = self.swarm, self.swarm.clock
+        backward = kind != "forward"   # "backward", or "last" (the last stage's forward + backward)
+        timeout = self.retry.timeout(backward)
+        first_try, stranded_since = True, None
+        while True:
+            self._check_deadline()
+            now = clock.now()
+            if not first_try:
+                swarm.count("retries")
+            first_try = False
+            if self.chain is not None:
+                peer = self.chain[stage]
+                if not peer.alive:  # a fixed pipeline waits for its member to come back
+                    clock.sleep(min(timeout, 0.1 * swarm.declare_period_s))
+                    first_try = True
+                    continue
+            else:
+                self._refresh(stage, now)
+                balancer = self.balancers[stage]
+                try:
+                    uid = balancer.choose(task_size, now, backward=backward)
+                except NoPeersError:
+                    stranded_since = now if stranded_since is None else stranded_since
+                    if now - stranded_since >= self.retry.give_up_after_s:
+                        raise
+                    clock.sleep(0.1 * swarm.declare_period_s)
+                    self._refresh(stage, clock.now(), force=True)
+                    first_try = True
+                    continue
+                stranded_since = None
+                peer = swarm.by_uid[uid]
+                if not peer.alive or peer.pending_move is not None:  # connection refused
+                    swarm.count("errors")
+                    balancer.report_error(uid, now)
+                    continue
+            start = now
+            clock.sleep(self.network_s(nbytes[0]))
+            request = Request(kind, stage, mb, data)
+            peer.queue.put(request)
+            if not self._wait(request, timeout):
+                swarm.count("timeouts")
+                if self.chain is None:
+                    self.balancers[stage].report_timeout(peer.uid)
+                continue
+            if request.error is not None:
+                swarm.count("errors")
+                if self.chain is None:
+                    self.balancers[stage].report_error(peer.uid, clock.now())
+                continue
+            clock.sleep(self.network_s(nbytes[1]))
+            if self.chain is None:
+                self.balancers[stage].report_success(peer.uid, task_size, clock.now() - start)
+            return request.result
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Throughput emulation
+# ------------------------------------------------------------------------------------------------------------
+
+class _EmulatedSwarm(_Swarm):
+    def __init__(self, setup: SwarmSetup, clock: ScaledClock):
+        super().__init__(setup.peers, clock, setup.forward_timeout_s, setup.state_download_s)
+        self.setup = setup
+
+    def serve(self, peer: Peer, request: Request, incarnation: int) -> Any:
+        seconds = self.setup.stage_time_s / peer.speed
+        self.clock.sleep(seconds * (BACKWARD_COMPUTE_FACTOR if request.kind == "backward" else 1.0))
+        return None
+
+    def work_units(self, request: Request) -> float:
+        return BACKWARD_COMPUTE_FACTOR if request.kind == "backward" else 1.0
+
+
+def _chains(setup: SwarmSetup, peers: list[Peer]) -> list[list[Peer]]:
+    by_stage = [[p for p in peers if p.stage == s] for s in range(setup.num_stages)]
+    count = min(len(members) for members in by_stage)
+    return [[by_stage[s][c] for s in range(setup.num_stages)] for c in range(count)]
+
+
+def run(setup: SwarmSetup, *, clock: ScaledClock | None = None, time_scale: float = 1.0) -> dict:
+    """Emulate ``setup`` for ``duration_s`` emulated seconds; returns the common transport result dict.
+
+    ``clock`` (or a fresh ``ScaledClock(time_scale)``) sets how fast emulated time passes on the wall clock.
+    Results: ``microbatches_done`` (completed forward + backward through every stage), ``throughput_mb_s``,
+    ``timeline`` [(t_s, completed_total)], ``lost_microbatches`` (gave up: no live peer for
+    ``give_up_after_s``), ``retries``, ``moves``, plus ``timeouts``, ``errors``, ``served`` (uid -> forward calls
+    served), ``per_stage_peers`` (live at the end), ``wall_s``.
+    """
+    setup.validate()
+    clock = clock or ScaledClock(time_scale)
+    swarm = _EmulatedSwarm(setup, clock)
+    stages = setup.num_stages
+    retry = RetryPolicy(forward_timeout_s=setup.forward_timeout_s)
+    rng = random.Random(setup.seed)
+
+    def network_s(nbytes: int) -> float:
+        if not setup.bandwidth_mbit_s:
+            return setup.latency_s
+        return nbytes * 8 / (setup.bandwidth_mbit_s * 1e6) + setup.latency_s
+
+    state = {"done": 0, "lost": 0, "next_mb": 0}
+    timeline: list[tuple[float, int]] = [(0.0, 0)]
+    chains = _chains(setup, swarm.peers) if setup.routing == "fixed" else None
+    start = clock.now()
+    deadline = start + setup.duration_s
+    nbytes = (setup.activation_bytes, setup.activation_bytes)
+
+    def trainer(index: int) -> None:
+        router = Router(swarm, stages, setup.routing, retry, random.Random(rng.random()),
+                        chain=chains[index % len(chains)] if chains else None, network_s=network_s,
+                        deadline_s=deadline)
+        while True:
+            with swarm.lock:
+                mb = state["next_mb"]
+                state["next_mb"] += 1
+            try:
+                for stage in range(stages):
+                    router.call(stage, "forward", mb, None, 1.0, nbytes)
+                for stage in reversed(range(stages)):
+                    router.call(stage, "backward", mb, None, 1.0, nbytes)
+            except _StopRun:
+                return
+            except NoPeersError:
+                with swarm.lock:
+                    state["lost"] += 1
+                continue
+            now = clock.now()
+            if now > deadline:
+                return
+            with swarm.lock:
+                state["done"] += 1
+                timeline.append((round(now - start, 4), state["done"]))
+
+    threads = [threading.Thread(target=trainer, args=(i,), name=f"trainer{i}", daemon=True)
+               for i in range(setup.trainers)]
+    if setup.rebalance_period_s and setup.routing != "fixed":
+        rebalancer = Rebalancer(setup.rebalance_period_s)
+        threads.append(threading.Thread(target=swarm.rebalance_loop, args=(rebalancer, stages), daemon=True))
+    threads.append(threading.Thread(target=_inject_failures, args=(swarm, setup.failures, start), daemon=True))
+    wall_start = time.perf_counter()
+    swarm.start()
+    for thread in threads:
+        thread.start()
+    clock.sleep(deadline - clock.now())
+    for thread in threads[: setup.trainers]:
+        thread.join()
+    swarm.shutdown()
+    for thread in threads[setup.trainers :]:
+        thread.join(timeout=5.0)
+    if swarm.errors:
+        raise RuntimeError("an emulated peer failed") from swarm.errors[0]
+    served = {peer.uid: peer.served["forward"] for peer in swarm.peers}
+    return {
+        "transport": "emulation",
+        "microbatches_done": state["done"],
+        "throughput_mb_s": state["done"] / setup.duration_s,
+        "timeline": timeline,
+        "lost_microbatches": state["lost"],
+        "retries": swarm.counters["retries"],
+        "timeouts": swarm.counters["timeouts"],
+        "errors": swarm.counters["errors"],
+        "peers_killed": swarm.counters["peers_killed"],
+        "rejoins": swarm.counters["rejoins"],
+        "moves": list(swarm.moves),
+        "served": served,
+        "per_stage_peers": swarm.stage_peers(),
+        "wall_s": round(time.perf_counter() - wall_start, 3),
+        "time_scale": clock.time_scale,
+    }
+
+
+def _inject_failures(swarm: _Swarm, failures: list[FailureEvent], start: float) -> None:
+    """Apply kill and rejoin events at their emulated times."""
+    events: list[tuple[float, str, int]] = []
+    for event in failures:
+        events.append((event.at_s, "kill", event.peer))
+        if event.rejoin_after_s is not None:
+            events.append((event.at_s + event.rejoin_after_s, "rejoin", event.peer))
+    for at_s, action, index in sorted(events):
+        while not swarm.stop.is_set() and swarm.clock.now() - start < at_s:
+            swarm.stop.wait(min(0.05, swarm.clock.wall(at_s - (swarm.clock.now() - start))))
+        if swarm.stop.is_set():
+            return
+        peer = swarm.peers[index]
+        if action == "kill" and peer.alive:
+            with swarm.membership:
+                swarm.kill(peer)
+            swarm.count("peers_killed")
+        elif action == "rejoin" and peer.status == "down":
+            peer.revive()
+            swarm.count("rejoins")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Training
+# ------------------------------------------------------------------------------------------------------------
+
+WORK_UNITS = {"forward": 1.0, "backward": 2.0, "last": 3.0}   # relative compute per sample, for peers' own EMA
+
+
+@dataclass
+class TrainResult:
+    stage_states: list[dict[str, torch.Tensor]]   # final parameters of each stage (replicas are equal)
+    log: list[dict]                               # one row per optimizer step (of the last stage)
+    stats: dict
+
+
+class _Replica:
+    """One peer's copy of its stage: module, AdamW state and its unaveraged gradient sums."""
+
+    def __init__(self, module: torch.nn.Module, recipe: dict, optimizer_state: dict | None = None):
+        self.module = module
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(decay_groups(module, recipe["weight_decay"]), lr=recipe["lr"],
+                                           betas=tuple(recipe["betas"]), eps=recipe["eps"])
+        if optimizer_state is not None:
+            self.optimizer.load_state_dict(copy.deepcopy(optimizer_state))
+        self.buffers = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
+        self.mbs: set[int] = set()   # microbatches whose gradients sit in ``buffers``
+        self.member = True           # takes part in its stage's synchronous steps
+        self.lock = threading.Lock()
+
+    @classmethod
+    def copy_of(cls, source: "_Replica", recipe: dict) -> "_Replica":
+        """State download: parameters and optimizer statistics of a live replica."""
+        return cls(copy.deepcopy(source.module), recipe, source.optimizer.state_dict())
+
+
+class _StageState:
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.sync = StageSync(1)
+        self.target_set = False
+        self.step = 0
+        self.seen: set[int] = set()
+        self.losses: list[float] = []
+
+
+class _Dispatcher:
+    """Hands out microbatches step by step, counting the budget exactly as ``pretrain.pretrain`` does.
+
+    Before each step's first microbatch: progress t = budget_progress(tokens, steps, elapsed); stop at t >= 1
+    or when ``total`` microbatches were issued; else the step gets ``accumulation_at(t)`` microbatches and its
+    learning-rate multiplier is taken at t. ``plan`` lists (t, microbatches) per step; stage k-th steps use it.
+    """
+
+    def __init__(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], total: int, recipe: dict):
+        self.batches, self.total, self.recipe = batches, total, recipe
+        self.final_accumulation = recipe["batch_sequences"] // recipe["micro_batch_sequences"]
+        self.plan: list[tuple[float, int]] = []
+        self.issued = self.tokens = 0
+        self.left_in_step = 0
+        self.lock = threading.Lock()
+        self.start = time.perf_counter()
+
+    def next(self) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+        with self.lock:
+            if self.left_in_step == 0:
+                if self.issued >= self.total:
+                    return None
+                t = budget_progress(self.recipe["budget"], self.tokens, len(self.plan), time.perf_counter() - self.start)
+                if t >= 1.0:
+                    return None
+                size = accumulation_at(t, self.final_accumulation, self.recipe["batch_ramp_fraction"])
+                size = min(size, self.total - self.issued)
+                self.plan.append((t, size))
+                self.left_in_step = size
+            try:
+                inputs, labels = next(self.batches)
+            except StopIteration:
+                raise ValueError(f"the batch iterator ran out after {self.issued} of {self.total} microbatches") from None
+            mb = self.issued
+            self.issued += 1
+            self.left_in_step -= 1
+            self.tokens += inputs.numel()
+            return mb, inputs, labels
+
+
+class _TrainingSwarm(_Swarm):
+    """Peers that really compute their stage (see the module docstring for the synchronisation rules)."""
+
+    def __init__(self, specs: list[PeerSpec], clock: ScaledClock, stages: list[torch.nn.Module], recipe: dict,
+                 swarm_cfg: dict, precision: str, dispatcher: _Dispatcher):
+        super().__init__(specs, clock, swarm_cfg["forward_timeout_s"], 0.0)
+        self.recipe, self.scheme, self.precision, self.dispatcher = recipe, swarm_cfg["compression"], precision, dispatcher
+        self.num_stages = len(stages)
+        self.stage_state = [_StageState() for _ in stages]
+        self.log: list[dict] = []
+        self.boundary_bytes = 0
+        self.flushed_steps = 0
+        for peer in self.peers:
+            peer.state = _Replica(copy.deepcopy(stages[peer.stage]), recipe)
+
+    # -- compute ---------------------------------------------------------------------------------------
+    def _input(self, stage: int, data: Any) -> torch.Tensor:
+        if stage == 0:
+            return data
+        return decode(data).detach().requires_grad_(True)
+
+    def _encode(self, t: torch.Tensor) -> dict:
+        payload = encode(t.detach(), self.scheme)
+        with self.lock:
+            self.boundary_bytes += payload_bytes(payload)
+        return payload
+
+    def work_units(self, request: Request) -> float:
+        return WORK_UNITS[request.kind]
+
+    def serve(self, peer: Peer, request: Request, incarnation: int) -> Any:
+        rep: _Replica = peer.state
+        stage, cpu = request.stage, torch.device("cpu")
+        start = time.perf_counter()
+        grads: list[torch.Tensor | None] = []
+        loss_value = None
+        if request.kind == "forward":
+            x = self._input(stage, request.data)
+            with rep.lock, torch.no_grad(), autocast(self.precision, cpu):
+                out = rep.module(x)
+            result: Any = self._encode(out)
+        else:
+            if request.kind == "last":
+                data, labels = request.data
+            else:
+                data, grad_payload = request.data
+            x = self._input(stage, data)
+            wrt = rep.params + ([x] if stage > 0 else [])
+            with rep.lock:
+                with autocast(self.precision, cpu):
+                    out = rep.module(x, labels) if request.kind == "last" else rep.module(x)
+                if request.kind == "last":
+                    grads = list(torch.autograd.grad(out, wrt, allow_unused=True))
+                    loss_value = float(out.detach())
+                else:
+                    grad_out = decode(grad_payload).to(out.dtype)
+                    grads = list(torch.autograd.grad(out, wrt, grad_outputs=grad_out, allow_unused=True))
+            grad_x = grads.pop() if stage > 0 else None
+            encoded = self._encode(grad_x) if grad_x is not None else None
+            result = (loss_value, encoded) if request.kind == "last" else encoded
+        if peer.speed != 1.0:  # emulated speed: a peer of speed s takes 1/s times as long
+            time.sleep((time.perf_counter() - start) * (1.0 / peer.speed - 1.0))
+        if request.kind != "forward":
+            self._accumulate(peer, incarnation, stage, request.mb, grads, loss_value, int(x.shape[0]))
+        elif not peer.alive or peer.incarnation != incarnation:
+            raise _Dropped
+        return result
+
+    # -- in-stage synchronisation ----------------------------------------------------------------------
+    def _accumulate(self, peer: Peer, incarnation: int, stage: int, mb: int, grads: list[torch.Tensor | None],
+                    loss: float | None, samples: int) -> None:
+        st = self.stage_state[stage]
+        with st.lock:
+            if not peer.alive or peer.incarnation != incarnation:
+                raise _Dropped
+            if mb in st.seen:  # a resent request already counted on another replica
+                return
+            rep: _Replica = peer.state
+            st.seen.add(mb)
+            rep.mbs.add(mb)
+            for buf, grad in zip(rep.buffers, grads):
+                if grad is not None:
+                    buf.add_(grad.float(), alpha=samples)
+            if loss is not None:
+                st.losses.append(loss)
+            if not st.target_set:
+                st.sync.target_batch_samples = self.dispatcher.plan[st.step][1] * samples
+                st.target_set = True
+            if st.sync.add(peer.uid, samples):
+                self._step(stage)
+
+    def members(self, stage: int) -> list[Peer]:
+        return sorted((p for p in self.peers if p.stage == stage and p.state.member), key=lambda p: p.uid)
+
+    def _step(self, stage: int) -> None:
+        """One synchronous optimizer step of ``stage`` on every member replica (stage lock held)."""
+        st, recipe = self.stage_state[stage], self.recipe
+        weights, total = st.sync.weights(), st.sync.total
+        members = self.members(stage)
+        by_uid = {p.uid: p.state for p in members}
+        # weighted average of the replicas' local mean gradients (weights = local samples / total)
+        averaged = [torch.zeros_like(buf) for buf in members[0].state.buffers]
+        for uid, weight in weights.items():
+            local = weight * total
+            for avg, buf in zip(averaged, by_uid[uid].buffers):
+                avg.add_(buf, alpha=weight / local)
+        plan = self.dispatcher.plan
+        t, size = plan[min(st.step, len(plan) - 1)]
+        multiplier = lr_multiplier(recipe["schedule"], t, recipe["warmup_fraction"])
+        lr = recipe["lr"] * multiplier
+        for peer in members:
+            rep: _Replica = peer.state
+            with rep.lock:
+                for param, avg in zip(rep.params, averaged):
+                    param.grad = avg.to(param.dtype).clone()
+                if recipe["grad_clip_norm"] is not None:
+                    torch.nn.utils.clip_grad_norm_(rep.params, recipe["grad_clip_norm"])
+                for group in rep.optimizer.param_groups:
+                    group["lr"] = lr
+                rep.optimizer.step()
+                rep.optimizer.zero_grad(set_to_none=True)
+                for buf in rep.buffers:
+                    buf.zero_()
+                rep.mbs.clear()
+        st.step += 1
+        st.sync.reset()
+        st.target_set = False
+        if stage == self.num_stages - 1:
+            loss = sum(st.losses) / len(st.losses) if st.losses else float("nan")
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"swarm pretraining loss became {loss} at step {st.step}; lower pretrain.lr")
+            tokens_per_mb = self.dispatcher.tokens // max(self.dispatcher.issued, 1)
+            self.log.append({
+                "step": st.step, "tokens": sum(n for _, n in plan[: st.step]) * tokens_per_mb, "progress": t,
+                "loss": loss, "lr": lr, "lr_multiplier": multiplier, "batch_sequences": total,
+                "elapsed_s": time.perf_counter() - self.dispatcher.start,
+            })
+            st.losses.clear()
+
+    def flush(self) -> None:
+        """After the last microbatch: a stage that lost gradients to a crash steps on what it holds."""
+        for stage, st in enumerate(self.stage_state):
+            with st.lock:
+                if st.sync.total > 0:
+                    self._step(stage)
+                    self.flushed_steps += 1
+
+    # -- membership changes ----------------------------------------------------------------------------
+    def kill(self, peer: Peer) -> None:
+        st = self.stage_state[peer.stage]
+        with st.lock:
+            peer.kill()
+            rep: _Replica = peer.state
+            rep.member = False
+            st.sync.remove(peer.uid)
+            st.seen -= rep.mbs   # their gradients are gone: a resent request may count them again
+            rep.mbs.clear()
+            for buf in rep.buffers:
+                buf.zero_()
+
+    def _source(self, stage: int, exclude: Peer) -> Peer:
+        sources = [p for p in self.members(stage) if p is not exclude and p.alive]
+        if not sources:
+            raise NoPeersError(stage)
+        return sources[0]
+
+    def join_state(self, peer: Peer) -> None:
+        st = self.stage_state[peer.stage]
+        with st.lock:
+            peer.state = _Replica.copy_of(self._source(peer.stage, peer).state, self.recipe)
+
+    def move_state(self, peer: Peer, from_stage: int, to_stage: int) -> None:
+        st = self.stage_state[from_stage]
+        with st.lock:  # hand the unaveraged gradients to a replica that stays
+            rep: _Replica = peer.state
+            heir = self._source(from_stage, peer)
+            for mine, theirs in zip(rep.buffers, heir.state.buffers):
+                theirs.add_(mine)
+            heir.state.mbs |= rep.mbs
+            samples = st.sync.remove(peer.uid)
+            if samples:
+                st.sync.add(heir.uid, samples)
+            rep.member = False
+        with self.stage_state[to_stage].lock:  # joins the new stage's steps from here on
+            peer.state = _Replica.copy_of(self._source(to_stage, peer).state, self.recipe)
+            peer.stage = to_stage
+
+    def lost_gradients(self, requested: int) -> list[int]:
+        return [requested - len(st.seen) for st in self.stage_state]
+
+    def replica_spread(self) -> list[float]:
+        """Per stage: the largest absolute parameter difference between live replicas (0.0 = equal)."""
+        spread = []
+        for stage in range(self.num_stages):
+            members = [p for p in self.members(stage) if p.alive]
+            ref = members[0].state.module.state_dict()
+            worst = 0.0
+            for peer in members[1:]:
+                for name, value in peer.state.module.state_dict().items():
+                    worst = max(worst, float((value.float() - ref[name].float()).abs().max()))
+            spread.append(worst)
+        return spread
+
+
+def _peer_specs(swarm_cfg: dict, num_stages: int) -> list[PeerSpec]:
+    per_stage, speeds = swarm_cfg["peers_per_stage"], list(swarm_cfg["peer_speeds"]) or [1.0]
+    if per_stage < 1:
+        raise ValueError(f"swarm.peers_per_stage={per_stage}: every stage needs at least one peer to serve it")
+    if any(s <= 0 for s in speeds):
+        raise ValueError(f"swarm.peer_speeds must be positive, got {speeds}")
+    return [PeerSpec(stage, speeds[(stage * per_stage + r) % len(speeds)])
+            for stage in range(num_stages) for r in range(per_stage)]
+
+
+def _fault_loop(swarm: _TrainingSwarm, kill_every_s: float, rejoin_after_s: float | None, seed: int) -> None:
+    """Every ``kill_every_s``: kill a random live peer whose stage keeps another live replica."""
+    rng = random.Random(seed)
+    rejoins: list[tuple[float, Peer]] = []
+    next_kill = swarm.clock.now() + kill_every_s
+    while not swarm.stop.wait(0.02):
+        now = swarm.clock.now()
+        for at, peer in [r for r in rejoins if r[0] <= now]:
+            rejoins.remove((at, peer))
+            peer.revive()
+            swarm.count("rejoins")
+        if now < next_kill:
+            continue
+        next_kill = now + kill_every_s
+        with swarm.membership:
+            candidates = [p for p in swarm.peers if p.alive and p.pending_move is None
+                          and sum(q.alive for q in swarm.members(p.stage)) >= 2]
+            victim = rng.choice(candidates) if candidates else None
+            if victim is not None:
+                swarm.kill(victim)
+        if victim is not None:
+            swarm.count("peers_killed")
+            if rejoin_after_s is not None:
+                rejoins.append((now + rejoin_after_s, victim))
+
+
+def train(*, arch: dict, vocab_size: int, recipe: dict, swarm: dict,
+          batches: Iterator[tuple[torch.Tensor, torch.Tensor]], total_microbatches: int,
+          progress: bool = True) -> TrainResult:
+    """Train crammed BERT with SWARM on peer and trainer threads (see the module docstring).
+
+    ``batches`` yields already-masked (input_ids, labels) microbatches; at most ``total_microbatches`` are
+    used (exactly that many for token or step budgets, which ``train.swarm_pretrain`` computes; a seconds budget
+    stops at the first step boundary past the time). Compute runs on the CPU.
+    """
+    if swarm["compression"] not in SCHEMES:
+        raise ValueError(f"swarm.compression must be one of {', '.join(SCHEMES)}, got {swarm['compression']!r}")
+    model = build_model(arch, vocab_size, recipe["seed"])
+    stages = split_model(model, swarm["stages"])  # StageCountError before any thread starts
+    specs = _peer_specs(swarm, len(stages))
+    if swarm["trainers"] < 1:
+        raise ValueError(f"swarm.trainers={swarm['trainers']}: need at least one trainer")
+    precision = resolve_precision(recipe["precision"], torch.device("cpu"))
+    clock = ScaledClock(1.0)
+    dispatcher = _Dispatcher(batches, total_microbatches, recipe)
+    sw = _TrainingSwarm(specs, clock, stages, recipe, swarm, precision, dispatcher)
+    retry = RetryPolicy(forward_timeout_s=swarm["forward_timeout_s"])
+    rng = random.Random(swarm["seed"])
+    counts = {"done": 0, "lost": 0, "tokens": 0}
+
+    def trainer(index: int, seed: float) -> None:
+        router = Router(sw, len(stages), "weighted", retry, random.Random(seed))
+        try:
+            while (item := dispatcher.next()) is not None:
+                mb, inputs, labels = item
+                samples = int(inputs.shape[0])
+                saved, x = [], inputs
+                try:
+                    for stage in range(len(stages) - 1):
+                        saved.append(x)
+                        x = router.call(stage, "forward", mb, x, samples, (0, 0))
+                    _, grad = router.call(len(stages) - 1, "last", mb, (x, labels), samples, (0, 0))
+                    for stage in reversed(range(len(stages) - 1)):
+                        grad = router.call(stage, "backward", mb, (saved[stage], grad), samples, (0, 0))
+                except NoPeersError:
+                    with sw.lock:
+                        counts["lost"] += 1
+                    continue
+                with sw.lock:
+                    counts["done"] += 1
+                    counts["tokens"] += inputs.numel()
+        except _StopRun:
+            return
+        except BaseException as exc:  # surfaced by the main thread
+            sw.record_error(exc)
+
+    trainers = [threading.Thread(target=trainer, args=(i, rng.random()), name=f"trainer{i}", daemon=True)
+                for i in range(swarm["trainers"])]
+    helpers = []
+    if swarm.get("kill_every_s"):
+        helpers.append(threading.Thread(target=_fault_loop, daemon=True, args=(
+            sw, swarm["kill_every_s"], swarm.get("rejoin_after_s"), swarm["seed"])))
+    if swarm.get("rebalance_period_s"):
+        helpers.append(threading.Thread(target=sw.rebalance_loop, daemon=True,
+                                        args=(Rebalancer(swarm["rebalance_period_s"]), len(stages))))
+    bar = tqdm(total=total_microbatches if total_microbatches < 1 << 40 else None, desc="swarm", unit="mb",
+               disable=not progress, mininterval=2.0)
+    wall_start = dispatcher.start = time.perf_counter()
+    sw.start()
+    for thread in trainers + helpers:
+        thread.start()
+    try:
+        while any(t.is_alive() for t in trainers):
+            time.sleep(0.1)
+            if sw.errors:
+                raise RuntimeError("swarm training failed in a peer or trainer thread") from sw.errors[0]
+            if progress:
+                elapsed = time.perf_counter() - wall_start
+                row = sw.log[-1] if sw.log else None
+                bar.update(counts["done"] - bar.n)
+                bar.set_postfix(tokens=f"{counts['tokens']:,}", loss=f"{row['loss']:.3f}" if row else "-",
+                                lr=f"{row['lr']:.2e}" if row else "-", tok_s=f"{counts['tokens'] / elapsed:,.0f}")
+        if sw.errors:
+            raise RuntimeError("swarm training failed in a peer or trainer thread") from sw.errors[0]
+        sw.flush()
+    finally:
+        sw.shutdown()
+        bar.close()
+    for thread in helpers:
+        thread.join(timeout=5.0)
+    stage_states = [{k: v.detach().clone() for k, v in sw.members(s)[0].state.module.state_dict().items()}
+                    for s in range(len(stages))]
+    stats = {
+        "transport": "emulation",
+        "microbatches_requested": dispatcher.issued,
+        "microbatches_done": counts["done"],
+        "lost_microbatches": counts["lost"],
+        "lost_gradient_microbatches": sw.lost_gradients(dispatcher.issued),
+        "steps": len(dispatcher.plan),
+        "steps_per_stage": [st.step for st in sw.stage_state],
+        "flushed_steps": sw.flushed_steps,
+        "tokens": dispatcher.tokens,
+        "retries": sw.counters["retries"],
+        "timeouts": sw.counters["timeouts"],
+        "errors": sw.counters["errors"],
+        "peers_killed": sw.counters["peers_killed"],
+        "rejoins": sw.counters["rejoins"],
+        "moves": list(sw.moves),
+        "per_stage_peers": sw.stage_peers(),
+        "replica_max_abs_diff": sw.replica_spread(),
+        "boundary_bytes": sw.boundary_bytes,
+        "compression": swarm["compression"],
+        "precision": precision,
+        "wall_s": round(time.perf_counter() - wall_start, 3),
+    }
+    return TrainResult(stage_states=stage_states, log=list(sw.log), stats=stats)

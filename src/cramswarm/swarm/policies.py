@@ -1,0 +1,299 @@
+"""SWARM's decision policies as pure objects: no I/O, no clocks, no threads (time is passed in as ``now``).
+
+Every transport (threads in ``emulation``, the discrete-event ``sim``, real hivemind processes) drives these
+same objects, so routing, retries, rebalancing and in-stage synchronisation behave identically everywhere.
+
+* ``StageBalancer`` - stochastic wiring for one pipeline stage: an interleaved weighted round-robin over the
+  stage's peers keyed by *virtual finish time* (each peer's key grows by task size / measured throughput, the
+  minimum key is served next), so over time every peer receives work in proportion to its measured rate.
+  New peers enter at the current minimum key (tried almost at once); a peer that errors is banned until its
+  directory record expires; a timeout is not banned (its key already grew). Throughput is a bias-corrected EMA
+  of seconds per sample (``PerformanceEMA``, alpha 0.1); a backward task weighs 2.5x a forward one.
+* ``UniformBalancer`` - the same bookkeeping, choosing uniformly at random (the routing baseline).
+* ``RetryPolicy`` - per-call timeouts (backward = forward x 2.5) and the bound on waiting for any live peer.
+* ``Rebalancer`` - adaptive rebalancing (swarm.md 1.5): moves one peer from the least to the most loaded stage
+  when the imbalance exceeds a hysteresis factor and the projected bottleneck throughput strictly improves.
+* ``StageSync`` - sample accounting toward one global batch per stage and the replicas' averaging weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import math
+import random
+from dataclasses import dataclass
+
+
+class NoPeersError(RuntimeError):
+    """No live (unbanned, unexpired) peer serves a stage."""
+
+    def __init__(self, stage: int):
+        super().__init__(f"stage {stage}: no live peer serves this stage (all peers are gone, banned or expired)")
+        self.stage = stage
+
+
+class PerformanceEMA:
+    """Bias-corrected exponential moving average of seconds per sample.
+
+    After ``n`` updates the raw average is divided by ``1 - (1 - alpha)^n`` (the same correction as Adam's
+    moments), so the first measurement is taken at face value instead of being shrunk toward zero.
+    """
+
+    def __init__(self, alpha: float = 0.1):
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"alpha must lie in (0, 1], got {alpha}")
+        self.alpha = alpha
+        self._raw = 0.0
+        self._updates = 0
+
+    def update(self, seconds: float, samples: float) -> None:
+        if samples <= 0:
+            raise ValueError(f"samples must be positive, got {samples}")
+        self._raw = self.alpha * (max(seconds, 0.0) / samples) + (1.0 - self.alpha) * self._raw
+        self._updates += 1
+
+    @property
+    def seconds_per_sample(self) -> float | None:
+        if self._updates == 0:
+            return None
+        return self._raw / (1.0 - (1.0 - self.alpha) ** self._updates)
+
+    @property
+    def samples_per_second(self) -> float | None:
+        """None before the first update."""
+        spp = self.seconds_per_sample
+        if spp is None:
+            return None
+        return 1.0 / max(spp, 1e-12)
+
+
+class StageBalancer:
+    """Virtual-finish-time weighted round-robin over the peers of one stage (SWARM's IWRR).
+
+    The heap holds one ``[virtual_time, tiebreak, uid]`` entry per known peer. ``choose`` pops the smallest
+    usable entry, charges it ``size / throughput`` (``size`` x 1 s per sample while unmeasured; ``size`` is the
+    task size, x ``backward_multiplier`` for backward tasks) and pushes it back.
+    """
+
+    def __init__(self, stage: int, *, alpha: float = 0.1, backward_multiplier: float = 2.5,
+                 rng: random.Random | None = None):
+        self.stage = stage
+        self.alpha = alpha
+        self.backward_multiplier = backward_multiplier
+        self.rng = rng if rng is not None else random.Random(stage)
+        self._heap: list[list] = []           # [virtual_time, tiebreak, uid]
+        self._records: dict[str, float] = {}  # uid -> record expiration time
+        self._banned: dict[str, float] = {}   # uid -> the expiration of the record it was banned under
+        self._ema: dict[str, PerformanceEMA] = {}
+        self._now = -math.inf
+        self.stats: dict[str, int] = {"chosen": 0, "timeouts": 0, "errors": 0}
+        self.chosen_per_peer: dict[str, int] = {}
+
+    # -- membership ------------------------------------------------------------------------------------
+    def update_peers(self, records: dict[str, float], now: float) -> None:
+        """``records``: uid -> expiration time of its directory record (as a DHT returns them)."""
+        self._now = max(self._now, now)
+        known = {entry[2] for entry in self._heap}
+        floor = min((entry[0] for entry in self._heap if entry[2] in records and entry[2] not in self._banned),
+                    default=0.0)
+        for uid, expiration in records.items():
+            if uid in self._banned and expiration > self._banned[uid]:
+                del self._banned[uid]  # re-declared since the ban: admitted again, not ahead of the others
+                for entry in self._heap:
+                    if entry[2] == uid:
+                        entry[0] = max(entry[0], floor)
+            if uid not in known:
+                heapq.heappush(self._heap, [floor, self.rng.random(), uid])
+        self._records = dict(records)
+        self._heap = [entry for entry in self._heap if entry[2] in records]
+        heapq.heapify(self._heap)
+        self._banned = {uid: exp for uid, exp in self._banned.items() if uid in records}
+
+    def _usable(self, uid: str) -> bool:
+        return uid in self._records and uid not in self._banned and self._records[uid] >= self._now
+
+    @property
+    def peers(self) -> list[str]:
+        """Usable uids (known, not banned, record not expired at the latest ``now`` seen), sorted."""
+        return sorted(uid for uid in self._records if self._usable(uid))
+
+    def throughput(self, uid: str) -> float | None:
+        ema = self._ema.get(uid)
+        return ema.samples_per_second if ema is not None else None
+
+    # -- routing ---------------------------------------------------------------------------------------
+    def _cost(self, uid: str, task_size: float, backward: bool) -> float:
+        size = task_size * (self.backward_multiplier if backward else 1.0)
+        rate = self.throughput(uid)
+        return size / rate if rate is not None else size
+
+    def _record_choice(self, uid: str) -> str:
+        self.stats["chosen"] += 1
+        self.chosen_per_peer[uid] = self.chosen_per_peer.get(uid, 0) + 1
+        return uid
+
+    def choose(self, task_size: float, now: float, *, backward: bool = False) -> str:
+        """The peer with the earliest virtual finish time; its key grows by the task's expected duration."""
+        self._now = max(self._now, now)
+        skipped = []
+        chosen = None
+        while self._heap:
+            entry = heapq.heappop(self._heap)
+            if self._usable(entry[2]):
+                chosen = entry
+                break
+            skipped.append(entry)
+        for entry in skipped:
+            heapq.heappush(self._heap, entry)
+        if chosen is None:
+            raise NoPeersError(self.stage)
+        chosen[0] += self._cost(chosen[2], task_size, backward)
+        heapq.heappush(self._heap, chosen)
+        return self._record_choice(chosen[2])
+
+    # -- feedback --------------------------------------------------------------------------------------
+    def report_success(self, uid: str, samples: float, seconds: float) -> None:
+        """Feed the end-to-end call duration (network + queueing + compute) into the peer's EMA."""
+        self._ema.setdefault(uid, PerformanceEMA(self.alpha)).update(seconds, samples)
+
+    def report_timeout(self, uid: str) -> None:
+        """Deadline exceeded: not banned (its heap key already grew, so another peer is usually next)."""
+        self.stats["timeouts"] += 1
+
+    def report_error(self, uid: str, now: float) -> None:
+        """Any other failure: banned until its current record expires (back only with a later expiration)."""
+        self._now = max(self._now, now)
+        self.stats["errors"] += 1
+        if uid in self._records:
+            self._banned[uid] = self._records[uid]
+
+
+class UniformBalancer(StageBalancer):
+    """Same membership, bans and statistics; ``choose`` picks a usable peer uniformly at random."""
+
+    def choose(self, task_size: float, now: float, *, backward: bool = False) -> str:
+        self._now = max(self._now, now)
+        usable = self.peers
+        if not usable:
+            raise NoPeersError(self.stage)
+        return self._record_choice(self.rng.choice(usable))
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    forward_timeout_s: float = 30.0
+    backward_multiplier: float = 2.5   # backward timeout = forward * this
+    give_up_after_s: float = 120.0     # a microbatch with no live peer for this long -> NoPeersError
+
+    def timeout(self, backward: bool) -> float:
+        return self.forward_timeout_s * (self.backward_multiplier if backward else 1.0)
+
+
+@dataclass(frozen=True)
+class PeerLoad:
+    uid: str
+    queue_len: float       # microbatches waiting
+    samples_per_s: float   # EMA throughput
+
+
+@dataclass(frozen=True)
+class Move:
+    uid: str
+    from_stage: int
+    to_stage: int
+
+
+def _uid_hash(uid: str) -> str:
+    return hashlib.sha1(uid.encode()).hexdigest()
+
+
+class Rebalancer:
+    """Adaptive swarm rebalancing: at most one peer moves per period, from the least to the most loaded stage.
+
+    Stage load ``L_s = (sum of queue lengths + 1) / sum of throughputs``: seconds of backlog, plus one
+    microbatch of service time so that with empty queues a stage with little capacity still counts as the
+    bottleneck (a stage with no throughput has infinite load). Donor = argmin ``L`` among stages with at least
+    two peers (a stage is never emptied); recipient = argmax ``L``. The move happens only if
+    ``L_max / L_min > hysteresis`` and the projected bottleneck throughput ``min_s sum throughput`` strictly
+    improves, by more than the relative margin ``min_gain`` (the mover brings its own measured rate along). Queue
+    lengths fluctuate, so the load ratio alone would let a peer ping-pong between two stages of equal capacity
+    (3/2 <-> 2/3 peers); measured rates carry a few per cent of noise, hence the margin (0 = plain strict
+    improvement). The mover is the donor peer with the smallest SHA-1 of its uid (every peer computes the same
+    answer). After a move, nothing moves for ``cooldown_s`` (default: one period).
+    """
+
+    def __init__(self, period_s: float, *, hysteresis: float = 1.5, cooldown_s: float | None = None,
+                 min_gain: float = 0.05):
+        if period_s <= 0:
+            raise ValueError(f"period_s must be positive, got {period_s}")
+        if hysteresis < 1.0:
+            raise ValueError(f"hysteresis must be >= 1, got {hysteresis}")
+        self.period_s = period_s
+        self.hysteresis = hysteresis
+        self.cooldown_s = period_s if cooldown_s is None else cooldown_s
+        self.min_gain = min_gain
+        self._quiet_until = -math.inf
+
+    @staticmethod
+    def stage_load(peers: list[PeerLoad]) -> float:
+        rate = sum(p.samples_per_s for p in peers)
+        if rate <= 0:
+            return math.inf
+        return (sum(p.queue_len for p in peers) + 1.0) / rate
+
+    def decide(self, loads: dict[int, list[PeerLoad]], now: float) -> Move | None:
+        """``loads``: stage -> its live peers' loads (a stage with no peer: empty list)."""
+        if now < self._quiet_until or len(loads) < 2:
+            return None
+        load = {stage: self.stage_load(peers) for stage, peers in loads.items()}
+        donors = [s for s, peers in loads.items() if len(peers) >= 2]
+        if not donors:
+            return None
+        donor = min(donors, key=lambda s: (load[s], s))
+        recipient = max(loads, key=lambda s: (load[s], -s))
+        if donor == recipient:
+            return None
+        ratio = math.inf if load[donor] == 0 else load[recipient] / load[donor]
+        if not ratio > self.hysteresis:
+            return None
+        mover = min(loads[donor], key=lambda p: _uid_hash(p.uid))
+        rates = {s: sum(p.samples_per_s for p in peers) for s, peers in loads.items()}
+        projected = dict(rates)
+        projected[donor] -= mover.samples_per_s
+        projected[recipient] += mover.samples_per_s
+        if not min(projected.values()) > min(rates.values()) * (1.0 + self.min_gain):
+            return None
+        self._quiet_until = now + self.cooldown_s
+        return Move(mover.uid, donor, recipient)
+
+
+class StageSync:
+    """Samples a stage's replicas processed toward one global batch, and their averaging weights."""
+
+    def __init__(self, target_batch_samples: int):
+        if target_batch_samples <= 0:
+            raise ValueError(f"target_batch_samples must be positive, got {target_batch_samples}")
+        self.target_batch_samples = target_batch_samples
+        self._local: dict[str, int] = {}
+
+    @property
+    def total(self) -> int:
+        return sum(self._local.values())
+
+    def add(self, uid: str, samples: int) -> bool:
+        """Count ``samples`` for ``uid``; True once the stage reached the target since the last reset."""
+        self._local[uid] = self._local.get(uid, 0) + samples
+        return self.total >= self.target_batch_samples
+
+    def remove(self, uid: str) -> int:
+        """Forget ``uid``'s samples (a replica that died with unaveraged gradients); returns how many."""
+        return self._local.pop(uid, 0)
+
+    def weights(self) -> dict[str, float]:
+        """uid -> local samples / total (sums to 1); empty before any sample."""
+        total = self.total
+        return {uid: n / total for uid, n in self._local.items() if n > 0} if total else {}
+
+    def reset(self) -> None:
+        self._local.clear()

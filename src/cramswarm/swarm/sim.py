@@ -1,0 +1,533 @@
+"""Transport 3: a discrete-event simulator of a SWARM swarm (virtual time, one heapq event loop, no threads).
+
+It runs the same ``SwarmSetup`` as the thread emulation (``cramswarm.swarm.emulation.run``) and returns the same
+result keys, driving the same policy objects (``StageBalancer`` / ``UniformBalancer``, ``RetryPolicy``,
+``Rebalancer``, ``PerformanceEMA``) with the simulated clock passed in as ``now``. Nothing sleeps, so it is
+exact and deterministic for a seed, and reaches swarms of hundreds to thousands of peers and millions of events
+(swarm.md 6.3).
+
+The model is the emulation's, so the two transports can be compared run for run:
+
+* Trainers are the hub (swarm.md 1.1): each pushes one microbatch at a time forward through stages ``0..k-1``
+  and backward through ``k-1..0``, one call per stage and direction; a microbatch is done when its stage-0
+  backward call returns.
+* A call: the request travels ``activation_bytes * 8 / bandwidth + latency``, waits in the peer's FIFO queue,
+  is computed in ``stage_time_s / speed`` (forward) or ``BACKWARD_COMPUTE_FACTOR`` times that (backward), and
+  the reply travels back (same size). The timeout (``RetryPolicy.timeout``) runs from the request's arrival to
+  the end of its computation; a computation that would end later times out (the peer still spends the time on
+  it). The balancer of the stage receives the whole call duration on success (task size 1, as the emulation).
+* Each trainer has one balancer per stage (``weighted``: ``StageBalancer``, ``uniform``: ``UniformBalancer``)
+  and re-reads the stage's directory records every ``forward_timeout_s``; with no usable peer it waits
+  ``0.1 x forward_timeout_s`` and re-reads at once, and after ``give_up_after_s`` without any the microbatch is
+  lost. Peers re-declare every ``forward_timeout_s`` and records live ``RECORD_TTL_TIMEOUTS x`` that, so a dead
+  peer stays listed for a while. Large swarms may let several trainers share balancers
+  (``trainers_per_process``), as several trainer threads of one process would.
+* A call to a peer that is down, restarting or moving fails at once (connection refused: ``report_error``
+  bans it until its record expires) and is re-sent to the balancer's next choice; a call queued or computing
+  at a peer that dies is never answered and times out (``report_timeout``), then is re-sent. No microbatch is
+  lost unless a whole stage has no usable peer for ``give_up_after_s``.
+* ``fixed`` routing (GPipe-style chains): chain ``c`` is the ``c``-th peer of every stage and trainer ``t`` uses
+  chain ``t mod chains``; a call to a chain member that is down waits for it (polling every
+  ``min(timeout, 0.1 x forward_timeout_s)``), a timed-out call is re-sent to the same member. No rerouting,
+  no rebalancing.
+* Failures: a ``FailureEvent`` kills a peer (its queued calls are dropped); with ``rejoin_after_s`` it restarts
+  after that long, loads its stage's state for ``state_download_s`` and declares itself again.
+* Rebalancing (``rebalance_period_s``): every period the serving peers' loads (queued + computing calls,
+  throughput measured by the peer itself in forward-call units) go to a ``Rebalancer``; the mover withdraws
+  at once, fails its queued calls (their trainers re-send them), finishes the call it is computing, loads the
+  new stage's state for ``state_download_s`` and then serves the new stage. One difference from the emulation:
+  a peer that has not measured itself yet (just joined) reports its nominal rate instead of stalling the
+  rebalancer for that period, which in large swarms with frequent preemptions would stall it for good.
+
+``run(setup)`` simulates one setup; ``heterogeneous_setup`` and ``poisson_failures`` build large ones and
+``optimal_throughput`` / ``optimum_over_time`` give the throughput of the best assignment of the live peers to
+stages (the yardstick of the paper's rebalancing experiment, E4).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from cramswarm.swarm.emulation import (
+    BACKWARD_COMPUTE_FACTOR,
+    RECORD_TTL_TIMEOUTS,
+    FailureEvent,
+    PeerSpec,
+    SwarmSetup,
+)
+from cramswarm.swarm.policies import (
+    NoPeersError,
+    PeerLoad,
+    PerformanceEMA,
+    Rebalancer,
+    RetryPolicy,
+    StageBalancer,
+    UniformBalancer,
+)
+
+# Event kinds; the heap holds (time, sequence number, kind, payload).
+_ARRIVE, _REPLY, _TIMEOUT, _ERROR, _RETRY, _KILL, _REJOIN, _READY, _REBALANCE = range(9)
+
+
+@dataclass(slots=True)
+class _Trainer:
+    balancers: list[StageBalancer]   # shared by the trainers of one process
+    refreshed_at: list[float]        # when each stage's records were last read (shared likewise)
+    chain: int = 0
+    stage: int = 0
+    backward: bool = False
+    stranded_since: float | None = None   # when it first found no usable peer for the current call
+    force_refresh: bool = False
+
+
+@dataclass(slots=True)
+class _Call:
+    trainer: _Trainer
+    stage: int
+    backward: bool
+    peer: _Peer
+    sent_at: float
+    deadline: float = math.inf
+    start: float = math.inf          # when the peer starts computing it
+    finish: float = math.inf         # when the peer finishes computing it
+    token: int = 0                   # bumped when its scheduled outcome changes; stale events are ignored
+    resolved: bool = False           # the trainer has handled its outcome
+    answered: bool = False           # its scheduled outcome is a reply (not a timeout)
+
+
+@dataclass(slots=True)
+class _Peer:
+    uid: str
+    stage: int                       # the stage it serves (or will, once its state download ends)
+    speed: float
+    status: str = "up"               # up | down | joining | moving (as the emulation's peers)
+    epoch: int = 0                   # bumped at every kill and move; stale READY events are ignored
+    free_at: float = 0.0             # when its FIFO queue drains
+    pending: deque[_Call] = field(default_factory=deque)   # calls queued or computing, in FIFO order
+    record_stage: int = 0            # the stage of its latest directory record
+    declared_at: float = 0.0         # first declaration of the current series
+    stopped_at: float = math.inf     # when it stopped re-declaring (death); a move withdraws the record
+    withdrawn: bool = False
+    served: int = 0                  # forward calls answered
+    work: float = 0.0                # compute in forward-call units (backward = BACKWARD_COMPUTE_FACTOR) answered
+    ema: PerformanceEMA = field(default_factory=PerformanceEMA)
+
+    def queue_len(self, now: float) -> int:
+        pending = self.pending
+        while pending and pending[0].finish <= now:
+            pending.popleft()
+        return len(pending)
+
+
+class Simulator:
+    """One simulated run of a ``SwarmSetup``; :meth:`run` returns the result dict (see :func:`run`)."""
+
+    def __init__(self, setup: SwarmSetup, *, trainers_per_process: int = 1,
+                 rebalancer_options: dict | None = None):
+        setup.validate()
+        if trainers_per_process < 1:
+            raise ValueError(f"trainers_per_process must be at least 1, got {trainers_per_process}")
+        self.setup = setup
+        self.num_stages = setup.num_stages
+        self.retry = RetryPolicy(forward_timeout_s=setup.forward_timeout_s)
+        self.declare_period_s = setup.forward_timeout_s
+        self.ttl_s = RECORD_TTL_TIMEOUTS * setup.forward_timeout_s
+        self.transfer_s = self._transfer_s(setup.activation_bytes)
+        rng = random.Random(setup.seed)
+        self.peers = [_Peer(f"peer{i:03d}", spec.stage, spec.speed, record_stage=spec.stage)
+                      for i, spec in enumerate(setup.peers)]
+        self.by_uid = {p.uid: p for p in self.peers}
+        self.now = 0.0
+        self._events: list[tuple] = []
+        self._seq = 0
+        self.done = 0
+        self.counters = {"lost": 0, "retries": 0, "timeouts": 0, "errors": 0, "peers_killed": 0, "rejoins": 0}
+        self.moves: list[dict] = []
+        self.timeline: list[tuple[float, int]] = [(0.0, 0)]
+        self.chains = self._chains() if setup.routing == "fixed" else []
+        balancer_cls = UniformBalancer if setup.routing == "uniform" else StageBalancer
+        self.trainers: list[_Trainer] = []
+        for t in range(setup.trainers):
+            if t % trainers_per_process == 0:
+                balancers = [balancer_cls(s, rng=random.Random(rng.random())) for s in range(self.num_stages)]
+                refreshed = [-math.inf] * self.num_stages
+            self.trainers.append(_Trainer(balancers, refreshed, chain=t % len(self.chains) if self.chains else 0))
+        self.rebalancer = (Rebalancer(setup.rebalance_period_s, **(rebalancer_options or {}))
+                           if setup.rebalance_period_s and not self.chains else None)
+
+    def _chains(self) -> list[list[_Peer]]:
+        by_stage = [[p for p in self.peers if p.stage == s] for s in range(self.num_stages)]
+        count = min(len(members) for members in by_stage)
+        return [[by_stage[s][c] for s in range(self.num_stages)] for c in range(count)]
+
+    def _transfer_s(self, nbytes: int) -> float:
+        if not self.setup.bandwidth_mbit_s:
+            return self.setup.latency_s
+        return nbytes * 8 / (self.setup.bandwidth_mbit_s * 1e6) + self.setup.latency_s
+
+    def _push(self, time: float, kind: int, payload: object = None) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (time, self._seq, kind, payload))
+
+    def _schedule(self, call: _Call, time: float, kind: int) -> None:
+        call.token += 1
+        call.answered = kind == _REPLY
+        self._push(time, kind, (call, call.token))
+
+    def _service_s(self, peer: _Peer, backward: bool) -> float:
+        return self.setup.stage_time_s / peer.speed * (BACKWARD_COMPUTE_FACTOR if backward else 1.0)
+
+    # -- directory -------------------------------------------------------------------------------------
+    def _records(self, stage: int) -> dict[str, float]:
+        """The stage's unexpired records: each peer's latest declaration + TTL."""
+        now, period = self.now, self.declare_period_s
+        records = {}
+        for peer in self.peers:
+            if peer.record_stage != stage or peer.withdrawn or peer.declared_at > now:
+                continue
+            last = min(now, peer.stopped_at)
+            expiration = peer.declared_at + (last - peer.declared_at) // period * period + self.ttl_s
+            if expiration >= now:
+                records[peer.uid] = expiration
+        return records
+
+    def _declare(self, peer: _Peer) -> None:
+        peer.record_stage, peer.declared_at, peer.stopped_at, peer.withdrawn = peer.stage, self.now, math.inf, False
+
+    # -- trainer side ----------------------------------------------------------------------------------
+    def _send(self, trainer: _Trainer) -> None:
+        """Issue the trainer's current call (stage, direction) to the peer its routing picks."""
+        stage, backward, now = trainer.stage, trainer.backward, self.now
+        if self.chains:
+            peer = self.chains[trainer.chain][stage]
+            if peer.status != "up":   # a fixed pipeline waits for its member to come back
+                self._push(now + min(self.retry.timeout(backward), 0.1 * self.declare_period_s), _RETRY, trainer)
+                return
+        else:
+            balancer = trainer.balancers[stage]
+            while True:
+                if trainer.force_refresh or now - trainer.refreshed_at[stage] >= self.declare_period_s:
+                    balancer.update_peers(self._records(stage), now)
+                    trainer.refreshed_at[stage] = now
+                    trainer.force_refresh = False
+                try:
+                    uid = balancer.choose(1.0, now, backward=backward)
+                except NoPeersError:
+                    self._stranded(trainer)
+                    return
+                trainer.stranded_since = None
+                peer = self.by_uid[uid]
+                if peer.status == "up":
+                    break
+                self.counters["errors"] += 1   # connection refused: ban it and ask again at once
+                self.counters["retries"] += 1
+                balancer.report_error(uid, now)
+        self._push(now + self.transfer_s, _ARRIVE, _Call(trainer, stage, backward, peer, now))
+
+    def _stranded(self, trainer: _Trainer) -> None:
+        now = self.now
+        if trainer.stranded_since is None:
+            trainer.stranded_since = now
+        elif now - trainer.stranded_since >= self.retry.give_up_after_s:
+            self.counters["lost"] += 1   # the bounded wait is over: drop the microbatch, start a new one
+            trainer.stranded_since = None
+            trainer.stage, trainer.backward = 0, False
+        trainer.force_refresh = True
+        self._push(now + 0.1 * self.declare_period_s, _RETRY, trainer)
+
+    def _advance(self, trainer: _Trainer) -> None:
+        """The current call succeeded: issue the microbatch's next call, or count it done and start anew."""
+        if not trainer.backward:
+            if trainer.stage + 1 < self.num_stages:
+                trainer.stage += 1
+            else:
+                trainer.backward = True
+        elif trainer.stage > 0:
+            trainer.stage -= 1
+        else:
+            self.done += 1
+            self.timeline.append((self.now, self.done))
+            trainer.backward = False
+        self._send(trainer)
+
+    def _on_arrive(self, call: _Call) -> None:
+        peer, now = call.peer, self.now
+        call.deadline = now + self.retry.timeout(call.backward)
+        if peer.status == "moving":   # queued until the move ends, then refused (wrong stage)
+            if peer.free_at < call.deadline:
+                self._schedule(call, peer.free_at, _ERROR)
+            else:
+                self._schedule(call, call.deadline, _TIMEOUT)
+            return
+        if peer.status != "up":       # dead or restarting: never answered
+            self._schedule(call, call.deadline, _TIMEOUT)
+            return
+        if peer.stage != call.stage:  # moved away meanwhile: refused
+            self._schedule(call, now, _ERROR)
+            return
+        service = self._service_s(peer, call.backward)
+        call.start = max(now, peer.free_at)
+        call.finish = peer.free_at = call.start + service
+        peer.pending.append(call)
+        peer.ema.update(service, BACKWARD_COMPUTE_FACTOR if call.backward else 1.0)
+        if call.finish <= call.deadline:
+            self._schedule(call, call.finish + self.transfer_s, _REPLY)
+        else:
+            self._schedule(call, call.deadline, _TIMEOUT)
+
+    def _on_reply(self, call: _Call) -> None:
+        call.resolved = True
+        trainer = call.trainer
+        if call.backward:
+            call.peer.work += BACKWARD_COMPUTE_FACTOR
+        else:
+            call.peer.served += 1
+            call.peer.work += 1.0
+        if not self.chains:
+            trainer.balancers[call.stage].report_success(call.peer.uid, 1.0, self.now - call.sent_at)
+        self._advance(trainer)
+
+    def _on_timeout(self, call: _Call) -> None:
+        call.resolved = True
+        self.counters["timeouts"] += 1
+        self.counters["retries"] += 1
+        if not self.chains:
+            call.trainer.balancers[call.stage].report_timeout(call.peer.uid)
+        self._send(call.trainer)
+
+    def _on_error(self, call: _Call) -> None:
+        call.resolved = True
+        self.counters["errors"] += 1
+        self.counters["retries"] += 1
+        if not self.chains:
+            call.trainer.balancers[call.stage].report_error(call.peer.uid, self.now)
+        self._send(call.trainer)
+
+    def _on_retry(self, trainer: _Trainer) -> None:
+        self._send(trainer)
+
+    # -- peers dying, rejoining and moving -------------------------------------------------------------
+    def _on_kill(self, event: FailureEvent) -> None:
+        peer, now = self.peers[event.peer], self.now
+        if peer.status == "down":
+            return
+        self.counters["peers_killed"] += 1
+        for call in peer.pending:   # dropped: a call due to be answered times out instead
+            if call.finish > now and not call.resolved and call.answered:
+                self._schedule(call, call.deadline, _TIMEOUT)
+        peer.pending.clear()
+        peer.status, peer.free_at = "down", now
+        peer.epoch += 1
+        peer.stopped_at = min(peer.stopped_at, now)
+        if event.rejoin_after_s is not None:
+            self._push(now + event.rejoin_after_s, _REJOIN, peer)
+
+    def _on_rejoin(self, peer: _Peer) -> None:
+        if peer.status != "down":
+            return
+        self.counters["rejoins"] += 1
+        peer.status = "joining"
+        peer.free_at = self.now + self.setup.state_download_s
+        self._push(peer.free_at, _READY, (peer, peer.epoch))
+
+    def _on_ready(self, payload: tuple[_Peer, int]) -> None:
+        peer, epoch = payload
+        if epoch != peer.epoch or peer.status not in ("joining", "moving"):
+            return
+        peer.status = "up"
+        peer.ema = PerformanceEMA()
+        self._declare(peer)
+
+    def _move(self, peer: _Peer, to_stage: int) -> None:
+        now = self.now
+        keep: deque[_Call] = deque()
+        for call in peer.pending:
+            if call.start <= now:
+                keep.append(call)   # computing (it finishes) or done
+            elif not call.resolved:
+                self._schedule(call, now, _ERROR)   # queued: refused now, its trainer re-sends it
+        peer.pending = keep
+        peer.free_at = max([now, *(c.finish for c in keep)]) + self.setup.state_download_s
+        peer.status, peer.stage, peer.withdrawn = "moving", to_stage, True
+        peer.epoch += 1
+        self._push(peer.free_at, _READY, (peer, peer.epoch))
+
+    def _on_rebalance(self, _: object) -> None:
+        now = self.now
+        loads: dict[int, list[PeerLoad]] = {s: [] for s in range(self.num_stages)}
+        for peer in self.peers:
+            if peer.status == "up":
+                rate = peer.ema.samples_per_second or peer.speed / self.setup.stage_time_s
+                loads[peer.stage].append(PeerLoad(peer.uid, float(peer.queue_len(now)), rate))
+        move = self.rebalancer.decide(loads, now)
+        if move is not None:
+            self.moves.append({"t_s": now, "uid": move.uid, "from_stage": move.from_stage,
+                               "to_stage": move.to_stage})
+            self._move(self.by_uid[move.uid], move.to_stage)
+        self._push(now + self.rebalancer.period_s, _REBALANCE)
+
+    # -- main loop -------------------------------------------------------------------------------------
+    def run(self) -> dict:
+        duration = self.setup.duration_s
+        handlers = (self._on_arrive, self._on_reply, self._on_timeout, self._on_error)
+        others = (None, None, None, None, self._on_retry, self._on_kill, self._on_rejoin, self._on_ready,
+                  self._on_rebalance)
+        for event in self.setup.failures:
+            self._push(event.at_s, _KILL, event)
+        if self.rebalancer is not None:
+            self._push(self.rebalancer.period_s, _REBALANCE)
+        for trainer in self.trainers:
+            self._send(trainer)
+        events, pop = self._events, heapq.heappop
+        processed = 0
+        while events and events[0][0] <= duration:
+            self.now, _, kind, payload = pop(events)
+            processed += 1
+            if kind == _ARRIVE:
+                self._on_arrive(payload)
+            elif kind <= _ERROR:
+                call, token = payload
+                if token == call.token:
+                    handlers[kind](call)
+            else:
+                others[kind](payload)
+        self.now = duration
+        return {
+            "transport": "sim",
+            "microbatches_done": self.done,
+            "throughput_mb_s": self.done / duration,
+            "timeline": self.timeline,
+            "lost_microbatches": self.counters["lost"],
+            "retries": self.counters["retries"],
+            "timeouts": self.counters["timeouts"],
+            "errors": self.counters["errors"],
+            "peers_killed": self.counters["peers_killed"],
+            "rejoins": self.counters["rejoins"],
+            "moves": self.moves,
+            "served": {p.uid: p.served for p in self.peers},
+            "work_units": {p.uid: p.work for p in self.peers},
+            "per_stage_peers": {s: sorted(p.uid for p in self.peers if p.status == "up" and p.stage == s)
+                                for s in range(self.num_stages)},
+            "events": processed,
+        }
+
+
+def run(setup: SwarmSetup, *, trainers_per_process: int = 1, rebalancer_options: dict | None = None) -> dict:
+    """Simulate ``setup`` for ``setup.duration_s`` virtual seconds; returns the emulation's result keys.
+
+    ``microbatches_done`` (forward + backward through every stage), ``throughput_mb_s`` (microbatches per
+    second over the run), ``timeline`` [(t_s, completed_total) at every completion, from (0, 0)],
+    ``lost_microbatches`` (given up: no usable peer for ``give_up_after_s``), ``retries`` (re-sent calls),
+    ``moves`` (list of {t_s, uid, from_stage, to_stage}), ``timeouts``, ``errors``, ``peers_killed``,
+    ``rejoins``, ``served`` (uid -> forward calls answered), ``work_units`` (uid -> compute of its answered
+    calls in forward-call units, backward = ``BACKWARD_COMPUTE_FACTOR``), ``per_stage_peers`` (stage -> serving uids at
+    the end), ``events`` (events processed). ``trainers_per_process`` trainers share one set of balancers;
+    ``rebalancer_options`` go to ``Rebalancer`` (e.g. ``min_gain`` for large swarms).
+    """
+    return Simulator(setup, trainers_per_process=trainers_per_process, rebalancer_options=rebalancer_options).run()
+
+
+# -- large setups and the optimum ------------------------------------------------------------------------
+def heterogeneous_setup(num_peers: int, num_stages: int, *, speed_range: tuple[float, float] = (0.5, 1.0),
+                        assignment: str = "random", trainers: int | None = None, seed: int = 0,
+                        **setup_fields) -> SwarmSetup:
+    """A swarm of ``num_peers`` peers with speeds drawn log-uniformly from ``speed_range``.
+
+    ``assignment``: ``random`` puts each peer on a uniformly random stage (every stage gets at least one
+    peer), ``balanced`` uses the greedy assignment of :func:`optimal_throughput`. ``trainers`` defaults to
+    1.5 per peer. Further ``SwarmSetup`` fields (``stage_time_s`` is required) pass through.
+    """
+    if num_stages < 1 or num_peers < num_stages:
+        raise ValueError(f"need at least one peer per stage: {num_peers} peers for {num_stages} stages")
+    if assignment not in ("random", "balanced"):
+        raise ValueError(f"assignment must be 'random' or 'balanced', got {assignment!r}")
+    rng = random.Random(seed)
+    low, high = speed_range
+    speeds = [math.exp(rng.uniform(math.log(low), math.log(high))) for _ in range(num_peers)]
+    if assignment == "balanced":
+        stages = _greedy_assignment(speeds, num_stages)
+    else:
+        stages = list(range(num_stages)) + [rng.randrange(num_stages) for _ in range(num_peers - num_stages)]
+        rng.shuffle(stages)
+    peers = [PeerSpec(stage=s, speed=v) for s, v in zip(stages, speeds)]
+    return SwarmSetup(peers=peers, trainers=trainers or math.ceil(1.5 * num_peers), seed=seed, **setup_fields)
+
+
+def poisson_failures(num_peers: int, duration_s: float, *, mean_interval_s: float, rejoin_after_s: float | None,
+                     seed: int = 0) -> list[FailureEvent]:
+    """Preemptions as one Poisson process over the swarm (mean ``mean_interval_s`` between two), each hitting
+    a uniformly random peer that is up at that moment; it rejoins after ``rejoin_after_s`` (None: never)."""
+    if mean_interval_s <= 0:
+        raise ValueError(f"mean_interval_s must be positive, got {mean_interval_s}")
+    rng = random.Random(seed)
+    back_at = [0.0] * num_peers
+    events = []
+    t = rng.expovariate(1.0 / mean_interval_s)
+    while t < duration_s:
+        up = [i for i in range(num_peers) if back_at[i] <= t]
+        if up:
+            peer = rng.choice(up)
+            events.append(FailureEvent(at_s=t, peer=peer, rejoin_after_s=rejoin_after_s))
+            back_at[peer] = math.inf if rejoin_after_s is None else t + rejoin_after_s
+        t += rng.expovariate(1.0 / mean_interval_s)
+    return events
+
+
+def _greedy_assignment(speeds: Sequence[float], num_stages: int) -> list[int]:
+    """Longest-processing-time greedy: fastest peer first, each to the stage with the least capacity so far."""
+    capacity = [0.0] * num_stages
+    stages = [0] * len(speeds)
+    for i in sorted(range(len(speeds)), key=lambda i: -speeds[i]):
+        s = min(range(num_stages), key=capacity.__getitem__)
+        stages[i] = s
+        capacity[s] += speeds[i]
+    return stages
+
+
+def optimal_throughput(speeds: Sequence[float], num_stages: int, stage_time_s: float) -> float:
+    """Microbatches/s of the best assignment of peers of ``speeds`` to ``num_stages`` stages: max over
+    assignments of min over stages of the stage's summed rate (a microbatch costs a peer
+    ``(1 + BACKWARD_COMPUTE_FACTOR) x stage_time_s / speed``), ignoring the network.
+
+    The max-min partition comes from the longest-processing-time greedy: exact for equal speeds, and within
+    one peer's rate of the bound (sum of rates / stages) otherwise, i.e. close to exact for many peers.
+    """
+    if len(speeds) < num_stages:
+        return 0.0
+    capacity = [0.0] * num_stages
+    for s, v in zip(_greedy_assignment(speeds, num_stages), speeds):
+        capacity[s] += v
+    return min(capacity) / (stage_time_s * (1.0 + BACKWARD_COMPUTE_FACTOR))
+
+
+def optimum_over_time(setup: SwarmSetup) -> float:
+    """Time average over the run of :func:`optimal_throughput` for the peers alive at each moment (a killed
+    peer counts again from its rejoin; state downloads are ignored)."""
+    alive = [True] * len(setup.peers)
+    # (time, order, peer, rejoin delay); order 0 = rejoin before 1 = kill at the same moment.
+    changes = [(e.at_s, 1, e.peer, e.rejoin_after_s) for e in setup.failures]
+    heapq.heapify(changes)
+
+    def optimum() -> float:
+        speeds = [p.speed for p, up in zip(setup.peers, alive) if up]
+        return optimal_throughput(speeds, setup.num_stages, setup.stage_time_s)
+
+    total, last, current = 0.0, 0.0, optimum()
+    while changes and changes[0][0] < setup.duration_s:
+        time, order, index, rejoin_after_s = heapq.heappop(changes)
+        if order == 1 and alive[index]:
+            alive[index] = False
+            if rejoin_after_s is not None:
+                heapq.heappush(changes, (time + rejoin_after_s, 0, index, None))
+        elif order == 0:
+            alive[index] = True
+        else:
+            continue
+        total += current * (time - last)
+        last, current = time, optimum()
+    return (total + current * (setup.duration_s - last)) / setup.duration_s

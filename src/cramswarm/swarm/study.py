@@ -1,0 +1,434 @@
+"""The swarm_study experiments (swarm.md 6.2 M1-M5 and the simulator study 6.3), one CSV each.
+
+Every experiment is a plain function with its sizes as parameters (the defaults keep each one to a minute or
+two on a 2-core CPU; tests pass tiny sizes) that writes one CSV atomically, with units in the column names:
+
+* ``square_cube``           M1: measured compute time of one crammed-BERT layer (forward + backward, bf16
+                            autocast on CPU) vs the time to send its boundary tensors over a link, per width,
+                            bandwidth and compression scheme (payload bytes measured from ``compression.encode``).
+* ``wiring_throughput``     M2: throughput of stochastic wiring (IWRR), uniform routing and fixed chains on
+                            peers of speeds 1, 0.5, 0.25 per stage, in the emulation and the simulator.
+* ``failures_timeline``     M3: throughput over time with one peer killed every ``kill_every_s`` (rejoining
+                            after ``rejoin_after_s``) and without failures, swarm vs fixed chains.
+* ``rebalancing_recovery``  M4: a stage starved by killing peers for good; rebalancing off vs several periods.
+* ``compression_loss``      M5: MLM loss vs step of the tiny crammed model trained in one process with the
+                            stage boundaries compressed (fp16, blockwise 8-bit) or narrowed (bottleneck,
+                            maxout), same seed and data.
+* ``sim_scale``             6.3 / E4: the simulator at 100-1000 peers with Poisson preemptions, rebalancing off
+                            vs on, throughput as a percentage of the optimal assignment of live peers to stages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from cramswarm.io import atomic_path
+from cramswarm.swarm import emulation, sim
+from cramswarm.swarm.emulation import FailureEvent, PeerSpec, SwarmSetup
+
+TRANSPORTS = ("emulation", "sim")
+COMPRESSION_CONFIGS = ("none", "fp16", "blockwise8", "bottleneck2", "maxout2")
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """Run with ``threads`` intra-op threads (None: leave as is), restoring the previous count afterwards.
+
+    Tiny models on a shared machine run far faster on one thread: with two, every small kernel pays for
+    synchronising threads that other processes keep descheduling (measured 10 ms vs 570 ms per step on a busy
+    2-core box).
+    """
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _write_csv(frame: pd.DataFrame, out_csv: str | os.PathLike) -> Path:
+    with atomic_path(out_csv) as tmp:
+        frame.to_csv(tmp, index=False, na_rep="NaN")
+    return Path(out_csv)
+
+
+def _run(setup: SwarmSetup, transport: str, time_scale: float) -> tuple[dict, float]:
+    """Run ``setup`` on one transport; returns (result, wall seconds)."""
+    start = time.perf_counter()
+    if transport == "emulation":
+        result = emulation.run(setup, time_scale=time_scale)
+    elif transport == "sim":
+        result = sim.run(setup)
+    else:
+        raise ValueError(f"unknown transport {transport!r}; allowed: {', '.join(TRANSPORTS)}")
+    return result, time.perf_counter() - start
+
+
+def windowed_throughput(timeline: Sequence[tuple[float, int]], duration_s: float,
+                        window_s: float) -> list[tuple[float, float, int]]:
+    """(window start s, microbatches/s completed in the window, completed total at its end) for consecutive
+    windows of ``window_s`` covering ``[0, duration_s)``."""
+    times = np.array([t for t, _ in timeline], dtype=float)
+    totals = np.array([n for _, n in timeline], dtype=float)
+    rows = []
+    for start in np.arange(0.0, duration_s - 1e-9, window_s):
+        end = min(start + window_s, duration_s)
+        at_end = totals[times <= end].max(initial=0.0)
+        at_start = totals[times <= start].max(initial=0.0)
+        rows.append((float(start), float((at_end - at_start) / (end - start)), int(at_end)))
+    return rows
+
+
+def peers_up(failures: Sequence[FailureEvent], num_peers: int, t: float) -> int:
+    """How many of ``num_peers`` peers are up at time ``t`` under ``failures`` (kills of dead peers ignored)."""
+    down_until = [-math.inf] * num_peers
+    for event in sorted(failures, key=lambda e: e.at_s):
+        if event.at_s > t:
+            break
+        if down_until[event.peer] <= event.at_s:
+            down_until[event.peer] = math.inf if event.rejoin_after_s is None else event.at_s + event.rejoin_after_s
+    return sum(1 for until in down_until if until <= t)
+
+
+def periodic_kills(num_peers: int, duration_s: float, every_s: float, rejoin_after_s: float | None,
+                   seed: int = 0) -> list[FailureEvent]:
+    """One random peer that is up killed every ``every_s`` (at every_s, 2 every_s, ...), rejoining after
+    ``rejoin_after_s`` (None: never)."""
+    rng = random.Random(seed)
+    back_at = [0.0] * num_peers
+    events = []
+    t = every_s
+    while t < duration_s:
+        candidates = [i for i in range(num_peers) if back_at[i] <= t]
+        if candidates:
+            peer = rng.choice(candidates)
+            events.append(FailureEvent(at_s=t, peer=peer, rejoin_after_s=rejoin_after_s))
+            back_at[peer] = math.inf if rejoin_after_s is None else t + rejoin_after_s
+        t += every_s
+    return events
+
+
+# ------------------------------------------------------------------------------------------------------------
+# M1: the square-cube law
+# ------------------------------------------------------------------------------------------------------------
+
+def _layer_time_s(hidden: int, heads: int, batch: int, seq_len: int,
+                  repeats: int) -> tuple[float, torch.Tensor, int]:
+    """Fastest of ``repeats`` forward + backward passes of one crammed-BERT layer (bf16 autocast on CPU), the
+    layer's output activation (fp32) and its parameter count."""
+    from cramswarm.models.crammed_bert import CrammedBertConfig, Layer
+
+    config = CrammedBertConfig(hidden_size=hidden, num_attention_heads=heads, intermediate_size=4 * hidden,
+                               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    layer = Layer(config)
+    x = torch.randn(batch, seq_len, hidden)
+    best, out = math.inf, None
+    for _ in range(repeats + 1):   # the first pass warms up kernels and allocator and is not timed
+        xi = x.clone().requires_grad_(True)
+        start = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(xi, None)
+        y.float().sum().backward()
+        elapsed = time.perf_counter() - start
+        if out is not None:
+            best = min(best, elapsed)
+        out = y.detach().float()
+    return best, out, sum(p.numel() for p in layer.parameters())
+
+
+def square_cube(out_csv: str | os.PathLike, *, hidden_sizes: Sequence[int] = (128, 256, 512, 1024),
+                bandwidths_mbit_s: Sequence[float] = (10.0, 100.0, 500.0),
+                schemes: Sequence[str] = ("none", "fp16", "blockwise8"), batch: int = 8, seq_len: int = 128,
+                repeats: int = 3, head_dim: int = 64, threads: int | None = 1) -> Path:
+    """M1. Per hidden size: the measured time of forward + backward of one crammed-BERT layer (FFN 4 d, heads of
+    ``head_dim``) on a ``batch x seq_len`` microbatch, and per scheme and bandwidth the time to send the layer's
+    boundary traffic: the encoded activation forward plus the encoded gradient (same size) backward.
+
+    Compute runs on ``threads`` intra-op threads (see :func:`torch_threads`).
+
+    Columns: hidden_size, heads, batch, seq_len, threads, layer_params, compute_s, scheme,
+    activation_payload_bytes, bandwidth_mbit_s, comm_s, compute_to_comm (compute_s / comm_s).
+    """
+    from cramswarm.swarm.compression import encode, payload_bytes
+
+    rows = []
+    for hidden in hidden_sizes:
+        heads = max(1, hidden // head_dim)
+        with torch_threads(threads):
+            compute_s, activation, params = _layer_time_s(hidden, heads, batch, seq_len, repeats)
+        for scheme in schemes:
+            nbytes = payload_bytes(encode(activation, scheme))
+            for bandwidth in bandwidths_mbit_s:
+                comm_s = 2 * nbytes * 8 / (bandwidth * 1e6)
+                rows.append({"hidden_size": hidden, "heads": heads, "batch": batch, "seq_len": seq_len,
+                             "threads": torch.get_num_threads() if threads is None else threads,
+                             "layer_params": params, "compute_s": compute_s, "scheme": scheme,
+                             "activation_payload_bytes": nbytes, "bandwidth_mbit_s": float(bandwidth),
+                             "comm_s": comm_s, "compute_to_comm": compute_s / comm_s})
+    return _write_csv(pd.DataFrame(rows), out_csv)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# M2: stochastic wiring on heterogeneous peers
+# ------------------------------------------------------------------------------------------------------------
+
+def heterogeneous_stages(speeds: Sequence[float], stages: int) -> list[PeerSpec]:
+    """``len(speeds)`` peers per stage; stage s gets ``speeds`` rotated by s, so the fixed chains (c-th peer of
+    every stage) mix fast and slow peers."""
+    peers = []
+    for s in range(stages):
+        rotated = list(speeds[s % len(speeds):]) + list(speeds[: s % len(speeds)])
+        peers.extend(PeerSpec(stage=s, speed=v) for v in rotated)
+    return peers
+
+
+def wiring_throughput(out_csv: str | os.PathLike, *, speeds: Sequence[float] = (1.0, 0.5, 0.25), stages: int = 2,
+                      trainers: int = 16, stage_time_s: float = 0.1, duration_s: float = 40.0,
+                      forward_timeout_s: float = 5.0, routings: Sequence[str] = ("weighted", "uniform", "fixed"),
+                      transports: Sequence[str] = TRANSPORTS, time_scale: float = 0.1, seed: int = 0) -> Path:
+    """M2. Throughput of each routing on ``stages`` stages of peers with ``speeds`` (see
+    :func:`heterogeneous_stages`), ``trainers`` concurrent trainers, no failures.
+
+    Columns: transport, routing, stages, peers, trainers, throughput_mb_s, optimum_mb_s (best assignment of the
+    peers, :func:`sim.optimal_throughput`), percent_of_optimum, microbatches_done, retries, duration_s, wall_s.
+    """
+    peers = heterogeneous_stages(speeds, stages)
+    optimum = sim.optimal_throughput([p.speed for p in peers], stages, stage_time_s)
+    rows = []
+    for transport in transports:
+        for routing in routings:
+            setup = SwarmSetup(peers=peers, trainers=trainers, stage_time_s=stage_time_s, routing=routing,
+                               forward_timeout_s=forward_timeout_s, duration_s=duration_s, seed=seed)
+            result, wall = _run(setup, transport, time_scale)
+            rows.append({"transport": transport, "routing": routing, "stages": stages, "peers": len(peers),
+                         "trainers": trainers, "throughput_mb_s": result["throughput_mb_s"],
+                         "optimum_mb_s": optimum, "percent_of_optimum": 100 * result["throughput_mb_s"] / optimum,
+                         "microbatches_done": result["microbatches_done"], "retries": result["retries"],
+                         "duration_s": duration_s, "wall_s": wall})
+    return _write_csv(pd.DataFrame(rows), out_csv)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# M3 and M4: throughput over time under failures
+# ------------------------------------------------------------------------------------------------------------
+
+def _timeline_rows(result: dict, setup: SwarmSetup, window_s: float, keys: dict, totals: dict) -> list[dict]:
+    """One row per window: ``keys`` (what identifies the run), the window's numbers, ``totals`` (whole run)."""
+    rows = []
+    for start, rate, total in windowed_throughput(result["timeline"], setup.duration_s, window_s):
+        samples = np.linspace(start, min(start + window_s, setup.duration_s), 41)[:-1]
+        up = float(np.mean([peers_up(setup.failures, len(setup.peers), t) for t in samples]))
+        rows.append({**keys, "t_s": start, "window_s": window_s, "throughput_mb_s": rate,
+                     "completed_total": total, "peers_up": up, **totals})
+    return rows
+
+
+def failures_timeline(out_csv: str | os.PathLike, *, stages: int = 3, peers_per_stage: int = 3,
+                      trainers: int = 12, stage_time_s: float = 1.0, kill_every_s: float = 60.0,
+                      rejoin_after_s: float = 30.0, duration_s: float = 300.0, forward_timeout_s: float = 30.0,
+                      window_s: float = 20.0, routings: Sequence[str] = ("weighted", "fixed"),
+                      transports: Sequence[str] = TRANSPORTS, time_scale: float = 0.02, seed: int = 0) -> Path:
+    """M3. ``stages x peers_per_stage`` peers of speed 1; one random live peer killed every ``kill_every_s``,
+    back after ``rejoin_after_s`` (the same schedule for every routing), and a failure-free run of each routing
+    for reference. Throughput per ``window_s`` window.
+
+    Columns: transport, routing, failures (periodic | none), t_s (window start), window_s, throughput_mb_s,
+    completed_total, peers_up (mean over the window), retries, lost_microbatches (the last two over the run).
+    """
+    peers = [PeerSpec(stage=s) for s in range(stages) for _ in range(peers_per_stage)]
+    schedule = periodic_kills(len(peers), duration_s, kill_every_s, rejoin_after_s, seed)
+    rows = []
+    for transport in transports:
+        for routing in routings:
+            for label, failures in (("none", []), ("periodic", schedule)):
+                setup = SwarmSetup(peers=peers, trainers=trainers, stage_time_s=stage_time_s, routing=routing,
+                                   failures=list(failures), forward_timeout_s=forward_timeout_s,
+                                   duration_s=duration_s, seed=seed)
+                result, _ = _run(setup, transport, time_scale)
+                rows.extend(_timeline_rows(
+                    result, setup, window_s, {"transport": transport, "routing": routing, "failures": label},
+                    {"retries": result["retries"], "lost_microbatches": result["lost_microbatches"]}))
+    return _write_csv(pd.DataFrame(rows), out_csv)
+
+
+def rebalancing_recovery(out_csv: str | os.PathLike, *, stages: int = 3, peers_per_stage: int = 3,
+                         starved_stage: int = 1, killed: int = 2, kill_at_s: float = 45.0, trainers: int = 12,
+                         stage_time_s: float = 1.0, periods_s: Sequence[float | None] = (None, 10.0, 30.0),
+                         state_download_s: float = 5.0, duration_s: float = 240.0, forward_timeout_s: float = 30.0,
+                         window_s: float = 10.0, transports: Sequence[str] = TRANSPORTS, time_scale: float = 0.02,
+                         seed: int = 0) -> Path:
+    """M4. ``stages x peers_per_stage`` peers of speed 1; at ``kill_at_s`` ``killed`` peers of
+    ``starved_stage`` die for good. Rebalancing off (None) vs each period in ``periods_s``; a moving peer loads
+    the new stage's state for ``state_download_s``. Weighted routing throughout.
+
+    Columns: transport, rebalance_period_s (NaN = off), kill_at_s, t_s (window start), window_s,
+    throughput_mb_s, completed_total, peers_up (mean over the window), moves (over the run), first_move_s
+    (time of the first move, NaN without).
+    """
+    peers = [PeerSpec(stage=s) for s in range(stages) for _ in range(peers_per_stage)]
+    victims = [i for i, p in enumerate(peers) if p.stage == starved_stage][:killed]
+    failures = [FailureEvent(at_s=kill_at_s, peer=i, rejoin_after_s=None) for i in victims]
+    rows = []
+    for transport in transports:
+        for period in periods_s:
+            setup = SwarmSetup(peers=peers, trainers=trainers, stage_time_s=stage_time_s, failures=failures,
+                               rebalance_period_s=period, forward_timeout_s=forward_timeout_s,
+                               duration_s=duration_s, state_download_s=state_download_s, seed=seed)
+            result, _ = _run(setup, transport, time_scale)
+            moves = result["moves"]
+            keys = {"transport": transport, "rebalance_period_s": math.nan if period is None else float(period),
+                    "kill_at_s": kill_at_s}
+            rows.extend(_timeline_rows(result, setup, window_s, keys,
+                                       {"moves": len(moves), "first_move_s": moves[0]["t_s"] if moves else math.nan}))
+    return _write_csv(pd.DataFrame(rows), out_csv)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# M5: compression at stage boundaries vs loss
+# ------------------------------------------------------------------------------------------------------------
+
+class _CompressedPipeline(torch.nn.Module):
+    """The stages of a split model run in one process with a compressor between consecutive stages."""
+
+    def __init__(self, stages: list[torch.nn.Module], config: str, hidden: int):
+        super().__init__()
+        from cramswarm.swarm.compression import SCHEMES, Bottleneck, Maxout
+
+        self.stages = torch.nn.ModuleList(stages)
+        self.scheme = config if config in SCHEMES else "none"
+        kind = config.rstrip("0123456789")
+        if config in SCHEMES:
+            links: list[torch.nn.Module] = []
+        elif kind in ("bottleneck", "maxout") and config[len(kind):]:
+            factor = int(config[len(kind):])
+            cls = Bottleneck if kind == "bottleneck" else Maxout
+            links = [cls(hidden, factor) for _ in stages[1:]]
+        else:
+            raise ValueError(f"unknown compression config {config!r}: use a scheme "
+                             f"({', '.join(SCHEMES)}) or bottleneck<f> / maxout<k>, e.g. bottleneck2")
+        self.links = torch.nn.ModuleList(links)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        from cramswarm.swarm.compression import boundary
+
+        x = input_ids
+        for index, stage in enumerate(self.stages[:-1]):
+            x = stage(x)
+            x = self.links[index](x) if self.links else boundary(x, self.scheme)
+        return self.stages[-1](x, labels)
+
+
+def compression_loss(out_csv: str | os.PathLike, blocks_path: str | os.PathLike, *, arch: dict, vocab_size: int,
+                     configs: Sequence[str] = COMPRESSION_CONFIGS, stages: int = 2, steps: int = 300,
+                     micro_batch: int = 16, lr: float = 1e-3, mask_rate: float = 0.15, weight_decay: float = 0.01,
+                     seed: int = 0, threads: int | None = 1) -> Path:
+    """M5. Train the crammed MLM model (``arch``, a config ``models.<name>.arch`` section) split into
+    ``stages`` stages, in one process, once per compression config: ``none`` / ``fp16`` / ``blockwise8``
+    quantise activations forward and gradients backward at every boundary (``compression.boundary``);
+    ``bottleneck<f>`` / ``maxout<k>`` insert ``compression.Bottleneck`` / ``Maxout`` at every boundary
+    (uncompressed, as the paper's published runs). Same initial weights, batches and masks for every config;
+    AdamW at constant ``lr``, bf16 autocast, ``threads`` intra-op threads (see :func:`torch_threads`).
+
+    Columns: config, stages, step, tokens, loss (nats/token).
+    """
+    blocks = torch.from_numpy(np.load(blocks_path).astype(np.int64))
+    if len(blocks) < micro_batch:
+        raise ValueError(f"{blocks_path}: {len(blocks)} blocks, fewer than one microbatch of {micro_batch}")
+    order = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(seed))
+    rows = []
+    with torch_threads(threads):
+        for config in configs:
+            rows.extend(_train_compressed(config, blocks, order, arch=arch, vocab_size=vocab_size, stages=stages,
+                                          steps=steps, micro_batch=micro_batch, lr=lr, mask_rate=mask_rate,
+                                          weight_decay=weight_decay, seed=seed))
+    return _write_csv(pd.DataFrame(rows), out_csv)
+
+
+def _train_compressed(config: str, blocks: torch.Tensor, order: torch.Tensor, *, arch: dict, vocab_size: int,
+                      stages: int, steps: int, micro_batch: int, lr: float, mask_rate: float, weight_decay: float,
+                      seed: int) -> list[dict]:
+    """One config's training run of :func:`compression_loss`: one row per step."""
+    from cramswarm.pretrain import build_model, decay_groups, mask_tokens
+    from cramswarm.swarm.stages import split_model
+
+    model = build_model(arch, vocab_size, seed)
+    torch.manual_seed(seed + 1)   # the same compression-layer init for every config
+    pipeline = _CompressedPipeline(split_model(model, stages), config, model.config.hidden_size)
+    optimizer = torch.optim.AdamW(decay_groups(pipeline, weight_decay), lr=lr)
+    generator = torch.Generator().manual_seed(seed)   # the same masks for every config
+    rows = []
+    for step in range(1, steps + 1):
+        batch = blocks[order[torch.arange((step - 1) * micro_batch, step * micro_batch) % len(blocks)]]
+        inputs, labels = mask_tokens(batch, mask_rate, "fixed", vocab_size, generator)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = pipeline(inputs, labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        rows.append({"config": config, "stages": stages, "step": step, "tokens": step * batch.numel(),
+                     "loss": loss.item()})
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Simulator at scale (E4 shape)
+# ------------------------------------------------------------------------------------------------------------
+
+def sim_scale(out_csv: str | os.PathLike, *, peer_counts: Sequence[int] = (100, 300, 1000), stages: int = 4,
+              duration_s: float = 1800.0, stage_time_s: float = 1.0, speed_range: tuple[float, float] = (0.5, 1.0),
+              preemptions_per_peer_hour: float = 1.0, rejoin_after_s: float = 600.0,
+              rebalance_periods_s: Sequence[float | None] = (None, 60.0), state_download_s: float = 30.0,
+              forward_timeout_s: float = 30.0, trainers_per_peer: float = 2.0, trainer_processes: int = 8,
+              seed: int = 0) -> Path:
+    """Simulated swarms of ``peer_counts`` peers (speeds log-uniform in ``speed_range``, each put on a random
+    stage), each preempted ``preemptions_per_peer_hour`` times per hour on average (Poisson) and rejoining its
+    stage after ``rejoin_after_s``; rebalancing off (None) vs each period in ``rebalance_periods_s`` (Rebalancer
+    with ``min_gain=0``: one peer cannot move a large swarm's bottleneck by the default 5 %). The
+    ``trainers_per_peer x peers`` trainers run in ``trainer_processes`` processes whose trainers share balancers
+    (a balancer needs enough calls to measure every peer of its stage: one balancer per trainer, or per few,
+    routes almost uniformly in a swarm of hundreds of peers).
+
+    Columns: peers, stages, rebalance_period_s (NaN = off), throughput_mb_s, optimum_mb_s (time average of the
+    best assignment of the live peers, :func:`sim.optimum_over_time`), percent_of_optimum, static_percent
+    (the initial assignment's slowest stage as a percentage of the optimum of all peers), preemptions, moves, retries,
+    lost_microbatches, events, sim_wall_s.
+    """
+    rows = []
+    for n in peer_counts:
+        trainers = math.ceil(trainers_per_peer * n)
+        base = sim.heterogeneous_setup(n, stages, speed_range=speed_range, seed=seed, trainers=trainers,
+                                       stage_time_s=stage_time_s,
+                                       forward_timeout_s=forward_timeout_s, duration_s=duration_s,
+                                       state_download_s=state_download_s)
+        base.failures = sim.poisson_failures(n, duration_s, mean_interval_s=3600.0 / (preemptions_per_peer_hour * n),
+                                             rejoin_after_s=rejoin_after_s, seed=seed + 1)
+        optimum = sim.optimum_over_time(base)
+        capacity = [sum(p.speed for p in base.peers if p.stage == s) for s in range(stages)]
+        best = sim.optimal_throughput([p.speed for p in base.peers], stages, stage_time_s)
+        static = 100 * min(capacity) / (stage_time_s * (1 + emulation.BACKWARD_COMPUTE_FACTOR)) / best
+        for period in rebalance_periods_s:
+            setup = SwarmSetup(**{**base.__dict__, "rebalance_period_s": period})
+            start = time.perf_counter()
+            result = sim.run(setup, trainers_per_process=math.ceil(trainers / trainer_processes),
+                             rebalancer_options={"min_gain": 0.0})
+            rows.append({"peers": n, "stages": stages,
+                         "rebalance_period_s": math.nan if period is None else float(period),
+                         "throughput_mb_s": result["throughput_mb_s"], "optimum_mb_s": optimum,
+                         "percent_of_optimum": 100 * result["throughput_mb_s"] / optimum,
+                         "static_percent": static, "preemptions": result["peers_killed"],
+                         "moves": len(result["moves"]), "retries": result["retries"],
+                         "lost_microbatches": result["lost_microbatches"], "events": result["events"],
+                         "sim_wall_s": time.perf_counter() - start})
+    return _write_csv(pd.DataFrame(rows), out_csv)

@@ -1,0 +1,164 @@
+"""``swarm_pretrain``: masked-LM pretraining of crammed BERT with SWARM parallelism (the swarm_pretrain rule).
+
+The data are exactly single-process pretraining's (``cramswarm.pretrain.pretrain``): the same held-out split,
+the same cursor order over the packed blocks and the same ``mask_tokens`` calls on a generator seeded with the
+recipe seed, so both see identical microbatches. The budget is counted the same way (tokens, optimizer steps
+or seconds, checked before each step; a step has ``accumulation_at(t)`` microbatches), so a token or step
+budget fixes the number of microbatches in advance. Training runs on a transport chosen by
+``swarm["transport"]``: ``emulation`` (threads in this process, ``cramswarm.swarm.emulation.train``) or
+``hivemind`` (one process per peer, ``cramswarm.swarm.hivemind_transport.train``, imported only when asked for).
+The stages are then assembled into one crammed-BERT checkpoint (``stages.assemble_model``), written with
+``pretrain.save_checkpoint``, with ``train_log.csv`` (pretrain's columns; rows every ``log_every_steps`` steps,
+window means; the held-out loss is evaluated once, at the end) and ``summary.json``, each written atomically.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from cramswarm.io import atomic_path, write_json
+from cramswarm.models.crammed_bert import CrammedBertConfig
+from cramswarm.pretrain import (
+    LOG_COLUMNS,
+    HeldOut,
+    accumulation_at,
+    budget_progress,
+    build_model,
+    load_training_data,
+    mask_tokens,
+    resolve_precision,
+    save_checkpoint,
+)
+from cramswarm.provenance import provenance
+from cramswarm.swarm.stages import assemble_model, check_stage_count, split_model
+
+TRANSPORTS = ("emulation", "hivemind")
+UNBOUNDED = 1 << 62   # microbatch bound for a seconds budget (time decides)
+
+
+def microbatches(blocks: np.ndarray, n_blocks: int, recipe: dict, vocab_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """pretrain's microbatch sequence: consecutive (wrapping) windows of the training blocks, masked in order."""
+    micro = recipe["micro_batch_sequences"]
+    generator = torch.Generator().manual_seed(recipe["seed"])
+    cursor = 0
+    while True:
+        idx = np.arange(cursor, cursor + micro) % n_blocks
+        cursor = (cursor + micro) % n_blocks
+        batch = torch.from_numpy(blocks[np.sort(idx)].astype(np.int64))
+        yield mask_tokens(batch, recipe["mask_rate"], recipe["mask_mode"], vocab_size, generator)
+
+
+def planned_microbatches(recipe: dict, block_tokens: int) -> int:
+    """Microbatches single-process pretraining spends on a token or step budget (UNBOUNDED for seconds)."""
+    budget = recipe["budget"]
+    if budget["unit"] == "seconds":
+        return UNBOUNDED
+    micro = recipe["micro_batch_sequences"]
+    final = recipe["batch_sequences"] // micro
+    total = tokens = steps = 0
+    while (t := budget_progress(budget, tokens, steps, 0.0)) < 1.0:
+        size = accumulation_at(t, final, recipe["batch_ramp_fraction"])
+        total, tokens, steps = total + size, tokens + size * micro * block_tokens, steps + 1
+    return total
+
+
+def validate(arch: dict, swarm: dict) -> None:
+    """Errors in the swarm settings, raised before any data is read or thread started."""
+    if swarm["transport"] not in TRANSPORTS:
+        raise ValueError(f"swarm.transport must be one of {', '.join(TRANSPORTS)}, got {swarm['transport']!r}")
+    check_stage_count(arch["layers"], swarm["stages"])
+    if swarm["peers_per_stage"] < 1:
+        raise ValueError(
+            f"swarm.peers_per_stage={swarm['peers_per_stage']}: every stage needs at least one peer to serve it"
+        )
+    if swarm["trainers"] < 1:
+        raise ValueError(f"swarm.trainers={swarm['trainers']}: need at least one trainer")
+
+
+def _log_rows(log: list[dict], every: int, eval_loss: float | None) -> list[dict]:
+    """pretrain's log cadence: a row every ``every`` steps and at the last, with the window's mean loss."""
+    rows, window = [], []
+    for i, row in enumerate(log):
+        window.append(row["loss"])
+        if row["step"] % every == 0 or i == len(log) - 1:
+            rows.append(row | {"loss": sum(window) / len(window), "eval_loss": ""})
+            window = []
+    if rows and eval_loss is not None:
+        rows[-1]["eval_loss"] = f"{eval_loss:.5f}"
+    return rows
+
+
+def _csv(rows: list[dict]) -> str:
+    fmt = {"progress": "{:.5f}", "loss": "{:.5f}", "lr": "{:.6g}", "lr_multiplier": "{:.5f}", "elapsed_s": "{:.2f}"}
+    lines = [",".join(LOG_COLUMNS)]
+    for row in rows:
+        lines.append(",".join(fmt.get(c, "{}").format(row[c]) for c in LOG_COLUMNS))
+    return "\n".join(lines) + "\n"
+
+
+def swarm_pretrain(recipe: dict, arch: dict, swarm: dict, blocks_path, tokenizer_path, out_dir, *,
+                   progress: bool = True, run: str | None = None, expected_vocab: int | None = None) -> dict:
+    """Pretrain with SWARM until the budget is spent; write the checkpoint, train_log.csv and summary.json."""
+    validate(arch, swarm)
+    tok, blocks, n_blocks = load_training_data(recipe, tokenizer_path, blocks_path, expected_vocab)
+    vocab_size = tok.get_vocab_size()
+    micro = recipe["micro_batch_sequences"]
+    block_tokens = blocks.shape[1]
+    total = planned_microbatches(recipe, block_tokens)
+
+    if swarm["transport"] == "hivemind":
+        from cramswarm.swarm.hivemind_transport import train as transport_train
+    else:
+        from cramswarm.swarm.emulation import train as transport_train
+    result = transport_train(arch=arch, vocab_size=vocab_size, recipe=recipe, swarm=swarm,
+                             batches=microbatches(blocks, n_blocks, recipe, vocab_size),
+                             total_microbatches=total, progress=progress)
+    stats = result.stats
+
+    stages = split_model(build_model(arch, vocab_size, recipe["seed"]), swarm["stages"])
+    for stage, state in zip(stages, result.stage_states):
+        stage.load_state_dict(state)
+    model = assemble_model(stages, CrammedBertConfig.from_arch(arch, vocab_size, hidden_dropout_prob=0.0,
+                                                               attention_probs_dropout_prob=0.0))
+    device = torch.device("cpu")
+    precision = resolve_precision(recipe["precision"], device)
+    eval_loss = None
+    if recipe["eval_blocks"]:
+        heldout = HeldOut(blocks[n_blocks:], recipe["eval_mask_rate"], vocab_size, micro)
+        eval_loss = round(heldout.loss(model, precision, device), 5)
+
+    out_dir = Path(out_dir)
+    save_checkpoint(model, tok, out_dir, arch["max_positions"])
+    rows = _log_rows(result.log, recipe["log_every_steps"], eval_loss)
+    with atomic_path(out_dir / "train_log.csv") as tmp:
+        tmp.write_text(_csv(rows))
+    # every transport logs one row per optimizer step; the budget counts every microbatch handed out
+    tokens, steps = stats["microbatches_requested"] * micro * block_tokens, len(result.log)
+    wall_s = stats["wall_s"]
+    summary = {
+        "run": run,
+        "steps": steps,
+        "tokens": tokens,
+        "epochs_of_data": round(tokens / (n_blocks * block_tokens), 4),
+        "elapsed_s": round(wall_s, 2),
+        "tokens_per_s": round(tokens / wall_s, 1) if wall_s > 0 else None,
+        "final_loss": round(rows[-1]["loss"], 5) if rows else math.nan,
+        "eval_loss": eval_loss,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "budget": recipe["budget"],
+        "precision": precision,
+        "device": str(device),
+        "recipe": recipe,
+        "arch": arch,
+        "swarm": swarm,
+        "swarm_stats": stats,
+        "pretrained": True,
+        "provenance": provenance({"recipe": recipe, "arch": arch, "swarm": swarm}, recipe["seed"], str(device)),
+    }
+    write_json(out_dir / "summary.json", summary)
+    return summary

@@ -1,0 +1,282 @@
+"""SWARM's pure policy objects (routing, retries, rebalancing, in-stage accounting) and inter-stage compression."""
+
+import hashlib
+import random
+
+import pytest
+import torch
+
+from cramswarm.swarm.compression import (
+    SCHEMES,
+    Bottleneck,
+    Maxout,
+    boundary,
+    decode,
+    encode,
+    payload_bytes,
+    roundtrip,
+)
+from cramswarm.swarm.policies import (
+    Move,
+    NoPeersError,
+    PeerLoad,
+    PerformanceEMA,
+    Rebalancer,
+    RetryPolicy,
+    StageBalancer,
+    StageSync,
+    UniformBalancer,
+)
+
+SPEEDS = {"fast": 1.0, "half": 0.5, "quarter": 0.25}
+
+
+def serve(balancer, speeds, calls, now=0.0):
+    """Route ``calls`` unit tasks; each peer takes 1/speed seconds per sample. Returns choices per peer."""
+    counts = dict.fromkeys(speeds, 0)
+    for _ in range(calls):
+        uid = balancer.choose(1.0, now)
+        balancer.report_success(uid, 1.0, 1.0 / speeds[uid])
+        counts[uid] += 1
+    return counts
+
+
+def test_performance_ema_is_bias_corrected():
+    ema = PerformanceEMA(alpha=0.1)
+    assert ema.samples_per_second is None
+    ema.update(2.0, 4)  # 0.5 s per sample, taken at face value despite alpha = 0.1
+    assert ema.samples_per_second == pytest.approx(2.0)
+    for _ in range(200):
+        ema.update(1.0, 4)
+    assert ema.samples_per_second == pytest.approx(4.0, rel=1e-6)
+
+
+def test_iwrr_shares_are_proportional_to_throughput():
+    balancer = StageBalancer(0, rng=random.Random(0))
+    balancer.update_peers(dict.fromkeys(SPEEDS, 100.0), now=0.0)
+    serve(balancer, SPEEDS, 70)  # every peer measured
+    counts = serve(balancer, SPEEDS, 700)
+    assert counts["fast"] / 700 == pytest.approx(4 / 7, abs=0.02)
+    assert counts["half"] / 700 == pytest.approx(2 / 7, abs=0.02)
+    assert counts["quarter"] / 700 == pytest.approx(1 / 7, abs=0.02)
+    assert balancer.throughput("half") == pytest.approx(0.5)
+
+
+def test_iwrr_interleaves_instead_of_bursting():
+    balancer = StageBalancer(0, rng=random.Random(0))
+    balancer.update_peers({"a": 100.0, "b": 100.0}, now=0.0)
+    serve(balancer, {"a": 1.0, "b": 1.0}, 10)
+    order = [balancer.choose(1.0, 0.0) for _ in range(8)]
+    assert all(x != y for x, y in zip(order, order[1:]))  # equal peers alternate
+
+
+def test_new_peer_is_tried_almost_at_once():
+    balancer = StageBalancer(0, rng=random.Random(0))
+    balancer.update_peers({"a": 100.0, "b": 100.0}, now=0.0)
+    serve(balancer, {"a": 1.0, "b": 1.0}, 50)
+    balancer.update_peers({"a": 100.0, "b": 100.0, "new": 100.0}, now=1.0)
+    assert "new" in [balancer.choose(1.0, 1.0) for _ in range(2)]
+
+
+def test_backward_tasks_weigh_more():
+    balancer = StageBalancer(0, rng=random.Random(0))
+    balancer.update_peers({"a": 100.0, "b": 100.0}, now=0.0)
+    first = balancer.choose(1.0, 0.0, backward=True)  # unmeasured: key grows by 2.5
+    assert [balancer.choose(1.0, 0.0) for _ in range(2)] == [next(u for u in "ab" if u != first)] * 2
+
+
+def test_error_bans_until_a_later_expiration():
+    balancer = StageBalancer(0, rng=random.Random(0))
+    balancer.update_peers({"a": 10.0, "b": 10.0}, now=0.0)
+    balancer.report_error("a", now=1.0)
+    assert balancer.peers == ["b"]
+    assert {balancer.choose(1.0, 1.0) for _ in range(10)} == {"b"}
+    balancer.update_peers({"a": 10.0, "b": 10.0}, now=2.0)  # same record: still banned
+    assert balancer.peers == ["b"]
+    balancer.update_peers({"a": 20.0, "b": 20.0}, now=3.0)  # re-declared: admitted again
+    assert balancer.peers == ["a", "b"]
+    assert "a" in [balancer.choose(1.0, 3.0) for _ in range(3)]
+    assert balancer.stats["errors"] == 1
+
+
+def test_timeout_is_not_banned():
+    balancer = StageBalancer(0, rng=random.Random(0))
+    balancer.update_peers({"a": 10.0, "b": 10.0}, now=0.0)
+    balancer.report_timeout("a")
+    assert balancer.peers == ["a", "b"]
+    assert balancer.stats["timeouts"] == 1
+
+
+def test_expired_records_and_empty_stages_raise_no_peers_naming_the_stage():
+    balancer = StageBalancer(3, rng=random.Random(0))
+    with pytest.raises(NoPeersError, match="stage 3"):
+        balancer.choose(1.0, 0.0)
+    balancer.update_peers({"a": 5.0}, now=0.0)
+    assert balancer.choose(1.0, 4.0) == "a"
+    with pytest.raises(NoPeersError, match="stage 3: no live peer"):
+        balancer.choose(1.0, 6.0)  # its record expired at 5
+    balancer.update_peers({}, now=6.0)  # dropped from the directory
+    assert balancer.peers == []
+
+
+def test_uniform_balancer_ignores_throughput():
+    balancer = UniformBalancer(0, rng=random.Random(0))
+    balancer.update_peers(dict.fromkeys(SPEEDS, 100.0), now=0.0)
+    counts = serve(balancer, SPEEDS, 3000)
+    for uid in SPEEDS:
+        assert counts[uid] / 3000 == pytest.approx(1 / 3, abs=0.04)
+    balancer.report_error("fast", now=0.0)
+    assert "fast" not in {balancer.choose(1.0, 0.0) for _ in range(50)}
+
+
+def test_retry_policy_timeouts():
+    retry = RetryPolicy(forward_timeout_s=30.0)
+    assert retry.timeout(backward=False) == 30.0
+    assert retry.timeout(backward=True) == 75.0
+
+
+def loads(*stages, queue=0.0, rate=1.0):
+    """Stage -> peers with the given uids, equal rates and queues."""
+    return {s: [PeerLoad(uid, queue, rate) for uid in uids] for s, uids in enumerate(stages)}
+
+
+def test_rebalancer_moves_from_over_to_under_provisioned_stage():
+    rebalancer = Rebalancer(period_s=60.0)
+    state = loads(["p1", "p2", "p3"], ["q1"], queue=0.0)
+    state[1] = [PeerLoad("q1", 5.0, 1.0)]
+    move = rebalancer.decide(state, now=0.0)
+    mover = min(["p1", "p2", "p3"], key=lambda u: hashlib.sha1(u.encode()).hexdigest())
+    assert move == Move(mover, 0, 1)
+
+
+def test_rebalancer_hysteresis_keeps_a_balanced_swarm():
+    rebalancer = Rebalancer(period_s=60.0)
+    assert rebalancer.decide(loads(["a", "b"], ["c", "d"], queue=2.0), now=0.0) is None
+    # 3 vs 2 equal peers: moving one would not raise the bottleneck throughput, however long the queue
+    state = loads(["a", "b", "c"], ["d", "e"])
+    state[1] = [PeerLoad("d", 10.0, 1.0), PeerLoad("e", 10.0, 1.0)]
+    assert rebalancer.decide(state, now=0.0) is None
+
+
+def test_rebalancer_cooldown_allows_one_move_per_period():
+    rebalancer = Rebalancer(period_s=60.0)
+    state = loads(["a", "b", "c", "d"], ["e"])
+    assert rebalancer.decide(state, now=0.0) is not None
+    assert rebalancer.decide(state, now=30.0) is None
+    assert rebalancer.decide(state, now=60.0) is not None
+
+
+def test_rebalancer_converges_without_oscillation():
+    """Apply every move; the stage with fewer peers always holds the backlog (the worst case for ping-pong)."""
+    rebalancer = Rebalancer(period_s=1.0)
+    members = {0: ["a", "b", "c", "d", "e"], 1: ["f"]}
+    moves = []
+    for now in range(30):
+        small = min(members, key=lambda s: len(members[s]))
+        state = {s: [PeerLoad(u, 8.0 if s == small else 0.0, 1.0) for u in uids] for s, uids in members.items()}
+        move = rebalancer.decide(state, now=float(now))
+        if move is not None:
+            moves.append(move)
+            members[move.from_stage].remove(move.uid)
+            members[move.to_stage].append(move.uid)
+    assert sorted(len(m) for m in members.values()) == [3, 3]
+    assert len(moves) == 2
+    assert all(m.to_stage == 1 for m in moves)
+
+
+def test_rebalancer_never_empties_a_stage_and_fills_an_empty_one():
+    rebalancer = Rebalancer(period_s=1.0)
+    state = {0: [PeerLoad("fast", 0.0, 10.0)], 1: [PeerLoad("slow", 50.0, 0.1)]}
+    assert rebalancer.decide(state, now=0.0) is None  # no stage has a peer to spare
+    move = rebalancer.decide({0: [PeerLoad("a", 0, 1.0), PeerLoad("b", 0, 1.0)], 1: []}, now=0.0)
+    assert move is not None and (move.from_stage, move.to_stage) == (0, 1)
+
+
+def test_stage_sync_counts_to_the_target_and_weights_by_samples():
+    sync = StageSync(16)
+    assert not sync.add("a", 8)
+    assert not sync.add("b", 4)
+    assert sync.add("a", 4)
+    assert sync.weights() == {"a": 0.75, "b": 0.25}
+    assert sync.remove("b") == 4 and sync.total == 12
+    sync.reset()
+    assert sync.weights() == {} and sync.total == 0
+
+
+# -- compression -------------------------------------------------------------------------------------------
+
+def outlier_activations() -> torch.Tensor:
+    """LayerNorm'd activations with 4 outlier channels x20, like real transformer residual streams."""
+    x = torch.nn.functional.layer_norm(torch.randn(8, 128, 512, generator=torch.Generator().manual_seed(0)), (512,))
+    x[..., :4] *= 20
+    return x
+
+
+def rel_error(a, b) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def uniform8_per_tensor(x: torch.Tensor) -> torch.Tensor:
+    """One 8-bit linear code over mean +- 3 std for the whole tensor (the scheme of hivemind's Uniform8Bit)."""
+    lo, hi = x.mean() - 3 * x.std(), x.mean() + 3 * x.std()
+    return torch.round((x.clamp(lo, hi) - lo) / (hi - lo) * 255) / 255 * (hi - lo) + lo
+
+
+def test_blockwise8_keeps_outlier_channels_that_a_per_tensor_code_destroys():
+    x = outlier_activations()
+    blockwise = rel_error(roundtrip(x, "blockwise8"), x)
+    assert blockwise < 0.07  # swarm.md 2.1: 0.054
+    assert rel_error(uniform8_per_tensor(x), x) > 5 * blockwise
+    assert rel_error(roundtrip(x, "fp16"), x) < 1e-3
+    assert torch.equal(roundtrip(x, "none"), x)
+
+
+def test_payload_sizes():
+    x = outlier_activations()
+    full = payload_bytes(encode(x, "none"))
+    assert full == x.numel() * 4
+    assert payload_bytes(encode(x, "fp16")) == full // 2
+    assert payload_bytes(encode(x, "blockwise8")) / full == pytest.approx(0.25, abs=0.002)
+    # a tensor smaller than a block costs its own codes plus one scale, not a padded block
+    small = torch.randn(2048)
+    assert payload_bytes(encode(small, "blockwise8")) == 2048 + 4
+    assert torch.allclose(roundtrip(small, "blockwise8"), small, atol=small.abs().max().item() / 127)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_encode_decode_keeps_shape_dtype_and_odd_sizes(scheme):
+    x = torch.randn(3, 7, 5).to(torch.bfloat16)
+    y = decode(encode(x, scheme, block_size=16))
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert rel_error(y.float(), x.float()) < 0.02
+    zeros = torch.zeros(4, 4)
+    assert torch.equal(roundtrip(zeros, scheme), zeros)
+
+
+def test_unknown_scheme_is_named():
+    with pytest.raises(ValueError, match="allowed: none, fp16, blockwise8"):
+        encode(torch.ones(2), "int4")
+
+
+def test_boundary_quantises_activations_and_gradients():
+    x = torch.randn(4, 64, requires_grad=True)
+    grad = torch.randn(4, 64)
+    y = boundary(x, "blockwise8")
+    assert torch.allclose(y, roundtrip(x.detach(), "blockwise8"))
+    y.backward(grad)
+    assert torch.allclose(x.grad, roundtrip(grad, "blockwise8"))
+    assert not torch.equal(x.grad, grad)
+    z = torch.randn(3, requires_grad=True)
+    assert boundary(z, "none") is z
+
+
+@pytest.mark.parametrize("layer", [Bottleneck(64, 4, "blockwise8"), Maxout(64, 4, "blockwise8"), Maxout(64, 2)])
+def test_bottleneck_and_maxout_shapes_and_gradients(layer):
+    x = torch.randn(2, 10, 64, requires_grad=True)
+    y = layer(x)
+    assert y.shape == x.shape
+    y.square().mean().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+    assert all(p.grad is not None for p in layer.parameters())
+    with pytest.raises(ValueError, match="divisor"):
+        type(layer)(64, 3)

@@ -1,0 +1,127 @@
+"""The discrete-event SWARM simulator (cramswarm.swarm.sim): routing shares, failures, rebalancing, scale, and
+agreement with the thread emulation on the same setup."""
+
+import pytest
+
+from cramswarm.swarm import emulation, sim
+from cramswarm.swarm.emulation import FailureEvent, PeerSpec, SwarmSetup
+
+SPEEDS = (1.0, 0.5, 0.25)
+
+
+def one_stage(routing: str, trainers: int = 8, **kw) -> SwarmSetup:
+    return SwarmSetup(peers=[PeerSpec(0, v) for v in SPEEDS], trainers=trainers, stage_time_s=0.1,
+                      routing=routing, forward_timeout_s=5.0, **{"duration_s": 120.0, **kw})
+
+
+def window_rate(result: dict, start: float, end: float) -> float:
+    done = [n for t, n in result["timeline"] if t <= end]
+    before = [n for t, n in result["timeline"] if t <= start]
+    return (max(done, default=0) - max(before, default=0)) / (end - start)
+
+
+def test_weighted_routing_gives_work_in_proportion_to_speed():
+    result = sim.run(one_stage("weighted"))
+    work = result["work_units"]
+    total = sum(work.values())
+    for uid, speed in zip(sorted(work), SPEEDS):
+        assert work[uid] / total == pytest.approx(speed / sum(SPEEDS), abs=0.03)
+    assert result["lost_microbatches"] == 0
+
+
+def test_weighted_beats_uniform_on_heterogeneous_peers():
+    weighted = sim.run(one_stage("weighted"))["throughput_mb_s"]
+    uniform = sim.run(one_stage("uniform"))["throughput_mb_s"]
+    optimum = sim.optimal_throughput(SPEEDS, 1, 0.1)
+    assert weighted > 1.5 * uniform          # the benchmark's target is 1.8x; this is a generous floor
+    assert 0.8 * optimum < weighted <= optimum + 1e-9
+
+
+def test_fixed_chains_stall_while_a_member_is_down_swarm_does_not():
+    # Two stages x two peers; at 20 s one peer of each fixed chain dies for 30 s, leaving one live peer per stage.
+    peers = [PeerSpec(0), PeerSpec(0), PeerSpec(1), PeerSpec(1)]
+    failures = [FailureEvent(20.0, 0, rejoin_after_s=30.0), FailureEvent(20.0, 3, rejoin_after_s=30.0)]
+    rates = {}
+    for routing in ("weighted", "fixed"):
+        setup = SwarmSetup(peers=peers, trainers=4, stage_time_s=0.5, routing=routing, failures=failures,
+                           forward_timeout_s=2.0, duration_s=90.0)
+        result = sim.run(setup)
+        rates[routing] = (window_rate(result, 30.0, 50.0), window_rate(result, 60.0, 90.0))
+        assert result["lost_microbatches"] == 0
+        assert result["peers_killed"] == 2 and result["rejoins"] == 2
+    assert rates["fixed"][0] == 0.0                     # both chains broken: nothing completes
+    assert rates["weighted"][0] > 0.3                   # the swarm reroutes to the live replicas
+    assert rates["fixed"][1] > 0.5 and rates["weighted"][1] > 0.5   # both recover after the rejoin
+
+
+def test_failures_cost_retries_but_no_microbatch():
+    peers = [PeerSpec(s) for s in range(3) for _ in range(3)]
+    failures = [FailureEvent(float(t), (t // 10) % 9, rejoin_after_s=15.0) for t in range(10, 200, 20)]
+    setup = SwarmSetup(peers=peers, trainers=12, stage_time_s=1.0, failures=failures, forward_timeout_s=10.0,
+                       duration_s=200.0)
+    result = sim.run(setup)
+    assert result["lost_microbatches"] == 0
+    assert result["retries"] > 0 and result["peers_killed"] == len(failures)
+    assert result["microbatches_done"] > 0.5 * sim.optimal_throughput([1.0] * 9, 3, 1.0) * 200
+
+
+def test_a_stage_without_peers_loses_microbatches_after_the_bounded_wait():
+    setup = SwarmSetup(peers=[PeerSpec(0), PeerSpec(1)], trainers=2, stage_time_s=0.1,
+                       failures=[FailureEvent(5.0, 1)], forward_timeout_s=1.0, duration_s=300.0)
+    result = sim.run(setup)
+    assert result["lost_microbatches"] >= 2   # give_up_after_s = 120 s: each trainer drops one, then another
+
+
+def test_rebalancing_moves_a_peer_to_the_starved_stage():
+    peers = [PeerSpec(s) for s in range(3) for _ in range(3)]
+    failures = [FailureEvent(30.0, 3), FailureEvent(30.0, 4)]
+    results = {}
+    for period in (None, 10.0):
+        setup = SwarmSetup(peers=peers, trainers=12, stage_time_s=1.0, failures=failures, rebalance_period_s=period,
+                           forward_timeout_s=30.0, duration_s=240.0, state_download_s=5.0)
+        results[period] = sim.run(setup)
+    moved = results[10.0]
+    assert not results[None]["moves"]
+    assert len(moved["moves"]) >= 1 and moved["moves"][0]["to_stage"] == 1
+    assert [len(v) for v in moved["per_stage_peers"].values()] in ([2, 2, 3], [3, 2, 2])
+    assert window_rate(moved, 120.0, 240.0) > 1.3 * window_rate(results[None], 120.0, 240.0)
+
+
+def test_same_seed_same_result():
+    setup = one_stage("uniform", failures=[FailureEvent(10.0, 0, rejoin_after_s=5.0)])
+    first, second = sim.run(setup), sim.run(setup)
+    assert first["timeline"] == second["timeline"] and first["retries"] == second["retries"]
+
+
+def test_thousand_peer_swarm_with_preemptions_runs():
+    setup = sim.heterogeneous_setup(1000, 4, stage_time_s=1.0, forward_timeout_s=30.0, duration_s=120.0,
+                                    rebalance_period_s=30.0, state_download_s=10.0)
+    setup.failures = sim.poisson_failures(1000, 120.0, mean_interval_s=1.0, rejoin_after_s=60.0, seed=1)
+    result = sim.run(setup, trainers_per_process=250, rebalancer_options={"min_gain": 0.0})
+    assert result["peers_killed"] == len(setup.failures) > 50
+    assert result["lost_microbatches"] == 0
+    assert result["microbatches_done"] > 0.3 * sim.optimum_over_time(setup) * 120.0
+    assert result["events"] > 10_000
+
+
+def test_optimum_helpers():
+    assert sim.optimal_throughput([1.0] * 6, 3, 1.0) == pytest.approx(2 / 3.0)   # 2 peers per stage, 3 s each
+    assert sim.optimal_throughput([1.0], 2, 1.0) == 0.0
+    setup = SwarmSetup(peers=[PeerSpec(0), PeerSpec(1)], trainers=1, stage_time_s=1.0, duration_s=100.0,
+                       failures=[FailureEvent(50.0, 0, rejoin_after_s=25.0)])
+    # 1/3 microbatch/s while both are up, 0 for the 25 s one peer cannot fill two stages
+    assert sim.optimum_over_time(setup) == pytest.approx((75 / 100) / 3.0)
+    events = sim.poisson_failures(5, 1000.0, mean_interval_s=5.0, rejoin_after_s=50.0, seed=2)
+    down_until = {}
+    for event in events:   # never a peer that is already down
+        assert down_until.get(event.peer, -1.0) <= event.at_s
+        down_until[event.peer] = event.at_s + 50.0
+
+
+def test_sim_agrees_with_emulation():
+    # Heterogeneous peers, two stages, weighted routing; ~50-200 ms wall-clock sleeps keep thread jitter small.
+    peers = [PeerSpec(s, v) for s in range(2) for v in SPEEDS]
+    setup = SwarmSetup(peers=peers, trainers=8, stage_time_s=0.5, forward_timeout_s=10.0, duration_s=60.0)
+    simulated = sim.run(setup)["throughput_mb_s"]
+    emulated = emulation.run(setup, time_scale=0.1)["throughput_mb_s"]
+    assert emulated == pytest.approx(simulated, rel=0.15)
