@@ -1,4 +1,4 @@
-# cramswarm: reproduce Cramming (arXiv 2212.14034) end to end; SWARM (arXiv 2301.11913) plugs in later.
+# cramswarm: reproduce Cramming (arXiv 2212.14034) and SWARM parallelism (arXiv 2301.11913) end to end.
 # corpus -> filters -> tokenizers (one per vocab size) -> packed and ordered blocks -> MLM pretraining -> GLUE fine-tuning
 # per (model, task, seed) -> tables and figures. README.md lists the rules and the results/ layout.
 from snakemake.utils import min_version
@@ -13,6 +13,7 @@ include: "rules/common.smk"  # validates the config before any job runs
 include: "rules/data.smk"
 include: "rules/tokenizers.smk"
 include: "rules/pretrain.smk"
+include: "rules/swarm.smk"
 include: "rules/glue.smk"
 include: "rules/report.smk"
 include: "rules/ablations.smk"  # named targets only
@@ -24,6 +25,7 @@ rule all:
         GLUE_TABLES,
         GLUE_PAPER_TABLES,
         FIGURES,
+        rules.study_record.output,  # config, software versions, benchmark summary: the head of the report
 
 
 rule tokenizers:  # every tokenizer of the vocab sweep (the study's data recipe)
@@ -66,3 +68,13 @@ rule ablation_groups:  # Table 5: reset architecture / training to original BERT
 rule ablation_data:  # Table 2: sources x {none, filtered, filtered + sorted} plus dedup on/off
     input:
         rules.ablation_data_report.output,
+
+
+rule swarm_study:  # SWARM: square-cube law, wiring, failures, rebalancing, compression vs loss, simulator at scale
+    input:
+        rules.swarm_report.output,
+
+
+rule readme:  # the README's results figures (small copies, committed under results/readme/)
+    input:
+        rules.readme_figures.output,

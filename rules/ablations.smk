@@ -9,9 +9,10 @@ rule ablation_arch_report:  # Figure 1 + per-variant table (loss, tokens/s, fine
         summaries=ablation_checkpoints("arch"),
         results=ablation_finetunes("arch"),
     output:
-        table=f"{ABLATIONS}/arch.csv",
+        *figure_companions(f"{ABLATIONS}/figure1_loss_vs_tokens.png"),
+        table=table(f"{ABLATIONS}/arch.csv", "Cramming ablations", "Architecture (Figure 1)"),
         markdown=f"{ABLATIONS}/arch.md",
-        figure=f"{ABLATIONS}/figure1_loss_vs_tokens.png",
+        figure=figure(f"{ABLATIONS}/figure1_loss_vs_tokens.png", "Cramming ablations", "Architecture (Figure 1)"),
     params:
         runs=run_dirs_json("arch"),
         stem=subpath(output.table, strip_suffix=".csv"),
@@ -19,6 +20,8 @@ rule ablation_arch_report:  # Figure 1 + per-variant table (loss, tokens/s, fine
         "../envs/cramswarm.yaml"
     log:
         f"logs/report/{SOURCE}/ablation_arch.log",
+    benchmark:
+        bench(f"logs/report/{SOURCE}/ablation_arch.log", "ablation_arch_report")
     shell:
         "python -m cramswarm ablation-report --kind arch --runs {params.runs:q} --results {input.results} "
         "--out-stem {params.stem} --png {output.figure} > {log} 2>&1"
@@ -28,10 +31,11 @@ rule ablation_schedule_report:  # Figure 2: LR multiplier over the budget, held-
     input:
         ablation_checkpoints("schedule"),
     output:
-        table=f"{ABLATIONS}/schedule.csv",
+        *figure_companions(f"{ABLATIONS}/figure2_schedules.png"),
+        table=table(f"{ABLATIONS}/schedule.csv", "Cramming ablations", "Schedule (Figure 2)"),
         markdown=f"{ABLATIONS}/schedule.md",
-        pivot=f"{ABLATIONS}/schedule_pivot.csv",
-        figure=f"{ABLATIONS}/figure2_schedules.png",
+        pivot=table(f"{ABLATIONS}/schedule_pivot.csv", "Cramming ablations", "Schedule (Figure 2)"),
+        figure=figure(f"{ABLATIONS}/figure2_schedules.png", "Cramming ablations", "Schedule (Figure 2)"),
     params:
         runs=run_dirs_json("schedule"),
         stem=subpath(output.table, strip_suffix=".csv"),
@@ -39,6 +43,8 @@ rule ablation_schedule_report:  # Figure 2: LR multiplier over the budget, held-
         "../envs/cramswarm.yaml"
     log:
         f"logs/report/{SOURCE}/ablation_schedule.log",
+    benchmark:
+        bench(f"logs/report/{SOURCE}/ablation_schedule.log", "ablation_schedule_report")
     shell:
         "python -m cramswarm ablation-report --kind schedule --runs {params.runs:q} "
         "--out-stem {params.stem} --png {output.figure} > {log} 2>&1"
@@ -49,7 +55,7 @@ rule ablation_groups_report:  # Table 5: architecture / training recipe reset to
         summaries=ablation_checkpoints("groups"),
         results=ablation_finetunes("groups"),
     output:
-        table=f"{ABLATIONS}/groups.csv",
+        table=table(f"{ABLATIONS}/groups.csv", "Cramming ablations", "Recipe groups (Table 5)"),
         markdown=f"{ABLATIONS}/groups.md",
     params:
         runs=run_dirs_json("groups"),
@@ -58,6 +64,8 @@ rule ablation_groups_report:  # Table 5: architecture / training recipe reset to
         "../envs/cramswarm.yaml"
     log:
         f"logs/report/{SOURCE}/ablation_groups.log",
+    benchmark:
+        bench(f"logs/report/{SOURCE}/ablation_groups.log", "ablation_groups_report")
     shell:
         "python -m cramswarm ablation-report --kind groups --runs {params.runs:q} --results {input.results} "
         "--out-stem {params.stem} > {log} 2>&1"
@@ -94,9 +102,9 @@ rule ablation_data_report:  # Table 2: sources x {none, filtered, filtered + sor
         results=ablation_finetunes("data"),
         reports=[path for run in runs_of("data") for path in data_reports(RUNS[run]["data"]).values()],
     output:
-        table=f"{ABLATIONS}/data.csv",
+        table=table(f"{ABLATIONS}/data.csv", "Cramming ablations", "Data (Table 2)"),
         markdown=f"{ABLATIONS}/data.md",
-        table2=f"{ABLATIONS}/data_table2.csv",
+        table2=table(f"{ABLATIONS}/data_table2.csv", "Cramming ablations", "Data (Table 2)"),
         table2_markdown=f"{ABLATIONS}/data_table2.md",
     params:
         runs=data_runs_json(),
@@ -105,6 +113,8 @@ rule ablation_data_report:  # Table 2: sources x {none, filtered, filtered + sor
         "../envs/cramswarm.yaml"
     log:
         f"logs/report/{SOURCE}/ablation_data.log",
+    benchmark:
+        bench(f"logs/report/{SOURCE}/ablation_data.log", "ablation_data_report")
     shell:
         "python -m cramswarm data-ablation-report --runs {params.runs:q} --results {input.results} "
         "--out-stem {params.stem} > {log} 2>&1"

@@ -9,7 +9,9 @@ from pathlib import Path
 # Import the package from this checkout (not from whichever checkout pip's editable install points at).
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 
-from cramswarm.config import ConfigError, corpus_spec, data_recipe, data_wildcards, resolve_runs, validate_config
+from cramswarm.config import (
+    ConfigError, corpus_spec, data_recipe, data_wildcards, resolve_runs, swarm_study_model, validate_config,
+)
 from cramswarm.glue.tasks import TASK_NAMES
 
 
@@ -61,6 +63,7 @@ GLUE_TABLES = [f"results/tables/{SOURCE}/glue.{ext}" for ext in ("csv", "md")]
 GLUE_PAPER_TABLES = [f"results/tables/{SOURCE}/glue_paper.{ext}" for ext in ("csv", "md", "tex")]
 VOCAB_SWEEP_TABLES = [f"results/tables/{SOURCE}/vocab_sweep.{ext}" for ext in ("csv", "md")]
 FIGURES = [f"results/figures/{SOURCE}/{name}.png" for name in ("mlm_loss_vs_tokens", "glue_by_task", "glue_vs_vocab")]
+RECORD = f"results/report/{SOURCE}"  # config used, software versions, benchmark summary (rule study_record)
 
 
 wildcard_constraints:
@@ -76,7 +79,9 @@ wildcard_constraints:
 
 
 def checkpoint_dir(model, vocab):
-    kind = "pretrain" if RUNS[model]["pretrain"] else "init"
+    """results/pretrain/... (rule pretrain), results/swarm/... (rule swarm_pretrain) or results/init/... (init_model)."""
+    spec = RUNS[model]
+    kind = ("swarm" if spec["trainer"] == "swarm" else "pretrain") if spec["pretrain"] else "init"
     return f"results/{kind}/{SOURCE}/{model}/v{vocab}"
 
 
@@ -122,6 +127,10 @@ def corpus_spec_json(wildcards):
 
 def arch_json(wildcards):
     return json.dumps(RUNS[wildcards.model]["arch"], sort_keys=True)
+
+
+def swarm_json(wildcards):
+    return json.dumps(config["swarm"], sort_keys=True)
 
 
 def recipe_json(wildcards):
@@ -187,3 +196,30 @@ def pretrain_gpus(wildcards):
 
 def finetune_gpus(wildcards):
     return gpus(RUNS[wildcards.model]["glue"]["device"])
+
+
+# --- report helpers: every figure command writes <stem>.png, <stem>.pdf and <stem>.caption.rst ---------------
+BENCHMARKS = "results/benchmarks"  # one Snakemake benchmark TSV per job, mirroring its log path under logs/
+
+
+def bench(log, rule):
+    """The benchmark file of a job of `rule` whose log is `log`: logs/<folder>/<rest>.log ->
+    results/benchmarks/<rule>/<rest>.tsv (the study record sums them per rule, by that folder)."""
+    rest = log.removeprefix("logs/").split("/", 1)[1].removesuffix(".log")
+    return f"{BENCHMARKS}/{rule}/{rest}.tsv"
+
+
+def figure(png, category, subcategory=None):
+    """A figure's PNG, shown in `snakemake --report` with the caption its command writes beside it."""
+    caption = f"../{png.removesuffix('.png')}.caption.rst"  # relative to rules/, read when the report is built
+    return report(png, caption=caption, category=category, subcategory=subcategory)
+
+
+def figure_companions(*pngs):
+    """The PDF and caption file written beside each figure (declared so Snakemake tracks and cleans them)."""
+    return [f"{png.removesuffix('.png')}{ext}" for png in pngs for ext in (".pdf", ".caption.rst")]
+
+
+def table(csv, category, subcategory=None):
+    """A table's CSV, shown in `snakemake --report` as a sortable table."""
+    return report(csv, category=category, subcategory=subcategory)

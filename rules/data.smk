@@ -14,6 +14,8 @@ rule corpus:  # the study's corpus ({corpus} = synthetic | hub) or a data.corpor
         "../envs/cramswarm.yaml"
     log:
         "logs/corpus/{corpus}.log",
+    benchmark:
+        bench("logs/corpus/{corpus}.log", "corpus")
     shell:
         "python -m cramswarm corpus --source-spec {params.spec:q} --out {output.corpus} "
         "--report {output.report} > {log} 2>&1"
@@ -59,6 +61,8 @@ rule filter_corpus:  # one filter step: trash<cutoff> or dedup<threshold>, appli
         "../envs/cramswarm.yaml"
     log:
         "logs/filter/{corpus}/{filters}.log",
+    benchmark:
+        bench("logs/filter/{corpus}/{filters}.log", "filter_corpus")
     shell:
         "python -m cramswarm filter {params.args} --corpus {input.corpus} {params.tokenizer} --out {output.corpus} "
         "--report {output.report} --memory-cap-mb {config[data][memory_cap_mb]} > {log} 2>&1"
@@ -74,6 +78,8 @@ rule glue_data:
         "../envs/cramswarm.yaml"
     log:
         "logs/glue_data/{source}/{task}.log",
+    benchmark:
+        bench("logs/glue_data/{source}/{task}.log", "glue_data")
     shell:
         "python -m cramswarm glue-data --source-spec {params.spec:q} --task {wildcards.task} "
         "--out {output.data} --report {output.report} > {log} 2>&1"

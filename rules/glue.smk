@@ -19,6 +19,8 @@ rule finetune:
         "../envs/cramswarm.yaml"
     log:
         "logs/finetune/{source}/{model}/v{vocab}/{task}/s{seed}.log",
+    benchmark:
+        bench("logs/finetune/{source}/{model}/v{vocab}/{task}/s{seed}.log", "finetune")
     shell:
         "python -m cramswarm finetune --checkpoint {params.checkpoint_dir} --task {wildcards.task} "
         "--data {input.data} --seed {wildcards.seed} --protocol {params.protocol:q} "

@@ -16,6 +16,8 @@ rule pack_corpus:
         "../envs/cramswarm.yaml"
     log:
         "logs/pack/{corpus}/{filters}/{family}-v{vocab}.log",
+    benchmark:
+        bench("logs/pack/{corpus}/{filters}/{family}-v{vocab}.log", "pack_corpus")
     shell:
         "python -m cramswarm pack --corpus {input.corpus} --tokenizer {input.tokenizer} "
         "--block-tokens {params.block_tokens} --shuffle-seed {params.shuffle_seed} --out {output.blocks} "
@@ -37,6 +39,8 @@ rule order_blocks:  # the curriculum; the last pretrain.eval_blocks rows are the
         "../envs/cramswarm.yaml"
     log:
         "logs/order/{corpus}/{filters}/{family}-v{vocab}/{order}.log",
+    benchmark:
+        bench("logs/order/{corpus}/{filters}/{family}-v{vocab}/{order}.log", "order_blocks")
     shell:
         "python -m cramswarm order --packed {input.packed} --tokenizer {input.tokenizer} --order {params.order} "
         "--seed {params.seed} --holdout-blocks {params.holdout} --out {output.blocks} --report {output.report} "
@@ -63,6 +67,8 @@ rule pretrain:
         "../envs/cramswarm.yaml"
     log:
         "logs/pretrain/{source}/{model}/v{vocab}.log",
+    benchmark:
+        bench("logs/pretrain/{source}/{model}/v{vocab}.log", "pretrain")
     shell:
         "python -m cramswarm pretrain --recipe {params.recipe:q} --arch {params.arch:q} "
         "--blocks {input.blocks} --tokenizer {input.tokenizer} --vocab-size {wildcards.vocab} "
@@ -83,6 +89,8 @@ rule init_model:  # the no-pretraining baseline: same architecture, random weigh
         "../envs/cramswarm.yaml"
     log:
         "logs/init_model/{source}/{model}/v{vocab}.log",
+    benchmark:
+        bench("logs/init_model/{source}/{model}/v{vocab}.log", "init_model")
     shell:
         "python -m cramswarm init-model --arch {params.arch:q} --tokenizer {input.tokenizer} "
         "--seed {params.seed} --out-dir {params.out_dir} > {log} 2>&1"

@@ -1,13 +1,17 @@
-# Stage 5: the paper's tables and figures from the fine-tuning results and pretraining logs.
+# Stage 5: the paper's tables and figures from the fine-tuning results and pretraining logs, and the study
+# record (config, software versions, per-rule benchmark summary) that heads `snakemake --report`.
 
 
 rule tables:
     input:
         finetune_results,
     output:
-        GLUE_TABLES,
-        VOCAB_SWEEP_TABLES,
-        GLUE_PAPER_TABLES,  # written by `tables` from the --out-stem: <glue stem>_paper.{csv,md,tex}
+        table(GLUE_TABLES[0], "Cramming", "GLUE (Tables 3/4)"),
+        GLUE_TABLES[1],
+        table(VOCAB_SWEEP_TABLES[0], "Cramming", "Vocabulary size (Figure 3)"),
+        VOCAB_SWEEP_TABLES[1],
+        table(GLUE_PAPER_TABLES[0], "Cramming", "GLUE (Tables 3/4)"),  # `tables` writes <glue stem>_paper.{csv,md,tex}
+        *GLUE_PAPER_TABLES[1:],
     params:
         baselines=BASELINES,
         not_swept=NOT_SWEPT,
@@ -17,6 +21,8 @@ rule tables:
         "../envs/cramswarm.yaml"
     log:
         f"logs/report/{SOURCE}/tables.log",
+    benchmark:
+        bench(f"logs/report/{SOURCE}/tables.log", "tables")
     shell:
         "python -m cramswarm tables --results {input} --baseline {params.baselines} --not-swept {params.not_swept} "
         "--out-stem {params.glue_stem} --sweep-stem {params.sweep_stem} > {log} 2>&1"
@@ -27,9 +33,10 @@ rule figures:
         results=finetune_results,
         logs=pretrain_logs,
     output:
-        loss=FIGURES[0],
-        tasks=FIGURES[1],
-        vocab=FIGURES[2],
+        *figure_companions(*FIGURES),
+        loss=figure(FIGURES[0], "Cramming", "Pretraining"),
+        tasks=figure(FIGURES[1], "Cramming", "GLUE (Tables 3/4)"),
+        vocab=figure(FIGURES[2], "Cramming", "Vocabulary size (Figure 3)"),
     params:
         baselines=BASELINES,
         not_swept=NOT_SWEPT,
@@ -37,7 +44,47 @@ rule figures:
         "../envs/cramswarm.yaml"
     log:
         f"logs/report/{SOURCE}/figures.log",
+    benchmark:
+        bench(f"logs/report/{SOURCE}/figures.log", "figures")
     shell:
         "python -m cramswarm figures --results {input.results} --logs {input.logs} "
         "--baseline {params.baselines} --not-swept {params.not_swept} --loss-png {output.loss} --tasks-png {output.tasks} "
-        "--vocab-png {output.vocab} > {log} 2>&1"
+        "--vocab-png {output.vocab} --source {SOURCE} > {log} 2>&1"
+
+
+rule study_record:  # runs last: it summarises the benchmark files of every job before it
+    input:
+        GLUE_TABLES,
+        GLUE_PAPER_TABLES,
+        FIGURES,
+    output:
+        config=report(f"{RECORD}/config.yaml", category="Study record"),
+        software=table(f"{RECORD}/software.csv", "Study record"),
+        software_md=f"{RECORD}/software.md",
+        benchmarks=table(f"{RECORD}/benchmarks.csv", "Study record"),
+        benchmarks_md=f"{RECORD}/benchmarks.md",
+        rule_times=figure(f"{RECORD}/rule_times.png", "Study record"),
+        companions=figure_companions(f"{RECORD}/rule_times.png"),
+    params:
+        config=json.dumps(config),
+        out_dir=RECORD,
+    conda:
+        "../envs/cramswarm.yaml"
+    log:
+        f"logs/report/{SOURCE}/study_record.log",
+    shell:
+        "python -m cramswarm study-record --config {params.config:q} --benchmarks {BENCHMARKS} "
+        "--out-dir {params.out_dir} > {log} 2>&1"
+
+
+rule readme_figures:  # named target `readme`: the README's figures, small, under results/readme/ (committed)
+    input:
+        FIGURES[:2],
+    output:
+        [f"results/readme/{Path(png).name}" for png in FIGURES[:2]],
+    conda:
+        "../envs/cramswarm.yaml"
+    log:
+        f"logs/report/{SOURCE}/readme_figures.log",
+    shell:
+        "python -m cramswarm readme-figures --figures {input} --out-dir results/readme > {log} 2>&1"

@@ -17,6 +17,8 @@ rule train_tokenizer:
         "../envs/cramswarm.yaml"
     log:
         "logs/tokenizer/{corpus}/{filters}/{family}-v{vocab}.log",
+    benchmark:
+        bench("logs/tokenizer/{corpus}/{filters}/{family}-v{vocab}.log", "train_tokenizer")
     shell:
         "python -m cramswarm tokenizer --corpus {input.corpus} --vocab-size {params.vocab} --family {params.family} "
         "--min-frequency {params.min_frequency} {params.case} --out {output.tokenizer} --report {output.report} "

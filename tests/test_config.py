@@ -80,6 +80,13 @@ def mutate(cfg, path, value):
         (("ablations", "arch", "variants"), [{"name": "x", "arch": {"layers": 1}}, {"name": "x", "arch": {}}],
          ["ablations.arch.variants[1].name", "used twice"]),
         (("ablations", "schedule", "schedules"), ["warmup-stable-decay"], ["ablations.schedule.schedules[0]"]),
+        (("swarm", "stages"), 3, ["config key 'swarm.stages': 3 stages do not divide the 2 layers of models.swarm.arch"]),
+        (("swarm", "compression"), "int4", ["swarm.compression", "none, fp16, blockwise8"]),
+        (("swarm", "peers_per_stage"), 0, ["swarm.peers_per_stage", "minimum"]),
+        (("swarm", "transport"), "grpc", ["swarm.transport", "emulation, hivemind"]),
+        (("models", "no_pretrain", "trainer"), "swarm", ["models.no_pretrain.trainer", "needs pretrain: true"]),
+        (("swarm_study", "compression", "stages"), 4, ["swarm_study.compression.stages", "do not divide"]),
+        (("swarm_study", "wiring", "speeds"), [1.5], ["swarm_study.wiring.speeds[0]", "maximum"]),
     ],
 )
 def test_invalid_values_name_the_key(repo, default, path, value, expected):

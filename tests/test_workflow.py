@@ -18,18 +18,43 @@ def workdir(tmp_path_factory):
 def test_tiny_study_writes_tables_and_figures(workdir):
     table = pd.read_csv(workdir / "results" / "tables" / "synthetic" / "glue.csv")
     assert set(zip(table["model"], table["vocab"])) == {
-        ("crammed", 128), ("crammed", 160), ("bert_original", 128), ("izsak", 128), ("no_pretrain", 128)
+        ("crammed", 128), ("crammed", 160), ("bert_original", 128), ("izsak", 128), ("swarm", 128), ("no_pretrain", 128)
     }
     assert (table["n_seeds"] == 2).all()
     assert table[["mnli_m", "mnli_mm", "sst2", "stsb_pearson"]].notna().all().all()
     sweep = pd.read_csv(workdir / "results" / "tables" / "synthetic" / "vocab_sweep.csv")
     assert sorted(sweep["vocab"]) == [128, 160] and set(sweep["model"]) == {"crammed"}
     for png in ("mlm_loss_vs_tokens", "glue_by_task", "glue_vs_vocab"):
-        assert (workdir / "results" / "figures" / "synthetic" / f"{png}.png").read_bytes()[:4] == b"\x89PNG"
+        figure = workdir / "results" / "figures" / "synthetic" / f"{png}.png"
+        assert figure.read_bytes()[:4] == b"\x89PNG" and figure.with_suffix(".pdf").read_bytes()[:4] == b"%PDF"
+        assert figure.with_suffix(".caption.rst").read_text().strip()
     assert (workdir / "logs" / "pretrain" / "synthetic" / "crammed" / "v128.log").is_file()
+    # one benchmark file per job, mirroring its log; the study record sums them per rule
+    assert (workdir / "results" / "benchmarks" / "pretrain" / "synthetic" / "crammed" / "v128.tsv").is_file()
+    rules = pd.read_csv(workdir / "results" / "report" / "synthetic" / "benchmarks.csv").set_index("rule")
+    assert rules.loc["finetune", "jobs"] == 6 * 3 * 2 and rules.loc["pretrain", "jobs"] == 4
+    assert rules.loc["swarm_pretrain", "jobs"] == 1
+    # the swarm-trained model: a crammed-layout checkpoint from 2 stages x 2 replicas, no microbatch lost
+    swarm = json.loads((workdir / "results" / "swarm" / "synthetic" / "swarm" / "v128" / "summary.json").read_text())
+    stats = swarm["swarm_stats"]
+    assert stats["microbatches_done"] == stats["microbatches_requested"] > 0 and stats["lost_microbatches"] == 0
+    assert swarm["tokens"] == 16384 and swarm["swarm"]["stages"] == 2
+    software = pd.read_csv(workdir / "results" / "report" / "synthetic" / "software.csv").set_index("component")
+    assert software.loc["torch", "version"].startswith("2.13.0")
+    assert "main_vocab_size: 128" in (workdir / "results" / "report" / "synthetic" / "config.yaml").read_text()
     leftovers = [p for p in (workdir / "results").rglob(".*") if p.is_file()]
     assert leftovers == []  # no temporary files left behind by atomic writes
     assert [p for p in (workdir / "results" / ".state").rglob("*") if p.is_file()] == []  # resume state removed
+
+
+@pytest.mark.slow
+def test_report_builds_with_every_table_figure_and_the_study_record(workdir):
+    snakemake(workdir, "--report", "results/report.html", *TINY)
+    html = (workdir / "results" / "report.html").read_text()
+    for name in ("glue.csv", "glue_paper.csv", "vocab_sweep.csv", "mlm_loss_vs_tokens.png", "glue_by_task.png",
+                 "glue_vs_vocab.png", "config.yaml", "software.csv", "benchmarks.csv", "rule_times.png"):
+        assert name in html, name
+    assert "Study record" in html and "Cramming" in html  # report categories
 
 
 @pytest.mark.slow
@@ -50,6 +75,7 @@ def test_changing_one_vocab_size_reruns_only_its_dependents(workdir):
         "finetune": 3 * 2,  # 3 tasks x 2 seeds for crammed v192; nothing for v128 or no_pretrain
         "tables": 1,
         "figures": 1,
+        "study_record": 1,  # the config changed (and so did the benchmark files it sums)
         "all": 1,
     }
 
@@ -59,7 +85,7 @@ def test_changing_a_finetuning_value_reruns_finetuning_only(workdir):
     overlay = workdir / "config" / "test" / "lr.yaml"
     overlay.write_text("glue:\n  protocols:\n    crammed:\n      lr: 1.0e-4\n")
     jobs = planned_jobs(workdir, *TINY, str(overlay.relative_to(workdir)))
-    assert jobs == {"finetune": 5 * 3 * 2, "tables": 1, "figures": 1, "all": 1}  # 5 (model, vocab) x 3 tasks x 2 seeds
+    assert jobs == {"finetune": 6 * 3 * 2, "tables": 1, "figures": 1, "study_record": 1, "all": 1}  # 6 (model, vocab) x 3 tasks x 2 seeds
 
 
 @pytest.mark.slow
@@ -67,7 +93,7 @@ def test_switching_one_models_protocol_reruns_its_finetuning_only(workdir):
     overlay = workdir / "config" / "test" / "protocol.yaml"
     overlay.write_text("models:\n  no_pretrain:\n    glue_protocol: bert_checkpoint\n")
     jobs = planned_jobs(workdir, *TINY, str(overlay.relative_to(workdir)))
-    assert jobs == {"finetune": 3 * 2, "tables": 1, "figures": 1, "all": 1}
+    assert jobs == {"finetune": 3 * 2, "tables": 1, "figures": 1, "study_record": 1, "all": 1}
 
 
 @pytest.mark.slow
@@ -75,7 +101,7 @@ def test_changing_the_glue_data_size_keeps_the_corpus_and_checkpoints(workdir):
     overlay = workdir / "config" / "test" / "rows.yaml"
     overlay.write_text("synthetic:\n  glue_train_examples: 48\n")
     jobs = planned_jobs(workdir, *TINY, str(overlay.relative_to(workdir)))
-    assert jobs == {"glue_data": 3, "finetune": 5 * 3 * 2, "tables": 1, "figures": 1, "all": 1}
+    assert jobs == {"glue_data": 3, "finetune": 6 * 3 * 2, "tables": 1, "figures": 1, "study_record": 1, "all": 1}
 
 
 @pytest.mark.slow
@@ -111,7 +137,8 @@ def test_settings_that_change_no_file_rerun_nothing(workdir):
     # the memory cap bounds memory only; the study's filters are off, so their settings are in no file's key
     overlay = workdir / "config" / "test" / "cap.yaml"
     overlay.write_text("data:\n  memory_cap_mb: 128\n  trash_cutoff: 0.5\n  dedup_threshold: 0.7\n")
-    assert planned_jobs(workdir, *TINY, str(overlay.relative_to(workdir))) == {}
+    # only the study record, which holds the config as run, is rewritten
+    assert planned_jobs(workdir, *TINY, str(overlay.relative_to(workdir))) == {"study_record": 1, "all": 1}
 
 
 @pytest.mark.slow
@@ -119,8 +146,9 @@ def test_changing_the_block_order_reorders_and_retrains_only(workdir):
     overlay = workdir / "config" / "test" / "order.yaml"
     overlay.write_text("data:\n  order: sentence-length\n")
     jobs = planned_jobs(workdir, *TINY, str(overlay.relative_to(workdir)))
-    # one order job per vocab; the 4 pretrained (model, vocab) pairs; no corpus, tokenizer, packing or init job
-    assert jobs == {"order_blocks": 2, "pretrain": 4, "finetune": 4 * 3 * 2, "tables": 1, "figures": 1, "all": 1}
+    # one order job per vocab; the 4 pretrained (model, vocab) pairs and the swarm model; no corpus, tokenizer,
+    # packing or init job
+    assert jobs == {"order_blocks": 2, "pretrain": 4, "swarm_pretrain": 1, "finetune": 5 * 3 * 2, "tables": 1, "figures": 1, "study_record": 1, "all": 1}
 
 
 @pytest.mark.slow
@@ -165,3 +193,22 @@ def test_ablation_data_writes_table2_with_stage_counts(workdir):
     trash_report = json.loads((reports / "trash0.72" / "report.json").read_text())
     assert trash_report["tokenizer"] == "results/tokenizers/noisy/raw/wordpiece-v128/tokenizer.json"  # its own tokenizer
     assert "GLUE scores" in (out / "data_table2.md").read_text()
+
+
+@pytest.mark.slow
+def test_swarm_study_builds_every_experiment_table_and_figure(workdir):
+    jobs = planned_jobs(workdir, "swarm_study", *TINY)
+    assert jobs == {"swarm_experiment": 6, "swarm_report": 1, "swarm_study": 1}  # the study's blocks are reused
+    snakemake(workdir, "--cores", "2", "swarm_study", *TINY)
+    out = workdir / "results" / "swarm_study" / "synthetic"
+    compression = pd.read_csv(out / "compression.csv")
+    assert set(compression["config"]) == {"none", "blockwise8", "maxout2"} and compression["step"].max() == 20
+    assert sorted(pd.read_csv(out / "square_cube.csv")["hidden_size"].unique()) == [64, 128]
+    for name in ("square_cube", "wiring_throughput", "failures_timeline", "rebalancing_recovery", "compression_loss",
+                 "sim_scale"):
+        figure = out / "report" / f"{name}.png"
+        assert figure.read_bytes()[:4] == b"\x89PNG" and figure.with_suffix(".caption.rst").read_text().strip()
+        assert (out / "report" / f"{name}_table.csv").is_file()
+    snakemake(workdir, "--report", "results/swarm.html", "swarm_study", *TINY)
+    html = (workdir / "results" / "swarm.html").read_text()
+    assert "SWARM" in html and "rebalancing_recovery.png" in html

@@ -119,7 +119,7 @@ def tokenizer(args) -> int:
     from cramswarm.io import atomic_path
 
     tok = tokenization.train(
-        tokenization.iter_corpus_batches(args.corpus), args.vocab_size, args.family, not args.cased, args.min_frequency
+        tokenization.iter_corpus_batches(args.corpus, progress=True), args.vocab_size, args.family, not args.cased, args.min_frequency
     )
     if tok.get_vocab_size() < args.vocab_size:
         raise ValueError(
@@ -156,7 +156,7 @@ def pack(args) -> int:
     from cramswarm import packing, tokenizer as tokenization
 
     counts = packing.pack(args.corpus, tokenization.load(args.tokenizer), args.out, args.block_tokens,
-                          args.shuffle_seed, args.memory_cap_mb)
+                          args.shuffle_seed, args.memory_cap_mb, progress=True)
     _report(args.report, counts)
     return 0
 
@@ -219,13 +219,13 @@ def tables(args) -> int:
     return 0
 
 
-@command("figures", "figures (seaborn PNG): MLM loss vs tokens, GLUE per task, GLUE average vs vocab size")
+@command("figures", "figures (seaborn PNG + PDF + caption): MLM loss vs tokens, GLUE per task, GLUE average vs vocab size")
 def figures(args) -> int:
     from cramswarm.report import figures as f, tables as t
 
     f.plot_loss_curves({Path(p).parent.parent.name + "/" + Path(p).parent.name: p for p in args.logs}, args.loss_png)
     df = t.load_results(args.results)
-    f.plot_glue_by_task(df, args.tasks_png)
+    f.plot_glue_by_task(df, args.tasks_png, source=args.source)
     main = t.glue_table(df)
     baseline_rows = main[main["model"].isin(args.baseline)]
     baseline = baseline_rows.iloc[0].to_dict() if len(baseline_rows) else None
@@ -253,6 +253,73 @@ def ablation_report(args) -> int:
         labels = {folder.parent.name: label for label, folder in dirs.items()}
         by_run = {folder.parent.name: summaries[label] for label, folder in dirs.items()}
         a.write_ablation_table(a.groups_table(args.results, labels, summaries=by_run), args.out_stem)
+    return 0
+
+
+@command("swarm-pretrain", "pretrain a model with SWARM parallelism (stages x replicas); writes a crammed-layout checkpoint")
+def swarm_pretrain(args) -> int:
+    from cramswarm.swarm.train import swarm_pretrain as run
+
+    _set_threads(args.threads)
+    summary = run(args.recipe, args.arch, args.swarm, args.blocks, args.tokenizer, args.out_dir,
+                  progress=not args.quiet, run=args.run, expected_vocab=args.vocab_size)
+    print(json.dumps({k: summary[k] for k in ("steps", "tokens", "final_loss", "eval_loss") if k in summary}))
+    return 0
+
+
+# swarm_study config section -> cramswarm.swarm.study function, and config keys renamed to its keywords
+SWARM_EXPERIMENTS = {
+    "square_cube": ("square_cube", {"batch_sequences": "batch", "seq_len_tokens": "seq_len"}),
+    "wiring": ("wiring_throughput", {}),
+    "failures": ("failures_timeline", {}),
+    "rebalancing": ("rebalancing_recovery", {}),
+    "compression": ("compression_loss", {"micro_batch_sequences": "micro_batch"}),
+    "sim_scale": ("sim_scale", {}),
+}
+
+
+@command("swarm-study", "one SWARM experiment (a swarm_study config section) -> one CSV")
+def swarm_study(args) -> int:
+    from cramswarm.swarm import study
+
+    function, renames = SWARM_EXPERIMENTS[args.experiment]
+    kwargs = {renames.get(key, key): value for key, value in args.settings.items()}
+    if args.experiment == "compression":
+        if not (args.blocks and args.tokenizer and args.arch):
+            raise ValueError("swarm-study --experiment compression needs --blocks, --tokenizer and --arch")
+        from cramswarm import tokenizer as tokenization
+
+        vocab_size = tokenization.load(args.tokenizer).get_vocab_size()
+        print(getattr(study, function)(args.out, args.blocks, arch=args.arch, vocab_size=vocab_size, **kwargs))
+    else:
+        print(getattr(study, function)(args.out, **kwargs))
+    return 0
+
+
+@command("swarm-report", "tables, figures (PNG + PDF + caption) of the swarm_study CSVs in one folder")
+def swarm_report(args) -> int:
+    from cramswarm.report.swarm_figures import swarm_report as report
+
+    for path in report(args.study_dir, args.out_dir):
+        print(path)
+    return 0
+
+
+@command("study-record", "the report's study record: config used, software versions, per-rule benchmark summary")
+def study_record(args) -> int:
+    from cramswarm.report.record import write_record
+
+    for name, path in write_record(args.config, args.benchmarks, args.out_dir).items():
+        print(f"{name}: {path}")
+    return 0
+
+
+@command("readme-figures", "small copies of figures for the README (committed under results/readme/)")
+def readme_figures(args) -> int:
+    from cramswarm.report.record import shrink_png
+
+    for src in args.figures:
+        print(shrink_png(src, Path(args.out_dir) / Path(src).name, args.max_width_px))
     return 0
 
 
@@ -326,7 +393,15 @@ def build_parser() -> argparse.ArgumentParser:
     p["pretrain"].add_argument("--state-dir", help="resumable training state (kept outside the outputs; resumed if present)")
     p["pretrain"].add_argument("--run", help="run name recorded in the summary")
     p["pretrain"].add_argument("--vocab-size", type=int, help="vocab size this run expects; the tokenizer must match")
-    for name in ("pretrain", "finetune"):
+    p["swarm-pretrain"].add_argument("--arch", type=_json, required=True, help="JSON of a models.<name>.arch section")
+    p["swarm-pretrain"].add_argument("--recipe", type=_json, required=True, help="JSON of the model's pretrain recipe")
+    p["swarm-pretrain"].add_argument("--swarm", type=_json, required=True, help="JSON of the swarm section")
+    p["swarm-pretrain"].add_argument("--blocks", required=True)
+    p["swarm-pretrain"].add_argument("--tokenizer", required=True)
+    p["swarm-pretrain"].add_argument("--out-dir", required=True)
+    p["swarm-pretrain"].add_argument("--run", help="run name recorded in the summary")
+    p["swarm-pretrain"].add_argument("--vocab-size", type=int, help="vocab size this run expects; the tokenizer must match")
+    for name in ("pretrain", "finetune", "swarm-pretrain"):
         p[name].add_argument("--threads", type=int, default=1)
         p[name].add_argument("--quiet", action="store_true", help="no progress bar")
     p["finetune"].add_argument("--checkpoint", required=True)
@@ -353,6 +428,21 @@ def build_parser() -> argparse.ArgumentParser:
     p["figures"].add_argument("--loss-png", required=True)
     p["figures"].add_argument("--tasks-png", required=True)
     p["figures"].add_argument("--vocab-png", required=True)
+    p["figures"].add_argument("--source", default="synthetic", choices=("synthetic", "hub"), help="the config's source (captions)")
+    p["readme-figures"].add_argument("--figures", nargs="+", required=True, help="PNG files")
+    p["readme-figures"].add_argument("--out-dir", required=True)
+    p["readme-figures"].add_argument("--max-width-px", type=int, default=900)
+    p["swarm-study"].add_argument("--experiment", required=True, choices=tuple(SWARM_EXPERIMENTS))
+    p["swarm-study"].add_argument("--settings", type=_json, required=True, help="JSON of the swarm_study.<experiment> section")
+    p["swarm-study"].add_argument("--out", required=True, help="CSV written")
+    p["swarm-study"].add_argument("--blocks", help="compression: packed blocks (.npy) to train on")
+    p["swarm-study"].add_argument("--tokenizer", help="compression: the blocks' tokenizer (for the vocab size)")
+    p["swarm-study"].add_argument("--arch", type=_json, help="compression: JSON of a models.<name>.arch section")
+    p["swarm-report"].add_argument("--study-dir", required=True, help="folder of the experiments' CSVs")
+    p["swarm-report"].add_argument("--out-dir", required=True)
+    p["study-record"].add_argument("--config", type=_json, required=True, help="JSON of the validated config")
+    p["study-record"].add_argument("--benchmarks", required=True, help="folder of Snakemake benchmark TSVs")
+    p["study-record"].add_argument("--out-dir", required=True)
     p["ablation-report"].add_argument("--kind", required=True, choices=("arch", "schedule", "groups"))
     p["ablation-report"].add_argument("--runs", type=_json, required=True, help="JSON {label: checkpoint folder}")
     p["ablation-report"].add_argument("--results", nargs="*", default=[], help="fine-tuning result JSON files")

@@ -126,6 +126,11 @@ def _model_ref_errors(cfg: dict, where: str, name: str) -> list[str]:
     return []
 
 
+def swarm_study_model(cfg: dict) -> str:
+    """The model whose arch swarm_study's compression experiment uses: the first with trainer: swarm, else crammed."""
+    return next((name for name, model in cfg["models"].items() if model["trainer"] == "swarm"), "crammed")
+
+
 def _semantic_errors(cfg: dict, base_dir: Path, schema: dict) -> list[str]:
     errors = []
     tok = cfg["tokenizer"]
@@ -150,6 +155,24 @@ def _semantic_errors(cfg: dict, base_dir: Path, schema: dict) -> list[str]:
             errors.append(f"config key '{where}': {name!r} is not in glue.protocols ({', '.join(protocols)})")
     if not any(m["pretrain"] for m in cfg["models"].values()):
         errors.append("config key 'models': at least one model needs pretrain: true")
+    split = swarm_study_model(cfg)  # the model swarm_study's compression experiment splits into stages
+    stages = cfg["swarm_study"]["compression"]["stages"]
+    if split in cfg["models"] and cfg["models"][split]["arch"]["layers"] % stages:
+        errors.append(
+            f"config key 'swarm_study.compression.stages': {stages} stages do not divide the "
+            f"{cfg['models'][split]['arch']['layers']} layers of models.{split} (the model the experiment splits)"
+        )
+    stages = cfg["swarm"]["stages"]
+    for name, model in cfg["models"].items():
+        if model["trainer"] != "swarm":
+            continue
+        if not model["pretrain"]:
+            errors.append(f"config key 'models.{name}.trainer': swarm needs pretrain: true (a random-init model is not trained)")
+        elif model["arch"]["layers"] % stages:
+            errors.append(
+                f"config key 'swarm.stages': {stages} stages do not divide the {model['arch']['layers']} layers of "
+                f"models.{name}.arch (each stage holds layers / stages layers)"
+            )
     abl = cfg["ablations"]
     errors += _model_ref_errors(cfg, "ablations.arch.base_model", abl["arch"]["base_model"])
     for i, name in enumerate(abl["arch"]["models"]):
@@ -251,7 +274,7 @@ def resolve_runs(cfg: dict) -> dict[str, dict]:
     The study's models keep their names; ablation runs are ``arch-<variant>``, ``arch-<model>``,
     ``sched-<schedule>-lr<peak>``, ``groups-<row>`` and ``data-<source>-<cell>``, all trained at
     ``ablations.budget``. Each entry: ``{"pretrain", "vocab_sweep", "arch", "recipe", "glue", "study", "label",
-    "data"}`` (study: models | arch | schedule | groups | data; glue: the fine-tuning protocol,
+    "data", "trainer"}`` (trainer: single | swarm, ablation runs always single; study: models | arch | schedule | groups | data; glue: the fine-tuning protocol,
     :func:`glue_protocol`; data: the data recipe, :func:`data_recipe`). Ablation runs are fine-tuned with the
     study's default protocol (``glue.protocol``): they compare pretraining, so fine-tuning is held fixed.
     """
@@ -265,6 +288,7 @@ def resolve_runs(cfg: dict) -> dict[str, dict]:
             "study": "models",
             "label": name,
             "data": data_recipe(cfg),
+            "trainer": spec["trainer"],
         }
         for name, spec in cfg["models"].items()
     }
@@ -273,7 +297,7 @@ def resolve_runs(cfg: dict) -> dict[str, dict]:
     def add(run: str, study: str, label: str, arch: dict, recipe: dict, data: dict | None = None) -> None:
         recipe = {**recipe, "budget": abl["budget"]}
         runs[run] = {"pretrain": True, "vocab_sweep": False, "arch": arch, "recipe": recipe, "glue": glue_protocol(cfg),
-                     "study": study, "label": label, "data": data or data_recipe(cfg)}
+                     "study": study, "label": label, "data": data or data_recipe(cfg), "trainer": "single"}
 
     base = abl["arch"]["base_model"]
     add(f"arch-{base}", "arch", base, cfg["models"][base]["arch"], model_recipe(cfg, base))
