@@ -32,20 +32,19 @@ rule swarm_pretrain:
 
 # --- named target swarm_study: the paper's experiments in miniature (one CSV each), then their tables/figures ---
 SWARM_STUDY = f"results/swarm_study/{SOURCE}"
-SWARM_EXPERIMENTS = ["square_cube", "wiring", "failures", "rebalancing", "compression", "sim_scale"]
-# the experiment (config section) behind each report name, as cramswarm.report.swarm_figures names them
-SWARM_FIGURES = {"square_cube": "square_cube", "wiring": "wiring_throughput", "failures": "failures_timeline",
-                 "rebalancing": "rebalancing_recovery", "compression": "compression_loss", "sim_scale": "sim_scale"}
+# CSV / figure name (as cramswarm.report.swarm_figures names them) -> the swarm_study config section it runs
+SWARM_EXPERIMENTS = {"square_cube": "square_cube", "wiring_throughput": "wiring", "failures_timeline": "failures",
+                     "rebalancing_recovery": "rebalancing", "compression_loss": "compression", "sim_scale": "sim_scale"}
 SWARM_MODEL = swarm_study_model(config)  # the model the compression experiment splits (cramswarm.config)
 
 
 def swarm_study_inputs(wildcards):
     """The compression experiment trains on the study's blocks at the main vocab size."""
-    return data_files(STUDY_DATA, MAIN_VOCAB) if wildcards.experiment == "compression" else {}
+    return data_files(STUDY_DATA, MAIN_VOCAB) if SWARM_EXPERIMENTS[wildcards.name] == "compression" else {}
 
 
 def swarm_study_args(wildcards, input):
-    if wildcards.experiment != "compression":
+    if SWARM_EXPERIMENTS[wildcards.name] != "compression":
         return ""
     arch = json.dumps(RUNS[SWARM_MODEL]["arch"], sort_keys=True)
     return f"--blocks {input.blocks} --tokenizer {input.tokenizer} --arch '{arch}'"
@@ -55,21 +54,22 @@ rule swarm_experiment:
     input:
         unpack(swarm_study_inputs),
     output:
-        f"{SWARM_STUDY}/{{experiment}}.csv",
+        f"{SWARM_STUDY}/{{name}}.csv",
     wildcard_constraints:
-        experiment="|".join(SWARM_EXPERIMENTS),
+        name="|".join(SWARM_EXPERIMENTS),
     params:
-        settings=lambda wildcards: json.dumps(config["swarm_study"][wildcards.experiment], sort_keys=True),
+        section=lambda wildcards: SWARM_EXPERIMENTS[wildcards.name],
+        settings=lambda wildcards: json.dumps(config["swarm_study"][SWARM_EXPERIMENTS[wildcards.name]], sort_keys=True),
         extra=swarm_study_args,
     threads: 1
     conda:
         "../envs/cramswarm.yaml"
     log:
-        f"logs/swarm_study/{SOURCE}/{{experiment}}.log",
+        f"logs/swarm_study/{SOURCE}/{{name}}.log",
     benchmark:
-        bench(f"logs/swarm_study/{SOURCE}/{{experiment}}.log", "swarm_experiment")
+        bench(f"logs/swarm_study/{SOURCE}/{{name}}.log", "swarm_experiment")
     shell:
-        "python -m cramswarm swarm-study --experiment {wildcards.experiment} --settings {params.settings:q} "
+        "python -m cramswarm swarm-study --experiment {params.section} --settings {params.settings:q} "
         "{params.extra} --out {output} > {log} 2>&1"
 
 
@@ -77,10 +77,10 @@ rule swarm_report:
     input:
         [f"{SWARM_STUDY}/{name}.csv" for name in SWARM_EXPERIMENTS],
     output:
-        *figure_companions(*(f"{SWARM_STUDY}/report/{name}.png" for name in SWARM_FIGURES.values())),
-        *[f"{SWARM_STUDY}/report/{name}_table.md" for name in SWARM_FIGURES.values()],
-        figures=[figure(f"{SWARM_STUDY}/report/{name}.png", "SWARM", name) for name in SWARM_FIGURES.values()],
-        tables=[table(f"{SWARM_STUDY}/report/{name}_table.csv", "SWARM", name) for name in SWARM_FIGURES.values()],
+        *figure_companions(*(f"{SWARM_STUDY}/report/{name}.png" for name in SWARM_EXPERIMENTS)),
+        *[f"{SWARM_STUDY}/report/{name}_table.md" for name in SWARM_EXPERIMENTS],
+        figures=[figure(f"{SWARM_STUDY}/report/{name}.png", "SWARM", name) for name in SWARM_EXPERIMENTS],
+        tables=[table(f"{SWARM_STUDY}/report/{name}_table.csv", "SWARM", name) for name in SWARM_EXPERIMENTS],
     conda:
         "../envs/cramswarm.yaml"
     log:

@@ -201,7 +201,7 @@ def test_swarm_study_builds_every_experiment_table_and_figure(workdir):
     assert jobs == {"swarm_experiment": 6, "swarm_report": 1, "swarm_study": 1}  # the study's blocks are reused
     snakemake(workdir, "--cores", "2", "swarm_study", *TINY)
     out = workdir / "results" / "swarm_study" / "synthetic"
-    compression = pd.read_csv(out / "compression.csv")
+    compression = pd.read_csv(out / "compression_loss.csv")
     assert set(compression["config"]) == {"none", "blockwise8", "maxout2"} and compression["step"].max() == 20
     assert sorted(pd.read_csv(out / "square_cube.csv")["hidden_size"].unique()) == [64, 128]
     for name in ("square_cube", "wiring_throughput", "failures_timeline", "rebalancing_recovery", "compression_loss",

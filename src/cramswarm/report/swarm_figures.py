@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -77,10 +78,18 @@ def _format(value) -> str:
     return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
 
 
+def _label(name: str) -> str:
+    """The Markdown header of a column: :data:`TABLE_LABELS`, or for the square-cube pivot's
+    ``ratio_<bandwidth>mbit_<scheme>`` columns, what the ratio is."""
+    if match := re.fullmatch(r"ratio_(.+)mbit_(\w+)", name):
+        return f"Compute / comm. at {match[1]} Mbit/s, {match[2]}"
+    return TABLE_LABELS.get(name, name)
+
+
 def to_markdown(df: pd.DataFrame) -> str:
     """Markdown with :data:`TABLE_LABELS` headers, 3 significant digits (whole numbers from 1000 on), integers
     with thousands separators, missing numbers as ``NaN``."""
-    cells = pd.DataFrame({TABLE_LABELS.get(name, name): column.map(_format) for name, column in df.items()})
+    cells = pd.DataFrame({_label(name): column.map(_format) for name, column in df.items()})
     align = ["right" if pd.api.types.is_numeric_dtype(column) else "left" for _, column in df.items()]
     return cells.to_markdown(index=False, disable_numparse=True, colalign=align) + "\n"
 
@@ -177,9 +186,11 @@ the same size backward, payload bytes measured from `compression.encode`) over a
 Above the dashed line computation dominates. Compute grows as d^2 per token (weights d x d) while the traffic grows
 as d, so the ratio rises with d; fp16 halves and blockwise 8-bit quarters the traffic. Small widths are dominated
 by per-kernel overheads on a CPU, so the trend is clearest at the larger widths.
-Paper (E1): relative device utilisation of "base"-sized layers 1.5-18 %, GPT-3-sized layers 48-82 % across latency
-settings at 500 Mbit/s; d >= ~4096 gives > 50 % at 500 Mbit/s and 100 ms [secondary: third-party notes]. The
-transformer form t_comp / t_comm ~ (36 L d / q) (B / F) is derived in swarm.md 1.7 [derived].
+Paper, Figure 1 (right), V100 at 500 Mbit/s, share of time computing (a ratio r here is a share r / (1 + r)):
+one layer of 768 units 18 %, of 4096 units 32 %, of 12288 units 82 %, and the paper's 12 layers of 4096 units
+89 % [paper: figure image, arXiv layout]. With added latency: "base" layers 1.5-18 %, GPT-3-sized 48-82 %
+[secondary: third-party notes]. The transformer form t_comp / t_comm ~ (36 L d / q) (B / F) is derived in
+swarm.md 1.7 [derived].
 """
     return paths + _save_all(fig, out / "square_cube", caption)
 

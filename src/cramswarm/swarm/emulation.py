@@ -667,7 +667,7 @@ class _StageState:
         self.losses: list[float] = []
 
 
-class _Dispatcher:
+class Dispatcher:
     """Hands out microbatches step by step, counting the budget exactly as ``pretrain.pretrain`` does.
 
     Before each step's first microbatch: progress t = budget_progress(tokens, steps, elapsed); stop at t >= 1
@@ -711,7 +711,7 @@ class _TrainingSwarm(_Swarm):
     """Peers that really compute their stage (see the module docstring for the synchronisation rules)."""
 
     def __init__(self, specs: list[PeerSpec], clock: ScaledClock, stages: list[torch.nn.Module], recipe: dict,
-                 swarm_cfg: dict, precision: str, dispatcher: _Dispatcher):
+                 swarm_cfg: dict, precision: str, dispatcher: Dispatcher):
         super().__init__(specs, clock, swarm_cfg["forward_timeout_s"], 0.0)
         self.recipe, self.scheme, self.precision, self.dispatcher = recipe, swarm_cfg["compression"], precision, dispatcher
         self.num_stages = len(stages)
@@ -965,7 +965,7 @@ def train(*, arch: dict, vocab_size: int, recipe: dict, swarm: dict,
         raise ValueError(f"swarm.trainers={swarm['trainers']}: need at least one trainer")
     precision = resolve_precision(recipe["precision"], torch.device("cpu"))
     clock = ScaledClock(1.0)
-    dispatcher = _Dispatcher(batches, total_microbatches, recipe)
+    dispatcher = Dispatcher(batches, total_microbatches, recipe)
     sw = _TrainingSwarm(specs, clock, stages, recipe, swarm, precision, dispatcher)
     retry = RetryPolicy(forward_timeout_s=swarm["forward_timeout_s"])
     rng = random.Random(swarm["seed"])

@@ -1,0 +1,847 @@
+"""Transport 1: SWARM on real hivemind processes (localhost, or any hosts that share the address file).
+
+Process layout (every process its own process-group leader, ``start_new_session=True``, killed as a group with
+``os.killpg`` so no ``p2pd`` daemon or child outlives it):
+
+* bootstrap - ``python -m cramswarm.swarm.hivemind_peer bootstrap``: a DHT node (+ its p2pd) that writes its
+  visible multiaddrs to the run's address file; everybody else joins through that file.
+* stage peers - ``python -m cramswarm.swarm.hivemind_peer stage``: one process (+ p2pd) per replica, serving one
+  stage module over hivemind P2P streams and declaring ``uid -> peer id`` under the stage's DHT key every 2 s
+  (record TTL 10 s).
+* coordinator - this process (the caller of ``train``): a client-mode DHT node (+ p2pd) and an asyncio loop
+  running the trainers, the in-stage synchronisation, the fault injector and the restarts.
+
+Trainers (``trainers`` coroutines in the coordinator, one microbatch in flight each, sharing one
+``policies.StageBalancer`` per stage as trainer threads of one process would; DHT records re-read every second)
+take microbatches from the emulation's dispatcher (the same budget, batch-size ramp and LR-progress accounting
+as ``pretrain``), wrap every RPC in ``asyncio.wait_for`` (``RetryPolicy``: hivemind has no client-side
+timeout), re-send to another replica on a timeout or error (errors ban the peer until its record expires) and
+never drop a microbatch: a call waits for a live peer up to ``give_up_after_s`` and then raises
+``NoPeersError`` naming the stage. Activations travel trainer -> peer -> trainer (the trainer is the hub, as in
+SWARM's code), compressed by the producing peer with ``compression.encode`` and passed on unchanged; the
+trainer keeps each stage's input payload, and the backward call re-sends it with the output gradient to any
+replica, which recomputes the stage forward. The last stage's forward and backward are one call (its output
+gradient is the constant 1; SWARM's trainer makes two).
+
+In-stage synchronisation (SWARM's synchronous step, driven by the coordinator): backward calls are admitted
+toward the stage's current global batch (``recipe`` batch, with pretrain's ramp) and counted per replica in a
+``policies.StageSync``; once it is full, no further backward call is admitted, the coordinator waits for those
+in flight and runs two phases on the stage's live replicas: ``reduce`` (each replica snapshots its accumulated
+gradient, divides it by its local sample count and all-reduces it with hivemind's ``AllReduceRunner`` weighted
+by that count - the butterfly all-reduce of ``DecentralizedAverager`` without its matchmaking: the coordinator
+names the group; in float64, so all replicas cast the same fp32 average) and, only if every replica of the
+group succeeded, ``commit`` (per-stage clipping, the schedule's LR at the step's planned progress, AdamW step:
+the same step everywhere, so replicas stay bitwise equal; the commit replies carry parameter digests, and a
+replica that differs takes the state of the first). A failed reduce (a replica died or timed out) is
+retried without it; a dead replica's unaveraged gradient is lost, as in SWARM (``lost_gradient_samples``).
+Other stages keep running (no cross-stage barrier). A live replica left out of a step (lagging step count after
+a state download, reduce timeout, failed commit) re-downloads the state from a replica that stepped.
+
+Fault injection (``kill_every_s``): the coordinator SIGKILLs a random peer's process group - never the last
+declared replica of a stage, whose state would be lost - and starts a fresh peer (new uid) for the same stage
+``rejoin_after_s`` later; it downloads the stage's parameters and optimizer state from a live replica before it
+declares itself. Rebalancing (``rebalance_period_s``) moves a peer the same way: the coordinator feeds in-flight
+calls and measured throughputs to ``policies.Rebalancer``; the mover is stopped and a peer of the same speed starts
+on the recipient stage with a state download.
+
+``run(setup)`` runs an ``emulation.SwarmSetup`` on the same machinery with emulated compute
+(``hivemind_peer.EmulatedStagePeer``) and returns the throughput result keys of ``emulation.run`` / ``sim.run``
+(``benchmarks/swarm_hivemind.py`` compares it with the simulator).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import io
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import torch
+from hivemind.dht.node import DHTNode
+from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
+from tqdm.auto import tqdm
+
+import cramswarm
+from cramswarm.pretrain import lr_multiplier
+from cramswarm.swarm.emulation import BACKWARD_COMPUTE_FACTOR, FailureEvent, SwarmSetup, TrainResult, Dispatcher
+from cramswarm.swarm.hivemind_peer import (
+    BootstrapError,
+    EmulatedStagePeer,
+    StagePeer,
+    join_dht,
+    read_addr_file,
+    request,
+    stage_namespace,
+    stage_records,
+    unpack,
+)
+from cramswarm.swarm.stages import check_stage_count
+from cramswarm.swarm.compression import SCHEMES
+from cramswarm.swarm.policies import NoPeersError, PeerLoad, Rebalancer, RetryPolicy, StageBalancer, StageSync
+
+REFRESH_PERIOD_S = 1.0  # trainers re-read the stages' DHT records this often
+_LIVE_GROUPS: set[int] = set()  # process groups started by this process and not yet killed
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    _LIVE_GROUPS.discard(pgid)
+
+
+@atexit.register
+def _kill_leftover_groups() -> None:
+    for pgid in list(_LIVE_GROUPS):
+        _kill_group(pgid)
+
+
+@dataclass
+class PeerProcess:
+    uid: str
+    stage: int
+    speed: float
+    proc: subprocess.Popen
+    log: Path
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else "(no log)"
+
+
+class ProcessGroups:
+    """The run's OS processes; each is a process-group leader and is killed with its whole group."""
+
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+        self.peers: list[PeerProcess] = []
+        self.pgids: list[int] = []  # every group ever started (for the leftover check)
+        self.procs: list[subprocess.Popen] = []
+        self._pythonpath = os.pathsep.join(
+            filter(None, [str(Path(cramswarm.__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]))
+
+    def spawn(self, args: list[str], name: str) -> tuple[subprocess.Popen, Path]:
+        log = self.workdir / f"{name}.log"
+        env = {**os.environ, "PYTHONPATH": self._pythonpath, "OMP_NUM_THREADS": "1",
+               "CRAMSWARM_COORDINATOR_PID": str(os.getpid())}
+        with open(log, "wb") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "cramswarm.swarm.hivemind_peer", *args], stdout=out,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                    start_new_session=True)
+        _LIVE_GROUPS.add(proc.pid)
+        self.pgids.append(proc.pid)
+        self.procs.append(proc)
+        return proc, log
+
+    def start_peer(self, uid: str, stage: int, speed: float, config: Path, addr_file: Path,
+                   load_state: bool) -> PeerProcess:
+        args = ["stage", "--config", str(config), "--stage", str(stage), "--uid", uid, "--addr-file",
+                str(addr_file), "--speed", repr(speed)] + (["--load-state"] if load_state else [])
+        proc, log = self.spawn(args, uid)
+        peer = PeerProcess(uid, stage, speed, proc, log)
+        self.peers.append(peer)
+        return peer
+
+    @staticmethod
+    def kill(proc: subprocess.Popen) -> None:
+        _kill_group(proc.pid)
+        proc.wait()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Kill every group, reap the leaders, and wait until no member of any group is left."""
+        for pgid in self.pgids:
+            _kill_group(pgid)
+        for proc in self.procs:
+            proc.wait()
+        deadline = time.monotonic() + timeout_s
+        while (left := leftover_processes(self.pgids)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if left:
+            raise RuntimeError(f"processes {left} of this swarm survived SIGKILL of their process groups")
+
+
+def leftover_processes(pgids: list[int]) -> list[int]:
+    """PIDs of live (non-zombie) processes in any of the given process groups (scans /proc)."""
+    wanted, found = set(pgids), []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if fields[0] != "Z" and int(fields[2]) in wanted:
+            found.append(int(entry.name))
+    return found
+
+
+@dataclass
+class SwarmPlan:
+    """Everything a hivemind swarm run needs (``train`` builds it from the ``swarm:`` config section)."""
+
+    arch: dict
+    vocab_size: int
+    recipe: dict
+    peers_per_stage: list[int]
+    peer_speeds: list[float] = field(default_factory=lambda: [1.0])
+    trainers: int = 2
+    compression: str = "blockwise8"
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    kill_every_s: float | None = None
+    rejoin_after_s: float = 5.0
+    rebalance_period_s: float | None = None
+    seed: int = 0
+    addr_file: Path | None = None   # join an existing swarm's bootstrap instead of starting one
+    emulate: dict | None = None     # throughput emulation (``run``): stage_time_s, backward_factor, activation_bytes
+    startup_timeout_s: float = 180.0
+    join_timeout_s: float = 15.0
+
+    @property
+    def stages(self) -> int:
+        return len(self.peers_per_stage)
+
+    @property
+    def sync_timeout_s(self) -> float:
+        return max(4.0, self.retry.forward_timeout_s)
+
+
+class Coordinator:
+    """Runs one swarm: processes, trainers, in-stage synchronisation, fault injection, state collection."""
+
+    def __init__(self, plan: SwarmPlan, batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+                 total_microbatches: int, progress: bool):
+        self.plan, self.batches, self.total = plan, batches, total_microbatches
+        self.dispatcher: Dispatcher | None = None  # made when the swarm is up (a seconds budget starts then)
+        self.progress = progress
+        self.rng = random.Random(plan.seed)
+        self.workdir = Path(tempfile.mkdtemp(prefix="cramswarm-hivemind-"))
+        self.run_id = f"cs{os.getpid()}x{self.rng.getrandbits(32):08x}"
+        self.groups = ProcessGroups(self.workdir)
+        self.training = plan.emulate is None
+        self.peer_cls = StagePeer if self.training else EmulatedStagePeer
+        self.node: DHTNode | None = None
+        stages = plan.stages
+        self.balancers = [StageBalancer(s, rng=random.Random(plan.seed * 1000 + s)) for s in range(stages)]
+        self.syncs = [StageSync(plan.recipe["batch_sequences"]) for _ in range(stages)]
+        self.peer_ids: dict[str, str] = {}       # uid -> base58 peer id
+        self.records: list[dict[str, float]] = [{} for _ in range(stages)]
+        self.target = plan.recipe["batch_sequences"]
+        self.window_open = [asyncio.Event() for _ in range(stages)]
+        self.reserved = [0] * stages             # samples of backward calls admitted toward the current step
+        self.backward_inflight = [0] * stages
+        self.syncing = [False] * stages
+        self.steps = [0] * stages
+        self.known_steps: dict[str, int] = {}   # uid -> step count the replica last reported or reached
+        self.resyncing: set[str] = set()
+        self.inflight: dict[str, int] = {}       # uid -> calls in flight (queue length for the rebalancer)
+        self.done = 0
+        self.window: list[float] = []
+        self.log: list[dict] = []
+        self.timeline: list[tuple[float, int]] = []
+        self.stats = {"retries": 0, "timeouts": 0, "errors": 0, "peers_killed": 0, "rejoins": 0, "moves": [],
+                      "moves_completed": 0, "rollbacks": [],
+                      "stage_steps": [0] * stages, "lost_gradient_samples": 0, "resyncs": 0,
+                      "sync_retries": 0, "killed": [],
+                      "digest_mismatches": 0}
+        self.tasks: set[asyncio.Task] = set()
+        self.start = time.perf_counter()
+        self.next_uid = 0
+        self.bar = None
+
+    # -- processes ------------------------------------------------------------------------------------------
+    def _new_uid(self, stage: int) -> str:
+        self.next_uid += 1
+        return f"s{stage}p{self.next_uid}"
+
+    def _start_peer(self, stage: int, speed: float, load_state: bool) -> PeerProcess:
+        return self.groups.start_peer(self._new_uid(stage), stage, speed, self.workdir / "config.json",
+                                      self.addr_file, load_state)
+
+    def _write_config(self) -> None:
+        p = self.plan
+        cfg = {"run_id": self.run_id, "arch": p.arch, "vocab_size": p.vocab_size, "recipe": p.recipe,
+               "stages": p.stages, "compression": p.compression, "sync_timeout_s": self.sync_timeout_s,
+               "join_timeout_s": p.join_timeout_s, "give_up_after_s": p.retry.give_up_after_s, "host": "127.0.0.1"}
+        if p.emulate is not None:
+            cfg["emulate"] = p.emulate
+        (self.workdir / "config.json").write_text(json.dumps(cfg))
+
+    @property
+    def sync_timeout_s(self) -> float:
+        return self.plan.sync_timeout_s
+
+    def _check_started(self, peers: list[PeerProcess]) -> None:
+        for peer in peers:
+            if not peer.alive:
+                raise RuntimeError(f"stage peer {peer.uid} (stage {peer.stage}) exited with code "
+                                   f"{peer.proc.returncode} before declaring itself:\n{peer.log_tail()}")
+
+    async def _wait_declared(self, peers: list[PeerProcess], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            await self._refresh_all()
+            missing = [p for p in peers if p.uid not in self.records[p.stage]]
+            if not missing:
+                return
+            self._check_started(missing)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"stage peers {[p.uid for p in missing]} did not declare themselves within "
+                                   f"{timeout_s:.0f} s (logs in {self.workdir})")
+            await asyncio.sleep(0.5)
+
+    # -- DHT records ----------------------------------------------------------------------------------------
+    async def _refresh(self, stage: int) -> None:
+        found = await stage_records(self.node, self.run_id, stage)
+        self.peer_ids.update({uid: peer for uid, (peer, _) in found.items()})
+        self.records[stage] = {uid: exp for uid, (_, exp) in found.items()}
+        self.balancers[stage].update_peers(self.records[stage], get_dht_time())
+
+    async def _refresh_all(self) -> None:
+        await asyncio.gather(*(self._refresh(s) for s in range(self.plan.stages)))
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(REFRESH_PERIOD_S)
+            await self._refresh_all()
+
+    # -- RPC ------------------------------------------------------------------------------------------------
+    async def _rpc(self, stage: int, uid: str, method: str, tensors: dict, meta: dict) -> tuple[dict, dict]:
+        stub = self.peer_cls.get_stub(self.node.p2p, PeerID.from_base58(self.peer_ids[uid]),
+                                  namespace=stage_namespace(self.run_id, stage))
+        return await unpack(await getattr(stub, f"rpc_{method}")(request(tensors, meta)))
+
+    async def _control(self, stage: int, uid: str, method: str, meta: dict) -> dict:
+        _, reply = await asyncio.wait_for(self._rpc(stage, uid, method, {}, meta), timeout=2 * self.sync_timeout_s)
+        return reply
+
+    async def _call(self, stage: int, method: str, tensors: dict, meta: dict, samples: int) -> tuple[dict, dict]:
+        """One stage call with SWARM's retry semantics: another replica on timeout/error, never dropped."""
+        backward = method == "backward"
+        balancer, retry = self.balancers[stage], self.plan.retry
+        no_peer_since = None
+        while True:
+            if backward and self.training:
+                await self._reserve(stage, samples)
+            try:
+                uid = balancer.choose(samples, get_dht_time(), backward=backward)
+            except NoPeersError:
+                if backward and self.training:
+                    self._release(stage, samples)
+                no_peer_since = no_peer_since or time.monotonic()
+                if time.monotonic() - no_peer_since > retry.give_up_after_s:
+                    raise
+                await asyncio.sleep(0.2)
+                await self._refresh(stage)
+                continue
+            no_peer_since = None
+            started = time.perf_counter()
+            self.inflight[uid] = self.inflight.get(uid, 0) + 1
+            self.backward_inflight[stage] += backward
+            result = None
+            try:
+                result = await asyncio.wait_for(self._rpc(stage, uid, method, tensors, meta), retry.timeout(backward))
+            except asyncio.TimeoutError:
+                balancer.report_timeout(uid)
+                self.stats["timeouts"] += 1
+                self.stats["retries"] += 1
+            except Exception as e:  # refused, reset, remote handler error: ban until the record expires
+                balancer.report_error(uid, get_dht_time())
+                self.stats["errors"] += 1
+                self.stats["last_error"] = f"stage {stage} {method} on {uid}: {e!r}"
+                self.stats["retries"] += 1
+            finally:
+                self.inflight[uid] -= 1
+                self.backward_inflight[stage] -= backward
+                if backward and self.training and result is None:
+                    self._release(stage, samples)
+            if result is None:
+                continue
+            balancer.report_success(uid, samples, time.perf_counter() - started)
+            if not (backward and self.training):
+                return result
+            self.syncs[stage].target_batch_samples = self._target(stage)
+            if self.syncs[stage].add(uid, samples) and not self.syncing[stage]:
+                self._spawn(self._sync(stage))
+            return result
+
+    # -- trainers -------------------------------------------------------------------------------------------
+    @staticmethod
+    def _rename(tensors: dict, meta: dict, old: str, new: str) -> tuple[dict, dict]:
+        renamed = {f"{new}.{k[len(old) + 1:]}": t for k, t in tensors.items() if k.startswith(f"{old}.")}
+        return renamed, {"payloads": {new: meta["payloads"][old]}}
+
+    async def _microbatch(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
+        samples, last = int(input_ids.shape[0]), self.plan.stages - 1
+        inputs = [({"input_ids": input_ids}, {})]
+        for stage in range(last):
+            out, out_meta = await self._call(stage, "forward", *inputs[stage], samples)
+            inputs.append(self._rename(out, out_meta, "y", "x"))
+        tensors, meta = inputs[last]
+        grad, grad_meta = await self._call(last, "backward", {**tensors, "labels": labels}, meta, samples)
+        loss = grad_meta["loss"]
+        self.window.append(loss)  # the last stage's step reports the mean loss of the microbatches it saw
+        for stage in range(last - 1, -1, -1):
+            tensors, meta = inputs[stage]
+            payloads = {**meta.get("payloads", {}), "g": grad_meta["payloads"]["g"]}
+            grad, grad_meta = await self._call(stage, "backward", {**tensors, **grad}, {"payloads": payloads},
+                                               samples)
+        return loss
+
+    async def _trainer(self) -> None:
+        while (item := self.dispatcher.next()) is not None:
+            _, input_ids, labels = item
+            loss = await self._microbatch(input_ids, labels)
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"swarm loss became {loss} after {self.done} microbatches; lower pretrain.lr")
+            self.done += 1
+            if self.bar is not None:
+                self.bar.update(1)
+                self.bar.set_postfix(loss=f"{loss:.3f}", peers=sum(len(b.peers) for b in self.balancers))
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    # -- in-stage synchronisation ---------------------------------------------------------------------------
+    def _planned(self, stage: int) -> tuple[float, int]:
+        """(budget progress, microbatches) of the stage's current step, as the dispatcher planned it."""
+        plan = self.dispatcher.plan
+        return plan[min(self.steps[stage], len(plan) - 1)] if plan else (0.0, 1)
+
+    def _target(self, stage: int) -> int:
+        return self._planned(stage)[1] * self.plan.recipe["micro_batch_sequences"]
+
+    async def _reserve(self, stage: int, samples: int) -> None:
+        """Admit a backward call toward the stage's current global batch (wait while it is full or stepping)."""
+        while self.syncing[stage] or self.reserved[stage] >= self._target(stage):
+            self.window_open[stage].clear()
+            await self.window_open[stage].wait()
+        self.reserved[stage] += samples
+
+    def _release(self, stage: int, samples: int) -> None:
+        self.reserved[stage] -= samples
+        self.window_open[stage].set()
+
+    async def _sync(self, stage: int) -> None:
+        self.syncing[stage] = True
+        try:
+            while self.backward_inflight[stage]:
+                await asyncio.sleep(0.005)
+            await self._step_stage(stage)
+        finally:
+            self.syncing[stage] = False
+            self.window_open[stage].set()
+
+    def _close_window(self, stage: int) -> None:
+        """The samples counted so far went into a step (or were lost): start the next global batch."""
+        self.reserved[stage] -= self.syncs[stage].total
+        self.syncs[stage].reset()
+
+    async def _step_stage(self, stage: int) -> None:
+        """Reduce (all-reduce of sample-weighted gradients) then commit (same AdamW step) on the live replicas."""
+        sync, balancer, recipe = self.syncs[stage], self.balancers[stage], self.plan.recipe
+        t, _ = self._planned(stage)
+        multiplier = lr_multiplier(recipe["schedule"], t, recipe["warmup_fraction"])
+        lr = recipe["lr"] * multiplier
+        total = sync.total
+        contributions = {uid: share * total for uid, share in sync.weights().items()}
+        stale: set[str] = set()     # replicas whose step count lags: left out, resynced after the step
+        slow: set[str] = set()      # replicas whose reduce timed out: left out while others can step
+        deadline = time.monotonic() + self.plan.retry.give_up_after_s
+        while True:
+            await self._refresh(stage)
+            unknown = [u for u in balancer.peers if u in self.peer_ids and self.known_steps.get(u) != self.steps[stage]]
+            probe = {"step": self.steps[stage], "probe": True}
+            probes = await asyncio.gather(*(self._control(stage, u, "reduce", probe) for u in unknown),
+                                          return_exceptions=True)
+            for uid, reply in zip(unknown, probes):  # a replica that lags would stall the group's all-reduce
+                if isinstance(reply, dict) and reply.get("status") in ("ok", "stale"):
+                    self.known_steps[uid] = reply["step"]
+                    if reply["status"] == "stale":
+                        stale.add(uid)
+            live = [uid for uid in balancer.peers if uid in self.peer_ids and uid not in stale]
+            if not live and stale:  # every replica at the current step died: go on from the most advanced one
+                best = max(self.known_steps[uid] for uid in stale)
+                self.stats["rollbacks"].append({"stage": stage, "from_step": self.steps[stage], "to_step": best})
+                self.steps[stage] = best
+                stale = {uid for uid in stale if self.known_steps[uid] != best}
+                continue
+            members = [uid for uid in live if uid not in slow]
+            if not any(contributions.get(uid, 0) > 0 for uid in members):
+                if any(contributions.get(uid, 0) > 0 for uid in live):
+                    slow.clear()  # only slow replicas hold this step's gradients: wait for them
+                    continue
+                self.stats["lost_gradient_samples"] += total  # every contributor died before the step
+                self._close_window(stage)
+                return
+            group_id = os.urandom(16)
+            meta = {"step": self.steps[stage], "group_id": group_id, "peers": [self.peer_ids[u] for u in members]}
+            replies = await asyncio.gather(*(self._control(stage, u, "reduce", meta) for u in members),
+                                           return_exceptions=True)
+            status = {u: r.get("status") if isinstance(r, dict) else
+                      "timeout" if isinstance(r, asyncio.TimeoutError) else "dead" for u, r in zip(members, replies)}
+            for uid in members:
+                if status[uid] == "dead":  # refused / reset: banned until its record expires
+                    balancer.report_error(uid, get_dht_time())
+                elif status[uid] in ("stale", "timeout"):
+                    (stale if status[uid] == "stale" else slow).add(uid)
+            ok = [u for u in members if status[u] == "ok"]
+            if len(ok) == len(members):
+                commits = await asyncio.gather(*(self._control(stage, u, "commit", {"group_id": group_id, "lr": lr})
+                                                 for u in ok), return_exceptions=True)
+                digests = {u: r["digest"] for u, r in zip(ok, commits)
+                           if isinstance(r, dict) and r.get("status") == "ok"}
+                committed = list(digests)
+                if committed:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"stage {stage}: in-stage averaging did not succeed within "
+                                   f"{self.plan.retry.give_up_after_s:.0f} s (last replies: {replies})")
+            self.stats["sync_retries"] += 1
+        self.stats["lost_gradient_samples"] += round(sum(n for u, n in contributions.items() if u not in committed))
+        self.steps[stage] += 1
+        self.known_steps.update({uid: self.steps[stage] for uid in committed})
+        self.stats["stage_steps"][stage] = self.steps[stage]
+        self._close_window(stage)
+        # Replicas apply bitwise-identical averages unless float64 rounding of hivemind's delta transport crosses an
+        # fp32 rounding boundary (needs |own gradient| > 2^28 |average|); a replica whose parameters then differ
+        # from the first one's takes its state (counted, so it shows if it ever happens).
+        diverged = {u for u in committed if digests[u] != digests[committed[0]]}
+        self.stats["digest_mismatches"] += len(diverged)
+        for uid in stale | slow | diverged | (set(ok) - set(committed)):  # alive replicas that missed this step
+            self._spawn(self._resync(stage, uid, committed[0]))
+        if stage == self.plan.stages - 1:
+            loss = sum(self.window) / len(self.window) if self.window else float("nan")
+            self.window = []
+            tokens_per_mb = self.dispatcher.tokens // max(self.dispatcher.issued, 1)
+            self.log.append({
+                "step": self.steps[stage], "tokens": sum(n for _, n in self.dispatcher.plan[:self.steps[stage]])
+                * tokens_per_mb, "progress": t, "loss": loss, "lr": lr, "lr_multiplier": multiplier,
+                "batch_sequences": total, "elapsed_s": self.elapsed()})
+
+    async def _resync(self, stage: int, uid: str, source: str) -> None:
+        """A live replica that missed a step downloads the state of one that took it."""
+        if uid in self.resyncing:
+            return
+        self.resyncing.add(uid)
+        try:
+            reply = await self._control(stage, uid, "resync", {"source": self.peer_ids[source]})
+            self.known_steps[uid] = reply["step"]
+            self.stats["resyncs"] += 1
+        except Exception:
+            self.balancers[stage].report_error(uid, get_dht_time())
+        finally:
+            self.resyncing.discard(uid)
+
+    # -- background work ------------------------------------------------------------------------------------
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self.tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None and not self.failed.done():
+            self.failed.set_exception(task.exception())
+
+    def _killable(self, stage: int) -> list[PeerProcess]:
+        """The stage's declared live peers if at least two of them hold its current state (else none: killing
+        one could lose the state)."""
+        live = [p for p in self.groups.peers if p.stage == stage and p.alive and p.uid in self.records[stage]]
+        current = [p for p in live if not self.training or self.known_steps.get(p.uid) == self.steps[stage]]
+        return live if len(current) >= 2 else []
+
+    async def _kill_forever(self, every_s: float) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            candidates = [p for s in range(self.plan.stages) for p in self._killable(s)]
+            if not candidates:
+                continue
+            victim = self.rng.choice(candidates)
+            ProcessGroups.kill(victim.proc)
+            self.stats["peers_killed"] += 1
+            self.stats["killed"].append({"uid": victim.uid, "stage": victim.stage, "t_s": round(self.elapsed(), 2)})
+            self._spawn(self._rejoin(victim.stage, victim.speed, self.plan.rejoin_after_s, "rejoins"))
+
+    async def _rejoin(self, stage: int, speed: float, delay_s: float, counter: str) -> None:
+        """Start a peer for ``stage`` after ``delay_s``; it loads the stage's state, then declares itself."""
+        await asyncio.sleep(delay_s)
+        peer = self._start_peer(stage, speed, load_state=True)
+        await self._wait_declared([peer], self.plan.startup_timeout_s)
+        self.stats[counter] += 1
+
+    async def _rebalance_forever(self, period_s: float) -> None:
+        rebalancer = Rebalancer(period_s)
+        while True:
+            await asyncio.sleep(period_s)
+            loads = {s: [PeerLoad(uid, self.inflight.get(uid, 0), b.throughput(uid) or 0.0) for uid in b.peers]
+                     for s, b in enumerate(self.balancers)}
+            move = rebalancer.decide(loads, time.monotonic())
+            mover = next((p for p in self.groups.peers if move is not None and p.uid == move.uid and p.alive), None)
+            if mover is None:
+                continue
+            ProcessGroups.kill(mover.proc)
+            self.stats["moves"].append({"t_s": round(self.elapsed(), 3), "uid": move.uid,
+                                        "from_stage": move.from_stage, "to_stage": move.to_stage})
+            await self._rejoin(move.to_stage, mover.speed, 0.0, "moves_completed")
+
+    # -- run ------------------------------------------------------------------------------------------------
+    async def _bootstrap(self) -> Path:
+        if self.plan.addr_file is not None:
+            return Path(self.plan.addr_file)
+        addr_file = self.workdir / "dht_addrs.txt"
+        proc, log = self.groups.spawn(["bootstrap", "--addr-file", str(addr_file)], "bootstrap")
+        deadline = time.monotonic() + self.plan.startup_timeout_s
+        while not addr_file.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the bootstrap DHT did not write {addr_file}:\n{log.read_text(errors='replace')}")
+            await asyncio.sleep(0.2)
+        return addr_file
+
+    async def _collect_states(self) -> tuple[list[dict[str, torch.Tensor]], dict[int, dict[str, int]], list[float]]:
+        """Each stage's parameters from its live replicas, their step counts and the largest parameter difference
+        between replicas per stage (0.0: all replicas bitwise equal)."""
+        states, steps, spread = [], {}, []
+        for stage in range(self.plan.stages):
+            await self._refresh(stage)
+            replicas = []
+            for uid in self.balancers[stage].peers:
+                try:
+                    tensors, meta = await asyncio.wait_for(self._rpc(stage, uid, "state", {}, {}),
+                                                           timeout=2 * self.sync_timeout_s)
+                except Exception:
+                    continue
+                blob = torch.load(io.BytesIO(tensors["blob"].numpy().tobytes()), weights_only=True)
+                replicas.append((uid, meta["step"], blob["module"]))
+            if not replicas:
+                raise NoPeersError(stage)
+            reference = replicas[0][2]
+            spread.append(max((float((reference[k].float() - state[k].float()).abs().max()) for _, _, state in
+                               replicas[1:] for k in reference if reference[k].numel()), default=0.0))
+            states.append(reference)
+            steps[stage] = {uid: step for uid, step, _ in replicas}
+        return states, steps, spread
+
+    def _initial_specs(self) -> list[tuple[int, float]]:
+        """(stage, speed) of the peers to start: stage by stage, speeds cycled over the peers."""
+        speeds = self.plan.peer_speeds
+        stages = [s for s, n in enumerate(self.plan.peers_per_stage) for _ in range(n)]
+        return [(s, speeds[i % len(speeds)]) for i, s in enumerate(stages)]
+
+    async def _start_swarm(self) -> list[PeerProcess]:
+        """Bootstrap DHT, this process's DHT client, the stage peers (all declared) and the record refresher."""
+        self.failed = asyncio.get_running_loop().create_future()
+        for event in self.window_open:
+            event.set()
+        self.addr_file = await self._bootstrap()
+        maddrs = await asyncio.to_thread(read_addr_file, self.addr_file, self.plan.join_timeout_s)
+        self.node = await join_dht(maddrs, client_mode=True, timeout_s=self.plan.join_timeout_s)
+        self._write_config()
+        peers = [self._start_peer(stage, speed, load_state=False) for stage, speed in self._initial_specs()]
+        await self._wait_declared(peers, self.plan.startup_timeout_s)
+        self.known_steps.update({p.uid: 0 for p in peers})
+        self._spawn(self._refresh_forever())
+        self.start = time.perf_counter()
+        return peers
+
+    async def _shutdown(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        for task in list(self.tasks):
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        self.groups.close()
+        if self.node is not None:
+            await self.node.shutdown()
+
+    async def main(self) -> TrainResult:
+        try:
+            await self._start_swarm()
+            self.dispatcher = Dispatcher(self.batches, self.total, self.plan.recipe)
+            self.bar = tqdm(total=self.total if self.total < 1 << 40 else None, desc="swarm (hivemind)", unit="mb",
+                            disable=not self.progress, mininterval=2.0)
+            if self.plan.kill_every_s:
+                self._spawn(self._kill_forever(self.plan.kill_every_s))
+            if self.plan.rebalance_period_s:
+                self._spawn(self._rebalance_forever(self.plan.rebalance_period_s))
+            trainers = asyncio.gather(*(self._trainer() for _ in range(self.plan.trainers)))
+            await asyncio.wait([trainers, self.failed], return_when=asyncio.FIRST_COMPLETED)
+            if self.failed.done():
+                trainers.cancel()
+                self.failed.result()
+            trainers.result()
+            wall_s = self.elapsed()
+            while any(self.syncing):
+                await asyncio.sleep(0.01)
+            for stage in range(self.plan.stages):  # the last, partial global batch
+                if self.syncs[stage].total:
+                    await self._sync(stage)
+            stage_states, replica_steps, spread = await self._collect_states()
+        finally:
+            await self._shutdown()
+        self.stats.update(
+            transport="hivemind", microbatches_done=self.done, microbatches_requested=self.dispatcher.issued,
+            lost_microbatches=self.dispatcher.issued - self.done, steps=len(self.dispatcher.plan),
+            tokens=self.dispatcher.tokens, wall_s=round(wall_s, 3),
+            throughput_mb_s=round(self.done / wall_s, 4) if wall_s > 0 else 0.0,
+            per_stage_peers=[len(steps) for steps in replica_steps.values()], replica_steps=replica_steps,
+            replicas_equal=not any(spread), replica_max_abs_diff=spread, process_groups=list(self.groups.pgids),
+            balancer_stats=[dict(b.stats) for b in self.balancers],
+        )
+        return TrainResult(stage_states=stage_states, log=self.log, stats=self.stats)
+
+
+class ThroughputCoordinator(Coordinator):
+    """``run(setup)``: an ``emulation.SwarmSetup`` on real processes, DHT and RPCs, with emulated compute.
+
+    Like the emulation and the simulator: each trainer pushes one microbatch at a time forward through stages
+    ``0..k-1`` and backward through ``k-1..0`` (one call per stage and direction, task size 1), the peers sleep
+    ``stage_time_s / speed`` per forward call (``BACKWARD_COMPUTE_FACTOR`` times that per backward call) and
+    send ``activation_bytes`` back; no model, no in-stage synchronisation. The network is the real localhost
+    one (``bandwidth_mbit_s`` and ``latency_s`` are not emulated). ``FailureEvent``s SIGKILL the peer's process
+    group; a rejoining peer is a fresh process for the same stage (its start-up is the state download).
+    """
+
+    def __init__(self, setup: SwarmSetup):
+        setup.validate()
+        counts = [sum(p.stage == s for p in setup.peers) for s in range(setup.num_stages)]
+        plan = SwarmPlan(
+            arch={}, vocab_size=0, recipe={"batch_sequences": 1, "micro_batch_sequences": 1},
+            peers_per_stage=counts, trainers=setup.trainers, seed=setup.seed,
+            retry=RetryPolicy(forward_timeout_s=setup.forward_timeout_s),
+            emulate={"stage_time_s": setup.stage_time_s, "backward_factor": BACKWARD_COMPUTE_FACTOR,
+                     "activation_bytes": setup.activation_bytes},
+        )
+        super().__init__(plan, iter(()), 0, progress=False)
+        self.setup = setup
+
+    def _initial_specs(self) -> list[tuple[int, float]]:
+        return [(p.stage, p.speed) for p in self.setup.peers]
+
+    async def _emulated_trainer(self) -> None:
+        payload = {"x": torch.zeros(self.setup.activation_bytes, dtype=torch.uint8)}
+        stages = self.plan.stages
+        while True:
+            for stage in range(stages):
+                await self._call(stage, "forward", payload, {}, 1)
+            for stage in range(stages - 1, -1, -1):
+                await self._call(stage, "backward", payload, {}, 1)
+            self.done += 1
+            self.timeline.append((self.elapsed(), self.done))
+
+    async def _failure(self, peer: PeerProcess, event: FailureEvent) -> None:
+        await asyncio.sleep(event.at_s)
+        if peer.alive:
+            ProcessGroups.kill(peer.proc)
+            self.stats["peers_killed"] += 1
+            if event.rejoin_after_s is not None:
+                await self._rejoin(peer.stage, peer.speed, event.rejoin_after_s, "rejoins")
+
+    async def measure(self) -> dict:
+        try:
+            peers = await self._start_swarm()
+            for event in self.setup.failures:
+                self._spawn(self._failure(peers[event.peer], event))
+            for _ in range(self.setup.trainers):
+                self._spawn(self._emulated_trainer())
+            await asyncio.wait([self.failed], timeout=self.setup.duration_s)
+            if self.failed.done():
+                self.failed.result()
+            wall_s = self.elapsed()
+        finally:
+            await self._shutdown()
+        return {"microbatches_done": self.done, "throughput_mb_s": self.done / wall_s, "timeline": self.timeline,
+                "lost_microbatches": 0, "retries": self.stats["retries"], "moves": [], "wall_s": wall_s,
+                "peers_killed": self.stats["peers_killed"], "rejoins": self.stats["rejoins"],
+                "chosen_per_peer": [dict(b.chosen_per_peer) for b in self.balancers]}
+
+
+def _exit_on_sigterm(signum: int, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _own_daemons() -> set[int]:
+    return {c.pid for c in psutil.Process().children() if c.name() == "p2pd"}
+
+
+def run_swarm(plan: SwarmPlan, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], total_microbatches: int,
+              progress: bool = True) -> TrainResult:
+    """Run one hivemind swarm; every process it started (and this process's p2pd) is gone when it returns."""
+    check_stage_count(plan.arch["layers"], plan.stages)
+    if plan.compression not in SCHEMES:
+        raise ValueError(f"swarm.compression={plan.compression!r}; allowed: {', '.join(SCHEMES)}")
+    if plan.trainers < 1 or any(n < 0 for n in plan.peers_per_stage) or not plan.peer_speeds \
+            or any(not s > 0 for s in plan.peer_speeds):
+        raise ValueError(f"invalid swarm plan: trainers={plan.trainers}, peers_per_stage={plan.peers_per_stage}, "
+                         f"peer_speeds={plan.peer_speeds}")
+    before = _own_daemons()
+    coordinator = Coordinator(plan, batches, total_microbatches, progress)
+    keep_logs = True
+    previous = None
+    if threading.current_thread() is threading.main_thread():  # SIGTERM (e.g. from Snakemake) -> clean-up
+        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        result = asyncio.run(coordinator.main())
+        keep_logs = False
+        return result
+    except (BootstrapError, NoPeersError):  # the message says it all; the peer logs add nothing
+        keep_logs = False
+        raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        coordinator.groups.close()
+        for pid in _own_daemons() - before:  # this process's p2pd, if the DHT shutdown left it behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if keep_logs:
+            print(f"hivemind swarm failed; peer logs kept in {coordinator.workdir}", file=sys.stderr, flush=True)
+        else:
+            shutil.rmtree(coordinator.workdir, ignore_errors=True)
+
+
+def run(setup: SwarmSetup) -> dict:
+    """Throughput of ``setup`` on real hivemind processes (same result keys as ``emulation.run`` / ``sim.run``)."""
+    coordinator = ThroughputCoordinator(setup)
+    try:
+        return asyncio.run(coordinator.measure())
+    finally:
+        coordinator.groups.close()
+        shutil.rmtree(coordinator.workdir, ignore_errors=True)
+
+
+def train(*, arch: dict, vocab_size: int, recipe: dict, swarm: dict,
+          batches: Iterator[tuple[torch.Tensor, torch.Tensor]], total_microbatches: int,
+          progress: bool = True) -> TrainResult:
+    """The swarm_pretrain rule's hivemind transport (same signature and result as ``emulation.train``)."""
+    if swarm["peers_per_stage"] < 1:
+        raise ValueError(f"swarm.peers_per_stage={swarm['peers_per_stage']}: every stage needs at least one peer")
+    plan = SwarmPlan(
+        arch=arch, vocab_size=vocab_size, recipe=recipe,
+        peers_per_stage=[swarm["peers_per_stage"]] * swarm["stages"], peer_speeds=list(swarm["peer_speeds"]),
+        trainers=swarm["trainers"], compression=swarm["compression"],
+        retry=RetryPolicy(forward_timeout_s=swarm["forward_timeout_s"]), kill_every_s=swarm["kill_every_s"],
+        rejoin_after_s=swarm["rejoin_after_s"], rebalance_period_s=swarm["rebalance_period_s"], seed=swarm["seed"],
+    )
+    return run_swarm(plan, batches, total_microbatches, progress)
