@@ -2,6 +2,7 @@
 import json
 import os
 import re
+import shlex
 import shutil
 import sys
 from pathlib import Path

@@ -46,8 +46,8 @@ def swarm_study_inputs(wildcards):
 def swarm_study_args(wildcards, input):
     if SWARM_EXPERIMENTS[wildcards.name] != "compression":
         return ""
-    arch = json.dumps(RUNS[SWARM_MODEL]["arch"], sort_keys=True)
-    return f"--blocks {input.blocks} --tokenizer {input.tokenizer} --arch '{arch}'"
+    arch = shlex.quote(json.dumps(RUNS[SWARM_MODEL]["arch"], sort_keys=True))
+    return f"--blocks {input.blocks} --tokenizer {input.tokenizer} --arch {arch}"
 
 
 rule swarm_experiment:

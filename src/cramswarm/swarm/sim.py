@@ -50,7 +50,7 @@ import heapq
 import math
 import random
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from cramswarm.swarm.emulation import (
@@ -458,6 +458,21 @@ def heterogeneous_setup(num_peers: int, num_stages: int, *, speed_range: tuple[f
     return SwarmSetup(peers=peers, trainers=trainers or math.ceil(1.5 * num_peers), seed=seed, **setup_fields)
 
 
+def kill_schedule(kill_times: Iterable[float], num_peers: int, rejoin_after_s: float | None,
+                  rng: random.Random) -> list[FailureEvent]:
+    """A failure at each of ``kill_times`` (ascending), each hitting a uniformly random peer that is up at that
+    moment (none up: the kill is skipped); it rejoins after ``rejoin_after_s`` (None: never)."""
+    back_at = [0.0] * num_peers
+    events = []
+    for t in kill_times:
+        up = [i for i in range(num_peers) if back_at[i] <= t]
+        if up:
+            peer = rng.choice(up)
+            events.append(FailureEvent(at_s=t, peer=peer, rejoin_after_s=rejoin_after_s))
+            back_at[peer] = math.inf if rejoin_after_s is None else t + rejoin_after_s
+    return events
+
+
 def poisson_failures(num_peers: int, duration_s: float, *, mean_interval_s: float, rejoin_after_s: float | None,
                      seed: int = 0) -> list[FailureEvent]:
     """Preemptions as one Poisson process over the swarm (mean ``mean_interval_s`` between two), each hitting
@@ -465,17 +480,14 @@ def poisson_failures(num_peers: int, duration_s: float, *, mean_interval_s: floa
     if mean_interval_s <= 0:
         raise ValueError(f"mean_interval_s must be positive, got {mean_interval_s}")
     rng = random.Random(seed)
-    back_at = [0.0] * num_peers
-    events = []
-    t = rng.expovariate(1.0 / mean_interval_s)
-    while t < duration_s:
-        up = [i for i in range(num_peers) if back_at[i] <= t]
-        if up:
-            peer = rng.choice(up)
-            events.append(FailureEvent(at_s=t, peer=peer, rejoin_after_s=rejoin_after_s))
-            back_at[peer] = math.inf if rejoin_after_s is None else t + rejoin_after_s
-        t += rng.expovariate(1.0 / mean_interval_s)
-    return events
+
+    def arrivals() -> Iterator[float]:
+        t = rng.expovariate(1.0 / mean_interval_s)
+        while t < duration_s:
+            yield t
+            t += rng.expovariate(1.0 / mean_interval_s)
+
+    return kill_schedule(arrivals(), num_peers, rejoin_after_s, rng)
 
 
 def _greedy_assignment(speeds: Sequence[float], num_stages: int) -> list[int]:

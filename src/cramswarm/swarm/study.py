@@ -105,18 +105,11 @@ def periodic_kills(num_peers: int, duration_s: float, every_s: float, rejoin_aft
                    seed: int = 0) -> list[FailureEvent]:
     """One random peer that is up killed every ``every_s`` (at every_s, 2 every_s, ...), rejoining after
     ``rejoin_after_s`` (None: never)."""
-    rng = random.Random(seed)
-    back_at = [0.0] * num_peers
-    events = []
-    t = every_s
+    times, t = [], every_s
     while t < duration_s:
-        candidates = [i for i in range(num_peers) if back_at[i] <= t]
-        if candidates:
-            peer = rng.choice(candidates)
-            events.append(FailureEvent(at_s=t, peer=peer, rejoin_after_s=rejoin_after_s))
-            back_at[peer] = math.inf if rejoin_after_s is None else t + rejoin_after_s
+        times.append(t)
         t += every_s
-    return events
+    return sim.kill_schedule(times, num_peers, rejoin_after_s, random.Random(seed))
 
 
 # ------------------------------------------------------------------------------------------------------------
