@@ -188,7 +188,10 @@ def test_ablation_data_writes_table2_with_stage_counts(workdir):
     assert table.loc["none", "blocks"] > table.loc["filtered_sorted", "blocks"] > table.loc["filtered_dedup", "blocks"]
     assert table["sst2"].notna().all() and (table["n_seeds"] == 2).all()
     table2 = pd.read_csv(out / "data_table2.csv")
-    assert list(table2.columns) == ["source", "none", "filtered_sorted", "filtered_dedup"] and list(table2["source"]) == ["noisy"]
+    assert list(table2.columns) == ["source", "none", "filtered_sorted", "filtered_dedup"] and table2["source"][0] == "noisy"
+    paper = table2.set_index("source").loc["paper (ICML, [third-party]): bookcorpus-wikipedia"]  # published rows below ours
+    assert (paper["none"], paper["filtered_sorted"]) == (78.1, 78.8) and pd.isna(paper["filtered_dedup"])
+    assert len(table2) == 1 + 5
     reports = workdir / "results" / "data" / "noisy"
     trash_report = json.loads((reports / "trash0.72" / "report.json").read_text())
     assert trash_report["tokenizer"] == "results/tokenizers/noisy/raw/wordpiece-v128/tokenizer.json"  # its own tokenizer

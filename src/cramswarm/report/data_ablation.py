@@ -92,10 +92,32 @@ def _markdown(df: pd.DataFrame) -> str:
     return to_markdown(df.rename(columns={**COUNT_HEADERS, **TEXT_HEADERS})) + NOTE
 
 
+# The paper's Table 2 (ICML): GLUE average per source x cell, one pretraining run each [third-party: quoted by
+# a literature note, not verified against the paper; shared/reference/paper-numbers.md 1.4].
+PAPER_TABLE2: dict[str, dict[str, float]] = {
+    "bookcorpus-wikipedia": {"none": 78.1, "filtered": 78.7, "filtered_sorted": 78.8},
+    "C4": {"none": 75.9, "filtered": 79.3, "filtered_sorted": 79.0},
+    "OSCAR": {"none": 79.1, "filtered": 79.2, "filtered_sorted": 79.2},
+    "Pile": {"none": 78.2, "filtered": 79.3, "filtered_sorted": 80.1},
+    "Pile (natural sources)": {"none": 79.2, "filtered": 79.8, "filtered_sorted": 80.1},
+}
+
+
+def paper_table2(cells: list[str]) -> pd.DataFrame:
+    """:data:`PAPER_TABLE2` as rows below ours: ``source`` = "paper (ICML, [third-party]): <corpus>", one
+    column per cell of ``cells`` (NaN where the paper has no such cell, e.g. dedup)."""
+    return pd.DataFrame(
+        [{"source": f"paper (ICML, [third-party]): {corpus}", **{c: row.get(c, float("nan")) for c in cells}}
+         for corpus, row in PAPER_TABLE2.items()]
+    )
+
+
 def write_data_tables(table: pd.DataFrame, stem: str | Path) -> None:
-    """``<stem>.{csv,md}`` (one row per run) and ``<stem>_table2.{csv,md}`` (sources x cells, GLUE average)."""
+    """``<stem>.{csv,md}`` (one row per run) and ``<stem>_table2.{csv,md}`` (sources x cells, GLUE average,
+    the paper's published rows below ours)."""
     stem = Path(stem)
     write_table(table, stem, markdown=_markdown)
     pivot = table2(table).reset_index()
     pivot.columns = [str(c) for c in pivot.columns]
+    pivot = pd.concat([pivot, paper_table2(list(pivot.columns[1:]))], ignore_index=True)
     write_table(pivot, stem.with_name(stem.name + "_table2"), markdown=_markdown)
