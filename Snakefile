@@ -10,6 +10,7 @@ configfile: "config/config.yaml"
 
 
 include: "rules/common.smk"  # validates the config before any job runs
+include: "rules/outputs.smk"  # benchmark files, report() figures and tables
 include: "rules/data.smk"
 include: "rules/tokenizers.smk"
 include: "rules/pretrain.smk"

@@ -3,6 +3,10 @@
 # stages and (optionally) injected failures. The checkpoint has the crammed layout, so rule finetune reads it as is.
 
 
+def swarm_json(wildcards):
+    return json.dumps(config["swarm"], sort_keys=True)
+
+
 rule swarm_pretrain:
     input:
         unpack(run_data),  # the same blocks and tokenizer as a single-process run of the same data recipe
