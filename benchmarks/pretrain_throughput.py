@@ -1,12 +1,14 @@
 """Pretraining throughput of crammed BERT vs HF ``BertForMaskedLM`` at the same shape, in one process.
 
-One training step = forward + backward + AdamW step under bf16 autocast (CPU), masked-LM on random token
-blocks with a fixed number of masked positions per sequence (25 % of 128 = 32 by default). Crammed BERT
-decodes only the masked positions (sparse prediction); HF decodes every position and ignores the rest
-through ``labels == -100``. Both models see the same inputs and masks.
+One training step = forward + backward + fused AdamW step under bf16 autocast, on the CPU or a CUDA GPU
+(``--device``), masked-LM on random token blocks with a fixed number of masked positions per sequence
+(25 % of 128 = 32 by default). Crammed BERT decodes only the masked positions (sparse prediction); HF
+decodes every position and ignores the rest through ``labels == -100``. Both models see the same inputs and
+masks.
 
 Step time is the fastest timed step (the median is printed too): on a shared machine other processes only
-ever slow a step down. MFU is model FLOPs / (step time x peak), with the peak measured here from large square bf16 matmuls.
+ever slow a step down. MFU is model FLOPs / (step time x peak), with the peak measured here, on the same device,
+from large square bf16 matmuls of random data. On CUDA every timed region ends with a device synchronisation.
 Model FLOPs per token are counted analytically (see ``flops_per_token``): 6 x the matmul parameters
 each token passes through (2 forward, 4 backward), the decoder only on the positions actually decoded,
 plus the attention score and value matmuls (2 x 2 x seq x hidden per layer per token forward, x3 for
@@ -14,6 +16,7 @@ forward + backward). Embedding lookups, LayerNorms, activations, softmax and the
 
     python benchmarks/pretrain_throughput.py                       # BERT-base shape, ~2 minutes on 2 cores
     python benchmarks/pretrain_throughput.py --layers 2 --batch 4 --steps 2 --warmup 1 --json out.json
+    python benchmarks/pretrain_throughput.py --device cuda --batch 128 --steps 20 --warmup 3 [--compile]
 """
 
 from __future__ import annotations
@@ -48,17 +51,27 @@ def physical_cores() -> int:
     return os.cpu_count() or 1
 
 
-def measure_matmul_peak(size: int, repeats: int = 5, dtype=torch.bfloat16) -> float:
-    """Best-of-``repeats`` TFLOP/s of a size^3 matmul in ``dtype``."""
-    a = torch.randn(size, size, dtype=dtype)
-    b = torch.randn(size, size, dtype=dtype)
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously; the CPU needs nothing)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_matmul_peak(size: int, device: torch.device, repeats: int = 5, dtype=torch.bfloat16) -> float:
+    """Best-of-``repeats`` TFLOP/s of a size^3 matmul in ``dtype`` on ``device`` (random data, never zeros)."""
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
+    inner = 10 if device.type == "cuda" else 1  # an 8192^3 bf16 matmul takes ~1.4 ms on an H100: time ten
     for _ in range(2):
         a @ b
+    synchronize(device)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
+        for _ in range(inner):
+            a @ b
+        synchronize(device)
+        best = min(best, (time.perf_counter() - start) / inner)
     return 2 * size**3 / best / 1e12
 
 
@@ -110,7 +123,7 @@ def build(kind: str, args: argparse.Namespace) -> torch.nn.Module:
     return BertForMaskedLM(config)
 
 
-def make_batches(args: argparse.Namespace, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def make_batches(args: argparse.Namespace, count: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(0)
     batches = []
     for _ in range(count):
@@ -119,24 +132,28 @@ def make_batches(args: argparse.Namespace, count: int) -> list[tuple[torch.Tenso
         selected = torch.zeros(args.batch, args.seq, dtype=torch.bool).scatter_(1, order[:, : args.masked], True)
         labels = torch.where(selected, ids, torch.full_like(ids, -100))
         inputs = torch.where(selected, torch.full_like(ids, 4), ids)  # 4 = a stand-in <mask> id
-        batches.append((inputs, labels))
+        batches.append((inputs.to(device), labels.to(device)))  # on the device before timing starts
     return batches
 
 
-def run(kind: str, args: argparse.Namespace, batches) -> dict:
+def run(kind: str, args: argparse.Namespace, batches, device: torch.device) -> dict:
     torch.manual_seed(0)
-    model = build(kind, args).train()
+    model = build(kind, args).to(device).train()
     params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
     step_model = torch.compile(model) if args.compile else model
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     times = []
     for i, (inputs, labels) in enumerate(batches):
+        synchronize(device)
         start = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = step_model(input_ids=inputs, labels=labels).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        synchronize(device)
         elapsed = time.perf_counter() - start
         if i >= args.warmup:
             times.append(elapsed)
@@ -144,6 +161,10 @@ def run(kind: str, args: argparse.Namespace, batches) -> dict:
             print(f"  {kind} step {i}: {elapsed:.3f} s, loss {loss.item():.3f}", flush=True)
     # The fastest timed step: on a shared machine other processes only ever slow a step down.
     step = min(times)
+    peak_memory = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    del model, step_model, optimizer
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     tokens = args.batch * args.seq
     flops = flops_per_token(kind, args)
     achieved = flops * tokens / step / 1e12
@@ -157,6 +178,8 @@ def run(kind: str, args: argparse.Namespace, batches) -> dict:
         "flops_per_token": flops,
         "achieved_tflops": achieved,
         "mfu": achieved / args.peak_tflops,
+        "final_loss": loss.item(),
+        "cuda_peak_memory_bytes": peak_memory,
     }
 
 
@@ -172,9 +195,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--mask-rate", type=float, default=0.25)
     parser.add_argument("--steps", type=int, default=4, help="timed steps per model")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per model before timing")
-    parser.add_argument("--threads", type=int, default=physical_cores(), help="default: physical cores")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                        help="where to train (auto: cuda when available); the peak is measured on the same device")
+    parser.add_argument("--threads", type=int, default=physical_cores(), help="CPU threads; default: physical cores")
     parser.add_argument("--compile", action="store_true", help="torch.compile both models")
-    parser.add_argument("--peak-size", type=int, default=4096, help="square bf16 matmul size for the peak")
+    parser.add_argument("--peak-size", type=int, default=None,
+                        help="square bf16 matmul size for the peak (default: 4096 on CPU, 8192 on CUDA)")
     parser.add_argument("--models", default="crammed,hf", help="comma-separated subset of crammed,hf")
     parser.add_argument(
         "--no-malloc-trim",
@@ -190,11 +216,20 @@ def main(argv: list[str] | None = None) -> dict:
         env = dict(os.environ, GLIBC_TUNABLES=TUNABLES)
         os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *(argv or sys.argv[1:])], env)
 
+    from cramswarm.pretrain import resolve_device
+
+    device = resolve_device(args.device)
+    if args.peak_size is None:
+        args.peak_size = 8192 if device.type == "cuda" else 4096
     torch.set_num_threads(args.threads)
-    args.peak_tflops = measure_matmul_peak(args.peak_size)
+    args.peak_tflops = measure_matmul_peak(args.peak_size, device)
     malloc = f", GLIBC_TUNABLES={os.environ['GLIBC_TUNABLES']}" if "GLIBC_TUNABLES" in os.environ else ""
+    if device.type == "cuda":
+        where = f"{torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}"
+    else:
+        where = f"{args.threads} threads, {platform.processor() or platform.machine()}"
     print(
-        f"torch {torch.__version__}, {args.threads} threads, {platform.processor() or platform.machine()}{malloc}; "
+        f"torch {torch.__version__}, {where}{malloc}; "
         f"bf16 matmul peak ({args.peak_size}^3): {args.peak_tflops:.3f} TFLOP/s"
     )
     print(
@@ -202,8 +237,8 @@ def main(argv: list[str] | None = None) -> dict:
         f"vocab {args.vocab}, seq {args.seq}, batch {args.batch}, {args.masked} masked/seq, "
         f"{args.warmup} warmup + {args.steps} timed steps{', compiled' if args.compile else ''}"
     )
-    batches = make_batches(args, args.warmup + args.steps)
-    results = [run(kind, args, batches) for kind in args.models.split(",")]
+    batches = make_batches(args, args.warmup + args.steps, device)
+    results = [run(kind, args, batches, device) for kind in args.models.split(",")]
 
     by_kind = {r["model"]: r for r in results}
     header = f"{'model':<8} {'params':>8} {'best s':>7} {'median s':>8} {'tokens/s':>9} {'GFLOP/tok':>9} {'TFLOP/s':>8} {'MFU':>6} {'vs HF':>6}"
@@ -216,9 +251,12 @@ def main(argv: list[str] | None = None) -> dict:
             f"{r['model']:<8} {r['parameters'] / 1e6:>7.1f}M {r['step_s_best']:>7.3f} {r['step_s_median']:>8.3f} "
             f"{r['tokens_per_s']:>9.0f} "
             f"{r['flops_per_token'] / 1e9:>9.3f} {r['achieved_tflops']:>8.3f} {r['mfu']:>6.1%} {ratio:>6.2f}"
+            + (f"  peak mem {r['cuda_peak_memory_bytes'] / 2**30:.1f} GiB" if r["cuda_peak_memory_bytes"] else "")
         )
     report = {
         "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "cuda": torch.version.cuda if device.type == "cuda" else None,
         "threads": args.threads,
         "peak_tflops_bf16": args.peak_tflops,
         "shape": {k: getattr(args, k) for k in ("layers", "hidden", "heads", "intermediate", "vocab", "seq", "batch", "masked")},
