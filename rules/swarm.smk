@@ -7,6 +7,14 @@ def swarm_json(wildcards):
     return json.dumps(config["swarm"], sort_keys=True)
 
 
+# swarm.placement srun: the job is one SLURM job of stages x peers_per_stage tasks (across nodes); the coordinator
+# runs in its batch step and starts the peers as one srun job step. `mpi` tells the SLURM plugin the rule calls srun
+# itself (its job step runs the rule as is, not under `srun -n1`). Other placements: one process (plus its peers).
+SWARM_TASKS = config["swarm"]["stages"] * config["swarm"]["peers_per_stage"]
+SWARM_SRUN = config["swarm"]["placement"] == "srun"
+SWARM_SLURM = {"tasks": SWARM_TASKS, "mpi": "srun"} if SWARM_SRUN else {}
+
+
 rule swarm_pretrain:
     input:
         unpack(run_data),  # the same blocks and tokenizer as a single-process run of the same data recipe
@@ -19,9 +27,12 @@ rule swarm_pretrain:
         arch=arch_json,
         swarm=swarm_json,
         out_dir=subpath(output.model, parent=True),
-    threads: 2  # stage replicas and trainers run concurrently
+        # where attach/srun peers meet the coordinator (config.json + DHT address file); outside the outputs
+        rendezvous="results/.state/swarm/{source}/{model}/v{vocab}",
+    threads: 1 if SWARM_SRUN else 2  # srun: CPUs per task (one peer each); else: the local replicas and trainers
     resources:
         gpu=pretrain_gpus,
+        **SWARM_SLURM,
     conda:
         "../envs/cramswarm.yaml"
     log:
@@ -31,7 +42,8 @@ rule swarm_pretrain:
     shell:
         "python -m cramswarm swarm-pretrain --recipe {params.recipe:q} --arch {params.arch:q} --swarm {params.swarm:q} "
         "--blocks {input.blocks} --tokenizer {input.tokenizer} --vocab-size {wildcards.vocab} "
-        "--out-dir {params.out_dir} --run {wildcards.model} --threads {threads} > {log} 2>&1"
+        "--out-dir {params.out_dir} --rendezvous {params.rendezvous} --run {wildcards.model} --threads {threads} "
+        "> {log} 2>&1"
 
 
 # --- named target swarm_study: the paper's experiments in miniature (one CSV each), then their tables/figures ---

@@ -193,3 +193,21 @@ def test_finetune_attention_leaves_out_cudnn_on_cuda_only():
     assert torch.backends.cuda.cudnn_sdp_enabled()
     with attention_backends(torch.device("cpu")):
         assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_hivemind_swarm_peers_train_on_the_gpu():
+    """SWARM's stage peers (hivemind processes, recipe device auto) compute on the GPU their process sees: the
+    swarm trains, loses no microbatch, and its replicas stay bitwise equal."""
+    pytest.importorskip("hivemind", reason="hivemind is not installed")
+    import test_swarm_hivemind as swarm
+
+    on_gpu = swarm.plan().recipe | {"device": "auto"}
+    result = swarm.ht.run_swarm(swarm.plan(peers_per_stage=[2, 1], recipe=on_gpu), swarm.batches(), 160,
+                                progress=False)
+    stats = result.stats
+    assert set(stats["peer_devices"].values()) == {"cuda"}, stats["peer_devices"]
+    assert stats["microbatches_requested"] == stats["microbatches_done"] == 160 and stats["lost_microbatches"] == 0
+    assert stats["replicas_equal"], stats["replica_steps"]
+    losses = [row["loss"] for row in result.log]
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5, losses
+    assert all(t.device.type == "cpu" for state in result.stage_states for t in state.values())

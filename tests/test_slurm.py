@@ -8,6 +8,7 @@ GPU job on a partition without GPUs) must fail fast with sbatch's message. Where
 started, the cluster tests skip with the reason; the dry-run checks of the profiles run everywhere.
 """
 
+import contextlib
 import hashlib
 import json
 import os
@@ -20,6 +21,7 @@ from collections import Counter
 
 from pathlib import Path
 
+import psutil
 import pytest
 from conftest import TINY, copy_workflow, job_stats, planned_jobs, snakemake
 from slurm_cluster import LocalSlurm, Unavailable, run
@@ -217,3 +219,41 @@ def test_local_gpu_jobs_hold_the_default_profiles_one_gpu(dry, tmp_path):
     assert "gpu=1" in planned_resources(dry, finetune, *TINY, environ=with_gpu)["finetune"]
     cpu.write_text("glue:\n  device: cpu\n")
     assert "gpu=0" in planned_resources(dry, finetune, *TINY, str(cpu), environ=with_gpu)["finetune"]
+
+
+# SWARM with swarm.placement srun: one SLURM job whose tasks are the stage peers (2 stages x 1 peer, one CPU each
+# on the 2-CPU test node); the coordinator runs in the job's batch step and starts them as one srun job step.
+SWARM_RUN = "results/swarm/synthetic/swarm/v128"
+SWARM_OVERLAY = ("pretrain:\n  budget: {unit: tokens, value: 81920}\n"  # 20 steps of 32 x 128 tokens
+                 "swarm:\n  transport: hivemind\n  placement: srun\n  peers_per_stage: 1\n  host: 0.0.0.0\n")
+
+
+def test_swarm_peers_run_as_the_tasks_of_one_slurm_job(cluster, local, tmp_path_factory):
+    work = copy_workflow(tmp_path_factory.mktemp("swarm_srun"))
+    (work / "slurm_test.yaml").write_text(SWARM_OVERLAY)
+    for folder in ("results/data", "results/tokenizers", "results/packed"):
+        shutil.copytree(local / folder, work / folder)  # keeps the times: only swarm_pretrain is to run
+    assert planned_jobs(work, f"{SWARM_RUN}/summary.json", *CONFIG) == Counter({"swarm_pretrain": 1})
+    proc = snakemake(work, *PROFILE, f"{SWARM_RUN}/summary.json", *CONFIG, check=False, timeout=900,
+                     env=env(**CPU_CLUSTER))
+    log = (work / "logs/swarm_pretrain/synthetic/swarm/v128.log")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:] + (log.read_text()[-4000:] if log.exists() else "")
+    job = next(job for job in cluster.jobs() if rule_of(job) == "swarm_pretrain")
+    assert job["state"] == "COMPLETED" and "cpu=2" in job["tres"], job  # --ntasks=2, one CPU per task
+    stats = json.loads((work / SWARM_RUN / "summary.json").read_text())["swarm_stats"]
+    assert stats["placement"] == "srun"
+    assert stats["microbatches_requested"] == stats["microbatches_done"] > 0 and stats["lost_microbatches"] == 0
+    # the peers' uids carry the rank each task read from SLURM_PROCID (no --rank is passed): ranks 0 and 1
+    assert sorted(uid for steps in stats["replica_steps"].values() for uid in steps) == ["s0r0.0", "s1r1.0"], stats
+    # the tasks left with the run: their supervisors and peers are gone, and no rendezvous outlived it as output
+    assert processes_naming(str(work / "results/.state/swarm")) == []
+    assert not (work / "results/swarm/synthetic/swarm/v128/dht_addrs.txt").exists()
+
+
+def processes_naming(text):
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if any(text in part for part in proc.info["cmdline"] or []):
+                found.append(proc.pid)
+    return found

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -15,13 +21,14 @@ pytest.importorskip("hivemind", reason="hivemind is not installed: transport 1 (
 from conftest import ARCH, recipe  # noqa: E402
 
 from cramswarm.swarm import hivemind_transport as ht  # noqa: E402
-from cramswarm.swarm.hivemind_peer import BootstrapError  # noqa: E402
+from cramswarm.swarm.hivemind_peer import BootstrapError, listen_host  # noqa: E402
 from cramswarm.swarm.policies import NoPeersError, RetryPolicy  # noqa: E402
 
 TINY = ARCH | dict(layers=2, hidden_size=64, heads=2, intermediate_size=128, max_positions=32)
 VOCAB, MICRO, SEQ = 128, 4, 32
 # A well-formed multiaddr of a peer that does not exist (nothing listens on port 1).
 NOWHERE = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWEpV7iEfzTwJ4NkkVYcuRhqCVNppEeuuE5eAqRXZUePKk"
+TESTS = Path(__file__).resolve().parent
 
 
 def batches(seed: int = 0):
@@ -130,3 +137,149 @@ def test_a_stage_without_peers_raises_no_peers_error_naming_it_within_the_bound(
     assert coordinators[0].elapsed() < 30  # training clock: from the swarm being up to the error
     assert ht.leftover_processes(coordinators[0].groups.pgids) == []
     assert own_p2p_daemons() == daemons_before
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Peers the coordinator did not start (placements attach and srun): the tasks of a multi-node job
+# --------------------------------------------------------------------------------------------------------------
+def start_tasks(rendezvous, ranks, logs):
+    """Stand-ins for the tasks of one multi-node job: `swarm-peer` processes started apart from the coordinator
+    (here before it, as the tasks of an srun step may be), each knowing only the rendezvous folder and its rank."""
+    logs.mkdir(exist_ok=True)
+    return [subprocess.Popen([sys.executable, "-m", "cramswarm", "swarm-peer", "--rendezvous", str(rendezvous),
+                              "--rank", str(rank)], stdout=open(logs / f"rank{rank}.log", "w"),
+                             stderr=subprocess.STDOUT, start_new_session=True) for rank in ranks]
+
+
+def processes_naming(text):
+    """Live processes whose command line mentions ``text`` (the tasks' peers and p2pd daemons carry the folder)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        with contextlib.suppress(psutil.Error):
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and any(text in part for part in proc.info["cmdline"] or []):
+                found.append(proc.pid)
+    return found
+
+
+def wait_all(tasks, logs, timeout_s=60):
+    codes = []
+    for task in tasks:
+        try:
+            codes.append(task.wait(timeout=timeout_s))
+        except subprocess.TimeoutExpired:
+            task.kill()
+            codes.append(None)
+    assert codes == [0] * len(tasks), "\n".join(p.read_text()[-1500:] for p in sorted(logs.glob("*.log")))
+
+
+@pytest.mark.slow
+def test_peers_started_as_separate_tasks_train_through_kills_and_exit_with_the_run(tmp_path):
+    rendezvous, logs = tmp_path / "rendezvous", tmp_path / "logs"
+    tasks = start_tasks(rendezvous, range(4), logs)
+
+    def kill_a_peer_from_outside():  # SIGKILL of one task's peer process group (the peer and its p2pd)
+        children = psutil.Process(tasks[1].pid).children()
+        if children:
+            os.killpg(children[0].pid, signal.SIGKILL)
+
+    outside = threading.Timer(8.0, kill_a_peer_from_outside)
+    outside.start()
+    try:
+        result = ht.run_swarm(plan(placement="attach", rendezvous=rendezvous, interface="lo", peer_speeds=[0.25],
+                                   kill_every_s=4.0, rejoin_after_s=0.2), batches(), 240, progress=False)
+    finally:
+        outside.cancel()
+        for task in tasks:
+            if task.poll() is None and not (rendezvous / "done").exists():
+                os.killpg(task.pid, signal.SIGKILL)
+    stats = result.stats
+    assert stats["placement"] == "attach"
+    assert stats["microbatches_requested"] == stats["microbatches_done"] == 240 and stats["lost_microbatches"] == 0
+    assert stats["peers_killed"] >= 1 and stats["rejoins"] >= 1, stats
+    # the uids are s<stage>r<rank>.<incarnation>: every rank served, a restarted one under a new incarnation
+    uids = [uid for steps in stats["replica_steps"].values() for uid in steps]
+    assert all(uid.startswith(("s0r0.", "s0r1.", "s1r2.", "s1r3.")) for uid in uids), uids
+    restarted = [uid for uid in (logs / "rank1.log").read_text().split() if uid.startswith("[s0r1.") and
+                 not uid.startswith("[s0r1.0")] + [u for u in uids if not u.endswith(".0")]
+    assert restarted, (logs / "rank1.log").read_text()[-2000:]
+    assert "loaded stage" in "".join(p.read_text() for p in logs.glob("*.log"))  # a restarted peer took the state
+    assert stats["replicas_equal"], stats["replica_steps"]
+    losses = [row["loss"] for row in result.log]
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5, losses
+    # the tasks read the coordinator's `done` and exit 0; none of their processes is left
+    wait_all(tasks, logs)
+    assert processes_naming(str(rendezvous)) == []
+
+
+@pytest.mark.slow
+def test_rebalancing_moves_a_separately_started_task_to_the_bottleneck_stage(tmp_path):
+    rendezvous, logs = tmp_path / "rendezvous", tmp_path / "logs"
+    tasks = start_tasks(rendezvous, range(4), logs)
+    try:
+        result = ht.run_swarm(plan(placement="attach", rendezvous=rendezvous, peers_per_stage=[3, 1], trainers=3,
+                                   peer_speeds=[0.4], rebalance_period_s=3.0), batches(), 500, progress=False)
+    finally:
+        for task in tasks:
+            if task.poll() is None and not (rendezvous / "done").exists():
+                os.killpg(task.pid, signal.SIGKILL)
+    stats = result.stats
+    assert [(m["from_stage"], m["to_stage"]) for m in stats["moves"]][:1] == [(0, 1)], stats["moves"]
+    assert stats["moves_completed"] >= 1, stats
+    moved = ht.rank_of_uid(stats["moves"][0]["uid"])  # its task restarted it on stage 1, with stage 1's state
+    log = (logs / f"rank{moved}.log").read_text()
+    assert f"[rank {moved}] moving to stage 1" in log and f"[s1r{moved}.1] serving stage 1" in log, log[-2000:]
+    assert f"[s1r{moved}.1] loaded stage 1 state" in log, log[-2000:]
+    assert stats["lost_microbatches"] == 0 and stats["microbatches_done"] == 500
+    assert stats["replicas_equal"], stats["replica_steps"]
+    wait_all(tasks, logs)
+    assert processes_naming(str(rendezvous)) == []
+
+
+@pytest.mark.slow
+def test_tasks_exit_when_their_coordinator_dies_without_a_word(tmp_path):
+    rendezvous, logs = tmp_path / "rendezvous", tmp_path / "logs"
+    tasks = start_tasks(rendezvous, range(2), logs)
+    script = (f"import sys; sys.path.insert(0, {str(TESTS)!r}); import test_swarm_hivemind as t; "
+              f"t.ht.run_swarm(t.plan(placement='attach', rendezvous={str(rendezvous)!r}, peers_per_stage=[1, 1], "
+              f"coordinator_grace_s=4.0), t.batches(), 10**6, progress=False)")
+    coordinator = subprocess.Popen([sys.executable, "-c", script], start_new_session=True,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while "serving stage" not in "".join(p.read_text() for p in logs.glob("*.log")).replace("\n", " ") \
+                or sum("serving stage" in p.read_text() for p in logs.glob("*.log")) < 2:
+            assert time.monotonic() < deadline and coordinator.poll() is None, "the swarm never came up"
+            time.sleep(0.5)
+        time.sleep(3.0)  # training
+        os.killpg(coordinator.pid, signal.SIGKILL)  # no clean-up, no `done`: only the heartbeat stops
+        started = time.monotonic()
+        codes = [task.wait(timeout=90) for task in tasks]
+    finally:
+        for proc in [coordinator, *tasks]:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert codes == [3, 3], [p.read_text()[-1500:] for p in logs.glob("*.log")]
+    assert time.monotonic() - started < 60
+    assert "has not been seen for 4 s" in (logs / "rank0.log").read_text()
+    assert processes_naming(str(rendezvous)) == []
+
+
+def test_task_ranks_map_to_stages_and_bad_placements_fail_with_the_key(tmp_path, monkeypatch):
+    assert [ht.rank_of_uid(u) for u in ("s0r3.0", "s12r10.7", "s0p1")] == [3, 10, None]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 5")  # local placement spreads peers over these (SLURM's list)
+    assert ht.visible_gpus() == ["2", "5"]
+    assert listen_host({"interface": "lo"}) == "127.0.0.1" and listen_host({"host": "0.0.0.0"}) == "0.0.0.0"
+    with pytest.raises(BootstrapError, match="swarm.interface='no-such-if0': no such network interface"):
+        listen_host({"interface": "no-such-if0"})
+    with pytest.raises(ValueError, match="swarm.placement=attach needs a rendezvous folder"):
+        ht.run_swarm(plan(placement="attach"), batches(), 4, progress=False)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    with pytest.raises(ValueError, match="swarm.placement=srun .* SLURM_JOB_ID is unset"):
+        ht.run_swarm(plan(placement="srun", rendezvous=tmp_path), batches(), 4, progress=False)
+    # a task whose rank is beyond the swarm's peers says so and exits at once
+    (tmp_path / "config.json").write_text(json.dumps({"placement_specs": [[0, 1.0], [1, 1.0]], "run_id": "x",
+                                                      "startup_timeout_s": 5, "rejoin_after_s": 0}))
+    (tmp_path / "dht_addrs.txt").write_text(NOWHERE + "\n")
+    proc = subprocess.run([sys.executable, "-m", "cramswarm", "swarm-peer", "--rendezvous", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "SLURM_PROCID": "2"})
+    assert proc.returncode == 2 and "rank 2 is outside the swarm's 2 peers" in proc.stderr, proc.stderr

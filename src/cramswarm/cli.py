@@ -262,9 +262,16 @@ def swarm_pretrain(args) -> int:
 
     _set_threads(args.threads)
     summary = run(args.recipe, args.arch, args.swarm, args.blocks, args.tokenizer, args.out_dir,
-                  progress=not args.quiet, run=args.run, expected_vocab=args.vocab_size)
+                  progress=not args.quiet, run=args.run, expected_vocab=args.vocab_size, rendezvous=args.rendezvous)
     print(json.dumps({k: summary[k] for k in ("steps", "tokens", "final_loss", "eval_loss") if k in summary}))
     return 0
+
+
+@command("swarm-peer", "serve as one peer of a running swarm-pretrain (swarm.placement attach or srun)")
+def swarm_peer(args) -> int:
+    from cramswarm.swarm.hivemind_peer import run_task
+
+    return run_task(args.rendezvous, args.rank, args.max_restarts)
 
 
 # swarm_study config section -> cramswarm.swarm.study function, and config keys renamed to its keywords
@@ -401,6 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
     p["swarm-pretrain"].add_argument("--out-dir", required=True)
     p["swarm-pretrain"].add_argument("--run", help="run name recorded in the summary")
     p["swarm-pretrain"].add_argument("--vocab-size", type=int, help="vocab size this run expects; the tokenizer must match")
+    p["swarm-pretrain"].add_argument("--rendezvous", help="swarm.placement attach/srun: folder (shared filesystem) "
+                                     "where the peers find config.json and the DHT address file")
     for name in ("pretrain", "finetune", "swarm-pretrain"):
         p[name].add_argument("--threads", type=int, default=1)
         p[name].add_argument("--quiet", action="store_true", help="no progress bar")
@@ -432,6 +441,11 @@ def build_parser() -> argparse.ArgumentParser:
     p["readme-figures"].add_argument("--figures", nargs="+", required=True, help="PNG files")
     p["readme-figures"].add_argument("--out-dir", required=True)
     p["readme-figures"].add_argument("--max-width-px", type=int, default=900)
+    p["swarm-peer"].add_argument("--rendezvous", required=True, help="the coordinator's rendezvous folder "
+                                 "(swarm-pretrain --rendezvous), on a filesystem this host shares with it")
+    p["swarm-peer"].add_argument("--rank", type=int, help="this peer's rank, 0 .. stages x peers_per_stage - 1 "
+                                 "(default: SLURM_PROCID); it decides the stage and speed")
+    p["swarm-peer"].add_argument("--max-restarts", type=int, default=100, help="restarts of a dying peer (count)")
     p["swarm-study"].add_argument("--experiment", required=True, choices=tuple(SWARM_EXPERIMENTS))
     p["swarm-study"].add_argument("--settings", type=_json, required=True, help="JSON of the swarm_study.<experiment> section")
     p["swarm-study"].add_argument("--out", required=True, help="CSV written")

@@ -162,6 +162,9 @@ def _semantic_errors(cfg: dict, base_dir: Path, schema: dict) -> list[str]:
             f"config key 'swarm_study.compression.stages': {stages} stages do not divide the "
             f"{cfg['models'][split]['arch']['layers']} layers of models.{split} (the model the experiment splits)"
         )
+    if cfg["swarm"]["placement"] != "local" and cfg["swarm"]["transport"] != "hivemind":
+        errors.append(f"config key 'swarm.placement': {cfg['swarm']['placement']} starts the peers as separate "
+                      f"processes, which needs swarm.transport: hivemind (not {cfg['swarm']['transport']})")
     stages = cfg["swarm"]["stages"]
     for name, model in cfg["models"].items():
         if model["trainer"] != "swarm":

@@ -5,11 +5,17 @@ process-group leader, so killing the group also kills the peer's ``p2pd`` daemon
 
     python -m cramswarm.swarm.hivemind_peer bootstrap --addr-file F [--host 127.0.0.1]
     python -m cramswarm.swarm.hivemind_peer stage --config C --stage S --uid U --addr-file F [--speed X] [--load-state]
+    python -m cramswarm.swarm.hivemind_peer task --rendezvous DIR [--rank R]      (= python -m cramswarm swarm-peer)
 
 ``bootstrap`` starts a DHT node and writes its visible multiaddrs to the address file (atomically, one per line);
 every other process joins the swarm through that file, as the tasks of a multi-node job would on a shared
 filesystem. ``stage`` serves one pipeline stage (``stages.split_model`` of the crammed-BERT MLM) over hivemind
-P2P streams and declares itself under the stage's DHT key. Its RPCs (``StagePeer.rpc_*``):
+P2P streams and declares itself under the stage's DHT key. ``task`` is one peer of a swarm whose coordinator did
+not start it (placements ``attach`` and ``srun``): it reads the coordinator's rendezvous folder (``config.json``,
+then the address file ``dht_addrs.txt``), takes the stage and speed of its rank (``--rank``, else
+``SLURM_PROCID``: the tasks of one ``srun`` job step) and runs ``stage`` as a child process group, which it
+restarts with a state download when it dies (``rejoin_after_s`` later) and moves to another stage when the
+coordinator's rebalancer asks. Its RPCs (``StagePeer.rpc_*``):
 
 * ``forward``  - stage output for the inputs (no grad), compressed with ``compression.encode``;
 * ``backward`` - re-runs the stage forward on the saved inputs (so any replica can take it, as in SWARM),
@@ -25,10 +31,22 @@ P2P streams and declares itself under the stage's DHT key. Its RPCs (``StagePeer
   takes the same step, so replicas stay equal; replies with a SHA-1 of the parameters;
 * ``state`` / ``resync`` - parameters + optimizer state + step count of a replica (a joining or lagging peer
   downloads them from a live replica before it serves);
-* ``aggregate_part`` - hivemind's all-reduce traffic, dispatched to the running ``AllReduceRunner``.
+* ``aggregate_part`` - hivemind's all-reduce traffic, dispatched to the running ``AllReduceRunner``;
+* ``die`` - fault injection where the coordinator cannot signal the process (another host): the peer SIGKILLs
+  its own process group (itself and its p2pd) right after replying;
+* ``migrate`` - rebalancing: the peer stops serving and exits with code ``MIGRATE_EXIT + stage``; its ``task``
+  supervisor starts it again on that stage, with a state download.
 
-A peer started by a coordinator (``CRAMSWARM_COORDINATOR_PID``) SIGKILLs its own process group once that
-coordinator is gone, so a coordinator killed without clean-up leaves no peer or p2pd behind.
+The coordinator keeps a heartbeat record in the DHT (``coordinator_key``: ``starting``, ``training`` or ``done``,
+re-stored every 2 s with a 10 s expiration). A stage peer exits (code 0) once it reads ``done``, and (code
+``COORDINATOR_GONE``) once the record has been missing for ``COORDINATOR_GRACE_S``; a peer that joins while
+the record says ``training`` downloads its stage's state before it serves. A peer started by a coordinator
+on the same host (``CRAMSWARM_COORDINATOR_PID``, the parent's pid) also SIGKILLs its own process group once
+that parent is gone, so a coordinator or supervisor killed without clean-up leaves no peer or p2pd behind.
+
+Addresses: every process listens on ``host`` (an IPv4 address; ``0.0.0.0``: all interfaces) or, when
+``interface`` is set (e.g. ``ib0``), on that network interface's IPv4 address, looked up on each host. The
+address file lists the bootstrap's visible multiaddrs, loopback ones last.
 ``EmulatedStagePeer`` (``"emulate"`` in the config) serves the throughput emulation of ``hivemind_transport.run``:
 the same RPCs, but it sleeps an emulated compute time instead of running a model.
 
@@ -40,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import io
 import json
@@ -47,6 +66,8 @@ import math
 import os
 import random
 import signal
+import socket
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -54,6 +75,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import AsyncIterator  # hivemind's servicer recognises typing's alias only
 
+import psutil
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
@@ -65,18 +87,41 @@ from hivemind.utils.asyncio import achain, as_aiter, azip
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
-from cramswarm.pretrain import autocast, build_model, decay_groups, resolve_precision
+from cramswarm.pretrain import autocast, build_model, decay_groups, resolve_device, resolve_precision
 from cramswarm.swarm.compression import decode, encode
 from cramswarm.swarm.stages import split_model
 
 CHUNK_BYTES = 2**20        # streamed message chunk (well below p2pd's 4 MiB message limit)
 DECLARE_PERIOD_S = 2.0     # a peer re-declares its DHT record this often ...
 RECORD_TTL_S = 10.0        # ... with this expiration; a dead peer's record disappears within this time
-CPU = torch.device("cpu")
+COORDINATOR_GRACE_S = 30.0  # a stage peer exits once the coordinator's heartbeat record is missing this long
+COORDINATOR_GONE = 3       # exit code of a stage peer whose coordinator is gone (its supervisor does not restart it)
+MIGRATE_EXIT = 64          # exit code MIGRATE_EXIT + s: restart this peer on stage s (rebalancing)
+ADDR_FILE, CONFIG_FILE = "dht_addrs.txt", "config.json"  # in a rendezvous folder, written in the order config, addrs
+DONE_FILE = "done"         # in a rendezvous folder: the run id of a coordinator that has finished
 
 
 class BootstrapError(RuntimeError):
     """The swarm's bootstrap DHT could not be found or joined."""
+
+
+class CoordinatorGone(RuntimeError):
+    """The coordinator's heartbeat record has been missing from the DHT for too long."""
+
+
+def listen_host(cfg: dict) -> str:
+    """The IPv4 address this process listens on: that of ``cfg["interface"]`` on this host, else ``cfg["host"]``."""
+    name = cfg.get("interface")
+    if not name:
+        return cfg.get("host") or "127.0.0.1"
+    interfaces = psutil.net_if_addrs()
+    if name not in interfaces:
+        raise BootstrapError(f"swarm.interface={name!r}: no such network interface on {socket.gethostname()} "
+                             f"(it has {', '.join(sorted(interfaces))})")
+    addresses = [a.address for a in interfaces[name] if a.family == socket.AF_INET]
+    if not addresses:
+        raise BootstrapError(f"swarm.interface={name!r} has no IPv4 address on {socket.gethostname()}")
+    return addresses[0]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -123,6 +168,33 @@ async def join_dht(initial_peers: list[str] | None, *, client_mode: bool, host: 
         raise BootstrapError(f"could not join the swarm DHT through {initial_peers} within {timeout_s:.0f} s") from e
     except Exception as e:  # P2PDaemonError, multiaddr parse errors, bootstrap failures
         raise BootstrapError(f"could not join the swarm DHT through {initial_peers}: {e}") from e
+
+
+def coordinator_key(run_id: str) -> str:
+    """DHT key of the coordinator's heartbeat (value: ``starting``, ``training`` or ``done``)."""
+    return f"{run_id}_coordinator"
+
+
+async def coordinator_phase(node: DHTNode, run_id: str) -> str | None:
+    found = await node.get(coordinator_key(run_id), latest=True)
+    return found.value if found is not None and isinstance(found.value, str) else None
+
+
+async def watch_coordinator(node: DHTNode, run_id: str, grace_s: float = COORDINATOR_GRACE_S) -> None:
+    """Return once the coordinator says ``done``; raise ``CoordinatorGone`` once its record is missing ``grace_s``."""
+    last_seen = time.monotonic()
+    while True:
+        try:
+            phase = await coordinator_phase(node, run_id)
+        except Exception:  # a DHT hiccup counts as not seen
+            phase = None
+        if phase == "done":
+            return
+        if phase is not None:
+            last_seen = time.monotonic()
+        elif time.monotonic() - last_seen > grace_s:
+            raise CoordinatorGone(f"the coordinator of swarm {run_id} has not been seen for {grace_s:.0f} s")
+        await asyncio.sleep(DECLARE_PERIOD_S)
 
 
 def stage_key(run_id: str, stage: int) -> str:
@@ -220,15 +292,19 @@ class StagePeer(ServicerBase):
         self.cfg, self.stage, self.uid, self.speed, self.node = cfg, stage, uid, speed, node
         self.run_id, self.num_stages = cfg["run_id"], cfg["stages"]
         self.namespace = stage_namespace(self.run_id, stage)
-        model = build_model(cfg["arch"], cfg["vocab_size"], recipe["seed"])
-        self.module = split_model(model, self.num_stages)[stage]
+        self.device = resolve_device(recipe["device"])  # auto: the GPU this process sees (srun --gpus-per-task)
+        self.precision = resolve_precision(recipe["precision"], self.device)
+        if self.precision == "fp16":
+            raise ValueError("swarm peers train in bf16 or fp32: fp16 would need loss scaling across stages "
+                             "(set the model's recipe precision to bf16 or fp32)")
+        model = build_model(cfg["arch"], cfg["vocab_size"], recipe["seed"])  # same init on every replica
+        self.module = split_model(model, self.num_stages)[stage].to(self.device)
         del model
         self.module.train()
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(decay_groups(self.module, recipe["weight_decay"]), lr=recipe["lr"],
                                            betas=tuple(recipe["betas"]), eps=recipe["eps"])
         self.grad_clip = recipe["grad_clip_norm"]
-        self.precision = resolve_precision(recipe["precision"], CPU)
         self.scheme = cfg["compression"]
         self.sync_timeout_s = cfg["sync_timeout_s"]
         self.compute = ThreadPoolExecutor(1, thread_name_prefix=f"stage{stage}-compute")
@@ -252,14 +328,15 @@ class StagePeer(ServicerBase):
             time.sleep(seconds * (1.0 / self.speed - 1.0))
 
     def _input(self, tensors: dict[str, torch.Tensor], meta: dict) -> torch.Tensor:
-        return tensors["input_ids"] if self.stage == 0 else decode(restore_payload("x", tensors, meta))
+        x = tensors["input_ids"] if self.stage == 0 else decode(restore_payload("x", tensors, meta))
+        return x.to(self.device)
 
     def _forward(self, tensors: dict[str, torch.Tensor], meta: dict) -> tuple[dict, dict]:
         start = time.perf_counter()
-        with torch.no_grad(), autocast(self.precision, CPU):
+        with torch.no_grad(), autocast(self.precision, self.device):
             out = self.module(self._input(tensors, meta))
         result, out_meta = {}, {}
-        flatten_payload("y", encode(out.float(), self.scheme), result, out_meta)
+        flatten_payload("y", encode(out.float().cpu(), self.scheme), result, out_meta)
         self._emulate_speed(time.perf_counter() - start)
         return result, out_meta
 
@@ -271,25 +348,25 @@ class StagePeer(ServicerBase):
             x = x.detach().requires_grad_()
         out_meta: dict = {"samples": samples}
         with torch.enable_grad():
-            with autocast(self.precision, CPU):
-                out = self.module(x, tensors["labels"]) if self.is_last else self.module(x)
+            with autocast(self.precision, self.device):
+                out = self.module(x, tensors["labels"].to(self.device)) if self.is_last else self.module(x)
             if self.is_last:
                 (out.float() * samples).backward()  # sample-weighted, so replicas' sums average correctly
                 out_meta["loss"] = float(out.item())
             else:
                 grad = decode(restore_payload("g", tensors, meta))
-                out.backward(grad.to(out.dtype))
+                out.backward(grad.to(self.device, out.dtype))
         self.local_samples += samples
         result: dict = {}
         if x.is_floating_point():
-            flatten_payload("g", encode(x.grad.float(), self.scheme), result, out_meta)
+            flatten_payload("g", encode(x.grad.float().cpu(), self.scheme), result, out_meta)
         self._emulate_speed(time.perf_counter() - start)
         return result, out_meta
 
     def _take_snapshot(self, step: int) -> tuple[list[torch.Tensor], int]:
         """Move the accumulated gradients out of ``.grad`` (once per step; kept across reduce retries)."""
         if self.snapshot is None or self.snapshot[0] != step:
-            grads = [p.grad.detach().double().reshape(-1) if p.grad is not None
+            grads = [p.grad.detach().double().reshape(-1).cpu() if p.grad is not None
                      else torch.zeros(p.numel(), dtype=torch.float64) for p in self.params]
             self.snapshot = (step, grads, self.local_samples)
             for p in self.params:
@@ -303,7 +380,7 @@ class StagePeer(ServicerBase):
             return {"status": "failed", "error": "no averaged gradients held for this group"}
         leftover = [p.grad for p in self.params]  # backward calls that arrived after the snapshot
         for p, g in zip(self.params, self.averaged[1]):
-            p.grad = g.to(p.dtype).view_as(p)
+            p.grad = g.to(p.device, p.dtype).view_as(p)
         if self.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
         for group in self.optimizer.param_groups:
@@ -315,7 +392,7 @@ class StagePeer(ServicerBase):
         self.snapshot = self.averaged = None
         digest = hashlib.sha1()
         for p in self.params:
-            digest.update(p.detach().numpy().tobytes())
+            digest.update(p.detach().cpu().numpy().tobytes())
         return {"status": "ok", "step": self.step, "digest": digest.hexdigest()}
 
     def _state_blob(self) -> tuple[bytes, int]:
@@ -325,7 +402,7 @@ class StagePeer(ServicerBase):
         return buffer.getvalue(), self.step
 
     def _load_blob(self, blob: bytes) -> int:
-        state = torch.load(io.BytesIO(blob), weights_only=True)
+        state = torch.load(io.BytesIO(blob), weights_only=True, map_location=self.device)
         self.module.load_state_dict(state["module"])
         self.optimizer.load_state_dict(state["optimizer"])
         for p in self.params:
@@ -379,7 +456,8 @@ class StagePeer(ServicerBase):
                         context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         await unpack(requests)
         blob, step = await self._run(self._state_blob)
-        for message in respond({"blob": blob_tensor(blob)}, {"step": step, "uid": self.uid}):
+        meta = {"step": step, "uid": self.uid, "device": str(self.device)}
+        for message in respond({"blob": blob_tensor(blob)}, meta):
             yield message
 
     async def rpc_resync(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
@@ -387,6 +465,28 @@ class StagePeer(ServicerBase):
         _, meta = await unpack(requests)
         step = await self.download_state(PeerID.from_base58(meta["source"]))
         for message in respond({}, {"status": "ok", "step": step}):
+            yield message
+
+    async def rpc_die(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
+                      context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        await unpack(requests)
+        print(f"[{self.uid}] killed by the coordinator's fault injection", flush=True)
+        asyncio.get_running_loop().call_later(0.2, os.killpg, os.getpgid(0), signal.SIGKILL)
+        for message in respond({}, {"status": "ok"}):
+            yield message
+
+    async def rpc_migrate(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
+                          context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        _, meta = await unpack(requests)
+        to_stage = int(meta["to_stage"])
+        if not 0 <= to_stage < self.num_stages or to_stage == self.stage:
+            reply = {"status": "failed", "error": f"cannot move from stage {self.stage} to {to_stage}"}
+        else:
+            print(f"[{self.uid}] moving to stage {to_stage} (rebalancing)", flush=True)
+            if not self.migrate_to.done():
+                self.migrate_to.set_result(to_stage)
+            reply = {"status": "ok"}
+        for message in respond({}, reply):
             yield message
 
     async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData],
@@ -498,7 +598,7 @@ async def exit_with_coordinator() -> None:
 
 async def serve_bootstrap(addr_file: str, host: str) -> None:
     node = await join_dht(None, client_mode=False, host=host)
-    maddrs = [str(m) for m in await node.p2p.get_visible_maddrs()]
+    maddrs = sorted((str(m) for m in await node.p2p.get_visible_maddrs()), key=lambda m: m.startswith("/ip4/127."))
     write_addr_file(addr_file, maddrs)
     print(f"bootstrap DHT at {maddrs}", flush=True)
     await exit_with_coordinator()
@@ -506,17 +606,115 @@ async def serve_bootstrap(addr_file: str, host: str) -> None:
 
 
 async def serve_stage(args: argparse.Namespace) -> None:
+    """Serve one stage until the coordinator is done (exit code 0), gone (``COORDINATOR_GONE``) or moves this
+    peer to stage s (``MIGRATE_EXIT + s``)."""
     cfg = json.loads(Path(args.config).read_text())
     torch.set_num_threads(1)
     watchdog = asyncio.create_task(exit_with_coordinator())
     maddrs = read_addr_file(args.addr_file, cfg["join_timeout_s"])
-    node = await join_dht(maddrs, client_mode=False, host=cfg["host"], timeout_s=cfg["join_timeout_s"])
+    node = await join_dht(maddrs, client_mode=False, host=listen_host(cfg), timeout_s=cfg["join_timeout_s"])
     peer = (EmulatedStagePeer if "emulate" in cfg else StagePeer)(cfg, args.stage, args.uid, args.speed, node)
+    peer.migrate_to = asyncio.get_running_loop().create_future()
     await peer.add_p2p_handlers(node.p2p, namespace=peer.namespace)
-    if args.load_state:
+    if args.load_state or await coordinator_phase(node, peer.run_id) == "training":  # joining a running swarm
         await peer.load_from_replica(cfg["give_up_after_s"])
     print(f"[{args.uid}] serving stage {args.stage} (speed {args.speed}) as {node.p2p.peer_id}", flush=True)
-    await asyncio.gather(peer.declare_forever(), watchdog)
+    declare = asyncio.create_task(peer.declare_forever())
+    coordinator = asyncio.create_task(watch_coordinator(node, peer.run_id, cfg.get("coordinator_grace_s",
+                                                                                    COORDINATOR_GRACE_S)))
+    done, _ = await asyncio.wait([declare, watchdog, coordinator, peer.migrate_to],
+                                 return_when=asyncio.FIRST_COMPLETED)
+    if peer.migrate_to in done:  # its DHT record expires; the coordinator stops routing to it at once
+        code = MIGRATE_EXIT + peer.migrate_to.result()
+    elif coordinator in done and coordinator.exception() is not None:
+        print(f"[{args.uid}] {coordinator.exception()}; exiting", flush=True)
+        code = COORDINATOR_GONE
+    else:
+        for task in done:
+            task.result()  # a failed declaration or watchdog raises here
+        print(f"[{args.uid}] the coordinator is done; exiting", flush=True)
+        code = 0
+    # Leave at once: an all-reduce or compute call in flight would hold up an orderly shutdown for many seconds.
+    for daemon in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):
+            daemon.kill()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def rank_of(explicit: int | None) -> int:
+    """This task's rank: ``--rank``, else SLURM's ``SLURM_PROCID`` (the task's index in its ``srun`` step)."""
+    if explicit is not None:
+        return explicit
+    if "SLURM_PROCID" not in os.environ:
+        raise SystemExit("error: no --rank given and SLURM_PROCID is unset (not a task of an srun job step)")
+    return int(os.environ["SLURM_PROCID"])
+
+
+def finished(rendezvous: Path, run_id: str) -> bool:
+    """Whether the coordinator of ``run_id`` has finished (it writes its run id to the rendezvous' done file)."""
+    with contextlib.suppress(OSError):
+        return (rendezvous / DONE_FILE).read_text().strip() == run_id
+    return False
+
+
+def run_task(rendezvous: str | Path, rank: int | None, max_restarts: int = 100) -> int:
+    """One peer of an ``attach``/``srun`` swarm (rank -> stage, speed via the rendezvous folder's config), run as
+    a child process group and restarted when it dies or moves; returns the exit code of the task."""
+    rendezvous, rank = Path(rendezvous), rank_of(rank)
+    addr_file, config = rendezvous / ADDR_FILE, rendezvous / CONFIG_FILE
+    child: subprocess.Popen | None = None
+
+    def stop(signum, frame):  # srun / scancel: end the peer's whole group with this task
+        if child is not None and child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    read_addr_file(addr_file, float(os.environ.get("CRAMSWARM_RENDEZVOUS_TIMEOUT_S", "600")))
+    cfg = json.loads(config.read_text())
+    specs = cfg["placement_specs"]  # [stage, speed] per rank
+    if not 0 <= rank < len(specs):
+        print(f"error: rank {rank} is outside the swarm's {len(specs)} peers (swarm.stages x swarm.peers_per_stage)",
+              file=sys.stderr, flush=True)
+        return 2
+    stage, speed = specs[rank]
+    deadline = time.monotonic() + cfg["startup_timeout_s"]
+    served = load_state = False
+    for incarnation in range(max_restarts + 1):
+        uid = f"s{stage}r{rank}.{incarnation}"
+        args = [sys.executable, "-m", "cramswarm.swarm.hivemind_peer", "stage", "--config", str(config),
+                "--stage", str(stage), "--uid", uid, "--addr-file", str(addr_file), "--speed", repr(speed)]
+        env = {**os.environ, "CRAMSWARM_COORDINATOR_PID": str(os.getpid())}
+        child = subprocess.Popen(args + (["--load-state"] if load_state else []), env=env, start_new_session=True,
+                                 stdin=subprocess.DEVNULL)
+        code = child.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)  # its p2pd
+        if code == 0 or finished(rendezvous, cfg["run_id"]):  # the run is over (this peer may have died last)
+            return 0
+        if code == COORDINATOR_GONE:
+            return code
+        if code == 2 and not served:  # a stale rendezvous of an earlier run, or the coordinator still starting
+            if time.monotonic() > deadline:
+                return 2
+            time.sleep(1.0)
+            cfg = json.loads(config.read_text())
+            continue
+        if code == 2:  # the swarm's bootstrap is gone: the run is over
+            return COORDINATOR_GONE
+        served, load_state = True, True
+        if code >= MIGRATE_EXIT:
+            stage = code - MIGRATE_EXIT
+            print(f"[rank {rank}] moving to stage {stage}", flush=True)
+        else:
+            print(f"[rank {rank}] peer {uid} ended with code {code}; restarting in {cfg['rejoin_after_s']} s",
+                  flush=True)
+            time.sleep(cfg["rejoin_after_s"])
+    print(f"[rank {rank}] gave up after {max_restarts} restarts", file=sys.stderr, flush=True)
+    return 1
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -524,7 +722,7 @@ def main(argv: list[str] | None = None) -> None:
     roles = parser.add_subparsers(dest="role", required=True)
     boot = roles.add_parser("bootstrap", help="run the bootstrap DHT node and write its address file")
     boot.add_argument("--addr-file", required=True)
-    boot.add_argument("--host", default="127.0.0.1")
+    boot.add_argument("--host", default="127.0.0.1", help="IPv4 address to listen on (0.0.0.0: all interfaces)")
     stage = roles.add_parser("stage", help="serve one pipeline stage")
     stage.add_argument("--config", required=True)
     stage.add_argument("--stage", type=int, required=True)
@@ -532,11 +730,19 @@ def main(argv: list[str] | None = None) -> None:
     stage.add_argument("--addr-file", required=True)
     stage.add_argument("--speed", type=float, default=1.0)
     stage.add_argument("--load-state", action="store_true")
+    task = roles.add_parser("task", help="one peer of a swarm started outside its coordinator (rank -> stage)")
+    task.add_argument("--rendezvous", required=True, help="the coordinator's rendezvous folder (shared filesystem)")
+    task.add_argument("--rank", type=int, help="this peer's rank (default: SLURM_PROCID)")
+    task.add_argument("--max-restarts", type=int, default=100, help="restarts of a dying peer before giving up")
     args = parser.parse_args(argv)
+    if args.role == "task":
+        sys.exit(run_task(args.rendezvous, args.rank, args.max_restarts))
     if args.role == "stage" and not (args.speed > 0 and math.isfinite(args.speed)):
         parser.error(f"--speed must be positive, got {args.speed}")
     try:
-        asyncio.run(serve_bootstrap(args.addr_file, args.host) if args.role == "bootstrap" else serve_stage(args))
+        if args.role == "bootstrap":
+            asyncio.run(serve_bootstrap(args.addr_file, args.host))
+        asyncio.run(serve_stage(args))
     except BootstrapError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)

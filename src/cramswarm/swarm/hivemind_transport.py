@@ -81,10 +81,17 @@ import cramswarm
 from cramswarm.pretrain import lr_multiplier
 from cramswarm.swarm.emulation import BACKWARD_COMPUTE_FACTOR, FailureEvent, SwarmSetup, TrainResult, Dispatcher
 from cramswarm.swarm.hivemind_peer import (
+    ADDR_FILE,
+    CONFIG_FILE,
+    DECLARE_PERIOD_S,
+    DONE_FILE,
+    RECORD_TTL_S,
     BootstrapError,
     EmulatedStagePeer,
     StagePeer,
+    coordinator_key,
     join_dht,
+    listen_host,
     read_addr_file,
     request,
     stage_namespace,
@@ -96,6 +103,8 @@ from cramswarm.swarm.compression import SCHEMES
 from cramswarm.swarm.policies import NoPeersError, PeerLoad, Rebalancer, RetryPolicy, StageBalancer, StageSync
 
 REFRESH_PERIOD_S = 1.0  # trainers re-read the stages' DHT records this often
+PLACEMENTS = ("local", "attach", "srun")  # who starts the stage peers (SwarmPlan.placement)
+PEER_MODULE = [sys.executable, "-m", "cramswarm.swarm.hivemind_peer"]
 _LIVE_GROUPS: set[int] = set()  # process groups started by this process and not yet killed
 
 
@@ -140,12 +149,15 @@ class ProcessGroups:
         self._pythonpath = os.pathsep.join(
             filter(None, [str(Path(cramswarm.__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]))
 
-    def spawn(self, args: list[str], name: str) -> tuple[subprocess.Popen, Path]:
+    def spawn(self, args: list[str], name: str, launcher: list[str] = PEER_MODULE,
+              gpu: str | None = None) -> tuple[subprocess.Popen, Path]:
         log = self.workdir / f"{name}.log"
         env = {**os.environ, "PYTHONPATH": self._pythonpath, "OMP_NUM_THREADS": "1",
                "CRAMSWARM_COORDINATOR_PID": str(os.getpid())}
+        if gpu is not None:  # one of this host's GPUs (local placement spreads its peers over them)
+            env["CUDA_VISIBLE_DEVICES"] = gpu
         with open(log, "wb") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "cramswarm.swarm.hivemind_peer", *args], stdout=out,
+            proc = subprocess.Popen([*launcher, *args], stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                     start_new_session=True)
         _LIVE_GROUPS.add(proc.pid)
@@ -154,10 +166,10 @@ class ProcessGroups:
         return proc, log
 
     def start_peer(self, uid: str, stage: int, speed: float, config: Path, addr_file: Path,
-                   load_state: bool) -> PeerProcess:
+                   load_state: bool, gpu: str | None = None) -> PeerProcess:
         args = ["stage", "--config", str(config), "--stage", str(stage), "--uid", uid, "--addr-file",
                 str(addr_file), "--speed", repr(speed)] + (["--load-state"] if load_state else [])
-        proc, log = self.spawn(args, uid)
+        proc, log = self.spawn(args, uid, gpu=gpu)
         peer = PeerProcess(uid, stage, speed, proc, log)
         self.peers.append(peer)
         return peer
@@ -213,6 +225,13 @@ class SwarmPlan:
     rebalance_period_s: float | None = None
     seed: int = 0
     addr_file: Path | None = None   # join an existing swarm's bootstrap instead of starting one
+    placement: str = "local"        # local: start the peers here | attach: wait for peers started elsewhere
+                                    # (`swarm-peer` tasks) | srun: start them as one srun job step (SLURM tasks)
+    rendezvous: Path | None = None  # attach/srun: folder for config.json + dht_addrs.txt, on a shared filesystem
+    host: str = "127.0.0.1"         # IPv4 address every process listens on (0.0.0.0: all interfaces)
+    interface: str | None = None    # listen on this network interface's IPv4 address instead (looked up per host)
+    srun_args: list[str] = field(default_factory=list)  # srun: extra options of the peers' job step
+    coordinator_grace_s: float = 30.0  # attach/srun peers exit once this process's heartbeat is missing this long
     emulate: dict | None = None     # throughput emulation (``run``): stage_time_s, backward_factor, activation_bytes
     startup_timeout_s: float = 180.0
     join_timeout_s: float = 15.0
@@ -224,6 +243,34 @@ class SwarmPlan:
     @property
     def sync_timeout_s(self) -> float:
         return max(4.0, self.retry.forward_timeout_s)
+
+    @property
+    def peers(self) -> int:
+        return sum(self.peers_per_stage)
+
+    def validate(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"swarm.placement={self.placement!r}; allowed: {', '.join(PLACEMENTS)}")
+        if self.placement != "local" and self.rendezvous is None:
+            raise ValueError(f"swarm.placement={self.placement} needs a rendezvous folder on a filesystem the "
+                             "peers share (swarm-pretrain --rendezvous)")
+        if self.placement == "srun" and "SLURM_JOB_ID" not in os.environ:
+            raise ValueError("swarm.placement=srun starts the peers as a job step of the SLURM job it runs in, but "
+                             "SLURM_JOB_ID is unset: run it through profiles/slurm (or placement: local / attach)")
+
+
+def visible_gpus() -> list[str]:
+    """This process's GPUs as CUDA_VISIBLE_DEVICES entries (the variable's own list where it is set)."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed:
+        return [g.strip() for g in listed.split(",") if g.strip()]
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def rank_of_uid(uid: str) -> int | None:
+    """The rank in a ``swarm-peer`` task's uid (``s<stage>r<rank>.<incarnation>``); None for local peers."""
+    head, _, rest = uid.partition("r")
+    return int(rest.split(".")[0]) if rest and head.startswith("s") and "." in rest else None
 
 
 class Coordinator:
@@ -238,6 +285,14 @@ class Coordinator:
         self.workdir = Path(tempfile.mkdtemp(prefix="cramswarm-hivemind-"))
         self.run_id = f"cs{os.getpid()}x{self.rng.getrandbits(32):08x}"
         self.groups = ProcessGroups(self.workdir)
+        self.local = plan.placement == "local"
+        self.folder = self.workdir if self.local else Path(plan.rendezvous)  # config.json + dht_addrs.txt
+        self.host = listen_host({"host": plan.host, "interface": plan.interface})
+        self.phase = "starting"                  # the heartbeat's value: starting | training | done
+        self.srun: subprocess.Popen | None = None
+        self.seen: set[str] = set()              # attach/srun: uids declared so far
+        self.retired: set[str] = set()           # uids killed or moved: their DHT records are ignored until expiry
+        self.pending_moves: dict[int, int] = {}  # attach/srun: rank -> stage it was asked to move to
         self.training = plan.emulate is None
         self.peer_cls = StagePeer if self.training else EmulatedStagePeer
         self.node: DHTNode | None = None
@@ -263,7 +318,7 @@ class Coordinator:
                       "moves_completed": 0, "rollbacks": [],
                       "stage_steps": [0] * stages, "lost_gradient_samples": 0, "resyncs": 0,
                       "sync_retries": 0, "killed": [],
-                      "digest_mismatches": 0}
+                      "digest_mismatches": 0, "peer_devices": {}}
         self.tasks: set[asyncio.Task] = set()
         self.start = time.perf_counter()
         self.next_uid = 0
@@ -275,17 +330,33 @@ class Coordinator:
         return f"s{stage}p{self.next_uid}"
 
     def _start_peer(self, stage: int, speed: float, load_state: bool) -> PeerProcess:
-        return self.groups.start_peer(self._new_uid(stage), stage, speed, self.workdir / "config.json",
-                                      self.addr_file, load_state)
+        uid = self._new_uid(stage)
+        gpus = self._host_gpus()  # peer i computes on GPU i mod (GPUs here), when it computes on a GPU at all
+        return self.groups.start_peer(uid, stage, speed, self.folder / CONFIG_FILE, self.addr_file, load_state,
+                                      gpu=gpus[(self.next_uid - 1) % len(gpus)] if gpus else None)
+
+    def _host_gpus(self) -> list[str]:
+        if self.training and self.plan.recipe.get("device", "cpu") != "cpu" and torch.cuda.is_available():
+            return visible_gpus()
+        return []
 
     def _write_config(self) -> None:
+        """The peers' config.json (attach/srun: first clearing a rendezvous folder of an earlier run)."""
         p = self.plan
         cfg = {"run_id": self.run_id, "arch": p.arch, "vocab_size": p.vocab_size, "recipe": p.recipe,
                "stages": p.stages, "compression": p.compression, "sync_timeout_s": self.sync_timeout_s,
-               "join_timeout_s": p.join_timeout_s, "give_up_after_s": p.retry.give_up_after_s, "host": "127.0.0.1"}
+               "join_timeout_s": p.join_timeout_s, "give_up_after_s": p.retry.give_up_after_s, "host": p.host,
+               "interface": p.interface, "placement_specs": [list(spec) for spec in self._initial_specs()],
+               "rejoin_after_s": p.rejoin_after_s, "startup_timeout_s": p.startup_timeout_s,
+               "coordinator_grace_s": p.coordinator_grace_s}
         if p.emulate is not None:
             cfg["emulate"] = p.emulate
-        (self.workdir / "config.json").write_text(json.dumps(cfg))
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for name in (ADDR_FILE, CONFIG_FILE, DONE_FILE):
+            (self.folder / name).unlink(missing_ok=True)
+        tmp = self.folder / f".{CONFIG_FILE}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(cfg))
+        os.replace(tmp, self.folder / CONFIG_FILE)
 
     @property
     def sync_timeout_s(self) -> float:
@@ -312,10 +383,26 @@ class Coordinator:
 
     # -- DHT records ----------------------------------------------------------------------------------------
     async def _refresh(self, stage: int) -> None:
-        found = await stage_records(self.node, self.run_id, stage)
+        found = {uid: record for uid, record in (await stage_records(self.node, self.run_id, stage)).items()
+                 if uid not in self.retired}
         self.peer_ids.update({uid: peer for uid, (peer, _) in found.items()})
         self.records[stage] = {uid: exp for uid, (_, exp) in found.items()}
         self.balancers[stage].update_peers(self.records[stage], get_dht_time())
+        if not self.local:
+            for uid in found.keys() - self.seen:
+                self.seen.add(uid)
+                self._joined(stage, uid)
+
+    def _joined(self, stage: int, uid: str) -> None:
+        """attach/srun: a peer that declared itself after the start is a restarted or a moved one."""
+        if self.phase != "training":
+            return
+        rank = rank_of_uid(uid)
+        if rank is not None and self.pending_moves.get(rank) == stage:
+            del self.pending_moves[rank]
+            self.stats["moves_completed"] += 1
+        else:
+            self.stats["rejoins"] += 1
 
     async def _refresh_all(self) -> None:
         await asyncio.gather(*(self._refresh(s) for s in range(self.plan.stages)))
@@ -479,6 +566,9 @@ class Coordinator:
                     self.known_steps[uid] = reply["step"]
                     if reply["status"] == "stale":
                         stale.add(uid)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"stage {stage}: in-stage averaging did not succeed within "
+                                   f"{self.plan.retry.give_up_after_s:.0f} s")
             live = [uid for uid in balancer.peers if uid in self.peer_ids and uid not in stale]
             if not live and stale:  # every replica at the current step died: go on from the most advanced one
                 best = max(self.known_steps[uid] for uid in stale)
@@ -500,11 +590,13 @@ class Coordinator:
                                            return_exceptions=True)
             status = {u: r.get("status") if isinstance(r, dict) else
                       "timeout" if isinstance(r, asyncio.TimeoutError) else "dead" for u, r in zip(members, replies)}
-            for uid in members:
+            for uid, reply in zip(members, replies):
                 if status[uid] == "dead":  # refused / reset: banned until its record expires
                     balancer.report_error(uid, get_dht_time())
                 elif status[uid] in ("stale", "timeout"):
                     (stale if status[uid] == "stale" else slow).add(uid)
+                    if status[uid] == "stale":
+                        self.known_steps[uid] = reply["step"]
             ok = [u for u in members if status[u] == "ok"]
             if len(ok) == len(members):
                 commits = await asyncio.gather(*(self._control(stage, u, "commit", {"group_id": group_id, "lr": lr})
@@ -565,24 +657,38 @@ class Coordinator:
         if not task.cancelled() and task.exception() is not None and not self.failed.done():
             self.failed.set_exception(task.exception())
 
-    def _killable(self, stage: int) -> list[PeerProcess]:
+    def _process(self, uid: str) -> PeerProcess | None:
+        """local placement: the live process of a peer this coordinator started."""
+        return next((p for p in self.groups.peers if p.uid == uid and p.alive), None)
+
+    def _killable(self, stage: int) -> list[str]:
         """The stage's declared live peers if at least two of them hold its current state (else none: killing
         one could lose the state)."""
-        live = [p for p in self.groups.peers if p.stage == stage and p.alive and p.uid in self.records[stage]]
-        current = [p for p in live if not self.training or self.known_steps.get(p.uid) == self.steps[stage]]
+        live = [uid for uid in self.balancers[stage].peers if uid in self.peer_ids
+                and uid in self.records[stage] and (not self.local or self._process(uid))]
+        current = [uid for uid in live if not self.training or self.known_steps.get(uid) == self.steps[stage]]
         return live if len(current) >= 2 else []
 
     async def _kill_forever(self, every_s: float) -> None:
+        """SIGKILL a random peer's process group every ``every_s``: directly (local placement; a fresh peer starts
+        ``rejoin_after_s`` later) or by its ``die`` RPC (attach/srun: its task restarts it)."""
         while True:
             await asyncio.sleep(every_s)
-            candidates = [p for s in range(self.plan.stages) for p in self._killable(s)]
+            candidates = [(s, uid) for s in range(self.plan.stages) for uid in self._killable(s)]
             if not candidates:
                 continue
-            victim = self.rng.choice(candidates)
-            ProcessGroups.kill(victim.proc)
+            stage, uid = self.rng.choice(candidates)
+            self.retired.add(uid)
+            if self.local:
+                victim = self._process(uid)
+                ProcessGroups.kill(victim.proc)
+                self._spawn(self._rejoin(stage, victim.speed, self.plan.rejoin_after_s, "rejoins"))
+            else:
+                with contextlib.suppress(Exception):
+                    await self._control(stage, uid, "die", {})
+                self.balancers[stage].report_error(uid, get_dht_time())
             self.stats["peers_killed"] += 1
-            self.stats["killed"].append({"uid": victim.uid, "stage": victim.stage, "t_s": round(self.elapsed(), 2)})
-            self._spawn(self._rejoin(victim.stage, victim.speed, self.plan.rejoin_after_s, "rejoins"))
+            self.stats["killed"].append({"uid": uid, "stage": stage, "t_s": round(self.elapsed(), 2)})
 
     async def _rejoin(self, stage: int, speed: float, delay_s: float, counter: str) -> None:
         """Start a peer for ``stage`` after ``delay_s``; it loads the stage's state, then declares itself."""
@@ -598,20 +704,40 @@ class Coordinator:
             loads = {s: [PeerLoad(uid, self.inflight.get(uid, 0), b.throughput(uid) or 0.0) for uid in b.peers]
                      for s, b in enumerate(self.balancers)}
             move = rebalancer.decide(loads, time.monotonic())
-            mover = next((p for p in self.groups.peers if move is not None and p.uid == move.uid and p.alive), None)
-            if mover is None:
+            if move is None:
                 continue
-            ProcessGroups.kill(mover.proc)
+            if self.local:
+                mover = self._process(move.uid)
+                if mover is None:
+                    continue
+                ProcessGroups.kill(mover.proc)
+                self.retired.add(move.uid)
+            else:  # the peer exits; its task restarts it on the new stage
+                try:
+                    reply = await self._control(move.from_stage, move.uid, "migrate", {"to_stage": move.to_stage})
+                except Exception:
+                    continue
+                if reply.get("status") != "ok":
+                    continue
+                self.retired.add(move.uid)
+                self.balancers[move.from_stage].report_error(move.uid, get_dht_time())
+                self.pending_moves[rank := rank_of_uid(move.uid)] = move.to_stage
             self.stats["moves"].append({"t_s": round(self.elapsed(), 3), "uid": move.uid,
                                         "from_stage": move.from_stage, "to_stage": move.to_stage})
-            await self._rejoin(move.to_stage, mover.speed, 0.0, "moves_completed")
+            if self.local:
+                await self._rejoin(move.to_stage, mover.speed, 0.0, "moves_completed")
+            else:  # as locally: no further decision before the mover serves its new stage (or cannot)
+                deadline = time.monotonic() + self.plan.startup_timeout_s
+                while rank in self.pending_moves and time.monotonic() < deadline:
+                    await asyncio.sleep(0.2)
+                self.pending_moves.pop(rank, None)
 
     # -- run ------------------------------------------------------------------------------------------------
     async def _bootstrap(self) -> Path:
         if self.plan.addr_file is not None:
             return Path(self.plan.addr_file)
-        addr_file = self.workdir / "dht_addrs.txt"
-        proc, log = self.groups.spawn(["bootstrap", "--addr-file", str(addr_file)], "bootstrap")
+        addr_file = self.folder / ADDR_FILE
+        proc, log = self.groups.spawn(["bootstrap", "--addr-file", str(addr_file), "--host", self.host], "bootstrap")
         deadline = time.monotonic() + self.plan.startup_timeout_s
         while not addr_file.exists():
             if proc.poll() is not None or time.monotonic() > deadline:
@@ -632,8 +758,10 @@ class Coordinator:
                                                            timeout=2 * self.sync_timeout_s)
                 except Exception:
                     continue
-                blob = torch.load(io.BytesIO(tensors["blob"].numpy().tobytes()), weights_only=True)
+                blob = torch.load(io.BytesIO(tensors["blob"].numpy().tobytes()), weights_only=True,
+                                  map_location="cpu")
                 replicas.append((uid, meta["step"], blob["module"]))
+                self.stats["peer_devices"][uid] = meta.get("device", "cpu")
             if not replicas:
                 raise NoPeersError(stage)
             reference = replicas[0][2]
@@ -650,20 +778,65 @@ class Coordinator:
         return [(s, speeds[i % len(speeds)]) for i, s in enumerate(stages)]
 
     async def _start_swarm(self) -> list[PeerProcess]:
-        """Bootstrap DHT, this process's DHT client, the stage peers (all declared) and the record refresher."""
+        """Bootstrap DHT, this process's DHT client and heartbeat, the stage peers (all declared: started here,
+        as an srun job step, or by whoever runs the attach placement's tasks) and the record refresher."""
         self.failed = asyncio.get_running_loop().create_future()
         for event in self.window_open:
             event.set()
+        self._write_config()
         self.addr_file = await self._bootstrap()
         maddrs = await asyncio.to_thread(read_addr_file, self.addr_file, self.plan.join_timeout_s)
-        self.node = await join_dht(maddrs, client_mode=True, timeout_s=self.plan.join_timeout_s)
-        self._write_config()
-        peers = [self._start_peer(stage, speed, load_state=False) for stage, speed in self._initial_specs()]
-        await self._wait_declared(peers, self.plan.startup_timeout_s)
-        self.known_steps.update({p.uid: 0 for p in peers})
+        self.node = await join_dht(maddrs, client_mode=True, host=self.host, timeout_s=self.plan.join_timeout_s)
+        self._spawn(self._heartbeat_forever())
+        if self.local:
+            peers = [self._start_peer(stage, speed, load_state=False) for stage, speed in self._initial_specs()]
+            await self._wait_declared(peers, self.plan.startup_timeout_s)
+            self.known_steps.update({p.uid: 0 for p in peers})
+        else:
+            peers = []
+            if self.plan.placement == "srun":
+                launcher = ["srun", f"--ntasks={self.plan.peers}", "--kill-on-bad-exit=0", *self.plan.srun_args,
+                            *PEER_MODULE]
+                self.srun, _ = self.groups.spawn(["task", "--rendezvous", str(self.folder)], "srun", launcher)
+            else:
+                print(f"waiting for {self.plan.peers} peers: run `python -m cramswarm swarm-peer --rendezvous "
+                      f"{self.folder} --rank R` for R = 0 .. {self.plan.peers - 1}", file=sys.stderr, flush=True)
+            await self._wait_tasks(self.plan.startup_timeout_s)
+            self.known_steps.update({uid: 0 for records in self.records for uid in records})
         self._spawn(self._refresh_forever())
+        self.phase = "training"
+        await self._beat()
         self.start = time.perf_counter()
         return peers
+
+    async def _wait_tasks(self, timeout_s: float) -> None:
+        """attach/srun: wait until every stage has its ``peers_per_stage`` declared peers."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            await self._refresh_all()
+            missing = {s: n - len(self.records[s]) for s, n in enumerate(self.plan.peers_per_stage)
+                       if len(self.records[s]) < n}
+            if not missing:
+                return
+            if self.srun is not None and self.srun.poll() is not None:
+                log = (self.workdir / "srun.log").read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"the peers' srun job step ended with code {self.srun.returncode} before every "
+                                   f"peer declared itself:\n{log}")
+            if time.monotonic() > deadline:
+                lacking = ", ".join(f"stage {s}: {n} of {self.plan.peers_per_stage[s]}" for s, n in missing.items())
+                raise TimeoutError(f"swarm.placement={self.plan.placement}: peers missing after {timeout_s:.0f} s "
+                                   f"({lacking}); rendezvous {self.folder}")
+            await asyncio.sleep(0.5)
+
+    async def _beat(self) -> None:
+        await self.node.store(coordinator_key(self.run_id), self.phase, get_dht_time() + RECORD_TTL_S)
+
+    async def _heartbeat_forever(self) -> None:
+        """The coordinator's DHT record: peers that cannot see this process exit once it has been gone a while."""
+        while True:
+            with contextlib.suppress(Exception):
+                await self._beat()
+            await asyncio.sleep(DECLARE_PERIOD_S)
 
     async def _shutdown(self) -> None:
         if self.bar is not None:
@@ -671,9 +844,26 @@ class Coordinator:
         for task in list(self.tasks):
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
+        if self.node is not None and not self.local:  # tell the peers this process did not start to exit
+            self.phase = "done"
+            (self.folder / DONE_FILE).write_text(self.run_id + "\n")
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._beat(), timeout=10.0)
+            if self.srun is not None:
+                await self._end_srun()
         self.groups.close()
         if self.node is not None:
             await self.node.shutdown()
+
+    async def _end_srun(self, wait_s: float = 30.0) -> None:
+        """Let the srun job step end by itself (its peers read ``done``), else SIGTERM it (srun forwards it to
+        the tasks, which kill their peers)."""
+        for signum in (None, signal.SIGTERM):
+            if signum is not None and self.srun.poll() is None:
+                self.srun.send_signal(signum)
+            deadline = time.monotonic() + wait_s
+            while self.srun.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
 
     async def main(self) -> TrainResult:
         try:
@@ -701,7 +891,8 @@ class Coordinator:
         finally:
             await self._shutdown()
         self.stats.update(
-            transport="hivemind", microbatches_done=self.done, microbatches_requested=self.dispatcher.issued,
+            transport="hivemind", placement=self.plan.placement, microbatches_done=self.done,
+            microbatches_requested=self.dispatcher.issued,
             lost_microbatches=self.dispatcher.issued - self.done, steps=len(self.dispatcher.plan),
             tokens=self.dispatcher.tokens, wall_s=round(wall_s, 3),
             throughput_mb_s=round(self.done / wall_s, 4) if wall_s > 0 else 0.0,
@@ -789,6 +980,7 @@ def run_swarm(plan: SwarmPlan, batches: Iterator[tuple[torch.Tensor, torch.Tenso
               progress: bool = True) -> TrainResult:
     """Run one hivemind swarm; every process it started (and this process's p2pd) is gone when it returns."""
     check_stage_count(plan.arch["layers"], plan.stages)
+    plan.validate()
     if plan.compression not in SCHEMES:
         raise ValueError(f"swarm.compression={plan.compression!r}; allowed: {', '.join(SCHEMES)}")
     if plan.trainers < 1 or any(n < 0 for n in plan.peers_per_stage) or not plan.peer_speeds \
@@ -833,8 +1025,9 @@ def run(setup: SwarmSetup) -> dict:
 
 def train(*, arch: dict, vocab_size: int, recipe: dict, swarm: dict,
           batches: Iterator[tuple[torch.Tensor, torch.Tensor]], total_microbatches: int,
-          progress: bool = True) -> TrainResult:
-    """The swarm_pretrain rule's hivemind transport (same signature and result as ``emulation.train``)."""
+          progress: bool = True, rendezvous: str | Path | None = None) -> TrainResult:
+    """The swarm_pretrain rule's hivemind transport (``emulation.train``'s signature and result, plus the
+    rendezvous folder of the attach and srun placements)."""
     if swarm["peers_per_stage"] < 1:
         raise ValueError(f"swarm.peers_per_stage={swarm['peers_per_stage']}: every stage needs at least one peer")
     plan = SwarmPlan(
@@ -843,5 +1036,7 @@ def train(*, arch: dict, vocab_size: int, recipe: dict, swarm: dict,
         trainers=swarm["trainers"], compression=swarm["compression"],
         retry=RetryPolicy(forward_timeout_s=swarm["forward_timeout_s"]), kill_every_s=swarm["kill_every_s"],
         rejoin_after_s=swarm["rejoin_after_s"], rebalance_period_s=swarm["rebalance_period_s"], seed=swarm["seed"],
+        placement=swarm["placement"], rendezvous=Path(rendezvous) if rendezvous else None, host=swarm["host"],
+        interface=swarm["interface"], srun_args=list(swarm["srun_args"]), startup_timeout_s=swarm["startup_timeout_s"],
     )
     return run_swarm(plan, batches, total_microbatches, progress)

@@ -6,7 +6,9 @@ recipe seed, so both see identical microbatches. The budget is counted the same 
 or seconds, checked before each step; a step has ``accumulation_at(t)`` microbatches), so a token or step
 budget fixes the number of microbatches in advance. Training runs on a transport chosen by
 ``swarm["transport"]``: ``emulation`` (threads in this process, ``cramswarm.swarm.emulation.train``) or
-``hivemind`` (one process per peer, ``cramswarm.swarm.hivemind_transport.train``, imported only when asked for).
+``hivemind`` (one process per peer, ``cramswarm.swarm.hivemind_transport.train``, imported only when asked for;
+its peers are started by this process, or - ``swarm["placement"]`` ``attach`` / ``srun`` - by ``swarm-peer`` tasks
+that meet it through the ``rendezvous`` folder, e.g. the tasks of a multi-node SLURM job).
 The stages are then assembled into one crammed-BERT checkpoint (``stages.assemble_model``), written with
 ``pretrain.save_checkpoint``, with ``train_log.csv`` (pretrain's columns; rows every ``log_every_steps`` steps,
 window means; the held-out loss is evaluated once, at the end) and ``summary.json``, each written atomically.
@@ -38,6 +40,7 @@ from cramswarm.provenance import provenance
 from cramswarm.swarm.stages import assemble_model, check_stage_count, split_model
 
 TRANSPORTS = ("emulation", "hivemind")
+PLACEMENTS = ("local", "attach", "srun")  # hivemind_transport.PLACEMENTS (not imported: hivemind is optional)
 UNBOUNDED = 1 << 62   # microbatch bound for a seconds budget (time decides)
 
 
@@ -78,6 +81,11 @@ def validate(arch: dict, swarm: dict) -> None:
         )
     if swarm["trainers"] < 1:
         raise ValueError(f"swarm.trainers={swarm['trainers']}: need at least one trainer")
+    if swarm["placement"] not in PLACEMENTS:
+        raise ValueError(f"swarm.placement must be one of {', '.join(PLACEMENTS)}, got {swarm['placement']!r}")
+    if swarm["placement"] != "local" and swarm["transport"] != "hivemind":
+        raise ValueError(f"swarm.placement={swarm['placement']} runs peers as separate processes: it needs "
+                         f"swarm.transport: hivemind (got {swarm['transport']})")
 
 
 def _log_rows(log: list[dict], every: int, eval_loss: float | None) -> list[dict]:
@@ -102,8 +110,10 @@ def _csv(rows: list[dict]) -> str:
 
 
 def swarm_pretrain(recipe: dict, arch: dict, swarm: dict, blocks_path, tokenizer_path, out_dir, *,
-                   progress: bool = True, run: str | None = None, expected_vocab: int | None = None) -> dict:
-    """Pretrain with SWARM until the budget is spent; write the checkpoint, train_log.csv and summary.json."""
+                   progress: bool = True, run: str | None = None, expected_vocab: int | None = None,
+                   rendezvous: str | Path | None = None) -> dict:
+    """Pretrain with SWARM until the budget is spent; write the checkpoint, train_log.csv and summary.json.
+    ``rendezvous``: the folder where peers of the attach/srun placements find the swarm (shared filesystem)."""
     validate(arch, swarm)
     tok, blocks, n_blocks = load_training_data(recipe, tokenizer_path, blocks_path, expected_vocab)
     vocab_size = tok.get_vocab_size()
@@ -111,13 +121,15 @@ def swarm_pretrain(recipe: dict, arch: dict, swarm: dict, blocks_path, tokenizer
     block_tokens = blocks.shape[1]
     total = planned_microbatches(recipe, block_tokens)
 
+    extra = {}
     if swarm["transport"] == "hivemind":
         from cramswarm.swarm.hivemind_transport import train as transport_train
+        extra["rendezvous"] = rendezvous
     else:
         from cramswarm.swarm.emulation import train as transport_train
     result = transport_train(arch=arch, vocab_size=vocab_size, recipe=recipe, swarm=swarm,
                              batches=microbatches(blocks, n_blocks, recipe, vocab_size),
-                             total_microbatches=total, progress=progress)
+                             total_microbatches=total, progress=progress, **extra)
     stats = result.stats
 
     stages = split_model(build_model(arch, vocab_size, recipe["seed"]), swarm["stages"])
