@@ -1,3 +1,4 @@
+import contextlib
 import os
 import re
 import shutil
@@ -107,3 +108,25 @@ ARCH = DEFAULT["models"]["crammed"]["arch"] | dict(
 )
 
 
+class Stop(Exception):
+    """What ``killed_at_save`` raises: a kill during a training-state write."""
+
+
+@contextlib.contextmanager
+def killed_at_save(n: int):
+    """Run the body with a ``torch.save`` that writes, then raises ``Stop`` on its n-th call: a kill during the
+    n-th state write, before its rename. Yields the list of the saved states' steps."""
+    import torch
+
+    original, saves = torch.save, []
+
+    def save_then_die(obj, path, *a, **kw):
+        original(obj, path, *a, **kw)
+        saves.append(obj["counters"]["step"])
+        if len(saves) == n:
+            raise Stop
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "save", save_then_die)
+        with pytest.raises(Stop):
+            yield saves

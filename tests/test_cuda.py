@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import ARCH, DEFAULT, recipe
+from conftest import ARCH, DEFAULT, killed_at_save, recipe
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -137,22 +137,9 @@ def test_pretrain_resumes_on_cuda(tiny_run):
     r = recipe(device="cuda", precision="fp16", budget={"unit": "steps", "value": 12}, resume_every_steps=4)
     full = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "full", progress=False)
 
-    class Stop(Exception):
-        pass
-
-    original, saves = torch.save, []
-
-    def save_then_die(obj, path, *a, **kw):
-        original(obj, path, *a, **kw)
-        saves.append(obj["counters"]["step"])
-        if len(saves) == 2:
-            raise Stop  # a kill during the second write (step 8), before its rename: the file keeps step 4
-
     state = folder / "state"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch, "save", save_then_die)
-        with pytest.raises(Stop):
-            pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "resumed", progress=False, state_dir=state)
+    with killed_at_save(2) as saves:  # during the second write (step 8), before its rename: the file keeps step 4
+        pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "resumed", progress=False, state_dir=state)
     resumed = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "resumed", progress=False, state_dir=state)
     assert saves == [4, 8] and resumed["resumed_from_step"] == 4 and resumed["steps"] == full["steps"] == 12
     assert resumed["final_loss"] == pytest.approx(full["final_loss"], abs=2e-2)

@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import ARCH, recipe
+from conftest import ARCH, killed_at_save, recipe
 
 from cramswarm import tokenizer as tokenization
 from cramswarm.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
@@ -183,23 +183,9 @@ def test_pretrain_resumes_from_saved_state_in_process(tiny_run):
     r = recipe(budget={"unit": "tokens", "value": 20 * 16 * 32}, resume_every_steps=4, log_every_steps=2)
     full = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "full", progress=False)
 
-    class Stop(Exception):
-        pass
-
-    original = torch.save
-    saves = []
-
-    def save_then_die(obj, path, *a, **kw):
-        original(obj, path, *a, **kw)
-        saves.append(obj["counters"]["step"])
-        if len(saves) == 3:
-            raise Stop  # a kill during the third write (step 12), before its rename: the file keeps step 8
-
     state = folder / "state"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch, "save", save_then_die)
-        with pytest.raises(Stop):
-            pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "resumed", progress=False, state_dir=state)
+    with killed_at_save(3) as saves:  # during the third write (step 12), before its rename: the file keeps step 8
+        pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "resumed", progress=False, state_dir=state)
     assert saves == [4, 8, 12] and (state / "state.pt").is_file()
     resumed = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "resumed", progress=False, state_dir=state)
     assert resumed["resumed_from_step"] == 8 and resumed["steps"] == full["steps"] == 20
@@ -217,16 +203,8 @@ def test_state_of_another_recipe_is_not_resumed(tiny_run):
     folder, tok_path = tiny_run
     state = folder / "state"
     r = recipe(budget={"unit": "steps", "value": 6}, resume_every_steps=2)
-    original = torch.save
-
-    def save_then_die(obj, path, *a, **kw):
-        original(obj, path, *a, **kw)
-        raise KeyboardInterrupt
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch, "save", save_then_die)
-        with pytest.raises(KeyboardInterrupt):
-            pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "a", progress=False, state_dir=state)
+    with killed_at_save(1):
+        pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "a", progress=False, state_dir=state)
     other = pretrain(r | {"lr": 1e-3}, ARCH, folder / "blocks.npy", tok_path, folder / "a", progress=False,
                      state_dir=state)
     assert other["resumed_from_step"] is None and other["steps"] == 6
