@@ -271,7 +271,7 @@ def swarm_pretrain(args) -> int:
 def swarm_peer(args) -> int:
     from cramswarm.swarm.hivemind_peer import run_task
 
-    return run_task(args.rendezvous, args.rank, args.max_restarts)
+    return run_task(args.rendezvous, args.rank, args.max_restarts, args.wait_s)
 
 
 # swarm_study config section -> cramswarm.swarm.study function, and config keys renamed to its keywords
@@ -446,6 +446,8 @@ def build_parser() -> argparse.ArgumentParser:
     p["swarm-peer"].add_argument("--rank", type=int, help="this peer's rank, 0 .. stages x peers_per_stage - 1 "
                                  "(default: SLURM_PROCID); it decides the stage and speed")
     p["swarm-peer"].add_argument("--max-restarts", type=int, default=100, help="restarts of a dying peer (count)")
+    p["swarm-peer"].add_argument("--wait-s", type=float, default=600.0,
+                                 help="seconds to wait for the coordinator's rendezvous files (and for its swarm)")
     p["swarm-study"].add_argument("--experiment", required=True, choices=tuple(SWARM_EXPERIMENTS))
     p["swarm-study"].add_argument("--settings", type=_json, required=True, help="JSON of the swarm_study.<experiment> section")
     p["swarm-study"].add_argument("--out", required=True, help="CSV written")

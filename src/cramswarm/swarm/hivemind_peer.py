@@ -583,6 +583,9 @@ class EmulatedStagePeer(StagePeer):
         time.sleep(self.stage_time_s * self.backward_factor / self.speed)
         return {"y": self.payload}, {}
 
+    async def load_from_replica(self, give_up_after_s: float) -> None:
+        """No state to download: an emulated peer's start-up stands for it."""
+
 
 # --------------------------------------------------------------------------------------------------------------
 # Entry points
@@ -616,7 +619,9 @@ async def serve_stage(args: argparse.Namespace) -> None:
     peer = (EmulatedStagePeer if "emulate" in cfg else StagePeer)(cfg, args.stage, args.uid, args.speed, node)
     peer.migrate_to = asyncio.get_running_loop().create_future()
     await peer.add_p2p_handlers(node.p2p, namespace=peer.namespace)
-    if args.load_state or await coordinator_phase(node, peer.run_id) == "training":  # joining a running swarm
+    with contextlib.suppress(Exception):  # joining a running swarm: take the stage's state first
+        args.load_state = args.load_state or await coordinator_phase(node, peer.run_id) == "training"
+    if args.load_state:
         await peer.load_from_replica(cfg["give_up_after_s"])
     print(f"[{args.uid}] serving stage {args.stage} (speed {args.speed}) as {node.p2p.peer_id}", flush=True)
     declare = asyncio.create_task(peer.declare_forever())
@@ -659,11 +664,26 @@ def finished(rendezvous: Path, run_id: str) -> bool:
     return False
 
 
-def run_task(rendezvous: str | Path, rank: int | None, max_restarts: int = 100) -> int:
+def read_rendezvous(rendezvous: Path, timeout_s: float) -> dict:
+    """The coordinator's config.json, once its address file is there too (the config is written first)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        read_addr_file(rendezvous / ADDR_FILE, max(deadline - time.monotonic(), 0.0))
+        try:
+            return json.loads((rendezvous / CONFIG_FILE).read_text())
+        except (OSError, ValueError):  # cleared or rewritten by a coordinator starting right now
+            if time.monotonic() > deadline:
+                raise BootstrapError(f"no readable {CONFIG_FILE} in the rendezvous folder {rendezvous}") from None
+            time.sleep(0.5)
+
+
+def run_task(rendezvous: str | Path, rank: int | None, max_restarts: int = 100, wait_s: float = 600.0) -> int:
     """One peer of an ``attach``/``srun`` swarm (rank -> stage, speed via the rendezvous folder's config), run as
-    a child process group and restarted when it dies or moves; returns the exit code of the task."""
+    a child process group and restarted when it dies or moves; returns the exit code of the task.
+
+    ``wait_s``: how long to wait for the coordinator's rendezvous files, and for a swarm to join when the files
+    found belong to an earlier run."""
     rendezvous, rank = Path(rendezvous), rank_of(rank)
-    addr_file, config = rendezvous / ADDR_FILE, rendezvous / CONFIG_FILE
     child: subprocess.Popen | None = None
 
     def stop(signum, frame):  # srun / scancel: end the peer's whole group with this task
@@ -673,23 +693,26 @@ def run_task(rendezvous: str | Path, rank: int | None, max_restarts: int = 100) 
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    read_addr_file(addr_file, float(os.environ.get("CRAMSWARM_RENDEZVOUS_TIMEOUT_S", "600")))
-    cfg = json.loads(config.read_text())
+    deadline = time.monotonic() + wait_s
+    try:
+        cfg = read_rendezvous(rendezvous, wait_s)
+    except BootstrapError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
     specs = cfg["placement_specs"]  # [stage, speed] per rank
     if not 0 <= rank < len(specs):
         print(f"error: rank {rank} is outside the swarm's {len(specs)} peers (swarm.stages x swarm.peers_per_stage)",
               file=sys.stderr, flush=True)
         return 2
     stage, speed = specs[rank]
-    deadline = time.monotonic() + cfg["startup_timeout_s"]
-    served = load_state = False
-    for incarnation in range(max_restarts + 1):
+    incarnation, served, restarts = 0, False, 0
+    while True:
         uid = f"s{stage}r{rank}.{incarnation}"
-        args = [sys.executable, "-m", "cramswarm.swarm.hivemind_peer", "stage", "--config", str(config),
-                "--stage", str(stage), "--uid", uid, "--addr-file", str(addr_file), "--speed", repr(speed)]
+        args = [sys.executable, "-m", "cramswarm.swarm.hivemind_peer", "stage", "--config",
+                str(rendezvous / CONFIG_FILE), "--stage", str(stage), "--uid", uid, "--addr-file",
+                str(rendezvous / ADDR_FILE), "--speed", repr(speed)] + (["--load-state"] if served else [])
         env = {**os.environ, "CRAMSWARM_COORDINATOR_PID": str(os.getpid())}
-        child = subprocess.Popen(args + (["--load-state"] if load_state else []), env=env, start_new_session=True,
-                                 stdin=subprocess.DEVNULL)
+        child = subprocess.Popen(args, env=env, start_new_session=True, stdin=subprocess.DEVNULL)
         code = child.wait()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(child.pid, signal.SIGKILL)  # its p2pd
@@ -697,15 +720,19 @@ def run_task(rendezvous: str | Path, rank: int | None, max_restarts: int = 100) 
             return 0
         if code == COORDINATOR_GONE:
             return code
-        if code == 2 and not served:  # a stale rendezvous of an earlier run, or the coordinator still starting
+        if code == 2 and served:  # the swarm's bootstrap is gone: the run is over
+            return COORDINATOR_GONE
+        if code == 2:  # files of an earlier run, or a coordinator still starting: read them again
             if time.monotonic() > deadline:
                 return 2
             time.sleep(1.0)
-            cfg = json.loads(config.read_text())
+            cfg = read_rendezvous(rendezvous, max(deadline - time.monotonic(), 0.0))
+            stage, speed = cfg["placement_specs"][rank]
             continue
-        if code == 2:  # the swarm's bootstrap is gone: the run is over
-            return COORDINATOR_GONE
-        served, load_state = True, True
+        if restarts == max_restarts:
+            print(f"[rank {rank}] gave up after {max_restarts} restarts", file=sys.stderr, flush=True)
+            return 1
+        served, restarts, incarnation = True, restarts + 1, incarnation + 1
         if code >= MIGRATE_EXIT:
             stage = code - MIGRATE_EXIT
             print(f"[rank {rank}] moving to stage {stage}", flush=True)
@@ -713,8 +740,6 @@ def run_task(rendezvous: str | Path, rank: int | None, max_restarts: int = 100) 
             print(f"[rank {rank}] peer {uid} ended with code {code}; restarting in {cfg['rejoin_after_s']} s",
                   flush=True)
             time.sleep(cfg["rejoin_after_s"])
-    print(f"[rank {rank}] gave up after {max_restarts} restarts", file=sys.stderr, flush=True)
-    return 1
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -734,9 +759,10 @@ def main(argv: list[str] | None = None) -> None:
     task.add_argument("--rendezvous", required=True, help="the coordinator's rendezvous folder (shared filesystem)")
     task.add_argument("--rank", type=int, help="this peer's rank (default: SLURM_PROCID)")
     task.add_argument("--max-restarts", type=int, default=100, help="restarts of a dying peer before giving up")
+    task.add_argument("--wait-s", type=float, default=600.0, help="seconds to wait for the coordinator's rendezvous")
     args = parser.parse_args(argv)
     if args.role == "task":
-        sys.exit(run_task(args.rendezvous, args.rank, args.max_restarts))
+        sys.exit(run_task(args.rendezvous, args.rank, args.max_restarts, args.wait_s))
     if args.role == "stage" and not (args.speed > 0 and math.isfinite(args.speed)):
         parser.error(f"--speed must be positive, got {args.speed}")
     try:
