@@ -269,6 +269,17 @@ def test_tasks_exit_when_their_coordinator_dies_without_a_word(tmp_path):
     assert processes_naming(str(rendezvous)) == []
 
 
+def test_missing_tasks_fail_within_the_startup_timeout_naming_the_stages(tmp_path):
+    with job_tasks(tmp_path, [0]) as (rendezvous, logs, tasks):  # one of the two peers ever starts
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"within 20 s \(stage 1: 0 of 1\)"):
+            ht.run_swarm(plan(placement="attach", rendezvous=rendezvous, peers_per_stage=[1, 1],
+                              startup_timeout_s=20.0), batches(), 4, progress=False)
+        assert time.monotonic() - started < 60
+    wait_all(tasks, logs)  # it read the coordinator's `done` and left
+    assert processes_naming(str(rendezvous)) == []
+
+
 def test_task_ranks_map_to_stages_and_bad_placements_fail_with_the_key(tmp_path, monkeypatch):
     assert [ht.rank_of_uid(u) for u in ("s0r3.0", "s12r10.7", "s0p1")] == [3, 10, None]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 5")  # local placement spreads peers over these (SLURM's list)

@@ -823,9 +823,10 @@ class Coordinator:
                 raise RuntimeError(f"the peers' srun job step ended with code {self.srun.returncode} before every "
                                    f"peer declared itself:\n{log}")
             if time.monotonic() > deadline:
-                lacking = ", ".join(f"stage {s}: {n} of {self.plan.peers_per_stage[s]}" for s, n in missing.items())
-                raise TimeoutError(f"swarm.placement={self.plan.placement}: peers missing after {timeout_s:.0f} s "
-                                   f"({lacking}); rendezvous {self.folder}")
+                lacking = ", ".join(f"stage {s}: {self.plan.peers_per_stage[s] - n} of {self.plan.peers_per_stage[s]}"
+                                    for s, n in missing.items())
+                raise TimeoutError(f"swarm.placement={self.plan.placement}: not every stage's peers declared "
+                                   f"themselves within {timeout_s:.0f} s ({lacking}); rendezvous {self.folder}")
             await asyncio.sleep(0.5)
 
     async def _beat(self) -> None:
