@@ -315,7 +315,7 @@ class Coordinator:
         self.log: list[dict] = []
         self.timeline: list[tuple[float, int]] = []
         self.stats = {"retries": 0, "timeouts": 0, "errors": 0, "peers_killed": 0, "rejoins": 0, "moves": [],
-                      "moves_completed": 0, "rollbacks": [],
+                      "moves_completed": 0, "rollbacks": [], "catch_ups": [],
                       "stage_steps": [0] * stages, "lost_gradient_samples": 0, "resyncs": 0,
                       "sync_retries": 0, "killed": [],
                       "digest_mismatches": 0, "peer_devices": {}}
@@ -570,9 +570,12 @@ class Coordinator:
                 raise RuntimeError(f"stage {stage}: in-stage averaging did not succeed within "
                                    f"{self.plan.retry.give_up_after_s:.0f} s")
             live = [uid for uid in balancer.peers if uid in self.peer_ids and uid not in stale]
-            if not live and stale:  # every replica at the current step died: go on from the most advanced one
+            if not live and stale:  # no replica at the current step: go on from the most advanced one
                 best = max(self.known_steps[uid] for uid in stale)
-                self.stats["rollbacks"].append({"stage": stage, "from_step": self.steps[stage], "to_step": best})
+                # behind: every replica at the current step died (its steps are lost); ahead: a replica applied a
+                # commit whose reply never came (the window's gradients are in it; the next step closes the window)
+                kind = "rollbacks" if best < self.steps[stage] else "catch_ups"
+                self.stats[kind].append({"stage": stage, "from_step": self.steps[stage], "to_step": best})
                 self.steps[stage] = best
                 stale = {uid for uid in stale if self.known_steps[uid] != best}
                 continue
