@@ -225,7 +225,7 @@ def test_local_gpu_jobs_hold_the_default_profiles_one_gpu(dry, tmp_path):
 # on the 2-CPU test node); the coordinator runs in the job's batch step and starts them as one srun job step.
 SWARM_RUN = "results/swarm/synthetic/swarm/v128"
 SWARM_OVERLAY = ("pretrain:\n  budget: {unit: tokens, value: 81920}\n"  # 20 steps of 32 x 128 tokens
-                 "swarm:\n  transport: hivemind\n  placement: srun\n  peers_per_stage: 1\n  host: 0.0.0.0\n")
+                 "swarm:\n  transport: hivemind\n  placement: srun\n  peers_per_stage: 1\n  interface: lo\n")
 
 
 def test_swarm_peers_run_as_the_tasks_of_one_slurm_job(cluster, local, tmp_path_factory):

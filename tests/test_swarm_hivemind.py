@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -118,6 +119,23 @@ def test_unreachable_or_garbage_bootstrap_fails_fast_with_a_clear_error(tmp_path
                            "--stage", "0", "--uid", "s0p1", "--addr-file", str(addr_file)],
                           capture_output=True, text=True, timeout=90, start_new_session=True)
     assert proc.returncode == 2 and "could not join the swarm DHT" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_declared_peers_that_never_answer_fail_the_run_within_the_bound(monkeypatch):
+    original = ht.Coordinator._rpc
+
+    async def forward_never_answers(self, stage, uid, method, tensors, meta):
+        if method == "forward":  # as a peer whose declared address cannot be reached
+            await asyncio.sleep(3600)
+        return await original(self, stage, uid, method, tensors, meta)
+
+    monkeypatch.setattr(ht.Coordinator, "_rpc", forward_never_answers)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"stage 0: 3 forward calls in a row failed or timed out"):
+        ht.run_swarm(plan(peers_per_stage=[1, 1], trainers=1,
+                          retry=RetryPolicy(forward_timeout_s=1.0, give_up_after_s=2.0)), batches(), 8, progress=False)
+    assert time.monotonic() - started < 90
 
 
 @pytest.mark.slow

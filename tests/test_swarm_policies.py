@@ -129,6 +129,13 @@ def test_uniform_balancer_ignores_throughput():
     assert "fast" not in {balancer.choose(1.0, 0.0) for _ in range(50)}
 
 
+def test_retry_policy_gives_up_after_three_failures_over_the_bound():
+    retry = RetryPolicy(give_up_after_s=120.0)
+    assert not retry.exhausted(500.0, 2)      # two failures: try another time, however long they took
+    assert not retry.exhausted(119.0, 10)     # many quick failures: still within the bound
+    assert retry.exhausted(121.0, 3)
+
+
 def test_retry_policy_timeouts():
     retry = RetryPolicy(forward_timeout_s=30.0)
     assert retry.timeout(backward=False) == 30.0

@@ -426,7 +426,8 @@ class Coordinator:
         """One stage call with SWARM's retry semantics: another replica on timeout/error, never dropped."""
         backward = method == "backward"
         balancer, retry = self.balancers[stage], self.plan.retry
-        no_peer_since = None
+        no_peer_since = failing_since = None
+        attempts = 0
         while True:
             if backward and self.training:
                 await self._reserve(stage, samples)
@@ -463,6 +464,12 @@ class Coordinator:
                 if backward and self.training and result is None:
                     self._release(stage, samples)
             if result is None:
+                attempts += 1
+                failing_since = failing_since or started
+                if retry.exhausted(time.perf_counter() - failing_since, attempts):
+                    raise TimeoutError(f"stage {stage}: {attempts} {method} calls in a row failed or timed out over "
+                                       f"{time.perf_counter() - failing_since:.0f} s (last on {uid}); its declared "
+                                       f"peers do not answer (unreachable address? see swarm.host / interface)")
                 continue
             balancer.report_success(uid, samples, time.perf_counter() - started)
             if not (backward and self.training):

@@ -189,6 +189,11 @@ class RetryPolicy:
     def timeout(self, backward: bool) -> float:
         return self.forward_timeout_s * (self.backward_multiplier if backward else 1.0)
 
+    def exhausted(self, failing_for_s: float, attempts: int) -> bool:
+        """Give up a call that has timed out or failed ``attempts`` times in a row for ``failing_for_s`` seconds:
+        at least 3 attempts and longer than ``give_up_after_s`` (declared peers that never answer)."""
+        return attempts >= 3 and failing_for_s > self.give_up_after_s
+
 
 @dataclass(frozen=True)
 class PeerLoad:
