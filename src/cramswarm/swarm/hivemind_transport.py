@@ -372,7 +372,8 @@ class Coordinator:
         deadline = time.monotonic() + timeout_s
         while True:
             await self._refresh_all()
-            missing = [p for p in peers if p.uid not in self.records[p.stage]]
+            # a peer the fault injection already killed (it can pick one that declared before this loop saw it)
+            missing = [p for p in peers if p.uid not in self.records[p.stage] and p.uid not in self.retired]
             if not missing:
                 return
             self._check_started(missing)
