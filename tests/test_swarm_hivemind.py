@@ -312,7 +312,7 @@ def test_task_ranks_map_to_stages_and_bad_placements_fail_with_the_key(tmp_path,
         ht.run_swarm(plan(placement="srun", rendezvous=tmp_path), batches(), 4, progress=False)
     # a task whose rank is beyond the swarm's peers says so and exits at once
     (tmp_path / "config.json").write_text(json.dumps({"placement_specs": [[0, 1.0], [1, 1.0]], "run_id": "x",
-                                                      "startup_timeout_s": 5, "rejoin_after_s": 0}))
+                                                      "rejoin_after_s": 0}))
     (tmp_path / "dht_addrs.txt").write_text(NOWHERE + "\n")
     proc = subprocess.run([sys.executable, "-m", "cramswarm", "swarm-peer", "--rendezvous", str(tmp_path)],
                           capture_output=True, text=True, timeout=60, env={**os.environ, "SLURM_PROCID": "2"})

@@ -347,8 +347,7 @@ class Coordinator:
                "stages": p.stages, "compression": p.compression, "sync_timeout_s": self.sync_timeout_s,
                "join_timeout_s": p.join_timeout_s, "give_up_after_s": p.retry.give_up_after_s, "host": p.host,
                "interface": p.interface, "placement_specs": [list(spec) for spec in self._initial_specs()],
-               "rejoin_after_s": p.rejoin_after_s, "startup_timeout_s": p.startup_timeout_s,
-               "coordinator_grace_s": p.coordinator_grace_s}
+               "rejoin_after_s": p.rejoin_after_s, "coordinator_grace_s": p.coordinator_grace_s}
         if p.emulate is not None:
             cfg["emulate"] = p.emulate
         self.folder.mkdir(parents=True, exist_ok=True)
