@@ -14,6 +14,10 @@ from cramswarm.config import load_config
 REPO = Path(__file__).resolve().parents[1]
 SHARED_HUB = REPO.parent / "shared" / "data" / "hub"
 
+# Processes the tests start (`python -m cramswarm`, Snakemake and SLURM jobs) run this checkout's code as well,
+# whichever checkout pip's editable install points at (pyproject's pytest `pythonpath` covers this process only).
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))
+
 # The hub cannot be reached from CI; everything real is read from the local mirror.
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
