@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -23,7 +24,7 @@ pytest.importorskip("hivemind", reason="hivemind is not installed: transport 1 (
 from conftest import ARCH, recipe  # noqa: E402
 
 from cramswarm.swarm import hivemind_transport as ht  # noqa: E402
-from cramswarm.swarm.hivemind_peer import BootstrapError, listen_host  # noqa: E402
+from cramswarm.swarm.hivemind_peer import BootstrapError, RankTaken, claim_rank, listen_host  # noqa: E402
 from cramswarm.swarm.policies import NoPeersError, RetryPolicy  # noqa: E402
 
 TINY = ARCH | dict(layers=2, hidden_size=64, heads=2, intermediate_size=128, max_positions=32)
@@ -320,3 +321,19 @@ def test_task_ranks_map_to_stages_and_bad_placements_fail_with_the_key(tmp_path,
     proc = subprocess.run([sys.executable, "-m", "cramswarm", "swarm-peer", "--rendezvous", str(tmp_path)],
                           capture_output=True, text=True, timeout=60, env={**os.environ, "SLURM_PROCID": "2"})
     assert proc.returncode == 2 and "rank 2 is outside the swarm's 2 peers" in proc.stderr, proc.stderr
+
+
+def test_a_second_task_with_a_taken_rank_exits_naming_the_holder(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"placement_specs": [[0, 1.0], [1, 1.0]], "run_id": "x",
+                                                      "rejoin_after_s": 0}))
+    (tmp_path / "dht_addrs.txt").write_text(NOWHERE + "\n")
+    held = claim_rank(tmp_path, 1)  # a live task of rank 1 (this process)
+    with pytest.raises(RankTaken, match=f"rank 1 is already taken by a running task \\(host .* pid {os.getpid()};"):
+        claim_rank(tmp_path, 1)
+    proc = subprocess.run([sys.executable, "-m", "cramswarm", "swarm-peer", "--rendezvous", str(tmp_path),
+                           "--rank", "1"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and f"rank 1 is already taken by a running task (host {socket.gethostname()} " \
+        f"pid {os.getpid()}; lock {tmp_path / 'rank1.lock'})" in proc.stderr, proc.stderr
+    os.close(held)  # the holder is gone (its lock went with it): the rank is free again, another one never was
+    os.close(claim_rank(tmp_path, 1))
+    os.close(claim_rank(tmp_path, 0))

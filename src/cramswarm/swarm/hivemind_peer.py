@@ -13,9 +13,9 @@ filesystem. ``stage`` serves one pipeline stage (``stages.split_model`` of the c
 P2P streams and declares itself under the stage's DHT key. ``task`` is one peer of a swarm whose coordinator did
 not start it (placements ``attach`` and ``srun``): it reads the coordinator's rendezvous folder (``config.json``,
 then the address file ``dht_addrs.txt``), takes the stage and speed of its rank (``--rank``, else
-``SLURM_PROCID``: the tasks of one ``srun`` job step) and runs ``stage`` as a child process group, which it
-restarts with a state download when it dies (``rejoin_after_s`` later) and moves to another stage when the
-coordinator's rebalancer asks. Its RPCs (``StagePeer.rpc_*``):
+``SLURM_PROCID``: the tasks of one ``srun`` job step; ``claim_rank`` locks it, so a rank runs once) and runs
+``stage`` as a child process group, which it restarts with a state download when it dies (``rejoin_after_s``
+later) and moves to another stage when the coordinator's rebalancer asks. Its RPCs (``StagePeer.rpc_*``):
 
 * ``forward``  - stage output for the inputs (no grad), compressed with ``compression.encode``;
 * ``backward`` - re-runs the stage forward on the saved inputs (so any replica can take it, as in SWARM),
@@ -59,6 +59,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import fcntl
 import hashlib
 import io
 import json
@@ -103,6 +104,10 @@ DONE_FILE = "done"         # in a rendezvous folder: the run id of a coordinator
 
 class BootstrapError(RuntimeError):
     """The swarm's bootstrap DHT could not be found or joined."""
+
+
+class RankTaken(RuntimeError):
+    """Another live task holds this task's rank in the rendezvous folder."""
 
 
 class CoordinatorGone(RuntimeError):
@@ -483,11 +488,14 @@ class StagePeer(ServicerBase):
             reply = {"status": "failed", "error": f"cannot move from stage {self.stage} to {to_stage}"}
         else:
             print(f"[{self.uid}] moving to stage {to_stage} (rebalancing)", flush=True)
-            if not self.migrate_to.done():
-                self.migrate_to.set_result(to_stage)
             reply = {"status": "ok"}
         for message in respond({}, reply):
             yield message
+        # only once the reply is out (as rpc_die): the peer exits, with its p2pd, as soon as migrate_to is set, and
+        # a coordinator that missed the reply took the move for failed while the peer moved anyway
+        if reply["status"] == "ok" and not self.migrate_to.done():
+            asyncio.get_running_loop().call_later(
+                0.2, lambda: self.migrate_to.done() or self.migrate_to.set_result(to_stage))
 
     async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData],
                                  context: P2PContext) -> AsyncIterator[averaging_pb2.AveragingData]:
@@ -664,6 +672,28 @@ def finished(rendezvous: Path, run_id: str) -> bool:
     return False
 
 
+def claim_rank(rendezvous: Path, rank: int) -> int:
+    """Lock ``rank<R>.lock`` in the rendezvous folder for this task's life (returns the open descriptor; the lock
+    goes with the process, however it ends). A second task of the same rank - a leftover task of an earlier run,
+    a job launched twice - would join as the same uid and corrupt its stage's averaging (a NaN loss, seen once),
+    so it gets ``RankTaken`` naming the holder. On a filesystem without ``flock`` (Lustre without ``-o flock``)
+    the check is skipped with a warning."""
+    path = rendezvous / f"rank{rank}.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 200).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise RankTaken(f"rank {rank} is already taken by a running task ({holder}; lock {path})") from None
+    except OSError as e:
+        print(f"warning: cannot lock {path} ({e}); duplicate ranks go undetected", file=sys.stderr, flush=True)
+        return fd
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"host {socket.gethostname()} pid {os.getpid()}\n".encode(), 0)
+    return fd
+
+
 def read_rendezvous(rendezvous: Path, timeout_s: float) -> dict:
     """The coordinator's config.json, once its address file is there too (the config is written first)."""
     deadline = time.monotonic() + timeout_s
@@ -703,6 +733,11 @@ def run_task(rendezvous: str | Path, rank: int | None, max_restarts: int = 100, 
     if not 0 <= rank < len(specs):
         print(f"error: rank {rank} is outside the swarm's {len(specs)} peers (swarm.stages x swarm.peers_per_stage)",
               file=sys.stderr, flush=True)
+        return 2
+    try:
+        claim_rank(rendezvous, rank)  # held until this task exits
+    except RankTaken as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     stage, speed = specs[rank]
     incarnation, served, restarts = 0, False, 0
