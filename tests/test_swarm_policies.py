@@ -78,6 +78,17 @@ def test_new_peer_is_tried_almost_at_once():
     assert "new" in [balancer.choose(1.0, 1.0) for _ in range(2)]
 
 
+def test_a_new_peer_beside_fast_peers_gets_its_share_before_it_is_measured():
+    """Peers that take 5 ms per sample; a newcomer whose first call has not come back must not be charged 1 s per
+    sample (it would wait 200 calls of the others for its second call): it is charged as their mean."""
+    balancer = StageBalancer(0, rng=random.Random(0))
+    balancer.update_peers({"a": 100.0, "b": 100.0}, now=0.0)
+    serve(balancer, {"a": 200.0, "b": 200.0}, 50)
+    balancer.update_peers({"a": 100.0, "b": 100.0, "new": 100.0}, now=1.0)
+    order = [balancer.choose(1.0, 1.0) for _ in range(9)]  # no feedback: the newcomer stays unmeasured
+    assert order.count("new") >= 3, order  # (the old charge of 1 s per sample: once in 9)
+
+
 def test_backward_tasks_weigh_more():
     balancer = StageBalancer(0, rng=random.Random(0))
     balancer.update_peers({"a": 100.0, "b": 100.0}, now=0.0)
@@ -189,6 +200,25 @@ def test_rebalancer_converges_without_oscillation():
     assert sorted(len(m) for m in members.values()) == [3, 3]
     assert len(moves) == 2
     assert all(m.to_stage == 1 for m in moves)
+
+
+def test_rebalancer_counts_an_unmeasured_peer_at_its_stage_mean():
+    """[4, 1] -> [3, 2] equal peers: the mover serves its new stage under a new uid with no rate yet. Counted as 0,
+    stage 1 would look as short as before and a second peer would follow ([2, 3]: a move that gains nothing and
+    costs a state download); counted at its stage's mean rate, [3, 2] stays."""
+    rebalancer = Rebalancer(period_s=1.0)
+    assert rebalancer.decide(loads(["a", "b", "c", "d"], ["e"]), now=0.0) is not None
+    moved = loads(["a", "b", "c"], ["e", "d'"], queue=0.0)
+    moved[1] = [PeerLoad("e", 4.0, 1.0), PeerLoad("d'", 0.0, None)]
+    assert rebalancer.decide(moved, now=5.0) is None
+    as_zero = {**moved, 1: [moved[1][0], PeerLoad("d'", 0.0, 0.0)]}
+    assert Rebalancer(period_s=1.0).decide(as_zero, now=5.0) is not None  # what counting it as 0 would do
+    assert Rebalancer.rates(moved) == {0: [1.0, 1.0, 1.0], 1: [1.0, 1.0]}
+    # a stage with no measured peer takes the swarm's mean; with nobody measured there is no decision
+    fresh = {0: [PeerLoad("a", 0.0, 2.0), PeerLoad("b", 0.0, 4.0)], 1: [PeerLoad("c", 9.0, None)]}
+    assert Rebalancer.rates(fresh) == {0: [2.0, 4.0], 1: [3.0]}
+    assert Rebalancer(period_s=1.0).decide({0: [PeerLoad("a", 0, None), PeerLoad("b", 0, None)], 1: []},
+                                           now=0.0) is None
 
 
 def test_rebalancer_never_empties_a_stage_and_fills_an_empty_one():

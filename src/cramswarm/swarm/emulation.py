@@ -222,8 +222,7 @@ class Peer(threading.Thread):
         return self.status == "up"
 
     def load(self) -> PeerLoad:
-        rate = self.ema.samples_per_second
-        return PeerLoad(self.uid, self.queue.qsize() + int(self.busy), rate if rate is not None else 0.0)
+        return PeerLoad(self.uid, self.queue.qsize() + int(self.busy), self.ema.settled_rate())
 
     def _drain(self, error: str | None) -> None:
         while True:
@@ -377,8 +376,6 @@ class _Swarm(abc.ABC):
         while not self.stop.wait(self.clock.wall(rebalancer.period_s)):
             with self.membership:
                 loads = {s: [p.load() for p in self.live(s)] for s in range(stages)}
-                if any(load.samples_per_s <= 0 for peers in loads.values() for load in peers):
-                    continue  # a peer without a measured rate yet: wait for the next period
                 move = rebalancer.decide(loads, self.clock.now())
                 if move is not None:
                     self.begin_move(move)

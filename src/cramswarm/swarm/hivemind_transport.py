@@ -79,7 +79,8 @@ from tqdm.auto import tqdm
 
 import cramswarm
 from cramswarm.pretrain import lr_multiplier
-from cramswarm.swarm.emulation import BACKWARD_COMPUTE_FACTOR, FailureEvent, SwarmSetup, TrainResult, Dispatcher
+from cramswarm.swarm.emulation import (BACKWARD_COMPUTE_FACTOR, WORK_UNITS, Dispatcher, FailureEvent, SwarmSetup,
+                                       TrainResult)
 from cramswarm.swarm.hivemind_peer import (
     ADDR_FILE,
     CONFIG_FILE,
@@ -422,9 +423,17 @@ class Coordinator:
         _, reply = await asyncio.wait_for(self._rpc(stage, uid, method, {}, meta), timeout=2 * self.sync_timeout_s)
         return reply
 
-    async def _call(self, stage: int, method: str, tensors: dict, meta: dict, samples: int) -> tuple[dict, dict]:
-        """One stage call with SWARM's retry semantics: another replica on timeout/error, never dropped."""
+    async def _call(self, stage: int, method: str, tensors: dict, meta: dict, samples: int, *,
+                    fused: bool = False) -> tuple[dict, dict]:
+        """One stage call with SWARM's retry semantics: another replica on timeout/error, never dropped.
+
+        ``fused``: the last stage's forward + backward in one call. The peer's throughput estimate counts the
+        call's work units (``WORK_UNITS``: forward 1, backward 2, fused 3 per sample, as the emulation does), so
+        every stage does the same units per microbatch and the rebalancer can compare stages; counted in samples,
+        the last stage (one call per microbatch) looked half as fast as the others (two calls) and drew a
+        second peer after a rebalancing move had already evened the stages out."""
         backward = method == "backward"
+        units = samples * WORK_UNITS["last" if fused else method]
         balancer, retry = self.balancers[stage], self.plan.retry
         no_peer_since = failing_since = None
         attempts = 0
@@ -471,7 +480,7 @@ class Coordinator:
                                        f"{time.perf_counter() - failing_since:.0f} s (last on {uid}); its declared "
                                        f"peers do not answer (unreachable address? see swarm.host / interface)")
                 continue
-            balancer.report_success(uid, samples, time.perf_counter() - started)
+            balancer.report_success(uid, units, time.perf_counter() - started)
             if not (backward and self.training):
                 return result
             self.syncs[stage].target_batch_samples = self._target(stage)
@@ -492,7 +501,8 @@ class Coordinator:
             out, out_meta = await self._call(stage, "forward", *inputs[stage], samples)
             inputs.append(self._rename(out, out_meta, "y", "x"))
         tensors, meta = inputs[last]
-        grad, grad_meta = await self._call(last, "backward", {**tensors, "labels": labels}, meta, samples)
+        grad, grad_meta = await self._call(last, "backward", {**tensors, "labels": labels}, meta, samples,
+                                           fused=True)
         loss = grad_meta["loss"]
         self.window.append(loss)  # the last stage's step reports the mean loss of the microbatches it saw
         for stage in range(last - 1, -1, -1):
@@ -711,7 +721,7 @@ class Coordinator:
         rebalancer = Rebalancer(period_s)
         while True:
             await asyncio.sleep(period_s)
-            loads = {s: [PeerLoad(uid, self.inflight.get(uid, 0), b.throughput(uid) or 0.0) for uid in b.peers]
+            loads = {s: [PeerLoad(uid, self.inflight.get(uid, 0), b.settled_throughput(uid)) for uid in b.peers]
                      for s, b in enumerate(self.balancers)}
             move = rebalancer.decide(loads, time.monotonic())
             if move is None:

@@ -33,6 +33,9 @@ class NoPeersError(RuntimeError):
         self.stage = stage
 
 
+SETTLED_UPDATES = 10 # the rebalancer trusts a peer's rate after this many measured calls (see settled_rate)
+
+
 class PerformanceEMA:
     """Bias-corrected exponential moving average of seconds per sample.
 
@@ -67,13 +70,22 @@ class PerformanceEMA:
             return None
         return 1.0 / max(spp, 1e-12)
 
+    def settled_rate(self, min_updates: int = SETTLED_UPDATES) -> float | None:
+        """``samples_per_second`` once ``min_updates`` calls were measured, else None: the rebalancer's input.
+        A fresh peer's first calls pay a cold start (allocations, caches, a GPU's kernel selection); on the
+        hivemind transport one moved peer's first rate was a quarter of its peers' and the rebalancer moved it
+        straight back."""
+        return self.samples_per_second if self._updates >= min_updates else None
+
 
 class StageBalancer:
     """Virtual-finish-time weighted round-robin over the peers of one stage (SWARM's IWRR).
 
     The heap holds one ``[virtual_time, tiebreak, uid]`` entry per known peer. ``choose`` pops the smallest
-    usable entry, charges it ``size / throughput`` (``size`` x 1 s per sample while unmeasured; ``size`` is the
-    task size, x ``backward_multiplier`` for backward tasks) and pushes it back.
+    usable entry, charges it ``size / throughput`` (``size`` is the task size, x ``backward_multiplier`` for
+    backward tasks) and pushes it back. A peer not measured yet is charged at the mean throughput of the stage's
+    measured peers (1 sample per second if none is): charged 1 s per sample beside peers that take
+    milliseconds, a peer that had just moved in got one call and then waited out the rest of a run.
     """
 
     def __init__(self, stage: int, *, alpha: float = 0.1, backward_multiplier: float = 2.5,
@@ -122,11 +134,19 @@ class StageBalancer:
         ema = self._ema.get(uid)
         return ema.samples_per_second if ema is not None else None
 
+    def settled_throughput(self, uid: str) -> float | None:
+        """``throughput`` once settled (``PerformanceEMA.settled_rate``): what the rebalancer is given."""
+        ema = self._ema.get(uid)
+        return ema.settled_rate() if ema is not None else None
+
     # -- routing ---------------------------------------------------------------------------------------
     def _cost(self, uid: str, task_size: float, backward: bool) -> float:
         size = task_size * (self.backward_multiplier if backward else 1.0)
         rate = self.throughput(uid)
-        return size / rate if rate is not None else size
+        if rate is None:
+            known = [r for r in (self.throughput(entry[2]) for entry in self._heap) if r is not None]
+            rate = sum(known) / len(known) if known else 1.0
+        return size / rate
 
     def _record_choice(self, uid: str) -> str:
         self.stats["chosen"] += 1
@@ -199,7 +219,7 @@ class RetryPolicy:
 class PeerLoad:
     uid: str
     queue_len: float       # microbatches waiting
-    samples_per_s: float   # EMA throughput
+    samples_per_s: float | None   # EMA throughput; None: not measured yet (a peer that just joined or moved)
 
 
 @dataclass(frozen=True)
@@ -226,6 +246,12 @@ class Rebalancer:
     (3/2 <-> 2/3 peers); measured rates carry a few per cent of noise, hence the margin (0 = plain strict
     improvement). The mover is the donor peer with the smallest SHA-1 of its uid (every peer computes the same
     answer). After a move, nothing moves for ``cooldown_s`` (default: one period).
+
+    A peer with no measured rate yet (``samples_per_s is None``: it just joined or moved) counts at the mean rate
+    of its stage's measured peers (of all measured peers if its stage has none; no decision if nobody is
+    measured). Counted as zero, the peer that just moved would leave its new stage looking as short as before
+    and a second peer would follow it (a move that gains nothing and costs a state download); waiting for every
+    peer to be measured would stall rebalancing at scale, where some peer has always just rejoined.
     """
 
     def __init__(self, period_s: float, *, hysteresis: float = 1.5, cooldown_s: float | None = None,
@@ -241,17 +267,34 @@ class Rebalancer:
         self._quiet_until = -math.inf
 
     @staticmethod
-    def stage_load(peers: list[PeerLoad]) -> float:
-        rate = sum(p.samples_per_s for p in peers)
-        if rate <= 0:
-            return math.inf
-        return (sum(p.queue_len for p in peers) + 1.0) / rate
+    def stage_load(queue_len: float, samples_per_s: float) -> float:
+        """Seconds to clear a stage's queue plus one microbatch (``inf`` without throughput)."""
+        return math.inf if samples_per_s <= 0 else (queue_len + 1.0) / samples_per_s
+
+    @staticmethod
+    def rates(loads: dict[int, list[PeerLoad]]) -> dict[int, list[float]] | None:
+        """Each peer's rate, an unmeasured one at its stage's (else the swarm's) mean measured rate; None if no
+        peer is measured."""
+        measured = [p.samples_per_s for peers in loads.values() for p in peers if p.samples_per_s is not None]
+        if not measured:
+            return None
+        overall = sum(measured) / len(measured)
+        out = {}
+        for stage, peers in loads.items():
+            known = [p.samples_per_s for p in peers if p.samples_per_s is not None]
+            guess = sum(known) / len(known) if known else overall
+            out[stage] = [guess if p.samples_per_s is None else p.samples_per_s for p in peers]
+        return out
 
     def decide(self, loads: dict[int, list[PeerLoad]], now: float) -> Move | None:
         """``loads``: stage -> its live peers' loads (a stage with no peer: empty list)."""
         if now < self._quiet_until or len(loads) < 2:
             return None
-        load = {stage: self.stage_load(peers) for stage, peers in loads.items()}
+        peer_rates = self.rates(loads)
+        if peer_rates is None:
+            return None
+        rates = {s: sum(r) for s, r in peer_rates.items()}
+        load = {s: self.stage_load(sum(p.queue_len for p in peers), rates[s]) for s, peers in loads.items()}
         donors = [s for s, peers in loads.items() if len(peers) >= 2]
         if not donors:
             return None
@@ -262,11 +305,10 @@ class Rebalancer:
         ratio = math.inf if load[donor] == 0 else load[recipient] / load[donor]
         if not ratio > self.hysteresis:
             return None
-        mover = min(loads[donor], key=lambda p: _uid_hash(p.uid))
-        rates = {s: sum(p.samples_per_s for p in peers) for s, peers in loads.items()}
+        index, mover = min(enumerate(loads[donor]), key=lambda ip: _uid_hash(ip[1].uid))
         projected = dict(rates)
-        projected[donor] -= mover.samples_per_s
-        projected[recipient] += mover.samples_per_s
+        projected[donor] -= peer_rates[donor][index]
+        projected[recipient] += peer_rates[donor][index]
         if not min(projected.values()) > min(rates.values()) * (1.0 + self.min_gain):
             return None
         self._quiet_until = now + self.cooldown_s

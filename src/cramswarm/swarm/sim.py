@@ -362,8 +362,8 @@ class Simulator:
         loads: dict[int, list[PeerLoad]] = {s: [] for s in range(self.num_stages)}
         for peer in self.peers:
             if peer.status == "up":
-                rate = peer.ema.samples_per_second or peer.speed / self.setup.stage_time_s
-                loads[peer.stage].append(PeerLoad(peer.uid, float(peer.queue_len(now)), rate))
+                # like the real transports: no rate until measured (no oracle speed), so the same moves happen
+                loads[peer.stage].append(PeerLoad(peer.uid, float(peer.queue_len(now)), peer.ema.settled_rate()))
         move = self.rebalancer.decide(loads, now)
         if move is not None:
             self.moves.append({"t_s": now, "uid": move.uid, "from_stage": move.from_stage,
