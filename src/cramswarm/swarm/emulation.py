@@ -477,7 +477,9 @@ class Router:
                 continue
             clock.sleep(self.network_s(nbytes[1]))
             if self.chain is None:
-                self.balancers[stage].report_success(peer.uid, task_size, clock.now() - start)
+                # in work units, as the peer's own estimate and the hivemind transport count them
+                self.balancers[stage].report_success(peer.uid, task_size * swarm.work_units(request),
+                                                     clock.now() - start)
             return request.result
 
 

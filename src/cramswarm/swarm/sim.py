@@ -289,7 +289,8 @@ class Simulator:
             call.peer.served += 1
             call.peer.work += 1.0
         if not self.chains:
-            trainer.balancers[call.stage].report_success(call.peer.uid, 1.0, self.now - call.sent_at)
+            units = BACKWARD_COMPUTE_FACTOR if call.backward else 1.0  # work units, as the real transports count
+            trainer.balancers[call.stage].report_success(call.peer.uid, units, self.now - call.sent_at)
         self._advance(trainer)
 
     def _on_timeout(self, call: _Call) -> None:
