@@ -33,7 +33,7 @@ class NoPeersError(RuntimeError):
         self.stage = stage
 
 
-SETTLED_UPDATES = 10 # the rebalancer trusts a peer's rate after this many measured calls (see settled_rate)
+SETTLED_UPDATES = 10  # the rebalancer trusts a peer's rate after this many measured calls (see settled_rate)
 
 
 class PerformanceEMA:
