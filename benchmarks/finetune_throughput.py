@@ -2,7 +2,7 @@
 
 For each task the same checkpoint is fine-tuned for ``--steps`` optimizer steps twice in one process:
 ``dynamic``, the workflow's batching (length-bucketed batches padded to their longest example, see
-``cramswarm.finetune.bucketed_batches``), and ``padded``, shuffled batches padded to ``--max-length``
+``cramswarm.glue.finetune.bucketed_batches``), and ``padded``, shuffled batches padded to ``--max-length``
 tokens (what a fixed-shape collator does). Both use bf16 autocast, AdamW and the task's own head, on the CPU
 or a CUDA GPU (``--device``). The reported number is training examples per second over the timed steps (after
 ``--warmup`` steps; on CUDA the clock is read after a device synchronisation).
@@ -27,9 +27,9 @@ from transformers.utils import logging as hf_logging
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's package
 
 from cramswarm.data.sources import read_glue  # noqa: E402
-from cramswarm.finetune import attention_backends, bucketed_batches, collate, encode, load_model  # noqa: E402
+from cramswarm.glue.finetune import attention_backends, bucketed_batches, collate, encode, load_model  # noqa: E402
 from cramswarm.glue.tasks import TASK_NAMES, get_task  # noqa: E402
-from cramswarm.pretrain import autocast, resolve_device  # noqa: E402
+from cramswarm.training import autocast, resolve_device  # noqa: E402
 
 
 def padded_batches(n: int, batch_size: int, rng: np.random.Generator) -> list[np.ndarray]:

@@ -1,7 +1,7 @@
 """Packing throughput (MB of text per second) and peak memory: the workflow's streaming packer against a plain
 ``datasets.map`` tokenize-then-group pipeline, side by side in one run on the same corpus and tokenizer.
 
-* ``cramswarm``: :func:`cramswarm.packing.pack` — streamed row groups, batches sized from ``--memory-cap-mb``,
+* ``cramswarm``: :func:`cramswarm.data.packing.pack` — streamed row groups, batches sized from ``--memory-cap-mb``,
   blocks appended to a memory-mapped ``.npy``.
 * ``datasets.map``: what the public Cramming code does — ``Dataset.from_parquet``, ``map`` (batched tokenize,
   each document + ``[SEP]``), ``map`` (concatenate each 1024-document batch, cut 128-token blocks, drop the
@@ -28,7 +28,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src"
 sys.path.insert(0, str(SRC))  # this checkout's package
 
-from cramswarm.tokenizer import SEP_ID  # noqa: E402
+from cramswarm.data.tokenizer import SEP_ID  # noqa: E402
 
 # Neither child loads torch: the cramswarm child blocks it (importing the package would load it to register the
 # model with transformers, ~0.5 GB that would swamp the packer's own peak RSS); the datasets child never imports
@@ -39,7 +39,7 @@ method, corpus, tokenizer, out, cap, block, SEP = {args!r}
 if method == "cramswarm":
     sys.modules["torch"] = None
     sys.path.insert(0, {src!r})
-    from cramswarm import packing, tokenizer as tokenization
+    from cramswarm.data import packing, tokenizer as tokenization
     tok = tokenization.load(tokenizer)
     start = time.perf_counter()
     report = packing.pack(corpus, tok, out, block, shuffle_seed=0, memory_cap_mb=cap)
@@ -67,7 +67,7 @@ print(json.dumps({{"seconds": seconds, "blocks": blocks, "peak_rss_mb": peak}}))
 
 
 def build_corpus(args, folder: Path) -> tuple[Path, Path, float]:
-    from cramswarm import tokenizer as tokenization
+    from cramswarm.data import tokenizer as tokenization
     from cramswarm.data import hub, sources
     from cramswarm.data.stream import iter_documents
 

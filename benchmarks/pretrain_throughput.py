@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> dict:
         env = dict(os.environ, GLIBC_TUNABLES=TUNABLES)
         os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *(argv or sys.argv[1:])], env)
 
-    from cramswarm.pretrain import resolve_device
+    from cramswarm.training import resolve_device
 
     device = resolve_device(args.device)
     if args.peak_size is None:

@@ -74,7 +74,6 @@ rule swarm_experiment:
     wildcard_constraints:
         name="|".join(SWARM_EXPERIMENTS),
     params:
-        section=lambda wildcards: SWARM_EXPERIMENTS[wildcards.name],
         settings=lambda wildcards: json.dumps(config["swarm_study"][SWARM_EXPERIMENTS[wildcards.name]], sort_keys=True),
         extra=swarm_study_args,
     threads: 1
@@ -85,7 +84,7 @@ rule swarm_experiment:
     benchmark:
         bench(f"logs/swarm_study/{SOURCE}/{{name}}.log", "swarm_experiment")
     shell:
-        "python -m cramswarm swarm-study --experiment {params.section} --settings {params.settings:q} "
+        "python -m cramswarm swarm-study --experiment {wildcards.name} --settings {params.settings:q} "
         "{params.extra} --out {output} > {log} 2>&1"
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cramswarm import tokenizer as tokenization
+from cramswarm.data import tokenizer as tokenization
 from cramswarm.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]

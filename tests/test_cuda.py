@@ -13,9 +13,10 @@ from conftest import ARCH, DEFAULT, killed_at_save, recipe
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 import cramswarm  # noqa: E402,F401  (registers the Auto classes)
-from cramswarm import tokenizer as tokenization  # noqa: E402
+from cramswarm.data import tokenizer as tokenization  # noqa: E402
 from cramswarm.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM  # noqa: E402
-from cramswarm.pretrain import HeldOut, pretrain, resolve_device, resolve_precision  # noqa: E402
+from cramswarm.training import resolve_device, resolve_precision  # noqa: E402
+from cramswarm.pretrain import HeldOut, pretrain  # noqa: E402
 
 CUDA = torch.device("cuda")
 
@@ -149,7 +150,7 @@ def test_finetune_on_cuda(tmp_path):
     from cramswarm.config import glue_protocol
     from cramswarm.data import sources
     from cramswarm.data.synthetic import corpus_documents
-    from cramswarm.finetune import finetune
+    from cramswarm.glue.finetune import finetune
     from cramswarm.pretrain import init_random
 
     docs = list(corpus_documents(300, 0))
@@ -171,7 +172,7 @@ def test_finetune_on_cuda(tmp_path):
 
 def test_finetune_attention_leaves_out_cudnn_on_cuda_only():
     """Dynamic padding brings a new shape every few batches; cuDNN attention builds a graph for each one."""
-    from cramswarm.finetune import attention_backends
+    from cramswarm.glue.finetune import attention_backends
 
     assert torch.backends.cuda.cudnn_sdp_enabled()
     with attention_backends(CUDA):

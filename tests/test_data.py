@@ -6,7 +6,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from cramswarm import packing, tokenizer as tokenization
+from cramswarm.data import packing, tokenizer as tokenization
 from cramswarm.data import hub, sources
 from cramswarm.glue.tasks import TASKS
 from conftest import mirror_corpus, requires_mirror

@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from cramswarm import ordering, packing, tokenizer as tokenization
+from cramswarm.data import ordering, packing, tokenizer as tokenization
 from cramswarm.data import filters, hub, sources
 from cramswarm.data.stream import iter_documents, split_long
 from cramswarm.data.synthetic import corpus_documents

@@ -10,11 +10,11 @@ import datasets
 import pytest
 import torch
 
-from cramswarm import tokenizer as tokenization
+from cramswarm.data import tokenizer as tokenization
 from cramswarm.config import glue_protocol, load_config, resolve_runs
 from cramswarm.data import hub, sources
 from cramswarm.data.synthetic import corpus_documents
-from cramswarm.finetune import finetune
+from cramswarm.glue.finetune import finetune
 from cramswarm.glue.tasks import TASKS
 from cramswarm.pretrain import init_random
 from cramswarm.provenance import settings_hash

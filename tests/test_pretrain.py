@@ -6,17 +6,16 @@ import pytest
 import torch
 from conftest import ARCH, killed_at_save, recipe
 
-from cramswarm import tokenizer as tokenization
+from cramswarm.data import tokenizer as tokenization
 from cramswarm.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
+from cramswarm.pretrain import HeldOut, pretrain
 from cramswarm.provenance import settings_hash
-from cramswarm.pretrain import (
-    HeldOut,
+from cramswarm.training import (
     accumulation_at,
     budget_progress,
     decay_groups,
     lr_multiplier,
     mask_tokens,
-    pretrain,
     resolve_precision,
 )
 

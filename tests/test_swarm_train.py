@@ -21,12 +21,13 @@ import torch
 from conftest import ARCH, recipe
 from transformers import AutoModel, AutoModelForMaskedLM
 
-from cramswarm import tokenizer as tokenization
+from cramswarm.data import tokenizer as tokenization
 from cramswarm.models.crammed_bert import register
-from cramswarm.pretrain import LOG_COLUMNS, HeldOut, build_model, pretrain, save_checkpoint
+from cramswarm.pretrain import LOG_COLUMNS, HeldOut, pretrain
 from cramswarm.swarm.emulation import train
 from cramswarm.swarm.stages import StageCountError, assemble_model, split_model
 from cramswarm.swarm.train import UNBOUNDED, planned_microbatches, swarm_pretrain
+from cramswarm.training import build_model, save_checkpoint
 
 PARITY_NATS = 0.1
 TINY = ARCH | dict(layers=2, hidden_size=64, heads=2, intermediate_size=128)

@@ -8,6 +8,7 @@ Used by the Snakefile (through rules/common.smk) before any job runs, and by
 from __future__ import annotations
 
 import copy
+import functools
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -16,6 +17,37 @@ from jsonschema import Draft202012Validator, validators
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_SCHEMA = REPO_ROOT / "config" / "schema.yaml"
+
+
+def _resolve_ref(node: dict, schema: dict) -> dict:
+    ref = node.get("$ref", "")
+    if ref.startswith("#/"):
+        for part in ref[2:].split("/"):
+            schema = schema[part]
+        return schema
+    return node
+
+
+def schema_default(dotted: str, schema_path: str | Path = DEFAULT_SCHEMA) -> Any:
+    """The schema's ``default`` of a dotted config key, e.g. ``data.memory_cap_mb``.
+
+    The command-line options that mirror config keys take their defaults from here, so a command run by hand
+    behaves like the workflow with an unset key.
+    """
+    schema = _load_schema(str(schema_path))
+    node = schema
+    for part in dotted.split("."):
+        if "properties" not in node:
+            node = _resolve_ref(node, schema)
+        try:
+            node = node["properties"][part]
+        except KeyError:
+            raise KeyError(f"{dotted}: no such key in {schema_path}") from None
+    if "default" not in node:
+        node = _resolve_ref(node, schema)
+    if "default" not in node:
+        raise KeyError(f"{dotted}: the schema gives no default")
+    return copy.deepcopy(node["default"])
 
 
 class ConfigError(ValueError):
@@ -57,6 +89,12 @@ def _describe(error) -> str:
     if error.validator == "enum":
         return f"config key '{where}': {error.instance!r} is not allowed; allowed values: {', '.join(map(str, error.validator_value))}"
     return f"config key '{where}': {error.message}"
+
+
+@functools.lru_cache(maxsize=4)
+def _load_schema(path: str) -> dict:
+    with open(path) as fh:
+        return yaml.safe_load(fh)
 
 
 def load_yaml(path: str | Path) -> dict:

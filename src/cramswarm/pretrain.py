@@ -10,9 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -20,135 +17,26 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from cramswarm import tokenizer as tokenization
+from cramswarm.data import tokenizer as tokenization
+from cramswarm.data.packing import load_blocks
 from cramswarm.io import atomic_path, write_json
-from cramswarm.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM, unwrap_compiled
-from cramswarm.packing import load_blocks
+from cramswarm.models.crammed_bert import unwrap_compiled
 from cramswarm.provenance import provenance
+from cramswarm.training import (
+    accumulation_at,
+    autocast,
+    budget_progress,
+    build_model,
+    decay_groups,
+    lr_multiplier,
+    mask_tokens,
+    resolve_device,
+    resolve_precision,
+    save_checkpoint,
+)
 
-SCHEDULES = ("triangle", "one-cycle", "cosine", "linear", "inverse-sqrt", "constant")
 # progress: budget fraction at the start of the step, where its LR multiplier and batch size were set.
 LOG_COLUMNS = ("step", "tokens", "progress", "loss", "lr", "lr_multiplier", "batch_sequences", "elapsed_s", "eval_loss")
-
-
-def lr_multiplier(schedule: str, t: float, warmup: float = 0.0) -> float:
-    """Multiplier of the peak LR at budget progress ``t`` (0 = start, 1 = budget spent)."""
-    t = min(max(t, 0.0), 1.0)
-    if schedule == "triangle":  # the paper's final shape: 25 % of peak -> peak at t=0.75 -> 0
-        return min(0.25 + t, 4.0 * (1.0 - t))
-    if schedule == "one-cycle":
-        return 2.0 * t if t < 0.5 else 2.0 * (1.0 - t)
-    if schedule == "constant":
-        return 1.0
-    if warmup > 0 and t < warmup:
-        return t / warmup
-    if schedule == "cosine":
-        return 0.5 * (1.0 + math.cos(math.pi * (t - warmup) / (1.0 - warmup))) if warmup < 1 else 1.0
-    if schedule == "linear":
-        return (1.0 - t) / (1.0 - warmup) if warmup < 1 else 1.0
-    if schedule == "inverse-sqrt":
-        return math.sqrt(max(warmup, 1e-3) / max(t, 1e-3)) if t > 0 else 1.0
-    raise ValueError(f"unknown schedule {schedule!r}; allowed: {', '.join(SCHEDULES)}")
-
-
-def budget_progress(budget: dict, tokens: int, steps: int, elapsed_s: float) -> float:
-    """Share of the budget spent; ``budget`` is ``{"unit": tokens|steps|seconds, "value": amount}``."""
-    used = {"tokens": tokens, "steps": steps, "seconds": elapsed_s}[budget["unit"]]
-    return used / budget["value"]
-
-
-def mask_tokens(block: torch.Tensor, rate: float, mode: str, vocab_size: int, generator: torch.Generator):
-    """BERT masking with the 80/10/10 rule. Returns (inputs, labels); labels are -100 where not predicted.
-
-    ``fixed``: exactly round(rate x length) positions per sequence (ICML recipe; any position may be chosen).
-    ``bernoulli``: each non-[SEP] token independently with probability ``rate`` (v1 recipe).
-    Random replacements are drawn from the non-special vocabulary.
-    """
-    batch, length = block.shape
-    if mode == "fixed":
-        count = max(1, round(rate * length))
-        chosen_pos = torch.rand(batch, length, generator=generator).argsort(dim=1)[:, :count]
-        selected = torch.zeros(batch, length, dtype=torch.bool).scatter_(1, chosen_pos, True)
-    elif mode == "bernoulli":
-        selected = (torch.rand(batch, length, generator=generator) < rate) & (block != tokenization.SEP_ID)
-    else:
-        raise ValueError(f"unknown mask_mode {mode!r}; allowed: fixed, bernoulli")
-    labels = torch.where(selected, block, torch.full_like(block, -100))
-    roll = torch.rand(batch, length, generator=generator)
-    inputs = block.clone()
-    inputs[selected & (roll < 0.8)] = tokenization.MASK_ID
-    replace = selected & (roll >= 0.8) & (roll < 0.9)
-    first_regular = len(tokenization.SPECIAL_TOKENS)
-    inputs[replace] = torch.randint(first_regular, vocab_size, (int(replace.sum()),), generator=generator)
-    return inputs, labels
-
-
-def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW parameter groups: no weight decay on biases or LayerNorm parameters (the position scale decays)."""
-    norm_params = {id(p) for m in model.modules() if isinstance(m, torch.nn.LayerNorm) for p in m.parameters()}
-    decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        if param.requires_grad:
-            exempt = name.endswith("bias") or id(param) in norm_params
-            (no_decay if exempt else decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto`` picks CUDA when it is available; asking for ``cuda`` without one is an error."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device cuda requested but torch sees no CUDA device (use device: auto or cpu)")
-    return torch.device(name)
-
-
-def resolve_precision(name: str, device: torch.device) -> str:
-    """``auto``: bf16 on CPUs and on GPUs that support it, fp16 (with a GradScaler) on older GPUs."""
-    if name != "auto":
-        return name
-    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        return "fp16"
-    return "bf16"
-
-
-def autocast(precision: str, device: torch.device):
-    if precision == "fp32":
-        return torch.autocast(device.type, enabled=False)
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    if dtype == torch.float16 and device.type != "cuda":
-        raise ValueError("precision fp16 needs a CUDA device; use bf16 or fp32 on CPU")
-    return torch.autocast(device.type, dtype=dtype)
-
-
-def accumulation_at(t: float, final_accumulation: int, ramp_fraction: float) -> int:
-    """Micro-batches per optimizer step at budget progress ``t``: one at the start, growing linearly in
-    micro-batch steps to ``final_accumulation`` at ``t = ramp_fraction`` (Cramming's batch-size ramp)."""
-    if ramp_fraction <= 0 or t >= ramp_fraction:
-        return final_accumulation
-    return max(1, min(final_accumulation, 1 + math.floor(t / ramp_fraction * final_accumulation)))
-
-
-def save_checkpoint(model, tok, out_dir: str | Path, max_length: int) -> None:
-    """save_pretrained into a temporary folder beside ``out_dir``, then move each file into place."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".ckpt-", dir=out_dir))
-    try:
-        unwrap_compiled(model).save_pretrained(tmp)
-        tokenization.to_transformers(tok, max_length).save_pretrained(tmp)
-        for path in tmp.iterdir():
-            os.replace(path, out_dir / path.name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def build_model(arch: dict, vocab_size: int, seed: int, dropout: float = 0.0) -> CrammedBertForMaskedLM:
-    torch.manual_seed(seed)
-    config = CrammedBertConfig.from_arch(
-        arch, vocab_size, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout
-    )
-    return CrammedBertForMaskedLM(config)
 
 
 def init_random(arch: dict, tokenizer_path: str | Path, out_dir: str | Path, seed: int) -> dict:

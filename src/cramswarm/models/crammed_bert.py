@@ -401,6 +401,15 @@ class CrammedBertForSequenceClassification(CrammedBertPreTrainedModel):
         return SequenceClassifierOutput(loss=loss, logits=logits)
 
 
+def parameter_counts(arch: dict, vocab_size: int) -> tuple[int, int]:
+    """(all parameters, those of the tied word embedding) of the masked-LM model, counted from its shapes
+    on the meta device (no memory)."""
+    with torch.device("meta"):
+        model = CrammedBertForMaskedLM(CrammedBertConfig.from_arch(arch, vocab_size))
+    total = sum(p.numel() for p in model.parameters())
+    return total, model.bert.embeddings.word_embeddings.weight.numel()
+
+
 def unwrap_compiled(model: nn.Module) -> nn.Module:
     """The module ``torch.compile`` wrapped (whose state-dict keys lack the ``_orig_mod.`` prefix), else ``model``."""
     return getattr(model, "_orig_mod", model)

@@ -50,15 +50,6 @@ from typing import Any, Callable, Iterator
 import torch
 from tqdm.auto import tqdm
 
-from cramswarm.pretrain import (
-    accumulation_at,
-    autocast,
-    budget_progress,
-    build_model,
-    decay_groups,
-    lr_multiplier,
-    resolve_precision,
-)
 from cramswarm.swarm.compression import SCHEMES, decode, encode, payload_bytes
 from cramswarm.swarm.policies import (
     Move,
@@ -72,6 +63,15 @@ from cramswarm.swarm.policies import (
     UniformBalancer,
 )
 from cramswarm.swarm.stages import split_model
+from cramswarm.training import (
+    accumulation_at,
+    autocast,
+    budget_progress,
+    build_model,
+    decay_groups,
+    lr_multiplier,
+    resolve_precision,
+)
 
 ROUTINGS = ("weighted", "uniform", "fixed")
 BACKWARD_COMPUTE_FACTOR = 2.0   # emulated backward compute = 2 x forward (run() only)

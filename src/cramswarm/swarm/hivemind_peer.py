@@ -88,9 +88,9 @@ from hivemind.utils.asyncio import achain, as_aiter, azip
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
-from cramswarm.pretrain import autocast, build_model, decay_groups, resolve_device, resolve_precision
 from cramswarm.swarm.compression import decode, encode
 from cramswarm.swarm.stages import split_model
+from cramswarm.training import autocast, build_model, decay_groups, resolve_device, resolve_precision
 
 CHUNK_BYTES = 2**20        # streamed message chunk (well below p2pd's 4 MiB message limit)
 DECLARE_PERIOD_S = 2.0     # a peer re-declares its DHT record this often ...

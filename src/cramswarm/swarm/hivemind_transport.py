@@ -78,7 +78,7 @@ from hivemind.utils import get_dht_time
 from tqdm.auto import tqdm
 
 import cramswarm
-from cramswarm.pretrain import lr_multiplier
+from cramswarm.training import lr_multiplier
 from cramswarm.swarm.emulation import (BACKWARD_COMPUTE_FACTOR, WORK_UNITS, Dispatcher, FailureEvent, SwarmSetup,
                                        TrainResult)
 from cramswarm.swarm.hivemind_peer import (

@@ -25,19 +25,17 @@ import torch
 
 from cramswarm.io import atomic_path, write_json
 from cramswarm.models.crammed_bert import CrammedBertConfig
-from cramswarm.pretrain import (
-    LOG_COLUMNS,
-    HeldOut,
+from cramswarm.pretrain import LOG_COLUMNS, HeldOut, load_training_data
+from cramswarm.provenance import provenance
+from cramswarm.swarm.stages import assemble_model, check_stage_count, split_model
+from cramswarm.training import (
     accumulation_at,
     budget_progress,
     build_model,
-    load_training_data,
     mask_tokens,
     resolve_precision,
     save_checkpoint,
 )
-from cramswarm.provenance import provenance
-from cramswarm.swarm.stages import assemble_model, check_stage_count, split_model
 
 TRANSPORTS = ("emulation", "hivemind")
 PLACEMENTS = ("local", "attach", "srun")  # hivemind_transport.PLACEMENTS (not imported: hivemind is optional)

@@ -23,7 +23,7 @@ import numpy as np
 
 from cramswarm.data.stream import BYTES_PER_TEXT_CHAR, batch_chars
 from cramswarm.io import atomic_path
-from cramswarm.packing import load_blocks
+from cramswarm.data.packing import load_blocks
 
 ORDERS = ("random", "sentence-length", "unigram", "unigram-reverse")
 

@@ -14,15 +14,21 @@ from pathlib import Path
 import numpy as np
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoModelForSequenceClassification, get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
+from transformers import (
+    AutoConfig,
+    AutoModelForSequenceClassification,
+    get_constant_schedule_with_warmup,
+    get_cosine_schedule_with_warmup,
+)
 
-from cramswarm import tokenizer as tokenization
+from cramswarm.data import tokenizer as tokenization
+import cramswarm.models  # noqa: F401  (registers crammed-bert with the Auto classes)
 from cramswarm.data.sources import read_glue
 from cramswarm.glue.metrics import compute_metrics
 from cramswarm.glue.tasks import get_task
 from cramswarm.io import write_json
-from cramswarm.pretrain import autocast, resolve_device, resolve_precision
 from cramswarm.provenance import provenance
+from cramswarm.training import autocast, resolve_device, resolve_precision
 
 BUCKET_POOL_BATCHES = 50  # batches per pool inside which examples are sorted by length
 # Keys of a protocol (cramswarm.config.glue_protocol: a glue.protocols entry plus the shared settings).

@@ -7,7 +7,7 @@ into ``block_tokens`` blocks, so fragments of neighbouring documents share a blo
 The corpus is streamed (:mod:`cramswarm.data.stream`: one row group and one encoding batch in memory, sized
 from the memory cap) and blocks are appended to a ``.npy`` file whose header is written last, so the result
 is an ordinary ``np.load(..., mmap_mode="r")``-able array however large. Documents are shuffled locally
-(:func:`cramswarm.data.stream.iter_documents`); the order stage (:mod:`cramswarm.ordering`) then sets the
+(:func:`cramswarm.data.stream.iter_documents`); the order stage (:mod:`cramswarm.data.ordering`) then sets the
 global block order. Deterministic: the same corpus, tokenizer and seed give the same bytes.
 """
 
@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from cramswarm.data.stream import batch_chars, encode_documents, iter_documents, open_corpus
 from cramswarm.io import atomic_path
-from cramswarm.tokenizer import SEP_ID
+from cramswarm.data.tokenizer import SEP_ID
 
 HEADER_BYTES = 128  # fixed .npy (v1.0) header size: the shape is filled in once the block count is known
 

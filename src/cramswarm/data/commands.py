@@ -1,0 +1,158 @@
+"""Commands of the data stages: corpus, glue-data, tokenizer, filter, pack, order.
+
+Options that mirror config keys take the schema's defaults (:func:`cramswarm.config.schema_default`).
+"""
+
+from __future__ import annotations
+
+from cramswarm.cli import arg, command, json_arg, report
+from cramswarm.config import schema_default
+
+SOURCE_SPEC = arg("--source-spec", type=json_arg, required=True, help="JSON with the config's source, synthetic and hub sections")
+OUT = arg("--out", required=True)
+REPORT = arg("--report", help="also write the counts to this JSON file")
+
+
+def memory_cap():
+    return arg(
+        "--memory-cap-mb",
+        type=float,
+        default=schema_default("data.memory_cap_mb"),
+        help="working-set cap of the stage's batches (MiB; data.memory_cap_mb)",
+    )
+
+
+@command("corpus", "write the pretraining corpus (parquet, one 'text' column) from the configured source", SOURCE_SPEC, OUT, REPORT)
+def corpus(args) -> int:
+    from cramswarm.data.sources import corpus_documents, write_corpus
+
+    counts = write_corpus(corpus_documents(args.source_spec), args.out)
+    report(args.report, {"source": args.source_spec["source"], **counts})
+    return 0
+
+
+@command(
+    "glue-data",
+    "write one GLUE task's train and validation splits (parquet) from the configured source",
+    SOURCE_SPEC,
+    OUT,
+    REPORT,
+    arg("--task", required=True),
+)
+def glue_data(args) -> int:
+    from cramswarm.data.sources import write_glue
+
+    counts = write_glue(args.source_spec, args.task, args.out)
+    report(args.report, {"source": args.source_spec["source"], "task": args.task, "rows": counts})
+    return 0
+
+
+@command(
+    "tokenizer",
+    "train a tokenizer (WordPiece, BPE or Unigram) on the corpus",
+    arg("--corpus", required=True),
+    arg("--vocab-size", type=int, required=True),
+    arg("--family", default=schema_default("tokenizer.family"), choices=("wordpiece", "bpe", "unigram")),
+    arg("--min-frequency", type=int, default=schema_default("tokenizer.min_frequency")),
+    arg("--cased", action="store_true", help="keep case and accents (tokenizer.lowercase: false)"),
+    OUT,
+    arg("--report", help="also write the vocab facts to this JSON file"),
+)
+def tokenizer(args) -> int:
+    from cramswarm.data import tokenizer as tokenization
+    from cramswarm.io import atomic_path
+
+    tok = tokenization.train(
+        tokenization.iter_corpus_batches(args.corpus, progress=True),
+        args.vocab_size,
+        args.family,
+        not args.cased,
+        args.min_frequency,
+    )
+    if tok.get_vocab_size() < args.vocab_size:
+        raise ValueError(
+            f"the corpus {args.corpus} filled only {tok.get_vocab_size()} of {args.vocab_size} {args.family} vocab "
+            f"entries (min_frequency {args.min_frequency}); lower tokenizer.vocab_sizes or use a larger corpus"
+        )
+    with atomic_path(args.out) as tmp:
+        tok.save(str(tmp))
+    facts = {"family": args.family, "vocab_size": tok.get_vocab_size(), "requested": args.vocab_size}
+    facts |= {"min_frequency": args.min_frequency, "lowercase": not args.cased, "corpus": args.corpus}
+    report(args.report, facts)
+    return 0
+
+
+@command(
+    "filter",
+    "one raw-text filter step (trash or dedup) from corpus to corpus, with a report of rows in/out",
+    arg("--kind", required=True, choices=("trash", "dedup")),
+    arg("--corpus", required=True),
+    arg("--tokenizer", help="trash: the corpus's own tokenizer (tokenizer.json)"),
+    arg("--trash-cutoff", type=float, default=schema_default("data.trash_cutoff"), help="trash: tokens per character"),
+    arg("--dedup-threshold", type=float, default=schema_default("data.dedup_threshold"), help="dedup: Jaccard similarity"),
+    arg("--shingle-words", type=int, default=schema_default("data.dedup_shingle_words"), help="dedup: words per shingle"),
+    arg("--num-perm", type=int, default=schema_default("data.dedup_permutations"), help="dedup: MinHash permutations"),
+    OUT,
+    REPORT,
+    memory_cap(),
+)
+def filter_corpus(args) -> int:
+    from cramswarm.data import filters
+
+    if args.kind == "trash":
+        from cramswarm.data import tokenizer as tokenization
+
+        if not args.tokenizer:
+            raise ValueError("the trash filter needs --tokenizer (the corpus's own tokenizer)")
+        tok = tokenization.load(args.tokenizer)
+        counts = filters.trash_filter(args.corpus, tok, args.out, args.trash_cutoff, args.memory_cap_mb)
+        counts["tokenizer"] = args.tokenizer
+    else:
+        counts = filters.dedup(args.corpus, args.out, args.dedup_threshold, args.shingle_words, args.num_perm)
+    report(args.report, {"corpus": args.corpus, **counts})
+    return 0
+
+
+@command(
+    "pack",
+    "tokenize the corpus and pack it into fixed-length blocks (.npy), streaming in bounded memory",
+    arg("--corpus", required=True),
+    arg("--tokenizer", required=True),
+    arg("--block-tokens", type=int, default=schema_default("packing.block_tokens")),
+    arg("--shuffle-seed", type=int, default=schema_default("packing.shuffle_seed")),
+    OUT,
+    REPORT,
+    memory_cap(),
+)
+def pack(args) -> int:
+    from cramswarm.data import packing, tokenizer as tokenization
+
+    tok = tokenization.load(args.tokenizer)
+    counts = packing.pack(
+        args.corpus, tok, args.out, args.block_tokens, args.shuffle_seed, args.memory_cap_mb, progress=True
+    )
+    report(args.report, counts)
+    return 0
+
+
+@command(
+    "order",
+    "order packed blocks (random or a curriculum); the held-out sample goes last",
+    arg("--packed", required=True),
+    arg("--tokenizer", required=True),
+    arg("--order", required=True, choices=("random", "sentence-length", "unigram", "unigram-reverse")),
+    arg("--seed", type=int, default=schema_default("data.order_seed")),
+    arg("--holdout-blocks", type=int, default=0, help="blocks of a random sample put last (held out)"),
+    OUT,
+    REPORT,
+    memory_cap(),
+)
+def order(args) -> int:
+    from cramswarm.data import ordering, tokenizer as tokenization
+
+    tok = tokenization.load(args.tokenizer)
+    counts = ordering.order_blocks(
+        args.packed, tok, args.out, args.order, args.seed, args.holdout_blocks, args.memory_cap_mb
+    )
+    report(args.report, counts)
+    return 0

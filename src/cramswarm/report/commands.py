@@ -1,0 +1,155 @@
+"""Commands of the report: tables, figures, ablation-report, data-ablation-report, swarm-report, study-record,
+readme-figures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cramswarm.cli import arg, command, json_arg
+
+RESULTS = arg("--results", nargs="+", required=True, help="fine-tuning result JSON files")
+RESULTS_OPTIONAL = arg("--results", nargs="*", default=[], help="fine-tuning result JSON files")
+BASELINE = arg("--baseline", nargs="*", default=[], help="random-init models (the reference line)")
+NOT_SWEPT = arg("--not-swept", nargs="*", default=[], help="pretrained models left out of the vocab sweep")
+OUT_STEM = arg("--out-stem", required=True, help="table path without suffix (.csv and .md)")
+
+
+@command(
+    "tables",
+    "GLUE tables (CSV + Markdown): main table, main table beside the published rows (+ LaTeX), vocab sweep",
+    RESULTS,
+    BASELINE,
+    NOT_SWEPT,
+    OUT_STEM,
+    arg("--sweep-stem", required=True),
+    arg(
+        "--paper-reference",
+        default="Crammed BERT (A6000, 24 h, v1)",
+        help="published row (its 'model' in report/paper_glue.csv) that <out-stem>_paper's GLUE-average delta "
+        "refers to",
+    ),
+)
+def tables(args) -> int:
+    from cramswarm.report import tables as t
+
+    df = t.load_results(args.results)
+    main = t.glue_table(df)
+    t.write_table(main, args.out_stem)
+    # <out-stem>_paper.{csv,md,tex}: our rows, the published ones below, and our delta to a published average.
+    t.write_table(t.glue_table_with_paper(main, args.paper_reference), f"{args.out_stem}_paper", latex=True)
+    t.write_table(t.vocab_sweep_table(df, exclude=args.baseline + args.not_swept), args.sweep_stem)
+    return 0
+
+
+@command(
+    "figures",
+    "figures (seaborn PNG + PDF + caption): MLM loss vs tokens, GLUE per task, GLUE average vs vocab size",
+    RESULTS,
+    BASELINE,
+    NOT_SWEPT,
+    arg("--logs", nargs="+", required=True, help="pretraining train_log.csv files"),
+    arg("--loss-png", required=True),
+    arg("--tasks-png", required=True),
+    arg("--vocab-png", required=True),
+    arg("--source", default="synthetic", choices=("synthetic", "hub"), help="the config's source (captions)"),
+)
+def figures(args) -> int:
+    from cramswarm.report import figures as f, tables as t
+
+    f.plot_loss_curves({Path(p).parent.parent.name + "/" + Path(p).parent.name: p for p in args.logs}, args.loss_png)
+    df = t.load_results(args.results)
+    f.plot_glue_by_task(df, args.tasks_png, source=args.source)
+    main = t.glue_table(df)
+    baseline_rows = main[main["model"].isin(args.baseline)]
+    baseline = baseline_rows.iloc[0].to_dict() if len(baseline_rows) else None
+    sweep = t.vocab_sweep_table(df, exclude=args.baseline + args.not_swept)
+    f.plot_vocab_sweep(sweep, args.vocab_png, baseline=baseline)
+    return 0
+
+
+@command(
+    "ablation-report",
+    "tables and figures of one training ablation (arch: Figure 1, schedule: Figure 2, groups: Table 5)",
+    arg("--kind", required=True, choices=("arch", "schedule", "groups")),
+    arg("--runs", type=json_arg, required=True, help="JSON {label: checkpoint folder}"),
+    RESULTS_OPTIONAL,
+    OUT_STEM,
+    arg("--png", help="figure path (arch and schedule)"),
+)
+def ablation_report(args) -> int:
+    from cramswarm.report import ablations as a
+
+    dirs = {label: Path(folder) for label, folder in args.runs.items()}
+    summaries = {label: folder / "summary.json" for label, folder in dirs.items()}
+    logs = {label: folder / "train_log.csv" for label, folder in dirs.items()}
+    if args.kind == "arch":
+        a.write_ablation_table(a.arch_table(summaries, args.results), args.out_stem)
+        a.plot_arch(logs, args.png)
+    elif args.kind == "schedule":
+        table = a.schedule_table(summaries)
+        a.write_ablation_table(table, args.out_stem)
+        a.write_ablation_table(a.schedule_pivot(table), f"{args.out_stem}_pivot")
+        a.plot_schedule(logs, summaries, args.png)
+    else:  # groups: rows keyed by run name (the folder above v<vocab>)
+        labels = {folder.parent.name: label for label, folder in dirs.items()}
+        by_run = {folder.parent.name: summaries[label] for label, folder in dirs.items()}
+        a.write_ablation_table(a.groups_table(args.results, labels, summaries=by_run), args.out_stem)
+    return 0
+
+
+@command(
+    "data-ablation-report",
+    "Table 2: per-run data-chain counts, held-out loss and fine-tuned scores; sources x cells",
+    arg("--runs", type=json_arg, required=True, help="JSON {run: {label, source, cell, data, summary, reports}}"),
+    RESULTS_OPTIONAL,
+    arg("--out-stem", required=True, help="<stem>.{csv,md} and <stem>_table2.{csv,md}"),
+)
+def data_ablation_report(args) -> int:
+    from cramswarm.report import data_ablation
+
+    data_ablation.write_data_tables(data_ablation.data_table(args.runs, args.results), args.out_stem)
+    return 0
+
+
+@command(
+    "swarm-report",
+    "tables, figures (PNG + PDF + caption) of the swarm_study CSVs in one folder",
+    arg("--study-dir", required=True, help="folder of the experiments' CSVs"),
+    arg("--out-dir", required=True),
+)
+def swarm_report(args) -> int:
+    from cramswarm.report.swarm_figures import swarm_report as write
+
+    for path in write(args.study_dir, args.out_dir):
+        print(path)
+    return 0
+
+
+@command(
+    "study-record",
+    "the report's study record: config used, software versions, per-rule benchmark summary",
+    arg("--config", type=json_arg, required=True, help="JSON of the validated config"),
+    arg("--benchmarks", required=True, help="folder of Snakemake benchmark TSVs"),
+    arg("--out-dir", required=True),
+)
+def study_record(args) -> int:
+    from cramswarm.report.record import write_record
+
+    for name, path in write_record(args.config, args.benchmarks, args.out_dir).items():
+        print(f"{name}: {path}")
+    return 0
+
+
+@command(
+    "readme-figures",
+    "small copies of figures for the README (committed under results/readme/)",
+    arg("--figures", nargs="+", required=True, help="PNG files"),
+    arg("--out-dir", required=True),
+    arg("--max-width-px", type=int, default=900),
+)
+def readme_figures(args) -> int:
+    from cramswarm.report.record import shrink_png
+
+    for src in args.figures:
+        print(shrink_png(src, Path(args.out_dir) / Path(src).name, args.max_width_px))
+    return 0
