@@ -17,6 +17,7 @@ rule tables:
         not_swept=NOT_SWEPT,
         glue_stem=subpath(output[0], strip_suffix=".csv"),  # GLUE_TABLES[0]
         sweep_stem=subpath(output[2], strip_suffix=".csv"),  # VOCAB_SWEEP_TABLES[0]
+        paper_reference=config["glue"]["paper_reference"],
     conda:
         "../envs/cramswarm.yaml"
     log:
@@ -25,7 +26,8 @@ rule tables:
         bench(f"logs/report/{SOURCE}/tables.log", "tables")
     shell:
         "python -m cramswarm tables --results {input} --baseline {params.baselines} --not-swept {params.not_swept} "
-        "--out-stem {params.glue_stem} --sweep-stem {params.sweep_stem} > {log} 2>&1"
+        "--out-stem {params.glue_stem} --sweep-stem {params.sweep_stem} "
+        "--paper-reference '{params.paper_reference}' > {log} 2>&1"
 
 
 rule figures:

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from cramswarm.config import ConfigError, load_config, load_yaml, validate_config
+from cramswarm.config import ConfigError, load_config, load_yaml, resolve_runs, validate_config
 
 
 @pytest.fixture
@@ -110,7 +110,29 @@ def test_overlay_replaces_budget_unit(repo, tmp_path):
     overlay = tmp_path / "o.yaml"
     overlay.write_text("pretrain:\n  budget: {unit: steps, value: 10}\n")
     cfg = load_config([repo / "config" / "config.yaml", overlay])
-    assert cfg["pretrain"]["budget"] == {"unit": "steps", "value": 10}
+    assert cfg["pretrain"]["budget"] == {"unit": "steps", "value": 10, "reference_card": None, "device_peak_tflops": None}
+
+
+def test_reference_card_needs_a_seconds_budget(repo, tmp_path):
+    overlay = tmp_path / "o.yaml"
+    overlay.write_text("pretrain:\n  budget: {unit: tokens, value: 10, reference_card: a6000}\n")
+    with pytest.raises(ConfigError, match=r"models\.crammed\.recipe\.budget\.reference_card.*seconds"):
+        load_config([repo / "config" / "config.yaml", overlay])
+
+
+def test_swarm_models_reject_recipe_keys_their_trainers_lack(repo, tmp_path):
+    overlay = tmp_path / "o.yaml"
+    overlay.write_text("models:\n  swarm:\n    recipe: {dropout: 0.1, optimizer: adam_l2}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config([repo / "config" / "config.yaml", overlay])
+    assert "models.swarm.recipe.dropout" in str(err.value) and "models.swarm.recipe.optimizer" in str(err.value)
+
+
+def test_schedule_sweep_gives_inverse_sqrt_the_reference_warmup(repo):
+    runs = resolve_runs(load_config([repo / "config" / "config.yaml"]))
+    sweep = {name: run["recipe"] for name, run in runs.items() if name.startswith("sched-")}
+    assert sweep and all(r["warmup_fraction"] == 0.05 for n, r in sweep.items() if "inverse-sqrt" in n)
+    assert all(r["warmup_fraction"] == 0.06 for n, r in sweep.items() if "cosine" in n)
 
 
 def test_cli_check_config_exit_code(repo, tmp_path):

@@ -98,7 +98,8 @@ def test_load_results_errors_name_the_file(tmp_path):
 
 def test_glue_table_medians_over_three_seeds(results):
     table = glue_table(results)
-    expected = ["model", "vocab", "protocol", *SCORE_COLUMNS, "avg_paper", "avg_paper_std", "avg_glue", "n_seeds"]
+    expected = ["model", "vocab", "protocol", *SCORE_COLUMNS, "avg_paper", "avg_paper_seeds", "avg_paper_std",
+                "avg_glue", "n_seeds"]
     assert list(table.columns) == expected
     assert list(table.columns[3:13]) == [
         "mnli_m", "mnli_mm", "qqp_f1", "qqp_acc", "qnli", "sst2", "cola", "stsb_pearson", "stsb_spearman", "mrpc_f1"
@@ -109,6 +110,7 @@ def test_glue_table_medians_over_three_seeds(results):
     # Per-seed paper averages are 50, 60, 54: median 54; sample std sqrt(((−14/3)² + (16/3)² + (−2/3)²) / 2)
     # = sqrt(76/3) ≈ 5.033.
     assert crammed["avg_paper"] == pytest.approx(54.0)
+    assert crammed["avg_paper_seeds"] == pytest.approx(54.0)
     assert crammed["avg_paper_std"] == pytest.approx(math.sqrt(76 / 3))
     assert crammed["avg_glue"] == pytest.approx(54.0)
     assert crammed["n_seeds"] == 3
@@ -123,6 +125,20 @@ def test_glue_table_median_differs_from_mean_per_column(tmp_path):
     assert row["cola"] == pytest.approx(35.0)
     # Per-seed paper averages (8*70 + cola)/9: median of those is (560 + 35)/9.
     assert row["avg_paper"] == pytest.approx(595 / 9)
+
+
+def test_paper_average_is_mean_of_task_medians_not_median_of_seed_means(tmp_path):
+    # CoLA 30, 50, 35 and SST-2 40, 60, 70 over seeds 0-2, every other task 70. Task medians: CoLA 35, SST-2 60,
+    # so the paper's average (mean of the printed medians) is (7*70 + 95)/9. Per-seed sums of the two tasks are
+    # 70, 110, 105: the median of per-seed averages is (7*70 + 105)/9 instead.
+    varying = {"cola": {0: 30.0, 1: 50.0, 2: 35.0}, "sst2": {0: 40.0, 1: 60.0, 2: 70.0}}
+    paths = write_runs(tmp_path, "m", 1024, skip=tuple(varying), base=70.0, seeds=dict.fromkeys(range(3), 0.0))
+    paths += [write_result(tmp_path, "m", 1024, task, seed, value)
+              for task, values in varying.items() for seed, value in values.items()]
+    row = glue_table(load_results(paths)).iloc[0]
+    assert row["avg_paper"] == pytest.approx((7 * 70 + 95) / 9)
+    assert row["avg_paper_seeds"] == pytest.approx((7 * 70 + 105) / 9)
+    assert row["avg_paper"] == pytest.approx(paper_average(row))
 
 
 def test_missing_task_gives_nan_not_a_shorter_average(results):
@@ -175,7 +191,8 @@ def test_vocab_sweep_table(tmp_path):
         paths += write_runs(tmp_path, "crammed", vocab, base=base)
     paths += write_runs(tmp_path, "scratch", 2048, base=30.0)
     sweep = vocab_sweep_table(load_results(paths), exclude=["scratch"])
-    assert list(sweep.columns) == ["model", "vocab", "avg_paper", "avg_paper_std", "mnli_m", "mnli_m_std", "n_seeds"]
+    assert list(sweep.columns) == ["model", "vocab", "avg_paper", "avg_paper_seeds", "avg_paper_std", "mnli_m",
+                                   "mnli_m_std", "n_seeds"]
     assert sweep["vocab"].tolist() == [512, 2048, 8192]
     assert sweep["avg_paper"].tolist() == pytest.approx([44.0, 59.0, 64.0])
     assert sweep["mnli_m_std"].tolist() == pytest.approx([math.sqrt(76 / 3)] * 3)

@@ -164,6 +164,24 @@ def _model_ref_errors(cfg: dict, where: str, name: str) -> list[str]:
     return []
 
 
+def _budget_errors(budget: dict, where: str) -> list[str]:
+    if budget.get("reference_card") and budget["unit"] != "seconds":
+        return [f"config key '{where}.reference_card': applies to a seconds budget, not to unit {budget['unit']!r}"]
+    return []
+
+
+def _swarm_recipe_errors(recipe: dict, where: str) -> list[str]:
+    """Recipe keys the SWARM trainers do not implement (they train the crammed recipe)."""
+    errors = []
+    if recipe["budget"]["unit"] == "exaflop" or recipe["budget"].get("reference_card"):
+        errors.append(f"config key '{where}.budget': SWARM runs take tokens, steps or seconds, not a normalised budget")
+    for key, plain in (("optimizer", "adamw"), ("dropout", 0.0), ("schedule_horizon_sequences", None),
+                       ("batch_ramp_micro_steps", None)):
+        if recipe.get(key, plain) != plain:
+            errors.append(f"config key '{where}.{key}': SWARM trainers support only {plain!r}")
+    return errors
+
+
 def swarm_study_model(cfg: dict) -> str:
     """The model whose arch swarm_study's compression experiment uses: the first with trainer: swarm, else crammed."""
     return next((name for name, model in cfg["models"].items() if model["trainer"] == "swarm"), "crammed")
@@ -185,6 +203,10 @@ def _semantic_errors(cfg: dict, base_dir: Path, schema: dict) -> list[str]:
         where = f"models.{name}.recipe"
         recipe, messages = _subschema_errors(deep_merge(cfg["pretrain"], model["recipe"]), pretrain_schema, defs, where)
         errors += messages or _batch_errors(recipe, where)
+        if not messages:
+            errors += _budget_errors(recipe["budget"], f"{where}.budget")
+            if model.get("trainer", "single") == "swarm":
+                errors += _swarm_recipe_errors(recipe, where)
     protocols = cfg["glue"]["protocols"]
     for where, name in [("glue.protocol", cfg["glue"]["protocol"])] + [
         (f"models.{m}.glue_protocol", spec["glue_protocol"]) for m, spec in cfg["models"].items()
@@ -351,6 +373,8 @@ def resolve_runs(cfg: dict) -> dict[str, dict]:
     for schedule in sched["schedules"]:
         for lr in sched["lrs"]:
             recipe = {**model_recipe(cfg, sched["base_model"]), "schedule": schedule, "lr": lr}
+            if schedule in sched["warmup_fractions"]:
+                recipe["warmup_fraction"] = sched["warmup_fractions"][schedule]
             add(f"sched-{schedule}-lr{_fmt_lr(lr)}", "schedule", f"{schedule} @ {_fmt_lr(lr)}",
                 cfg["models"][sched["base_model"]]["arch"], recipe)
     final, original = abl["groups"]["final_model"], abl["groups"]["original_model"]

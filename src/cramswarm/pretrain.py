@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from cramswarm import budget as budgets
 from cramswarm.data import tokenizer as tokenization
 from cramswarm.data.packing import load_blocks
 from cramswarm.io import atomic_path, write_json
@@ -24,18 +25,24 @@ from cramswarm.models.crammed_bert import unwrap_compiled
 from cramswarm.provenance import provenance
 from cramswarm.training import (
     accumulation_at,
+    accumulation_at_micro_step,
     autocast,
     budget_progress,
     build_model,
-    decay_groups,
     lr_multiplier,
+    make_optimizer,
     mask_tokens,
     resolve_device,
     resolve_precision,
     save_checkpoint,
+    schedule_point,
 )
 
 # progress: budget fraction at the start of the step, where its LR multiplier and batch size were set.
+# A non-finite loss reloads the weights of the last snapshot (taken every SNAPSHOT_EVERY_STEPS optimizer steps) and
+# skips its batch; more than MAX_NONFINITE_STEPS such steps end the run (the recipe is unstable, not unlucky).
+SNAPSHOT_EVERY_STEPS = 50
+MAX_NONFINITE_STEPS = 10
 LOG_COLUMNS = ("step", "tokens", "progress", "loss", "lr", "lr_multiplier", "batch_sequences", "elapsed_s", "eval_loss")
 
 
@@ -84,6 +91,17 @@ class HeldOut:
         return total / max(count, 1)
 
 
+def _clone_state(value):
+    """A deep copy of an optimizer state dict (tensors cloned, so later steps do not change it)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _clone_state(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clone_state(v) for v in value]
+    return value
+
+
 def _save_state(path: Path, payload: dict) -> None:
     with atomic_path(path) as tmp:  # creates the folder
         torch.save(payload, tmp)
@@ -97,6 +115,24 @@ def _load_state(path: Path | None, expected: str) -> dict | None:
         print(f"ignoring training state {path}: it belongs to a different recipe, arch or data", flush=True)
         return None
     return state
+
+
+def resolve_budget(recipe: dict, device: torch.device) -> dict:
+    """The recipe's budget in tokens, steps or seconds on ``device`` (:mod:`cramswarm.budget`)."""
+    budget = recipe["budget"]
+    if not budgets.is_normalised(budget):
+        return budgets.resolve(budget)
+    peak, source = budgets.device_peak(budget, device)
+    return budgets.resolve(budget, peak, source)
+
+
+def data_passes_planned(budget: dict, n_blocks: int, block_tokens: int, batch_sequences: int) -> float | None:
+    """Passes over the training blocks a token or step budget will make (None for seconds: time decides)."""
+    if budget["unit"] == "tokens":
+        return budget["value"] / (n_blocks * block_tokens)
+    if budget["unit"] == "steps":
+        return budget["value"] * batch_sequences / n_blocks  # an upper bound under a batch ramp
+    return None
 
 
 def load_training_data(recipe: dict, tokenizer_path: str | Path, blocks_path: str | Path,
@@ -149,17 +185,24 @@ def pretrain(
     heldout = HeldOut(blocks[n_blocks:], recipe["eval_mask_rate"], vocab_size, micro) if recipe["eval_blocks"] else None
     block_tokens = blocks.shape[1]
 
-    model = build_model(arch, vocab_size, recipe["seed"]).to(device)
+    budget = resolve_budget(recipe, device)
+    if budget != recipe["budget"]:
+        print(f"budget {recipe['budget']} -> {budget['value']:,.0f} s on this device "
+              f"({budget['device_peak_tflops']:.1f} TFLOP/s, {budget['device_peak_source']})", flush=True)
+    planned_passes = data_passes_planned(budget, n_blocks, block_tokens, recipe["batch_sequences"])
+    if planned_passes is not None and planned_passes > 1:
+        print(f"warning: this budget reads the {n_blocks:,} training blocks {planned_passes:.2f} times; the data "
+              "order (e.g. the sentence-length curriculum) restarts on every pass", flush=True)
+
+    model = build_model(arch, vocab_size, recipe["seed"], dropout=recipe.get("dropout", 0.0)).to(device)
     model.train()
-    optimizer = torch.optim.AdamW(
-        decay_groups(model, recipe["weight_decay"]), lr=recipe["lr"], betas=tuple(recipe["betas"]), eps=recipe["eps"]
-    )
+    optimizer = make_optimizer(model, recipe)
     scaler = torch.amp.GradScaler(enabled=precision == "fp16")
     generator = torch.Generator().manual_seed(recipe["seed"])
     forward = torch.compile(model) if recipe["compile"] else model
 
     counters = dict(step=0, tokens=0, cursor=0, epochs_of_data=0.0, window_loss=0.0, window_n=0, next_eval=1,
-                    elapsed_s=0.0, resumed_from_step=None)
+                    elapsed_s=0.0, resumed_from_step=None, sequences=0, skipped_nonfinite=0, reloaded=0)
     log_text = ",".join(LOG_COLUMNS) + "\n"
     state_path = Path(state_dir) / "state.pt" if state_dir is not None else None
     key = fingerprint(recipe, arch, blocks_path, vocab_size)
@@ -168,7 +211,7 @@ def pretrain(
         optimizer.load_state_dict(state["optimizer"])
         scaler.load_state_dict(state["scaler"])
         generator.set_state(state["generator"])
-        counters, log_text = state["counters"], state["log"]
+        counters, log_text = {**counters, **state["counters"]}, state["log"]
         counters["resumed_from_step"] = counters["step"]
         print(f"resuming from {state_path} at step {counters['step']} ({counters['tokens']:,} tokens)", flush=True)
 
@@ -182,12 +225,19 @@ def pretrain(
     start, last_save = time.perf_counter(), time.perf_counter()
     elapsed = lambda: c["elapsed_s"] + time.perf_counter() - start  # noqa: E731
     bar = tqdm(total=100, desc=run or "pretrain", unit="%", disable=not progress, mininterval=2.0)
-    while (t := budget_progress(recipe["budget"], c["tokens"], c["step"], elapsed())) < 1.0:
-        multiplier = lr_multiplier(recipe["schedule"], t, recipe["warmup_fraction"])
+    # the last good weights and optimizer state, in memory: a non-finite loss reloads them (Cramming's reference
+    # reloads its last checkpoint), skips the batch that caused it and counts it in the summary
+    last_good = None
+    while (t := budget_progress(budget, c["tokens"], c["step"], elapsed())) < 1.0:
+        multiplier = lr_multiplier(recipe["schedule"], *schedule_point(recipe, t, c["sequences"]))
         lr = recipe["lr"] * multiplier
         for group in optimizer.param_groups:
             group["lr"] = lr
-        accumulate = accumulation_at(t, final_accumulation, recipe["batch_ramp_fraction"])
+        if recipe.get("batch_ramp_micro_steps"):
+            accumulate = accumulation_at_micro_step(c["sequences"] // micro, recipe["batch_sequences"], micro,
+                                                    recipe["batch_ramp_micro_steps"])
+        else:
+            accumulate = accumulation_at(t, final_accumulation, recipe["batch_ramp_fraction"])
         step_loss = 0.0
         for _ in range(accumulate):
             idx = np.arange(c["cursor"], c["cursor"] + micro) % n_blocks
@@ -200,6 +250,22 @@ def pretrain(
             scaler.scale(loss).backward()
             step_loss += loss.item()
             c["tokens"] += micro * block_tokens
+            c["sequences"] += micro
+        if not math.isfinite(step_loss):
+            c["skipped_nonfinite"] += 1
+            optimizer.zero_grad(set_to_none=True)
+            if last_good is not None:
+                model.load_state_dict(last_good["model"])
+                optimizer.load_state_dict(last_good["optimizer"])
+                c["reloaded"] += 1
+            print(f"non-finite loss {step_loss} at step {c['step'] + 1}: batch skipped"
+                  + (", weights reloaded from the last good step" if last_good is not None else ""), flush=True)
+            if c["skipped_nonfinite"] > MAX_NONFINITE_STEPS:
+                raise FloatingPointError(
+                    f"pretraining loss was non-finite in {c['skipped_nonfinite']} steps (last at step {c['step'] + 1}); "
+                    "lower pretrain.lr"
+                )
+            continue
         scaler.unscale_(optimizer)
         if recipe["grad_clip_norm"] is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), recipe["grad_clip_norm"])
@@ -207,10 +273,11 @@ def pretrain(
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
         c["step"] += 1
-        if not math.isfinite(step_loss):
-            raise FloatingPointError(f"pretraining loss became {step_loss} at step {c['step']}; lower pretrain.lr")
+        if c["step"] % SNAPSHOT_EVERY_STEPS == 1:
+            last_good = {"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                         "optimizer": _clone_state(optimizer.state_dict())}
         c["window_loss"], c["window_n"] = c["window_loss"] + step_loss, c["window_n"] + 1
-        done = budget_progress(recipe["budget"], c["tokens"], c["step"], elapsed())
+        done = budget_progress(budget, c["tokens"], c["step"], elapsed())
         eval_loss = ""
         if heldout is not None and done * recipe["eval_points"] >= c["next_eval"] - 1e-9:
             eval_loss = f"{heldout.loss(model, precision, device):.5f}"
@@ -251,6 +318,11 @@ def pretrain(
         "resumed_from_step": c["resumed_from_step"],
         "parameters": sum(p.numel() for p in model.parameters()),
         "budget": recipe["budget"],
+        "budget_resolved": budget,
+        "data_passes": round(c["epochs_of_data"], 4),
+        "data_wrapped": c["epochs_of_data"] > 1.0,
+        "skipped_nonfinite": c["skipped_nonfinite"],
+        "reloaded_after_nonfinite": c["reloaded"],
         "precision": precision,
         "device": str(device),
         "recipe": recipe,

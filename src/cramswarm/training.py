@@ -73,6 +73,30 @@ def mask_tokens(block: torch.Tensor, rate: float, mode: str, vocab_size: int, ge
     return inputs, labels
 
 
+def schedule_point(recipe: dict, t: float, sequences: int) -> tuple[float, float]:
+    """(schedule progress, warmup share) at budget progress ``t`` after ``sequences`` sequences.
+
+    By default the schedule runs over the budget (Cramming's rule). With ``schedule_horizon_sequences`` it runs
+    over a fixed number of sequences however long the budget is (BERT's step-based schedule, which the
+    budget truncates: Cramming v1, "BERT settings stopped after our budget is reached").
+    """
+    horizon = recipe.get("schedule_horizon_sequences")
+    if not horizon:
+        return t, recipe["warmup_fraction"]
+    return sequences / horizon["total"], horizon["warmup"] / horizon["total"]
+
+
+def make_optimizer(model: torch.nn.Module, recipe: dict, fused: bool | None = None) -> torch.optim.Optimizer:
+    """The recipe's optimizer over :func:`decay_groups`: AdamW, or Adam with coupled L2 decay (BERT's)."""
+    kind = recipe.get("optimizer", "adamw")
+    cls = {"adamw": torch.optim.AdamW, "adam_l2": torch.optim.Adam}.get(kind)
+    if cls is None:
+        raise ValueError(f"unknown optimizer {kind!r}; allowed: adamw, adam_l2")
+    extra = {"fused": True} if fused else {}
+    return cls(decay_groups(model, recipe["weight_decay"]), lr=recipe["lr"], betas=tuple(recipe["betas"]),
+               eps=recipe["eps"], **extra)
+
+
 def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """AdamW parameter groups: no weight decay on biases or LayerNorm parameters (the position scale decays)."""
     norm_params = {id(p) for m in model.modules() if isinstance(m, torch.nn.LayerNorm) for p in m.parameters()}
@@ -117,6 +141,15 @@ def accumulation_at(t: float, final_accumulation: int, ramp_fraction: float) -> 
     if ramp_fraction <= 0 or t >= ramp_fraction:
         return final_accumulation
     return max(1, min(final_accumulation, 1 + math.floor(t / ramp_fraction * final_accumulation)))
+
+
+def accumulation_at_micro_step(micro_steps: int, batch: int, micro: int, ramp_micro_steps: int) -> int:
+    """Micro-batches per optimizer step after ``micro_steps`` micro-batches under a ramp counted in micro-steps
+    (Cramming v1's ``batch_size_ramp: 300000``): the batch grows by ``batch / ramp_micro_steps`` sequences per
+    micro-step, rounded down to whole micro-batches, from one micro-batch to ``batch``."""
+    if micro_steps >= ramp_micro_steps:
+        return batch // micro
+    return min(batch // micro, int(micro_steps * batch / ramp_micro_steps // micro) + 1)
 
 
 def save_checkpoint(model, tok, out_dir: str | Path, max_length: int) -> None:

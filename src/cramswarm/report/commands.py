@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cramswarm.cli import arg, command, json_arg
+from cramswarm.config import schema_default
 
 RESULTS = arg("--results", nargs="+", required=True, help="fine-tuning result JSON files")
 RESULTS_OPTIONAL = arg("--results", nargs="*", default=[], help="fine-tuning result JSON files")
@@ -24,7 +25,7 @@ OUT_STEM = arg("--out-stem", required=True, help="table path without suffix (.cs
     arg("--sweep-stem", required=True),
     arg(
         "--paper-reference",
-        default="Crammed BERT (A6000, 24 h, v1)",
+        default=schema_default("glue.paper_reference"),
         help="published row (its 'model' in report/paper_glue.csv) that <out-stem>_paper's GLUE-average delta "
         "refers to",
     ),

@@ -1,0 +1,128 @@
+"""The recipe keys that make the paper's recipes and baselines runnable as the reference runs them: normalised
+budgets, BERT's step-based schedule cut by the budget, the v1 micro-step batch ramp, Adam with coupled L2,
+pretraining dropout, and surviving a non-finite loss."""
+
+import csv
+import json
+
+import pytest
+import torch
+from conftest import ARCH, recipe
+from safetensors.torch import load_file
+
+from cramswarm import budget as budgets
+from cramswarm import pretrain as pretraining
+from cramswarm.pretrain import pretrain
+from cramswarm.training import accumulation_at_micro_step, lr_multiplier, make_optimizer, schedule_point
+
+
+def test_a6000_day_is_the_papers_13_4_exaflop():
+    day = budgets.resolve({"unit": "seconds", "value": 86400, "reference_card": "a6000"}, 154.8, "declared")
+    assert day["value"] == pytest.approx(86400)
+    assert day["exaflop"] == pytest.approx(13.37472)
+    assert day["a6000_days"] == pytest.approx(1.0)
+
+
+def test_declared_h100_peak_gives_the_a6000_day_equivalent():
+    budget = {"unit": "seconds", "value": 86400, "reference_card": "a6000", "device_peak_tflops": 989.4}
+    resolved = budgets.resolve(budget, *budgets.device_peak(budget, torch.device("cpu")))
+    assert resolved["unit"] == "seconds"
+    assert resolved["value"] == pytest.approx(86400 * 154.8 / 989.4)  # about 3.76 h
+    assert resolved["device_peak_source"].startswith("declared")
+    # the same compute as an exaFLOP budget
+    flops = budgets.resolve({"unit": "exaflop", "value": resolved["exaflop"]}, 989.4)
+    assert flops["value"] == pytest.approx(resolved["value"])
+
+
+def test_plain_budgets_pass_through_and_known_cards_are_matched_by_name():
+    assert budgets.resolve({"unit": "tokens", "value": 5, "reference_card": None}) == {"unit": "tokens", "value": 5}
+    assert budgets.datasheet_peak("NVIDIA H100 80GB HBM3") == pytest.approx(989.4)
+    assert budgets.datasheet_peak("NVIDIA H100 PCIe") == pytest.approx(756.0)
+    assert budgets.datasheet_peak("NVIDIA RTX A6000") == pytest.approx(154.8)
+    assert budgets.datasheet_peak("Some Future Card") is None
+    with pytest.raises(ValueError, match="peak"):
+        budgets.resolve({"unit": "exaflop", "value": 1.0})
+
+
+def test_measured_peak_on_cpu_is_positive():
+    assert budgets.measure_matmul_tflops(torch.device("cpu"), size=256, repeats=2) > 0
+
+
+def test_bert_step_schedule_is_cut_by_the_budget_not_squeezed_into_it():
+    r = recipe(schedule="linear", warmup_fraction=0.5, schedule_horizon_sequences={"warmup": 100, "total": 10_000})
+    # 50 sequences in: half-way through the 100-sequence warmup, whatever the budget progress says
+    assert lr_multiplier(r["schedule"], *schedule_point(r, 0.99, 50)) == pytest.approx(0.5)
+    # 5,050 sequences: half-way down the linear decay from 100 to 10,000 sequences
+    assert lr_multiplier(r["schedule"], *schedule_point(r, 0.99, 5050)) == pytest.approx(0.5)
+    # without a horizon the schedule follows the budget
+    plain = recipe(schedule="linear", warmup_fraction=0.0)
+    assert lr_multiplier(plain["schedule"], *schedule_point(plain, 0.25, 10**9)) == pytest.approx(0.75)
+
+
+def test_v1_batch_ramp_counts_micro_steps():
+    # batch 4096, micro-batch 128, ramp over 300,000 micro-steps (Cramming v1 bert-o3)
+    assert accumulation_at_micro_step(0, 4096, 128, 300_000) == 1
+    assert accumulation_at_micro_step(150_000, 4096, 128, 300_000) == 17  # 2048 sequences // 128 + 1
+    assert accumulation_at_micro_step(299_999, 4096, 128, 300_000) == 32
+    assert accumulation_at_micro_step(10**7, 4096, 128, 300_000) == 32
+
+
+def test_adam_l2_couples_weight_decay_into_the_gradient():
+    def step(kind):
+        model = torch.nn.Linear(4, 4, bias=False)
+        torch.nn.init.constant_(model.weight, 1.0)
+        opt = make_optimizer(model, recipe(optimizer=kind, weight_decay=0.1, lr=0.1, betas=[0.9, 0.999], eps=1e-8))
+        model.weight.grad = torch.zeros_like(model.weight)  # no loss gradient: only the decay acts
+        opt.step()
+        return model.weight.detach()[0, 0].item()
+
+    # AdamW shrinks the weight by lr * wd = 1 %; Adam with L2 normalises the decay gradient: a full lr step (-0.1)
+    assert step("adamw") == pytest.approx(0.99)
+    assert step("adam_l2") == pytest.approx(0.9, abs=1e-4)
+
+
+def test_pretraining_dropout_is_a_recipe_key(tiny_run):
+    folder, tok_path = tiny_run
+    summary = pretrain(recipe(dropout=0.1, budget={"unit": "steps", "value": 2}), ARCH, folder / "blocks.npy", tok_path,
+                       folder / "drop", progress=False)
+    config = json.loads((folder / "drop" / "config.json").read_text())
+    assert config["hidden_dropout_prob"] == 0.1 and config["attention_probs_dropout_prob"] == 0.1
+    assert summary["recipe"]["dropout"] == 0.1
+
+
+def test_a_non_finite_loss_is_survived_skipped_and_counted(tiny_run, monkeypatch):
+    folder, tok_path = tiny_run
+    calls = {"n": 0}
+    original = pretraining.build_model
+
+    def poisoned_build(*args, **kwargs):
+        model = original(*args, **kwargs)
+        forward = model.forward
+
+        def maybe_nan(*a, **k):
+            out = forward(*a, **k)
+            calls["n"] += 1
+            if calls["n"] in (7, 8):  # micro-batches of steps 4 (both halves of the 16-sequence batch)
+                out.loss = out.loss * float("nan")
+            return out
+
+        model.forward = maybe_nan
+        return model
+
+    monkeypatch.setattr(pretraining, "build_model", poisoned_build)
+    summary = pretrain(recipe(eval_blocks=0), ARCH, folder / "blocks.npy", tok_path, folder / "nan", progress=False)
+    assert summary["steps"] == 30  # the budget is still reached
+    assert summary["skipped_nonfinite"] == 1 and summary["reloaded_after_nonfinite"] == 1
+    rows = list(csv.DictReader(open(folder / "nan" / "train_log.csv")))
+    assert all(float(r["loss"]) == float(r["loss"]) for r in rows)  # no NaN reached the log
+    assert float(rows[-1]["loss"]) < float(rows[0]["loss"])
+    weights = load_file(folder / "nan" / "model.safetensors")
+    assert all(torch.isfinite(tensor).all() for tensor in weights.values())
+
+
+def test_a_run_that_would_wrap_its_data_says_so(tiny_run, capsys):
+    folder, tok_path = tiny_run
+    summary = pretrain(recipe(budget={"unit": "tokens", "value": 400 * 32}), ARCH, folder / "blocks.npy", tok_path,
+                       folder / "wrap", progress=False)
+    assert "times; the data order" in capsys.readouterr().out
+    assert summary["data_wrapped"] is True and summary["data_passes"] > 1
