@@ -147,3 +147,14 @@ def test_test_splits_are_never_requested(task, tmp_path, monkeypatch):
     assert set(counts) == set(requested)
     with pytest.raises(ValueError, match="not read by this workflow"):
         hub.load_glue_split(task, "test")
+
+
+def test_single_sentence_tasks_get_an_empty_second_segment_as_the_reference():
+    from cramswarm.glue.finetune import encode
+
+    tok = tokenization.train_wordpiece([["the cat sat on the mat", "a dog ran"] * 20], 64, min_frequency=1)
+    single = encode(tok, "sst2", [{"sentence": "the cat sat"}], 32)[0]
+    assert single[0] == tokenization.CLS_ID and single[-2:] == [tokenization.SEP_ID, tokenization.SEP_ID]
+    assert single.count(tokenization.SEP_ID) == 2
+    pair = encode(tok, "rte", [{"sentence1": "the cat", "sentence2": "a dog"}], 32)[0]
+    assert pair.count(tokenization.SEP_ID) == 2 and pair[-1] == tokenization.SEP_ID

@@ -40,8 +40,8 @@ def encode(tok, task: str, rows: list[dict], max_length: int) -> list[list[int]]
     spec = get_task(task)
     tok.enable_truncation(max_length)
     tok.no_padding()
-    if len(spec.text_columns) == 1:
-        inputs = [row[spec.text_columns[0]] for row in rows]
+    if len(spec.text_columns) == 1:  # an empty second segment, as the reference: [CLS] A [SEP] [SEP]
+        inputs = [(row[spec.text_columns[0]], "") for row in rows]
     else:
         first, second = spec.text_columns
         inputs = [(row[first], row[second]) for row in rows]

@@ -154,3 +154,24 @@ def readme_figures(args) -> int:
     for src in args.figures:
         print(shrink_png(src, Path(args.out_dir) / Path(src).name, args.max_width_px))
     return 0
+
+
+@command(
+    "fidelity-table",
+    "write docs/fidelity.md: every setting of both published Cramming recipes and the baselines, the reference "
+    "code's value and source, ours from the config files, the verdict",
+    arg("--repo", default=".", help="repository root holding config/"),
+    arg("--out", required=True, help="Markdown file to write"),
+)
+def fidelity_table(args) -> int:
+    from cramswarm.io import atomic_path
+    from cramswarm.report import fidelity
+
+    table = fidelity.rows(args.repo)
+    with atomic_path(Path(args.out)) as tmp:
+        tmp.write_text(fidelity.markdown(table))
+    undocumented = [r for r in table if r["verdict"].startswith("DIFFERS")]
+    for r in undocumented:
+        print(f"undocumented difference: {r['recipe']} {r['section']} {r['setting']}: reference {r['reference']}, "
+              f"ours {r['ours']}")
+    return 1 if undocumented else 0
