@@ -91,16 +91,21 @@ def _describe(error) -> str:
     return f"config key '{where}': {error.message}"
 
 
+# libyaml's loader where PyYAML was built with it: the schema alone takes about 1 s with the pure-Python one,
+# which every `snakemake -n` pays.
+_SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
 @functools.lru_cache(maxsize=4)
 def _load_schema(path: str) -> dict:
     with open(path) as fh:
-        return yaml.safe_load(fh)
+        return yaml.load(fh, Loader=_SAFE_LOADER)
 
 
 def load_yaml(path: str | Path) -> dict:
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_SAFE_LOADER)
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
     except yaml.YAMLError as err:
