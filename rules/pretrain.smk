@@ -35,6 +35,11 @@ rule order_blocks:  # the curriculum; the last pretrain.eval_blocks rows are the
         order=lambda wildcards: wildcards.order,
         seed=config["data"]["order_seed"],
         holdout=config["pretrain"]["eval_blocks"],
+        cap=(
+            f"--max-training-blocks {config['data']['max_sequences']}"
+            if config["data"]["max_sequences"]
+            else ""
+        ),
     conda:
         "../envs/cramswarm.yaml"
     log:
@@ -43,7 +48,7 @@ rule order_blocks:  # the curriculum; the last pretrain.eval_blocks rows are the
         bench("logs/order/{corpus}/{filters}/{family}-v{vocab}/{order}.log", "order_blocks")
     shell:
         "python -m cramswarm order --packed {input.packed} --tokenizer {input.tokenizer} --order {params.order} "
-        "--seed {params.seed} --holdout-blocks {params.holdout} --out {output.blocks} --report {output.report} "
+        "--seed {params.seed} --holdout-blocks {params.holdout} {params.cap} --out {output.blocks} --report {output.report} "
         "--memory-cap-mb {config[data][memory_cap_mb]} > {log} 2>&1"
 
 

@@ -235,6 +235,19 @@ def test_unigram_orders_sort_by_mean_log_probability(packed, tok, order, directi
     assert (direction * np.diff(score) >= -1e-12).all() and score[0] != score[-1]
 
 
+def test_data_cap_keeps_the_head_of_the_order_and_the_held_out_sample(packed, tok):
+    tmp, blocks = packed
+    full, _ = ordered(packed, tok, "sentence-length")
+    out = tmp / "capped.npy"
+    report = ordering.order_blocks(tmp / "packed.npy", tok, out, "sentence-length", 0, 20, memory_cap_mb=0.5,
+                                   max_training_blocks=50)
+    capped = np.load(out)
+    assert capped.shape == (70, blocks.shape[1])
+    assert np.array_equal(capped[:50], full[:50])  # the first 50 of the curriculum
+    assert np.array_equal(capped[-20:], full[-20:])  # the same held-out blocks
+    assert report["training_blocks"] == 50 and report["dropped_by_cap"] == len(blocks) - 20 - 50
+
+
 def test_holding_out_every_block_is_an_error(packed, tok):
     tmp, blocks = packed
     with pytest.raises(ValueError, match="leaves none to train on"):

@@ -143,6 +143,8 @@ def pack(args) -> int:
     arg("--order", required=True, choices=("random", "sentence-length", "unigram", "unigram-reverse")),
     arg("--seed", type=int, default=schema_default("data.order_seed")),
     arg("--holdout-blocks", type=int, default=0, help="blocks of a random sample put last (held out)"),
+    arg("--max-training-blocks", type=int, default=schema_default("data.max_sequences"),
+        help="keep only the first N training blocks of the order (data.max_sequences; default: all)"),
     OUT,
     REPORT,
     memory_cap(),
@@ -152,7 +154,8 @@ def order(args) -> int:
 
     tok = tokenization.load(args.tokenizer)
     counts = ordering.order_blocks(
-        args.packed, tok, args.out, args.order, args.seed, args.holdout_blocks, args.memory_cap_mb
+        args.packed, tok, args.out, args.order, args.seed, args.holdout_blocks, args.memory_cap_mb,
+        args.max_training_blocks,
     )
     report(args.report, counts)
     return 0

@@ -58,8 +58,12 @@ def block_keys(blocks: np.ndarray, rows: np.ndarray, order: str, tok, chunk: int
 
 
 def order_blocks(packed: str | Path, tok, out: str | Path, order: str, seed: int, holdout_blocks: int,
-                 memory_cap_mb: float = 256) -> dict:
-    """Write ``packed``'s blocks in ``order`` to ``out`` (.npy), the held-out sample last; return the report."""
+                 memory_cap_mb: float = 256, max_training_blocks: int | None = None) -> dict:
+    """Write ``packed``'s blocks in ``order`` to ``out`` (.npy), the held-out sample last; return the report.
+
+    ``max_training_blocks`` keeps only the first that many training blocks of the order (the reference keeps the
+    first 85e6 sorted sequences, about one A6000-day of training), so a run never restarts its curriculum.
+    """
     if order not in ORDERS:
         raise ValueError(f"unknown block order {order!r}; allowed: {', '.join(ORDERS)}")
     blocks = load_blocks(packed)
@@ -79,15 +83,21 @@ def order_blocks(packed: str | Path, tok, out: str | Path, order: str, seed: int
         keys, facts = block_keys(blocks, rows, order, tok, chunk)
         sorter = np.argsort(keys, kind="stable")
         train, keys = rows[sorter], keys[sorter]
+    before_cap = len(train)
+    if max_training_blocks is not None and len(train) > max_training_blocks:
+        train = train[:max_training_blocks]
+        keys = keys[:max_training_blocks] if keys is not None else None
     final = np.concatenate([train, held])
+    n = len(final)
     with atomic_path(out) as tmp:
-        target = np.lib.format.open_memmap(tmp, mode="w+", dtype=blocks.dtype, shape=blocks.shape)
+        target = np.lib.format.open_memmap(tmp, mode="w+", dtype=blocks.dtype, shape=(n, block_tokens))
         for s in _chunks(n, chunk):
             target[s] = blocks[final[s]]
         target.flush()
         del target
     report = {"order": order, "seed": seed, "blocks": int(n), "block_tokens": int(block_tokens),
-              "training_blocks": int(len(train)), "held_out_blocks": int(holdout_blocks), **facts}
+              "training_blocks": int(len(train)), "held_out_blocks": int(holdout_blocks),
+              "max_training_blocks": max_training_blocks, "dropped_by_cap": int(before_cap - len(train)), **facts}
     if keys is not None and len(keys):  # the curriculum's ends, in the key's own units (sign as sorted)
         tenth = max(1, len(keys) // 10)
         report["key_mean_first_tenth"] = round(float(keys[:tenth].mean()), 4)

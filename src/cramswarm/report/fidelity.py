@@ -110,8 +110,6 @@ KNOWN_DIFFERENCES = {
     "paper finds dedup does not help, Table 2)",
     ("*", "data", "trash filter's tokenizer"): "we follow the paper's text (tokens of a "
     "tokenizer trained on the raw corpus) where the reference code loads albert-base-v2",
-    ("*", "data", "sequences kept after sorting"): "no cap yet: a run that would read its data more than once "
-    "warns before it starts and records data_passes in its summary",
     ("*", "bert_original", "pretraining corpus"): "one corpus per study: every model trains on the study's data, "
     "so baselines and crammed differ only in arch and recipe",
     ("icml", "data", "corpus"): "the original Pile is no longer hosted; its deduplicated release is the nearest "
