@@ -212,6 +212,12 @@ def test_malformed_blocks_are_refused(tmp_path, text, message):
         docs.rewrite(text, tmp_path, tmp_path, tmp_path, where="page.md")
 
 
+def test_markers_quoted_in_prose_are_not_blocks(tmp_path):
+    text = "Blocks look like `<!-- generated:NAME -->` in the source.\n"
+    assert docs.rewrite(text, tmp_path, tmp_path, tmp_path) == text
+    assert docs.block_names(text) == []
+
+
 def test_cli_check_exits_1_on_a_stale_page(tmp_path):
     out = tmp_path / "results" / "readme"
     out.mkdir(parents=True)

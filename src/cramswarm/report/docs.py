@@ -1,6 +1,6 @@
 """Generated blocks of the README and docs/: numbers that cannot go stale.
 
-A Markdown file marks a block as
+A Markdown file marks a block with two lines of their own,
 
     <!-- generated:NAME -->
     ...
@@ -46,10 +46,12 @@ GLUE_COLUMNS = (
     "avg_paper", "avg_paper_std",
 )  # fmt: skip
 
+# A marker is a line of its own (a marker quoted inside a sentence or code span is prose, not a block).
 BLOCK = re.compile(
-    r"(?P<open><!-- generated:(?P<name>[^ >]+) -->\n)(?P<body>.*?)(?P<close><!-- /generated:(?P=name) -->)", re.S
+    r"^(?P<open><!-- generated:(?P<name>[^ >]+) -->\n)(?P<body>.*?)^(?P<close><!-- /generated:(?P=name) -->)$",
+    re.S | re.M,
 )
-ANY_MARKER = re.compile(r"<!-- (/?)generated:([^ >]+) -->")
+ANY_MARKER = re.compile(r"^<!-- (/?)generated:([^ >]+) -->$", re.M)
 
 
 class DocsError(ValueError):
@@ -85,7 +87,7 @@ def provenance_line(files: Iterable[Path], results_dir: Path, *, writer: str, ex
                 f"snapshot {record['written_utc']}" if record.get("written_utc") else None]  # fmt: skip
         parts.append("run: " + ", ".join(b for b in bits if b))
     else:
-        parts.append("no run record was committed with it")
+        parts.append("no run record was committed with these files")
     if extra:
         parts.append(extra)
     return "<sub>" + "; ".join(parts) + ".</sub>"
