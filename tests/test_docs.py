@@ -10,6 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from conftest import TINY, copy_workflow, snakemake
 from cramswarm.report import docs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -139,7 +140,8 @@ def test_glue_block_from_a_snapshot(tmp_path):
     body = docs.render_block("glue", out, tmp_path / "repo", tmp_path / "repo")
     lines = body.splitlines()
     assert lines[0].startswith("| Model") and "MNLI-m" in lines[0] and "WNLI" not in lines[0]
-    assert "| crammed " in body and "51.0" in body and "47.4" in body  # values as the CSV has them, 1 decimal
+    assert "| crammed | 2048 | 51.0 | 45.8 |" in body and "| 47.4 | 0.9 |" in body  # 1 decimal, vocab whole
+    assert "| 78.6 | — |" in body  # no seed spread for a published row
     assert "*paper: Crammed BERT (A6000, 24 h, v1) [paper]*" in body
     assert "`results/readme/glue_paper.csv`" in lines[-1]
     assert "commit `0123456789ab`" in lines[-1] and "source `synthetic`" in lines[-1]
@@ -229,3 +231,17 @@ def test_cli_check_exits_1_on_a_stale_page(tmp_path):
     assert check.returncode == 1 and "stale" in check.stdout and "old" in page.read_text()
     assert subprocess.run(cmd, capture_output=True, text=True).returncode == 0
     assert subprocess.run([*cmd, "--check"], capture_output=True, text=True).returncode == 0
+
+
+def test_docs_target_snapshots_then_rewrites_every_page(tmp_path):
+    """`snakemake docs` (dry run): the study's GLUE table and run record go to results/readme/, then every page."""
+    work = copy_workflow(tmp_path)
+    (work / "docs").mkdir()
+    for page in [REPO / "README.md", *(REPO / "docs").glob("*.md")]:
+        (work / page.relative_to(REPO)).write_text(page.read_text())
+    out = snakemake(work, "-n", "-p", "docs", *TINY).stdout
+    snap = out[out.index("python -m cramswarm docs-snapshot") :].splitlines()[0]
+    assert "--files results/tables/synthetic/glue_paper.csv results/readme/" in snap
+    assert "--record results/report/synthetic" in snap and "--out-dir results/readme" in snap
+    rewrite = out[out.index("python -m cramswarm docs --results-dir") :].splitlines()[0]
+    assert "README.md" in rewrite and all(f"docs/{p.name}" in rewrite for p in (REPO / "docs").glob("*.md"))

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import numbers
 import os
 import re
 import shutil
@@ -113,10 +115,24 @@ def render_figures(results_dir: Path, doc_dir: Path, repo: Path) -> str:
     return "\n".join(lines)
 
 
-def _markdown(df) -> str:
-    from cramswarm.report.tables import to_markdown
+def _cell(value, integer: bool = False) -> str:
+    """One table cell: numbers to 1 decimal (``integer``: whole), missing values as an em dash, text as is."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        if math.isnan(value):
+            return "—"
+        return f"{int(value)}" if integer or isinstance(value, numbers.Integral) else f"{value:.1f}"
+    return "—" if value is None else str(value).replace("|", "\\|")
 
-    return to_markdown(df).rstrip("\n")
+
+def _markdown(df, integer_columns: Iterable[str] = ()) -> str:
+    """A compact GitHub table; column headers as the study's tables name them."""
+    from cramswarm.report.tables import COLUMN_LABELS
+
+    integer = [c in set(integer_columns) for c in df.columns]
+    headers = [COLUMN_LABELS.get(c, c) for c in df.columns]
+    rows = [[_cell(v, i) for v, i in zip(row, integer)] for row in df.astype(object).itertuples(index=False)]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
 def render_glue(results_dir: Path, doc_dir: Path, repo: Path) -> str:
@@ -136,7 +152,8 @@ def render_glue(results_dir: Path, doc_dir: Path, repo: Path) -> str:
     columns = [c for c in GLUE_COLUMNS if c in df.columns]
     seeds = sorted({int(s) for s in df.get("n_seeds", pd.Series(dtype=float)).dropna()})
     extra = f"median over {'/'.join(map(str, seeds))} fine-tuning seeds" if seeds else ""
-    return _markdown(df[columns]) + "\n\n" + provenance_line([path], results_dir, writer="snakemake --cores 8 docs", extra=extra)
+    table = _markdown(df[columns], integer_columns=("vocab",))
+    return table + "\n\n" + provenance_line([path], results_dir, writer="snakemake --cores 8 docs", extra=extra)
 
 
 def _flatten(value, prefix: str = "") -> list[tuple[str, object]]:
@@ -158,7 +175,7 @@ def render_table(results_dir: Path, doc_dir: Path, repo: Path, file: str) -> str
     if path.suffix == ".md":
         body = path.read_text().rstrip("\n")
     elif path.suffix == ".csv":
-        body = _markdown(pd.read_csv(path))
+        body = _markdown(pd.read_csv(path, dtype=str, keep_default_na=False))  # cells exactly as written
     elif path.suffix == ".json":
         rows = _flatten(json.loads(path.read_text()))
         body = _markdown(pd.DataFrame(rows, columns=["key", "value"]).astype({"value": str}))
