@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-
 from conftest import TINY, copy_workflow, snakemake
+
 from cramswarm.report import docs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,7 +73,7 @@ def _slugs(markdown: str) -> set[str]:
 
 
 def _links(page: Path):
-    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # links in code blocks are not links
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.DOTALL)  # links in code blocks are not links
     text = re.sub(r"`[^`\n]*`", "", text)
     return LINK.findall(text)
 
@@ -156,7 +156,9 @@ def test_a_changed_result_makes_the_block_stale(tmp_path):
     page.write_text("intro\n<!-- generated:glue -->\nhand-typed 99.9\n<!-- /generated:glue -->\noutro\n")
     assert docs.regenerate([page], out, tmp_path) == [page]
     text = page.read_text()
-    assert "hand-typed" not in text and text.startswith("intro\n") and text.endswith("<!-- /generated:glue -->\noutro\n")
+    assert (
+        "hand-typed" not in text and text.startswith("intro\n") and text.endswith("<!-- /generated:glue -->\noutro\n")
+    )
     assert docs.regenerate([page], out, tmp_path) == []  # idempotent
     df = pd.read_csv(out / "glue_paper.csv")
     df.loc[0, "mnli_m"] = 12.34
@@ -227,10 +229,10 @@ def test_cli_check_exits_1_on_a_stale_page(tmp_path):
     page = tmp_path / "page.md"
     page.write_text("<!-- generated:glue -->\nold\n<!-- /generated:glue -->\n")
     cmd = [sys.executable, "-m", "cramswarm", "docs", str(page), "--results-dir", str(out), "--repo", str(tmp_path)]
-    check = subprocess.run([*cmd, "--check"], capture_output=True, text=True)
+    check = subprocess.run([*cmd, "--check"], capture_output=True, text=True, check=False)
     assert check.returncode == 1 and "stale" in check.stdout and "old" in page.read_text()
-    assert subprocess.run(cmd, capture_output=True, text=True).returncode == 0
-    assert subprocess.run([*cmd, "--check"], capture_output=True, text=True).returncode == 0
+    assert subprocess.run(cmd, capture_output=True, text=True, check=False).returncode == 0
+    assert subprocess.run([*cmd, "--check"], capture_output=True, text=True, check=False).returncode == 0
 
 
 def test_docs_target_snapshots_then_rewrites_every_page(tmp_path):

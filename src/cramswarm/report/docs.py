@@ -51,9 +51,9 @@ GLUE_COLUMNS = (
 # A marker is a line of its own (a marker quoted inside a sentence or code span is prose, not a block).
 BLOCK = re.compile(
     r"^(?P<open><!-- generated:(?P<name>[^ >]+) -->\n)(?P<body>.*?)^(?P<close><!-- /generated:(?P=name) -->)$",
-    re.S | re.M,
+    re.DOTALL | re.MULTILINE,
 )
-ANY_MARKER = re.compile(r"^<!-- (/?)generated:([^ >]+) -->$", re.M)
+ANY_MARKER = re.compile(r"^<!-- (/?)generated:([^ >]+) -->$", re.MULTILINE)
 
 
 class DocsError(ValueError):
@@ -147,7 +147,8 @@ def render_glue(results_dir: Path, doc_dir: Path, repo: Path) -> str:
         notes = df["note"].fillna("").astype(str) if "note" in df.columns else pd.Series([""] * len(df))
         df["model"] = df["model"].astype(str)
         df.loc[paper, "model"] = [
-            f"*paper: {m}{' ' + n.split()[0] if n.strip() else ''}*" for m, n in zip(df.loc[paper, "model"], notes[paper])
+            f"*paper: {m}{' ' + n.split()[0] if n.strip() else ''}*"
+            for m, n in zip(df.loc[paper, "model"], notes[paper])
         ]
     columns = [c for c in GLUE_COLUMNS if c in df.columns]
     seeds = sorted({int(s) for s in df.get("n_seeds", pd.Series(dtype=float)).dropna()})
@@ -181,7 +182,9 @@ def render_table(results_dir: Path, doc_dir: Path, repo: Path, file: str) -> str
         body = _markdown(pd.DataFrame(rows, columns=["key", "value"]).astype({"value": str}))
     else:
         raise DocsError(f"generated:table:{file}: only .csv, .md and .json files can be rendered")
-    return body + "\n\n" + provenance_line([results_dir / file], results_dir, writer="the rule or benchmark named in docs")
+    return (
+        body + "\n\n" + provenance_line([results_dir / file], results_dir, writer="the rule or benchmark named in docs")
+    )
 
 
 RENDERERS: dict[str, Callable[..., str]] = {"figures": render_figures, "glue": render_glue}
