@@ -23,14 +23,15 @@ rule docs_snapshot:
         "results/readme/config.yaml",
         "results/readme/provenance.json",
     params:
-        record=RECORD,
+        record=subpath(input.config, parent=True),  # the study record folder (RECORD)
+        source=SOURCE,
     conda:
         "../envs/cramswarm.yaml"
     log:
         f"logs/report/{SOURCE}/docs_snapshot.log",
     shell:
         "python -m cramswarm docs-snapshot --files {input.glue} {input.figures} --record {params.record} "
-        "--source {SOURCE} --out-dir results/readme > {log} 2>&1"
+        "--source {params.source} --out-dir results/readme > {log} 2>&1"
 
 
 rule docs:  # no output: runs whenever it is asked for, and rewrites the generated blocks in place
