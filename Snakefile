@@ -17,6 +17,7 @@ include: "rules/pretrain.smk"
 include: "rules/swarm.smk"
 include: "rules/glue.smk"
 include: "rules/report.smk"
+include: "rules/docs.smk"  # named target `docs`: README/docs numbers from committed results
 include: "rules/ablations.smk"  # named targets only
 
 

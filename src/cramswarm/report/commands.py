@@ -1,5 +1,5 @@
 """Commands of the report: tables, figures, ablation-report, data-ablation-report, swarm-report, study-record,
-readme-figures."""
+readme-figures, docs-snapshot, docs, fidelity-table."""
 
 from __future__ import annotations
 
@@ -175,3 +175,36 @@ def fidelity_table(args) -> int:
         print(f"undocumented difference: {r['recipe']} {r['section']} {r['setting']}: reference {r['reference']}, "
               f"ours {r['ours']}")
     return 1 if undocumented else 0
+
+
+@command(
+    "docs-snapshot",
+    "copy the study's README tables into the committed results folder with the run's config and provenance.json",
+    arg("--files", nargs="+", required=True, help="workflow outputs to commit (tables; figures already there)"),
+    arg("--record", required=True, help="the study record folder (config.yaml, software.csv)"),
+    arg("--source", help="the config's source (recorded)"),
+    arg("--out-dir", default="results/readme"),
+)
+def docs_snapshot(args) -> int:
+    from cramswarm.report.docs import snapshot
+
+    print(snapshot(args.files, args.record, args.out_dir, source=args.source))
+    return 0
+
+
+@command(
+    "docs",
+    "rewrite the generated blocks (<!-- generated:NAME --> ... <!-- /generated:NAME -->) of Markdown files from "
+    "the committed results",
+    arg("paths", nargs="+", help="Markdown files (README.md docs/*.md)"),
+    arg("--results-dir", default="results/readme", help="the committed results folder"),
+    arg("--repo", default=".", help="the repository root (links are written relative to each file)"),
+    arg("--check", action="store_true", help="write nothing; exit 1 if a block is not what the results give"),
+)
+def docs(args) -> int:
+    from cramswarm.report.docs import regenerate
+
+    changed = regenerate(args.paths, args.results_dir, args.repo, write=not args.check)
+    for path in changed:
+        print(f"{'stale' if args.check else 'rewrote'}: {path}")
+    return 1 if args.check and changed else 0
