@@ -158,3 +158,36 @@ def test_single_sentence_tasks_get_an_empty_second_segment_as_the_reference():
     assert single.count(tokenization.SEP_ID) == 2
     pair = encode(tok, "rte", [{"sentence1": "the cat", "sentence2": "a dog"}], 32)[0]
     assert pair.count(tokenization.SEP_ID) == 2 and pair[-1] == tokenization.SEP_ID
+
+
+def test_seeds_in_one_process_equal_one_process_per_seed_and_are_cached(checkpoint, sst2, tmp_path, monkeypatch):
+    """The default study runs a (model, task)'s seeds in one job; each result must be what a job of that seed alone
+    writes (a fresh process, through the CLI), and a rerun reuses finished seeds from the cache."""
+    import cramswarm.glue.finetune as ft
+
+    p = protocol("crammed")
+    alone = []
+    for seed in (1, 2):
+        out = tmp_path / f"alone{seed}.json"
+        subprocess.run([sys.executable, "-m", "cramswarm", "finetune", "--checkpoint", str(checkpoint), "--task",
+                        "sst2", "--data", str(sst2), "--seed", str(seed), "--protocol", json.dumps(p), "--model", "m",
+                        "--vocab", "256", "--precision", "fp32", "--quiet", "--out", str(out)], check=True)
+        alone.append(json.loads(out.read_text()))
+    together = ft.finetune_seeds(checkpoint, "sst2", sst2, [1, 2], p, [tmp_path / "t1.json", tmp_path / "t2.json"],
+                                 {"model": "m", "vocab": 256}, "fp32", False, cache_dir=tmp_path / "cache")
+    for a, b in zip(alone, together):
+        assert a["seed"] == b["seed"] and a["scores"] == b["scores"]
+        assert a["train_loss_per_epoch"] == b["train_loss_per_epoch"]
+    assert len(list((tmp_path / "cache").iterdir())) == 2
+
+    calls = []
+    monkeypatch.setattr(ft, "finetune", lambda *a, **k: calls.append(a) or pytest.fail("a cached seed was retrained"))
+    again = ft.finetune_seeds(checkpoint, "sst2", sst2, [1, 2], p, [tmp_path / "r1.json", tmp_path / "r2.json"],
+                              {"model": "m", "vocab": 256}, "fp32", False, cache_dir=tmp_path / "cache")
+    assert [r["scores"] for r in again] == [r["scores"] for r in together] and not calls
+    assert json.loads((tmp_path / "r2.json").read_text())["scores"] == together[1]["scores"]
+    # another protocol is another key: it trains
+    monkeypatch.undo()
+    other = ft.finetune_seeds(checkpoint, "sst2", sst2, [1], p | {"lr": 1e-3}, [tmp_path / "o1.json"],
+                              {"model": "m", "vocab": 256}, "fp32", False, cache_dir=tmp_path / "cache")
+    assert len(list((tmp_path / "cache").iterdir())) == 3 and other[0]["seed"] == 1

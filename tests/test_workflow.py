@@ -32,7 +32,7 @@ def test_tiny_study_writes_tables_and_figures(workdir):
     # one benchmark file per job, mirroring its log; the study record sums them per rule
     assert (workdir / "results" / "benchmarks" / "pretrain" / "synthetic" / "crammed" / "v128.tsv").is_file()
     rules = pd.read_csv(workdir / "results" / "report" / "synthetic" / "benchmarks.csv").set_index("rule")
-    assert rules.loc["finetune", "jobs"] == 6 * 3 * 2 and rules.loc["pretrain", "jobs"] == 4
+    assert rules.loc["finetune", "jobs"] == 6 * 3  # one job per (model, vocab, task) runs both seeds and rules.loc["pretrain", "jobs"] == 4
     assert rules.loc["swarm_pretrain", "jobs"] == 1
     # the swarm-trained model: a crammed-layout checkpoint from 2 stages x 2 replicas, no microbatch lost
     swarm = json.loads((workdir / "results" / "swarm" / "synthetic" / "swarm" / "v128" / "summary.json").read_text())
@@ -72,7 +72,7 @@ def test_changing_one_vocab_size_reruns_only_its_dependents(workdir):
         "pack_corpus": 1,
         "order_blocks": 1,
         "pretrain": 1,
-        "finetune": 3 * 2,  # 3 tasks x 2 seeds for crammed v192; nothing for v128 or no_pretrain
+        "finetune": 3,  # 3 tasks (each job runs both seeds) for crammed v192; nothing for v128 or no_pretrain
         "tables": 1,
         "figures": 1,
         "study_record": 1,  # the config changed (and so did the benchmark files it sums)
@@ -85,7 +85,7 @@ def test_changing_a_finetuning_value_reruns_finetuning_only(workdir):
     overlay = workdir / "config" / "test" / "lr.yaml"
     overlay.write_text("glue:\n  protocols:\n    crammed:\n      lr: 1.0e-4\n")
     jobs = planned_jobs(workdir, *TINY, str(overlay.relative_to(workdir)))
-    assert jobs == {"finetune": 6 * 3 * 2, "tables": 1, "figures": 1, "study_record": 1, "all": 1}  # 6 (model, vocab) x 3 tasks x 2 seeds
+    assert jobs == {"finetune": 6 * 3, "tables": 1, "figures": 1, "study_record": 1, "all": 1}  # 6 (model, vocab) x 3 tasks
 
 
 @pytest.mark.slow
@@ -93,7 +93,7 @@ def test_switching_one_models_protocol_reruns_its_finetuning_only(workdir):
     overlay = workdir / "config" / "test" / "protocol.yaml"
     overlay.write_text("models:\n  no_pretrain:\n    glue_protocol: bert_checkpoint\n")
     jobs = planned_jobs(workdir, *TINY, str(overlay.relative_to(workdir)))
-    assert jobs == {"finetune": 3 * 2, "tables": 1, "figures": 1, "study_record": 1, "all": 1}
+    assert jobs == {"finetune": 3, "tables": 1, "figures": 1, "study_record": 1, "all": 1}
 
 
 @pytest.mark.slow
@@ -101,7 +101,7 @@ def test_changing_the_glue_data_size_keeps_the_corpus_and_checkpoints(workdir):
     overlay = workdir / "config" / "test" / "rows.yaml"
     overlay.write_text("synthetic:\n  glue_train_examples: 48\n")
     jobs = planned_jobs(workdir, *TINY, str(overlay.relative_to(workdir)))
-    assert jobs == {"glue_data": 3, "finetune": 6 * 3 * 2, "tables": 1, "figures": 1, "study_record": 1, "all": 1}
+    assert jobs == {"glue_data": 3, "finetune": 6 * 3, "tables": 1, "figures": 1, "study_record": 1, "all": 1}
 
 
 @pytest.mark.slow
@@ -115,7 +115,7 @@ def test_ablation_targets_build_tables_and_figures(workdir):
     jobs = planned_jobs(workdir, "ablation_arch", "ablation_schedule", "ablation_groups", *TINY)
     # tiny overlay: arch = base + depth2 + bert_original; schedule = 2 x 2; groups = 4 rows; no study run is reused
     assert jobs["pretrain"] == 3 + 4 + 4
-    assert jobs["finetune"] == (3 + 4) * 1 * 2  # ablations.glue_tasks [sst2] x glue.seeds [0, 1]
+    assert jobs["finetune"] == (3 + 4) * 1  # ablations.glue_tasks [sst2], one job for glue.seeds [0, 1]
     snakemake(workdir, "--cores", "2", "ablation_arch", "ablation_schedule", "ablation_groups", *TINY)
     out = workdir / "results" / "ablations" / "synthetic"
     arch = pd.read_csv(out / "arch.csv")
@@ -148,7 +148,7 @@ def test_changing_the_block_order_reorders_and_retrains_only(workdir):
     jobs = planned_jobs(workdir, *TINY, str(overlay.relative_to(workdir)))
     # one order job per vocab; the 4 pretrained (model, vocab) pairs and the swarm model; no corpus, tokenizer,
     # packing or init job
-    assert jobs == {"order_blocks": 2, "pretrain": 4, "swarm_pretrain": 1, "finetune": 5 * 3 * 2, "tables": 1, "figures": 1, "study_record": 1, "all": 1}
+    assert jobs == {"order_blocks": 2, "pretrain": 4, "swarm_pretrain": 1, "finetune": 5 * 3, "tables": 1, "figures": 1, "study_record": 1, "all": 1}
 
 
 @pytest.mark.slow
@@ -162,7 +162,7 @@ def test_ablation_data_reuses_files_shared_with_the_study_and_between_cells(work
         "pack_corpus": 5,  # one per tokenizer: filtered and filtered_sorted share theirs
         "order_blocks": 7,  # one per (packed file, order), less the study's synthetic raw / random
         "pretrain": 8,
-        "finetune": 8 * 1 * 2,  # ablations.glue_tasks [sst2] x glue.seeds [0, 1]
+        "finetune": 8 * 1,  # ablations.glue_tasks [sst2], one job for glue.seeds [0, 1]
         "ablation_data_report": 1,
         "ablation_data": 1,
     }

@@ -1,4 +1,5 @@
-"""Fine-tune one checkpoint on one GLUE task with one seed, and score the last epoch on validation.
+"""Fine-tune one checkpoint on one GLUE task with one seed (or several in one process), and score the last epoch
+on validation.
 
 One global hyperparameter set for every task (the paper's rule); the score reported is the last epoch's,
 never the best. Batches are dynamically padded, and length-bucketed (examples of similar length batched
@@ -7,6 +8,8 @@ together inside shuffled pools) so short tasks don't pay for padding to the maxi
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -215,3 +218,65 @@ def finetune(
     }
     write_json(out_json, result)
     return result
+
+
+def _file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def cache_key(checkpoint: str | Path, task: str, data_path: str | Path, seed: int, protocol: dict,
+              labels: dict | None, precision: str) -> str:
+    """What a fine-tuning result depends on: the checkpoint's weights and config, the task data (by content), the
+    seed, the protocol, the labels and the precision."""
+    checkpoint = Path(checkpoint)
+    parts = {
+        "weights": _file_digest(checkpoint / "model.safetensors"),
+        "config": _file_digest(checkpoint / "config.json"),
+        "data": _file_digest(Path(data_path)),
+        "task": task, "seed": seed, "protocol": protocol, "labels": labels or {}, "precision": precision,
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def finetune_seeds(
+    checkpoint: str | Path,
+    task: str,
+    data_path: str | Path,
+    seeds: list[int],
+    protocol: dict,
+    outs: list[str | Path],
+    labels: dict | None = None,
+    precision: str = "bf16",
+    progress: bool = True,
+    cache_dir: str | Path | None = None,
+) -> list[dict]:
+    """:func:`finetune` for several seeds in one process (one torch/transformers start-up instead of one per seed),
+    seed ``seeds[i]`` written to ``outs[i]``. Each seed's result is the same as a run of that seed alone: every
+    run reseeds torch and numpy and reloads the checkpoint.
+
+    With ``cache_dir`` each finished seed is also kept there under :func:`cache_key`, and a later call with the
+    same inputs copies it instead of training again, so a job that failed at its fourth seed keeps its first three.
+    """
+    if len(seeds) != len(outs):
+        raise ValueError(f"{len(seeds)} seeds but {len(outs)} output paths")
+    results = []
+    for seed, out in zip(seeds, outs):
+        cached = None
+        if cache_dir is not None:
+            key = cache_key(checkpoint, task, data_path, seed, protocol, labels, precision)
+            cached = Path(cache_dir) / f"{task}-s{seed}-{key}.json"
+            if cached.is_file():
+                result = json.loads(cached.read_text())
+                write_json(out, result)
+                print(f"seed {seed}: reused {cached}", flush=True)
+                results.append(result)
+                continue
+        result = finetune(checkpoint, task, data_path, seed, protocol, out, labels, precision, progress)
+        if cached is not None:
+            write_json(cached, result)
+        results.append(result)
+    return results
