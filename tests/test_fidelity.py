@@ -8,7 +8,9 @@ from cramswarm.report import fidelity
 def test_committed_fidelity_table_is_what_the_configs_give(repo):
     expected = fidelity.markdown(fidelity.rows(repo))
     committed = (repo / "docs" / "fidelity.md").read_text()
-    assert committed == expected, "docs/fidelity.md is stale: run python -m cramswarm fidelity-table --out docs/fidelity.md"
+    assert committed == expected, (
+        "docs/fidelity.md is stale: run python -m cramswarm fidelity-table --out docs/fidelity.md"
+    )
 
 
 def test_every_difference_from_the_reference_is_explained(repo):
@@ -22,7 +24,9 @@ def test_a_config_change_shows_up_as_an_undocumented_difference(repo, tmp_path):
     shutil.copytree(repo / "config", tmp_path / "config")
     overlay = tmp_path / "config" / "recipes" / "cramming-icml.yaml"
     text = overlay.read_text()
-    overlay.write_text(text.replace("models:\n", "models:\n  izsak:\n    recipe: {lr: 1.0e-3, grad_clip_norm: 0.5}\n", 1))
+    overlay.write_text(
+        text.replace("models:\n", "models:\n  izsak:\n    recipe: {lr: 1.0e-3, grad_clip_norm: 0.5}\n", 1)
+    )
     rows = {(r["recipe"], r["section"], r["setting"]): r for r in fidelity.rows(tmp_path)}
     assert rows[("icml", "izsak", "peak LR")]["verdict"] == "DIFFERS (undocumented)"
     assert rows[("icml", "izsak", "peak LR")]["ours"] == "0.001"

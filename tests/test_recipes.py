@@ -83,8 +83,14 @@ def test_adam_l2_couples_weight_decay_into_the_gradient():
 
 def test_pretraining_dropout_is_a_recipe_key(tiny_run):
     folder, tok_path = tiny_run
-    summary = pretrain(recipe(dropout=0.1, budget={"unit": "steps", "value": 2}), ARCH, folder / "blocks.npy", tok_path,
-                       folder / "drop", progress=False)
+    summary = pretrain(
+        recipe(dropout=0.1, budget={"unit": "steps", "value": 2}),
+        ARCH,
+        folder / "blocks.npy",
+        tok_path,
+        folder / "drop",
+        progress=False,
+    )
     config = json.loads((folder / "drop" / "config.json").read_text())
     assert config["hidden_dropout_prob"] == 0.1 and config["attention_probs_dropout_prob"] == 0.1
     assert summary["recipe"]["dropout"] == 0.1
@@ -122,7 +128,13 @@ def test_a_non_finite_loss_is_survived_skipped_and_counted(tiny_run, monkeypatch
 
 def test_a_run_that_would_wrap_its_data_says_so(tiny_run, capsys):
     folder, tok_path = tiny_run
-    summary = pretrain(recipe(budget={"unit": "tokens", "value": 400 * 32}), ARCH, folder / "blocks.npy", tok_path,
-                       folder / "wrap", progress=False)
+    summary = pretrain(
+        recipe(budget={"unit": "tokens", "value": 400 * 32}),
+        ARCH,
+        folder / "blocks.npy",
+        tok_path,
+        folder / "wrap",
+        progress=False,
+    )
     assert "times; the data order" in capsys.readouterr().out
     assert summary["data_wrapped"] is True and summary["data_passes"] > 1

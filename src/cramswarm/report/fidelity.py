@@ -33,68 +33,199 @@ def _each(v1: tuple, icml: tuple) -> dict:
 
 
 SPECS: list[Spec] = [
-    ("data", "corpus", "hub.corpus.0.path", _each(("allenai/c4", "cramming/config/data/c4-subset.yaml (c4/en)"),
-                                                 ("the_pile", "cramming/config/data/the-pile.yaml (name: the_pile)"))),
+    (
+        "data",
+        "corpus",
+        "hub.corpus.0.path",
+        _each(
+            ("allenai/c4", "cramming/config/data/c4-subset.yaml (c4/en)"),
+            ("the_pile", "cramming/config/data/the-pile.yaml (name: the_pile)"),
+        ),
+    ),
     ("data", "trash filter", "data.trash_filter", _both(True, "final script: data.remove_trash=True")),
-    ("data", "trash cutoff (tokens per character)", "data.trash_cutoff", _each((0.25, "final script: data.trash_cutoff=0.25"), (0.25, "cramming/config/data/the-pile.yaml"))),
-    ("data", "deduplication", "data.dedup", _each((True, "final script: deduplicate_entries=True"),
-                                                  (False, "final script: deduplicate_entries=False"))),
+    (
+        "data",
+        "trash cutoff (tokens per character)",
+        "data.trash_cutoff",
+        _each((0.25, "final script: data.trash_cutoff=0.25"), (0.25, "cramming/config/data/the-pile.yaml")),
+    ),
+    (
+        "data",
+        "deduplication",
+        "data.dedup",
+        _each((True, "final script: deduplicate_entries=True"), (False, "final script: deduplicate_entries=False")),
+    ),
     ("data", "order", "data.order", _both("sentence-length", "final script: sentence-length-curriculum")),
-    ("data", "dedup method", "data.dedup_method",
-     _each(("exact repeated spans of 75+ tokens", "cramming/data/deduplicate.py; final script: deduplication_threshold=75"),
-           ("none", "final script: deduplicate_entries=False"))),
-    ("data", "trash filter's tokenizer", "data.trash_tokenizer",
-     _both("albert-base-v2", "cramming/data/pretraining_preparation.py")),
-    ("data", "sequences kept after sorting", "data.cap",
-     _each((85_000_000, "final script: max_seq_in_tokenized_dataset=85e6"),
-           (85_000_000, "cramming/config/data/the-pile.yaml max_seq_in_tokenized_dataset"))),
+    (
+        "data",
+        "dedup method",
+        "data.dedup_method",
+        _each(
+            (
+                "exact repeated spans of 75+ tokens",
+                "cramming/data/deduplicate.py; final script: deduplication_threshold=75",
+            ),
+            ("none", "final script: deduplicate_entries=False"),
+        ),
+    ),
+    (
+        "data",
+        "trash filter's tokenizer",
+        "data.trash_tokenizer",
+        _both("albert-base-v2", "cramming/data/pretraining_preparation.py"),
+    ),
+    (
+        "data",
+        "sequences kept after sorting",
+        "data.cap",
+        _each(
+            (85_000_000, "final script: max_seq_in_tokenized_dataset=85e6"),
+            (85_000_000, "cramming/config/data/the-pile.yaml max_seq_in_tokenized_dataset"),
+        ),
+    ),
     ("data", "sequence length (tokens)", "packing.block_tokens", _both(128, "cramming/config/data/*.yaml seq_length")),
     ("data", "vocabulary size", "tokenizer.main_vocab_size", _both(32768, "cramming/config/data/*.yaml vocab_size")),
-    ("arch", "layers x width x heads x FFN", "arch.crammed", _each(([16, 768, 12, 3072], "cramming/config/arch/bert-c5.yaml"),
-                                                                   ([16, 768, 12, 3072], "cramming/config/arch/crammed-bert.yaml"))),
+    (
+        "arch",
+        "layers x width x heads x FFN",
+        "arch.crammed",
+        _each(
+            ([16, 768, 12, 3072], "cramming/config/arch/bert-c5.yaml"),
+            ([16, 768, 12, 3072], "cramming/config/arch/crammed-bert.yaml"),
+        ),
+    ),
     ("crammed", "budget", "budget.crammed", _both("one A6000-day (24 h x 154.8 TFLOP/s)", "paper Table 1")),
-    ("crammed", "micro-batch (sequences)", "crammed.micro_batch_sequences",
-     _each((128, "impl default, final script sets none"), (512, "final script: impl.microbatch_size=512"))),
-    ("crammed", "batch (sequences)", "crammed.batch_sequences",
-     _each((4096, "final script: train.batch_size=4096"), (8192, "cramming/config/train/bert-o4.yaml batch_size"))),
-    ("crammed", "batch ramp", "ramp.crammed",
-     _each(("300000 micro-steps", "cramming/config/train/bert-o3.yaml batch_size_ramp"), ("60 % of the budget", "cramming/config/train/bert-o4.yaml"))),
+    (
+        "crammed",
+        "micro-batch (sequences)",
+        "crammed.micro_batch_sequences",
+        _each((128, "impl default, final script sets none"), (512, "final script: impl.microbatch_size=512")),
+    ),
+    (
+        "crammed",
+        "batch (sequences)",
+        "crammed.batch_sequences",
+        _each((4096, "final script: train.batch_size=4096"), (8192, "cramming/config/train/bert-o4.yaml batch_size")),
+    ),
+    (
+        "crammed",
+        "batch ramp",
+        "ramp.crammed",
+        _each(
+            ("300000 micro-steps", "cramming/config/train/bert-o3.yaml batch_size_ramp"),
+            ("60 % of the budget", "cramming/config/train/bert-o4.yaml"),
+        ),
+    ),
     ("crammed", "optimizer", "crammed.optimizer", _both("adamw", "cramming/config/train/optim/adam.yaml type AdamW")),
-    ("crammed", "peak LR", "crammed.lr", _both(1e-3, "cramming/config/train/bert-o3.yaml", "cramming/config/train/bert-o4.yaml")),
+    (
+        "crammed",
+        "peak LR",
+        "crammed.lr",
+        _both(1e-3, "cramming/config/train/bert-o3.yaml", "cramming/config/train/bert-o4.yaml"),
+    ),
     ("crammed", "schedule", "crammed.schedule", _both("triangle", "scheduler triangle2", "budget-triangle2")),
     ("crammed", "warmup", "crammed.warmup_fraction", _both(0.0, "warmup_steps: 0")),
     ("crammed", "betas", "crammed.betas", _both([0.9, 0.98], "cramming/config/train/optim/adam.yaml")),
-    ("crammed", "eps", "crammed.eps", _both(1e-12, "cramming/config/train/bert-o3.yaml optim.eps", "cramming/config/train/bert-o4.yaml")),
+    (
+        "crammed",
+        "eps",
+        "crammed.eps",
+        _both(1e-12, "cramming/config/train/bert-o3.yaml optim.eps", "cramming/config/train/bert-o4.yaml"),
+    ),
     ("crammed", "weight decay", "crammed.weight_decay", _both(0.01, "optim.weight_decay")),
     ("crammed", "gradient clipping", "crammed.grad_clip_norm", _both(0.5, "gradient_clipping: 0.5")),
-    ("crammed", "masking", "mask.crammed", _each(("bernoulli 0.15", "mlm_probability: 0.15"),
-                                                  ("fixed 0.25", "mlm_probability: 0.25"))),
+    (
+        "crammed",
+        "masking",
+        "mask.crammed",
+        _each(("bernoulli 0.15", "mlm_probability: 0.15"), ("fixed 0.25", "mlm_probability: 0.25")),
+    ),
     ("crammed", "pretraining dropout", "crammed.dropout", _both(0.0, "pretrain_in_train_mode: False")),
-    ("crammed", "GLUE protocol", "glue.crammed", _both("5 ep, batch 16, 4e-5, cosine, 10 % warmup",
-                                                       "cramming/config/eval/GLUE_sane.yaml + final script overrides")),
-    ("crammed", "published GLUE average", "reference", _each(("Crammed BERT (A6000, 24 h, v1)", "model card, 78.6"),
-                                                             ("Crammed BERT (A6000, 24 h, ICML)", "paper, 80.4"))),
-    ("bert_original", "pretraining corpus", "data.baselines",
-     _both("bookcorpus-wikipedia", "final script: data=bookcorpus-wikipedia")),
-    ("bert_original", "batch (sequences)", "bert_original.batch_sequences",
-     _each((4096, "final script: train.batch_size=4096"), (512, "cramming/config/train/bert-original.yaml batch_size"))),
-    ("bert_original", "optimizer", "bert_original.optimizer", _both("adam_l2", "cramming/config/train/optim/adam_classic.yaml (Adam)")),
+    (
+        "crammed",
+        "GLUE protocol",
+        "glue.crammed",
+        _both(
+            "5 ep, batch 16, 4e-5, cosine, 10 % warmup", "cramming/config/eval/GLUE_sane.yaml + final script overrides"
+        ),
+    ),
+    (
+        "crammed",
+        "published GLUE average",
+        "reference",
+        _each(
+            ("Crammed BERT (A6000, 24 h, v1)", "model card, 78.6"), ("Crammed BERT (A6000, 24 h, ICML)", "paper, 80.4")
+        ),
+    ),
+    (
+        "bert_original",
+        "pretraining corpus",
+        "data.baselines",
+        _both("bookcorpus-wikipedia", "final script: data=bookcorpus-wikipedia"),
+    ),
+    (
+        "bert_original",
+        "batch (sequences)",
+        "bert_original.batch_sequences",
+        _each(
+            (4096, "final script: train.batch_size=4096"), (512, "cramming/config/train/bert-original.yaml batch_size")
+        ),
+    ),
+    (
+        "bert_original",
+        "optimizer",
+        "bert_original.optimizer",
+        _both("adam_l2", "cramming/config/train/optim/adam_classic.yaml (Adam)"),
+    ),
     ("bert_original", "peak LR", "bert_original.lr", _both(1e-4, "cramming/config/train/bert-original.yaml")),
-    ("bert_original", "betas", "bert_original.betas", _both([0.9, 0.999], "cramming/config/train/optim/adam_classic.yaml")),
+    (
+        "bert_original",
+        "betas",
+        "bert_original.betas",
+        _both([0.9, 0.999], "cramming/config/train/optim/adam_classic.yaml"),
+    ),
     ("bert_original", "eps", "bert_original.eps", _both(1e-8, "cramming/config/train/optim/adam_classic.yaml")),
-    ("bert_original", "schedule", "horizon.bert_original",
-     _both("linear, warmup 5.12e6 of 5.12e8 sequences, cut by the budget",
-           "cramming/config/train/bert-original.yaml: 80k of 8M micro-steps at 64, polynomial-decay power 1")),
+    (
+        "bert_original",
+        "schedule",
+        "horizon.bert_original",
+        _both(
+            "linear, warmup 5.12e6 of 5.12e8 sequences, cut by the budget",
+            "cramming/config/train/bert-original.yaml: 80k of 8M micro-steps at 64, polynomial-decay power 1",
+        ),
+    ),
     ("bert_original", "gradient clipping", "bert_original.grad_clip_norm", _both(None, "gradient_clipping: (none)")),
     ("bert_original", "pretraining dropout", "bert_original.dropout", _both(0.1, "pretrain_in_train_mode: True")),
     ("bert_original", "masking", "mask.bert_original", _both("bernoulli 0.15", "mlm_probability: 0.15")),
-    ("bert_original", "GLUE protocol", "protocol.bert_original",
-     _each(("bert_checkpoint", "final script: eval=GLUE"), ("crammed", "final script: eval=GLUE_sane"))),
-    ("izsak", "layers x width x heads x FFN", "arch.izsak", _both([24, 1024, 16, 4096], "cramming/config/arch/crammed-large-izsak.yaml",
-                                                                  "cramming/config/arch/crammed-large-izsak.yaml")),
-    ("izsak", "final norm", "izsak_arch.final_norm", _both(False, "cramming/config/arch/crammed-large-izsak.yaml final_norm")),
+    (
+        "bert_original",
+        "GLUE protocol",
+        "protocol.bert_original",
+        _each(("bert_checkpoint", "final script: eval=GLUE"), ("crammed", "final script: eval=GLUE_sane")),
+    ),
+    (
+        "izsak",
+        "layers x width x heads x FFN",
+        "arch.izsak",
+        _both(
+            [24, 1024, 16, 4096],
+            "cramming/config/arch/crammed-large-izsak.yaml",
+            "cramming/config/arch/crammed-large-izsak.yaml",
+        ),
+    ),
+    (
+        "izsak",
+        "final norm",
+        "izsak_arch.final_norm",
+        _both(False, "cramming/config/arch/crammed-large-izsak.yaml final_norm"),
+    ),
     ("izsak", "norm eps", "izsak_arch.norm_eps", _both(1e-6, "cramming/config/arch/crammed-large-izsak.yaml norm_eps")),
-    ("izsak", "batch (sequences)", "izsak.batch_sequences", _both(4096, "cramming/config/train/bert-izsak.yaml batch_size")),
+    (
+        "izsak",
+        "batch (sequences)",
+        "izsak.batch_sequences",
+        _both(4096, "cramming/config/train/bert-izsak.yaml batch_size"),
+    ),
     ("izsak", "peak LR", "izsak.lr", _both(2e-3, "cramming/config/train/bert-izsak.yaml optim.lr")),
     ("izsak", "eps", "izsak.eps", _both(1e-6, "cramming/config/train/bert-izsak.yaml optim.eps")),
     ("izsak", "schedule", "izsak.schedule", _both("linear", "scheduler: budget-linear")),
@@ -134,7 +265,8 @@ def _view(cfg: dict) -> dict:
         view[f"horizon.{name}"] = (
             f"{r['schedule']}, warmup {_g(float(horizon['warmup']))} of {_g(float(horizon['total']))} sequences, "
             "cut by the budget"
-            if horizon else f"{r['schedule']} over the budget, warmup {_g(r['warmup_fraction'])}"
+            if horizon
+            else f"{r['schedule']} over the budget, warmup {_g(r['warmup_fraction'])}"
         )
     izsak_arch = cfg["models"]["izsak"]["arch"]
     view["izsak_arch.final_norm"] = izsak_arch.get("final_norm", True)
@@ -142,21 +274,28 @@ def _view(cfg: dict) -> dict:
     r = model_recipe(cfg, "crammed")
     b = r["budget"]
     view["budget.crammed"] = (
-        "one A6000-day (24 h x 154.8 TFLOP/s)" if b["unit"] == "seconds" and b["value"] == 86400
-        and b.get("reference_card") == "a6000" else f"{_g(b['value'])} {b['unit']} of {b.get('reference_card') or 'this device'}"
+        "one A6000-day (24 h x 154.8 TFLOP/s)"
+        if b["unit"] == "seconds" and b["value"] == 86400 and b.get("reference_card") == "a6000"
+        else f"{_g(b['value'])} {b['unit']} of {b.get('reference_card') or 'this device'}"
     )
-    view["ramp.crammed"] = (f"{r['batch_ramp_micro_steps']} micro-steps" if r.get("batch_ramp_micro_steps")
-                            else f"{r['batch_ramp_fraction']:.0%} of the budget".replace("%", " %"))
+    view["ramp.crammed"] = (
+        f"{r['batch_ramp_micro_steps']} micro-steps"
+        if r.get("batch_ramp_micro_steps")
+        else f"{r['batch_ramp_fraction']:.0%} of the budget".replace("%", " %")
+    )
     p = glue_protocol(cfg, "crammed")
-    view["glue.crammed"] = (f"{p['epochs']} ep, batch {p['batch_size']}, {_g(p['lr'])}, {p['schedule']}, "
-                            f"{p['warmup_fraction']:.0%} warmup".replace("%", " %"))
+    view["glue.crammed"] = (
+        f"{p['epochs']} ep, batch {p['batch_size']}, {_g(p['lr'])}, {p['schedule']}, "
+        f"{p['warmup_fraction']:.0%} warmup".replace("%", " %")
+    )
     view["reference"] = cfg["glue"]["paper_reference"]
     view["hub.corpus.0.path"] = cfg["hub"]["corpus"][0]["path"]
     for key in ("trash_filter", "trash_cutoff", "dedup", "order"):
         view[f"data.{key}"] = cfg["data"][key]
     data = cfg["data"]
-    view["data.dedup_method"] = (f"near-duplicate documents (MinHash, Jaccard {_g(data['dedup_threshold'])})"
-                                 if data["dedup"] else "none")
+    view["data.dedup_method"] = (
+        f"near-duplicate documents (MinHash, Jaccard {_g(data['dedup_threshold'])})" if data["dedup"] else "none"
+    )
     view["data.trash_tokenizer"] = f"WordPiece {cfg['tokenizer']['main_vocab_size']} trained on the raw corpus"
     view["data.cap"] = data.get("max_sequences")
     view["data.baselines"] = view["hub.corpus.0.path"]
@@ -187,8 +326,11 @@ def _fmt(value) -> str:
     if isinstance(value, float):
         return _g(value)
     if isinstance(value, (list, tuple)):
-        return " x ".join(_fmt(v) for v in value) if all(isinstance(v, int) for v in value) else \
-            "(" + ", ".join(_fmt(v) for v in value) + ")"
+        return (
+            " x ".join(_fmt(v) for v in value)
+            if all(isinstance(v, int) for v in value)
+            else "(" + ", ".join(_fmt(v) for v in value) + ")"
+        )
     return str(value)
 
 
@@ -209,10 +351,21 @@ def rows(repo: str | Path = ".") -> list[dict]:
             if _same(ours, reference):
                 verdict = "equal"
             else:
-                reason = KNOWN_DIFFERENCES.get((recipe, section, setting)) or KNOWN_DIFFERENCES.get(("*", section, setting))
+                reason = KNOWN_DIFFERENCES.get((recipe, section, setting)) or KNOWN_DIFFERENCES.get(
+                    ("*", section, setting)
+                )
                 verdict = f"differs: {reason}" if reason else "DIFFERS (undocumented)"
-            out.append({"recipe": recipe, "section": section, "setting": setting, "reference": _fmt(reference),
-                        "source": source, "ours": _fmt(ours), "verdict": verdict})
+            out.append(
+                {
+                    "recipe": recipe,
+                    "section": section,
+                    "setting": setting,
+                    "reference": _fmt(reference),
+                    "source": source,
+                    "ours": _fmt(ours),
+                    "verdict": verdict,
+                }
+            )
     return out
 
 
@@ -231,9 +384,16 @@ def markdown(table: list[dict]) -> str:
         "",
     ]
     for recipe in RECIPES:
-        lines += [f"## {recipe}", "", "| Section | Setting | Reference | Source | Ours | Verdict |",
-                  "|---|---|---|---|---|---|"]
-        lines += [f"| {r['section']} | {r['setting']} | {r['reference']} | {r['source']} | {r['ours']} | {r['verdict']} |"
-                  for r in table if r["recipe"] == recipe]
+        lines += [
+            f"## {recipe}",
+            "",
+            "| Section | Setting | Reference | Source | Ours | Verdict |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['section']} | {r['setting']} | {r['reference']} | {r['source']} | {r['ours']} | {r['verdict']} |"
+            for r in table
+            if r["recipe"] == recipe
+        ]
         lines.append("")
     return "\n".join(lines)
