@@ -126,6 +126,24 @@ def test_a_non_finite_loss_is_survived_skipped_and_counted(tiny_run, monkeypatch
     assert all(torch.isfinite(tensor).all() for tensor in weights.values())
 
 
+def test_a_reference_card_budget_runs_for_its_equivalent_seconds(tiny_run, capsys):
+    folder, tok_path = tiny_run
+    # 2 seconds of a card with a tenth of this device's declared peak: 0.2 s here
+    budget = {"unit": "seconds", "value": 2.0, "reference_card": "a6000", "device_peak_tflops": 1548.0}
+    summary = pretrain(recipe(budget=budget), ARCH, folder / "blocks.npy", tok_path, folder / "card", progress=False)
+    assert summary["budget_resolved"]["value"] == pytest.approx(0.2)
+    assert summary["budget_resolved"]["device_peak_source"].startswith("declared")
+    assert 0.2 <= summary["elapsed_s"] < 2.0
+    assert "s on this device" in capsys.readouterr().out
+
+
+def test_plain_budgets_from_the_config_keep_their_keys(tiny_run):
+    folder, tok_path = tiny_run
+    budget = {"unit": "steps", "value": 2, "reference_card": None, "device_peak_tflops": None}  # as validated
+    summary = pretrain(recipe(budget=budget), ARCH, folder / "blocks.npy", tok_path, folder / "plain", progress=False)
+    assert summary["steps"] == 2 and summary["budget_resolved"] == {"unit": "steps", "value": 2}
+
+
 def test_a_run_that_would_wrap_its_data_says_so(tiny_run, capsys):
     folder, tok_path = tiny_run
     summary = pretrain(

@@ -186,7 +186,7 @@ def pretrain(
     block_tokens = blocks.shape[1]
 
     budget = resolve_budget(recipe, device)
-    if budget != recipe["budget"]:
+    if budgets.is_normalised(recipe["budget"]):
         print(f"budget {recipe['budget']} -> {budget['value']:,.0f} s on this device "
               f"({budget['device_peak_tflops']:.1f} TFLOP/s, {budget['device_peak_source']})", flush=True)
     planned_passes = data_passes_planned(budget, n_blocks, block_tokens, recipe["batch_sequences"])
