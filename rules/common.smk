@@ -536,6 +536,6 @@ def swarm_experiment_runtime(wildcards):
     elif section == "compression":
         tokens = settings["steps"] * settings["micro_batch_sequences"] * config["packing"]["block_tokens"]
         seq = config["packing"]["block_tokens"]
-        per_treatment = training_seconds(RUNS[SWARM_MODEL]["arch"], MAIN_VOCAB, tokens, seq, "cpu")
+        per_treatment = training_seconds(RUNS[SWARM_MODEL]["arch"], MAIN_VOCAB, tokens, seq, "auto")
         seconds += len(settings["configs"]) * per_treatment
     return minutes(3 * seconds)
