@@ -1,6 +1,6 @@
 # cramswarm: reproduce Cramming (arXiv 2212.14034) and SWARM parallelism (arXiv 2301.11913) end to end.
 # corpus -> filters -> tokenizers (one per vocab size) -> packed and ordered blocks -> MLM pretraining -> GLUE fine-tuning
-# per (model, task, seed) -> tables and figures. README.md lists the rules and the results/ layout.
+# per (model, task, seed) -> tables and figures. `snakemake --list-rules` describes every rule; README.md the layout.
 from snakemake.utils import min_version
 
 min_version("9.20")  # runtime units fixed in 9.20 (snakemake#4053)
@@ -9,8 +9,11 @@ min_version("9.20")  # runtime units fixed in 9.20 (snakemake#4053)
 configfile: "config/config.yaml"
 
 
+report: "rules/workflow.rst"  # the front page of `snakemake --report`
+
+
 include: "rules/common.smk"  # validates the config before any job runs
-include: "rules/outputs.smk"  # benchmark files, report() figures and tables
+include: "rules/outputs.smk"  # report() figures and tables
 include: "rules/data.smk"
 include: "rules/tokenizers.smk"
 include: "rules/pretrain.smk"
@@ -21,7 +24,21 @@ include: "rules/docs.smk"  # named target `docs`: README/docs numbers from commi
 include: "rules/ablations.smk"  # named targets only
 
 
+# Seconds of work on the submit host rather than sbatch jobs of their own (with --executor slurm).
+localrules:
+    tables,
+    figures,
+    study_record,
+    readme_figures,
+    swarm_report,
+    ablation_arch_report,
+    ablation_schedule_report,
+    ablation_groups_report,
+    ablation_data_report,
+
+
 rule all:
+    """The study: GLUE tables (ours and with the paper's rows), figures and the study record."""
     default_target: True
     input:
         GLUE_TABLES,
@@ -30,53 +47,63 @@ rule all:
         rules.study_record.output,  # config, software versions, benchmark summary: the head of the report
 
 
-rule tokenizers:  # every tokenizer of the vocab sweep (the study's data recipe)
+rule tokenizers:
+    """Every tokenizer of the vocab sweep (the study's data recipe)."""
     input:
         [data_files(STUDY_DATA, vocab)["tokenizer"] for vocab in VOCABS],
 
 
-rule pretrain_all:  # every checkpoint of the study (pretrained and random-init)
+rule pretrain_all:
+    """Every checkpoint of the study (pretrained and random-init)."""
     input:
         [f"{checkpoint_dir(m, v)}/model.safetensors" for m, v in STUDY_RUNS],
 
 
-rule glue:  # Tables 3/4-style GLUE table (median over seeds), and with the paper's published rows
+rule glue:
+    """Tables 3/4-style GLUE table (median over seeds), also with the paper's published rows."""
     input:
         GLUE_TABLES,
         GLUE_PAPER_TABLES,
 
 
-rule ablation_vocab:  # Figure 3: GLUE average and MNLI vs vocab size
+rule ablation_vocab:
+    """Figure 3: GLUE average and MNLI vs vocab size."""
     input:
         VOCAB_SWEEP_TABLES,
         FIGURES[2],
 
 
-rule ablation_arch:  # Figure 1 / Table 11: MLM loss vs tokens and fine-tuned scores per shape variant
+rule ablation_arch:
+    """Figure 1 / Table 11: MLM loss vs tokens and fine-tuned scores per shape variant."""
     input:
         rules.ablation_arch_report.output,
 
 
-rule ablation_schedule:  # Figure 2: LR schedules x peak LR
+rule ablation_schedule:
+    """Figure 2: LR schedules x peak LR."""
     input:
         rules.ablation_schedule_report.output,
 
 
-rule ablation_groups:  # Table 5: reset architecture / training to original BERT's
+rule ablation_groups:
+    """Table 5: architecture / training recipe reset to original BERT's."""
     input:
         rules.ablation_groups_report.output,
 
 
-rule ablation_data:  # Table 2: sources x {none, filtered, filtered + sorted} plus dedup on/off
+rule ablation_data:
+    """Table 2: corpus sources x {none, filtered, filtered + sorted} plus dedup on/off."""
     input:
         rules.ablation_data_report.output,
 
 
-rule swarm_study:  # SWARM: square-cube law, wiring, failures, rebalancing, compression vs loss, simulator at scale
+rule swarm_study:
+    """SWARM: square-cube law, wiring, failures, rebalancing, compression vs loss, simulator at scale."""
     input:
         rules.swarm_report.output,
 
 
-rule readme:  # the README's results figures (small copies, committed under results/readme/)
+rule readme:
+    """The README's results figures (small copies, committed under results/readme/)."""
     input:
         rules.readme_figures.output,

@@ -4,6 +4,7 @@
 # <!-- generated:NAME --> block of README.md and docs/*.md from those committed files (src/cramswarm/report/docs.py).
 # tests/test_docs.py fails when a committed block differs from what the committed results give.
 
+
 localrules:
     docs_snapshot,
     docs,
@@ -22,13 +23,13 @@ rule docs_snapshot:
         "results/readme/glue_paper.csv",
         "results/readme/config.yaml",
         "results/readme/provenance.json",
+    log:
+        f"logs/report/{SOURCE}/docs_snapshot.log",
+    conda:
+        "../envs/cramswarm.yaml"
     params:
         record=subpath(input.config, parent=True),  # the study record folder (RECORD)
         source=SOURCE,
-    conda:
-        "../envs/cramswarm.yaml"
-    log:
-        f"logs/report/{SOURCE}/docs_snapshot.log",
     shell:
         "python -m cramswarm docs-snapshot --files {input.glue} {input.figures} --record {params.record} "
         "--source {params.source} --out-dir results/readme > {log} 2>&1"
@@ -38,9 +39,9 @@ rule docs:  # no output: runs whenever it is asked for, and rewrites the generat
     input:
         rules.docs_snapshot.output,
         pages=DOCS_PAGES,
-    conda:
-        "../envs/cramswarm.yaml"
     log:
         f"logs/report/{SOURCE}/docs.log",
+    conda:
+        "../envs/cramswarm.yaml"
     shell:
         "python -m cramswarm docs --results-dir results/readme {input.pages} > {log} 2>&1"

@@ -1,14 +1,9 @@
-# How outputs are declared across stages: each job's benchmark file, and the figures and tables that
+# How outputs are declared across stages: the benchmark folder, and the figures and tables that
 # `snakemake --report` shows (every figure command writes <stem>.png, <stem>.pdf and <stem>.caption.rst).
 
-BENCHMARKS = "results/benchmarks"  # one Snakemake benchmark TSV per job, mirroring its log path under logs/
-
-
-def bench(log, rule):
-    """The benchmark file of a job of `rule` whose log is `log`: logs/<folder>/<rest>.log ->
-    results/benchmarks/<rule>/<rest>.tsv (the study record sums them per rule, by that folder)."""
-    rest = log.removeprefix("logs/").split("/", 1)[1].removesuffix(".log")
-    return f"{BENCHMARKS}/{rule}/{rest}.tsv"
+# One Snakemake benchmark TSV per job: results/benchmarks/<rule>/<the job's wildcards>.tsv, written literally in each
+# rule (the study record sums them per rule, by that folder).
+BENCHMARKS = "results/benchmarks"
 
 
 def figure(png, category, subcategory=None):

@@ -3,6 +3,8 @@
 
 
 rule tables:
+    """The GLUE tables (median over seeds; Tables 3/4), the vocab-size sweep table (Figure 3) and the GLUE
+    table with the paper's published rows below ours (CSV, Markdown, LaTeX)."""
     input:
         finetune_results,
     output:
@@ -12,18 +14,20 @@ rule tables:
         VOCAB_SWEEP_TABLES[1],
         table(GLUE_PAPER_TABLES[0], "Cramming", "GLUE (Tables 3/4)"),  # `tables` writes <glue stem>_paper.{csv,md,tex}
         *GLUE_PAPER_TABLES[1:],
+    log:
+        f"logs/report/{SOURCE}/tables.log",
+    benchmark:
+        f"results/benchmarks/tables/{SOURCE}/tables.tsv"
+    conda:
+        "../envs/cramswarm.yaml"
+    resources:
+        **REPORT_RESOURCES,
     params:
         baselines=BASELINES,
         not_swept=NOT_SWEPT,
         glue_stem=subpath(output[0], strip_suffix=".csv"),  # GLUE_TABLES[0]
         sweep_stem=subpath(output[2], strip_suffix=".csv"),  # VOCAB_SWEEP_TABLES[0]
         paper_reference=config["glue"]["paper_reference"],
-    conda:
-        "../envs/cramswarm.yaml"
-    log:
-        f"logs/report/{SOURCE}/tables.log",
-    benchmark:
-        bench(f"logs/report/{SOURCE}/tables.log", "tables")
     shell:
         "python -m cramswarm tables --results {input} --baseline {params.baselines} --not-swept {params.not_swept} "
         "--out-stem {params.glue_stem} --sweep-stem {params.sweep_stem} "
@@ -31,6 +35,7 @@ rule tables:
 
 
 rule figures:
+    """The study's figures: MLM loss vs tokens, GLUE score per task, GLUE average and MNLI vs vocab size."""
     input:
         results=finetune_results,
         logs=pretrain_logs,
@@ -39,22 +44,27 @@ rule figures:
         loss=figure(FIGURES[0], "Cramming", "Pretraining"),
         tasks=figure(FIGURES[1], "Cramming", "GLUE (Tables 3/4)"),
         vocab=figure(FIGURES[2], "Cramming", "Vocabulary size (Figure 3)"),
-    params:
-        baselines=BASELINES,
-        not_swept=NOT_SWEPT,
-    conda:
-        "../envs/cramswarm.yaml"
     log:
         f"logs/report/{SOURCE}/figures.log",
     benchmark:
-        bench(f"logs/report/{SOURCE}/figures.log", "figures")
+        f"results/benchmarks/figures/{SOURCE}/figures.tsv"
+    conda:
+        "../envs/cramswarm.yaml"
+    resources:
+        **REPORT_RESOURCES,
+    params:
+        baselines=BASELINES,
+        not_swept=NOT_SWEPT,
+        source=SOURCE,
     shell:
         "python -m cramswarm figures --results {input.results} --logs {input.logs} "
         "--baseline {params.baselines} --not-swept {params.not_swept} --loss-png {output.loss} --tasks-png {output.tasks} "
-        "--vocab-png {output.vocab} --source {SOURCE} > {log} 2>&1"
+        "--vocab-png {output.vocab} --source {params.source} > {log} 2>&1"
 
 
-rule study_record:  # runs last: it summarises the benchmark files of every job before it
+rule study_record:
+    """The study record that heads the report: config used, software versions, per-rule benchmark summary.
+    Runs last: it summarises the benchmark files of every job before it."""
     input:
         GLUE_TABLES,
         GLUE_PAPER_TABLES,
@@ -67,26 +77,34 @@ rule study_record:  # runs last: it summarises the benchmark files of every job 
         benchmarks_md=f"{RECORD}/benchmarks.md",
         rule_times=figure(f"{RECORD}/rule_times.png", "Study record"),
         companions=figure_companions(f"{RECORD}/rule_times.png"),
-    params:
-        config=json.dumps(config),
-        out_dir=RECORD,
-    conda:
-        "../envs/cramswarm.yaml"
     log:
         f"logs/report/{SOURCE}/study_record.log",
+    conda:
+        "../envs/cramswarm.yaml"
+    resources:
+        **REPORT_RESOURCES,
+    params:
+        config=json.dumps(config),
+        benchmarks=BENCHMARKS,
+        out_dir=subpath(output.config, parent=True),
     shell:
-        "python -m cramswarm study-record --config {params.config:q} --benchmarks {BENCHMARKS} "
+        "python -m cramswarm study-record --config {params.config:q} --benchmarks {params.benchmarks} "
         "--out-dir {params.out_dir} > {log} 2>&1"
 
 
-rule readme_figures:  # named target `readme`: the README's figures, small, under results/readme/ (committed)
+rule readme_figures:
+    """Small copies of the README's figures under results/readme/ (committed; named target `readme`)."""
     input:
         FIGURES[:2],
     output:
         [f"results/readme/{Path(png).name}" for png in FIGURES[:2]],
-    conda:
-        "../envs/cramswarm.yaml"
     log:
         f"logs/report/{SOURCE}/readme_figures.log",
+    conda:
+        "../envs/cramswarm.yaml"
+    resources:
+        **REPORT_RESOURCES,
+    params:
+        out_dir=lambda wildcards, output: Path(output[0]).parent,
     shell:
-        "python -m cramswarm readme-figures --figures {input} --out-dir results/readme > {log} 2>&1"
+        "python -m cramswarm readme-figures --figures {input} --out-dir {params.out_dir} > {log} 2>&1"

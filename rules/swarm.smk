@@ -1,27 +1,30 @@
 # SWARM parallelism (arXiv 2301.11913): models with trainer: swarm are pretrained by a pipeline of stages, each
 # served by replicas, with randomized throughput-weighted routing, in-stage averaging, compression between
 # stages and (optionally) injected failures. The checkpoint has the crammed layout, so rule finetune reads it as is.
-
-
-def swarm_json(wildcards):
-    return json.dumps(config["swarm"], sort_keys=True)
-
-
-# swarm.placement srun: the job is one SLURM job of stages x peers_per_stage tasks (across nodes); the coordinator
-# runs in its batch step and starts the peers as one srun job step. `mpi` tells the SLURM plugin the rule calls srun
-# itself (its job step runs the rule as is, not under `srun -n1`). Other placements: one process (plus its peers).
-SWARM_TASKS = config["swarm"]["stages"] * config["swarm"]["peers_per_stage"]
-SWARM_SRUN = config["swarm"]["placement"] == "srun"
-SWARM_SLURM = {"tasks": SWARM_TASKS, "mpi": "srun"} if SWARM_SRUN else {}
+# The placement settings (SWARM_SLURM) and the swarm_study experiment table live in common.smk.
 
 
 rule swarm_pretrain:
+    """SWARM pretraining of one run: a pipeline of stages served by replicas (emulated or over hivemind),
+    to the same budget and data as a single-process run; with swarm.placement srun one multi-task SLURM job."""
     input:
         unpack(run_data),  # the same blocks and tokenizer as a single-process run of the same data recipe
     output:
         model="results/swarm/{source}/{model}/v{vocab}/model.safetensors",
         log_csv="results/swarm/{source}/{model}/v{vocab}/train_log.csv",
         summary="results/swarm/{source}/{model}/v{vocab}/summary.json",
+    log:
+        "logs/swarm_pretrain/{source}/{model}/v{vocab}.log",
+    benchmark:
+        "results/benchmarks/swarm_pretrain/{source}/{model}/v{vocab}.tsv"
+    conda:
+        "../envs/cramswarm.yaml"
+    threads: 1 if SWARM_SRUN else 2  # srun: CPUs per task (one peer each); else: the local replicas and trainers
+    resources:
+        **SWARM_SLURM,
+        gpu=pretrain_gpus,
+        mem_mb=swarm_mem_mb,
+        runtime=swarm_runtime,
     params:
         recipe=recipe_json,
         arch=arch_json,
@@ -29,16 +32,6 @@ rule swarm_pretrain:
         out_dir=subpath(output.model, parent=True),
         # where attach/srun peers meet the coordinator (config.json + DHT address file); outside the outputs
         rendezvous="results/.state/swarm/{source}/{model}/v{vocab}",
-    threads: 1 if SWARM_SRUN else 2  # srun: CPUs per task (one peer each); else: the local replicas and trainers
-    resources:
-        gpu=pretrain_gpus,
-        **SWARM_SLURM,
-    conda:
-        "../envs/cramswarm.yaml"
-    log:
-        "logs/swarm_pretrain/{source}/{model}/v{vocab}.log",
-    benchmark:
-        bench("logs/swarm_pretrain/{source}/{model}/v{vocab}.log", "swarm_pretrain")
     shell:
         "python -m cramswarm swarm-pretrain --recipe {params.recipe:q} --arch {params.arch:q} --swarm {params.swarm:q} "
         "--blocks {input.blocks} --tokenizer {input.tokenizer} --vocab-size {wildcards.vocab} "
@@ -46,49 +39,34 @@ rule swarm_pretrain:
         "> {log} 2>&1"
 
 
-# --- named target swarm_study: the paper's experiments in miniature (one CSV each), then their tables/figures ---
-SWARM_STUDY = f"results/swarm_study/{SOURCE}"
-# CSV / figure name (as cramswarm.report.swarm_figures names them) -> the swarm_study config section it runs
-SWARM_EXPERIMENTS = {"square_cube": "square_cube", "wiring_throughput": "wiring", "failures_timeline": "failures",
-                     "rebalancing_recovery": "rebalancing", "compression_loss": "compression", "sim_scale": "sim_scale"}
-SWARM_MODEL = swarm_study_model(config)  # the model the compression experiment splits (cramswarm.config)
-
-
-def swarm_study_inputs(wildcards):
-    """The compression experiment trains on the study's blocks at the main vocab size."""
-    return data_files(STUDY_DATA, MAIN_VOCAB) if SWARM_EXPERIMENTS[wildcards.name] == "compression" else {}
-
-
-def swarm_study_args(wildcards, input):
-    if SWARM_EXPERIMENTS[wildcards.name] != "compression":
-        return ""
-    arch = shlex.quote(json.dumps(RUNS[SWARM_MODEL]["arch"], sort_keys=True))
-    return f"--blocks {input.blocks} --tokenizer {input.tokenizer} --arch {arch}"
-
-
 rule swarm_experiment:
+    """One of the SWARM paper's experiments in miniature (swarm_study.<section>), as one CSV."""
     input:
         unpack(swarm_study_inputs),
     output:
         f"{SWARM_STUDY}/{{name}}.csv",
-    wildcard_constraints:
-        name="|".join(SWARM_EXPERIMENTS),
-    params:
-        settings=lambda wildcards: json.dumps(config["swarm_study"][SWARM_EXPERIMENTS[wildcards.name]], sort_keys=True),
-        extra=swarm_study_args,
-    threads: 1
-    conda:
-        "../envs/cramswarm.yaml"
     log:
         f"logs/swarm_study/{SOURCE}/{{name}}.log",
     benchmark:
-        bench(f"logs/swarm_study/{SOURCE}/{{name}}.log", "swarm_experiment")
+        f"results/benchmarks/swarm_experiment/{SOURCE}/{{name}}.tsv"
+    wildcard_constraints:
+        name="|".join(SWARM_EXPERIMENTS),
+    conda:
+        "../envs/cramswarm.yaml"
+    threads: 1
+    resources:
+        mem_mb=2 * TORCH_MB,
+        runtime=swarm_experiment_runtime,
+    params:
+        settings=swarm_study_settings,
+        extra=swarm_study_args,
     shell:
         "python -m cramswarm swarm-study --experiment {wildcards.name} --settings {params.settings:q} "
         "{params.extra} --out {output} > {log} 2>&1"
 
 
 rule swarm_report:
+    """The SWARM experiments' figures and tables (with the paper's numbers beside ours)."""
     input:
         [f"{SWARM_STUDY}/{name}.csv" for name in SWARM_EXPERIMENTS],
     output:
@@ -96,11 +74,16 @@ rule swarm_report:
         *[f"{SWARM_STUDY}/report/{name}_table.md" for name in SWARM_EXPERIMENTS],
         figures=[figure(f"{SWARM_STUDY}/report/{name}.png", "SWARM", name) for name in SWARM_EXPERIMENTS],
         tables=[table(f"{SWARM_STUDY}/report/{name}_table.csv", "SWARM", name) for name in SWARM_EXPERIMENTS],
-    conda:
-        "../envs/cramswarm.yaml"
     log:
         f"logs/swarm_study/{SOURCE}/report.log",
     benchmark:
-        bench(f"logs/swarm_study/{SOURCE}/report.log", "swarm_report")
+        f"results/benchmarks/swarm_report/{SOURCE}/report.tsv"
+    conda:
+        "../envs/cramswarm.yaml"
+    resources:
+        **REPORT_RESOURCES,
+    params:
+        study_dir=subpath(input[0], parent=True),
+        out_dir=lambda wildcards, output: Path(output.figures[0]).parent,
     shell:
-        "python -m cramswarm swarm-report --study-dir {SWARM_STUDY} --out-dir {SWARM_STUDY}/report > {log} 2>&1"
+        "python -m cramswarm swarm-report --study-dir {params.study_dir} --out-dir {params.out_dir} > {log} 2>&1"

@@ -3,22 +3,26 @@
 
 
 rule train_tokenizer:
+    """A tokenizer of one family and vocab size, trained on one corpus variant (raw or filtered)."""
     input:
         corpus=corpus_variant,
     output:
         tokenizer=TOKENIZER,
         report="results/tokenizers/{corpus}/{filters}/{family}-v{vocab}/report.json",
+    log:
+        "logs/tokenizer/{corpus}/{filters}/{family}-v{vocab}.log",
+    benchmark:
+        "results/benchmarks/train_tokenizer/{corpus}/{filters}/{family}-v{vocab}.tsv"
+    conda:
+        "../envs/cramswarm.yaml"
+    resources:
+        mem_mb=tokenizer_mem_mb,
+        runtime=data_runtime,
     params:
         vocab=vocab_size,  # a param, not only a wildcard, so the between-workflow cache hashes it
         family=lambda wildcards: wildcards.family,
         min_frequency=config["tokenizer"]["min_frequency"],
         case="" if config["tokenizer"]["lowercase"] else "--cased",
-    conda:
-        "../envs/cramswarm.yaml"
-    log:
-        "logs/tokenizer/{corpus}/{filters}/{family}-v{vocab}.log",
-    benchmark:
-        bench("logs/tokenizer/{corpus}/{filters}/{family}-v{vocab}.log", "train_tokenizer")
     shell:
         "python -m cramswarm tokenizer --corpus {input.corpus} --vocab-size {params.vocab} --family {params.family} "
         "--min-frequency {params.min_frequency} {params.case} --out {output.tokenizer} --report {output.report} "

@@ -126,10 +126,20 @@ def test_jobs_ran_under_slurm(on_slurm, cluster):
     for job in jobs:
         assert job["state"] == "COMPLETED", job
         assert f"submitted with SLURM jobid {job['id']} " in log, job  # Snakemake's record of the same job
-    # The profile's units as SLURM read them: runtime 1560 min, mem_mb 16000; no GPU (CRAMSWARM_SLURM_GPUS=0).
+    # The rule's runtime (minutes) and mem_mb (MB), as the dry run planned them, are what SLURM gave the job;
+    # no GPU (CRAMSWARM_SLURM_GPUS=0).
+    planned = planned_resources(work, "-F", f"{PRETRAIN}/summary.json", *CONFIG)["pretrain"]
+    runtime, mem_mb = (int(re.search(rf"\b{key}=(\d+)", planned)[1]) for key in ("runtime", "mem_mb"))
     pretrain = pretrain_job(cluster)
-    assert pretrain["time_limit"] == "1-02:00:00"
-    assert "mem=16000M" in pretrain["tres"] and "gpu" not in pretrain["tres"]
+    assert slurm_minutes(pretrain["time_limit"]) == runtime
+    assert f"mem={mem_mb}M" in pretrain["tres"] and "gpu" not in pretrain["tres"]
+
+
+def slurm_minutes(limit: str) -> int:
+    """scontrol's TimeLimit ([days-]hours:minutes:seconds) in minutes."""
+    days, _, clock = limit.rpartition("-")
+    hours, minutes, seconds = (int(x) for x in clock.split(":"))
+    return int(days or 0) * 1440 + hours * 60 + minutes + seconds // 60
 
 
 def packed_files(work):
@@ -200,8 +210,13 @@ def test_slurm_profile_puts_gpu_rules_on_the_gpu_partition(dry):
     resources = planned_resources(dry, "--workflow-profile", "profiles/slurm", f"{PRETRAIN}/summary.json", *TINY,
                                   environ=environ)
     assert "slurm_partition=gpu" in resources["pretrain"] and "gpu=2" in resources["pretrain"]
-    assert "runtime=1560" in resources["pretrain"] and "slurm_account=lab" in resources["pretrain"]
+    assert "slurm_account=lab" in resources["pretrain"]
     assert "slurm_partition=cpu" in resources["train_tokenizer"] and "gpu" not in resources["train_tokenizer"]
+    # memory and time are the rules' own (estimated from the config), not the profile's
+    local = planned_resources(dry, f"{PRETRAIN}/summary.json", *TINY)
+    for rule in ("pretrain", "train_tokenizer", "pack_corpus"):
+        for key in ("runtime", "mem_mb"):
+            assert re.search(rf"\b{key}=(\d+)", resources[rule])[1] == re.search(rf"\b{key}=(\d+)", local[rule])[1]
 
 
 def test_local_gpu_jobs_hold_the_default_profiles_one_gpu(dry, tmp_path):

@@ -55,6 +55,8 @@ def test_report_builds_with_every_table_figure_and_the_study_record(workdir):
                  "glue_vs_vocab.png", "config.yaml", "software.csv", "benchmarks.csv", "rule_times.png"):
         assert name in html, name
     assert "Study record" in html and "Cramming" in html  # report categories
+    # the front page (rules/workflow.rst), rendered with this run's config
+    assert "Geiping &amp; Goldstein 2022" in html and "vocab sizes 128, 160" in html
 
 
 @pytest.mark.slow
