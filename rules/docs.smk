@@ -14,6 +14,7 @@ DOCS_PAGES = ["README.md", *sorted(str(p) for p in Path(workflow.basedir, "docs"
 
 
 rule docs_snapshot:
+    """The study's GLUE table, figures and config as run, copied into results/readme/ with provenance.json."""
     input:
         glue=GLUE_PAPER_TABLES[0],
         figures=rules.readme_figures.output,
@@ -36,6 +37,7 @@ rule docs_snapshot:
 
 
 rule docs:  # no output: runs whenever it is asked for, and rewrites the generated blocks in place
+    """Rewrite the generated blocks of README.md and docs/*.md from the committed results/readme/ files."""
     input:
         rules.docs_snapshot.output,
         pages=DOCS_PAGES,
