@@ -87,7 +87,8 @@ def test_changing_a_finetuning_value_reruns_finetuning_only(workdir):
     overlay = workdir / "config" / "test" / "lr.yaml"
     overlay.write_text("glue:\n  protocols:\n    crammed:\n      lr: 1.0e-4\n")
     jobs = planned_jobs(workdir, *TINY, str(overlay.relative_to(workdir)))
-    assert jobs == {"finetune": 6 * 3, "tables": 1, "figures": 1, "study_record": 1, "all": 1}  # 6 (model, vocab) x 3 tasks
+    # 5 (model, vocab) x 3 tasks: every (model, vocab) but izsak, which the reference fine-tunes with the BERT protocol
+    assert jobs == {"finetune": 5 * 3, "tables": 1, "figures": 1, "study_record": 1, "all": 1}
 
 
 @pytest.mark.slow
