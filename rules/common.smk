@@ -52,7 +52,7 @@ STUDY_RUNS = [
     (name, vocab) for name, spec in MODELS.items() for vocab in (VOCABS if spec["vocab_sweep"] else [MAIN_VOCAB])
 ]
 
-# The data chain (README, "Data pipeline"), each file keyed by exactly the settings it depends on:
+# The data chain (docs/data.md), each file keyed by exactly the settings it depends on:
 # {corpus} a corpus name; {filters} raw | trash<cutoff> | dedup<threshold> | trash<cutoff>-dedup<threshold>;
 # {family} the tokenizer model; {order} the block order. Runs that share these share the files.
 CORPUS = "results/data/{corpus}/corpus.parquet"
