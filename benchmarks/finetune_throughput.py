@@ -102,11 +102,24 @@ def main() -> int:
         padded = (padded_batches(len(ids), args.batch, rng) * n)[:n]
         dyn_rate, dyn_real = run(model, dynamic, ids, labels, None, args.warmup, device)
         pad_rate, _ = run(model, padded, ids, labels, args.max_length, args.warmup, device)
-        rows_out.append(dict(task=task, mean_tokens=float(lengths.mean()), dynamic_examples_per_s=dyn_rate,
-                             padded_examples_per_s=pad_rate, speedup=dyn_rate / pad_rate, dynamic_real_share=dyn_real))
-        print(f"{task:6} {lengths.mean():8.1f} {dyn_rate:9.1f} {pad_rate:9.1f} {dyn_rate / pad_rate:7.2f}x {dyn_real:21.2f}")
+        rows_out.append(
+            dict(
+                task=task,
+                mean_tokens=float(lengths.mean()),
+                dynamic_examples_per_s=dyn_rate,
+                padded_examples_per_s=pad_rate,
+                speedup=dyn_rate / pad_rate,
+                dynamic_real_share=dyn_real,
+            )
+        )
+        print(
+            f"{task:6} {lengths.mean():8.1f} {dyn_rate:9.1f} {pad_rate:9.1f} "
+            f"{dyn_rate / pad_rate:7.2f}x {dyn_real:21.2f}"
+        )
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "torch": torch.__version__, "device": where, "tasks": rows_out}, indent=2))
+        Path(args.json).write_text(
+            json.dumps({"args": vars(args), "torch": torch.__version__, "device": where, "tasks": rows_out}, indent=2)
+        )
     return 0
 
 

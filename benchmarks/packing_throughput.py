@@ -67,8 +67,8 @@ print(json.dumps({{"seconds": seconds, "blocks": blocks, "peak_rss_mb": peak}}))
 
 
 def build_corpus(args, folder: Path) -> tuple[Path, Path, float]:
-    from cramswarm.data import tokenizer as tokenization
     from cramswarm.data import hub, sources
+    from cramswarm.data import tokenizer as tokenization
     from cramswarm.data.stream import iter_documents
 
     corpus = folder / "corpus.parquet"
@@ -102,17 +102,29 @@ def main() -> int:
         print(f"corpus: {text_mb:.1f} MB of text; tokenizer: wordpiece, vocab {args.vocab}")
         results = {}
         for method in args.methods.split(","):
-            child_args = (method, str(corpus), str(tokenizer), str(folder / method), args.memory_cap_mb, args.block_tokens,
-                          SEP_ID)
-            proc = subprocess.run([sys.executable, "-c", CHILD.format(src=str(SRC), args=child_args)],
-                                  capture_output=True, text=True)
+            child_args = (
+                method,
+                str(corpus),
+                str(tokenizer),
+                str(folder / method),
+                args.memory_cap_mb,
+                args.block_tokens,
+                SEP_ID,
+            )
+            proc = subprocess.run(
+                [sys.executable, "-c", CHILD.format(src=str(SRC), args=child_args)], capture_output=True, text=True
+            )
             if proc.returncode:
                 raise RuntimeError(f"{method} failed:\n{proc.stderr[-3000:]}")
             r = json.loads(proc.stdout.strip().splitlines()[-1])
             r["mb_per_s"] = text_mb / r["seconds"]
             results[method] = r
-            print(f"{method:>14}: {r['mb_per_s']:6.2f} MB/s ({r['seconds']:.1f} s), peak RSS {r['peak_rss_mb']:7.0f} MiB, "
-                  f"{r['blocks']:,} blocks", flush=True)
+            print(
+                f"{method:>14}: {r['mb_per_s']:6.2f} MB/s ({r['seconds']:.1f} s), "
+                f"peak RSS {r['peak_rss_mb']:7.0f} MiB, "
+                f"{r['blocks']:,} blocks",
+                flush=True,
+            )
     if args.json:
         Path(args.json).write_text(json.dumps({"text_mb": text_mb, **vars(args), "results": results}, indent=2))
     return 0

@@ -195,12 +195,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--mask-rate", type=float, default=0.25)
     parser.add_argument("--steps", type=int, default=4, help="timed steps per model")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per model before timing")
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
-                        help="where to train (auto: cuda when available); the peak is measured on the same device")
+    parser.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="where to train (auto: cuda when available); the peak is measured on the same device",
+    )
     parser.add_argument("--threads", type=int, default=physical_cores(), help="CPU threads; default: physical cores")
     parser.add_argument("--compile", action="store_true", help="torch.compile both models")
-    parser.add_argument("--peak-size", type=int, default=None,
-                        help="square bf16 matmul size for the peak (default: 4096 on CPU, 8192 on CUDA)")
+    parser.add_argument(
+        "--peak-size",
+        type=int,
+        default=None,
+        help="square bf16 matmul size for the peak (default: 4096 on CPU, 8192 on CUDA)",
+    )
     parser.add_argument("--models", default="crammed,hf", help="comma-separated subset of crammed,hf")
     parser.add_argument(
         "--no-malloc-trim",
@@ -241,7 +249,10 @@ def main(argv: list[str] | None = None) -> dict:
     results = [run(kind, args, batches, device) for kind in args.models.split(",")]
 
     by_kind = {r["model"]: r for r in results}
-    header = f"{'model':<8} {'params':>8} {'best s':>7} {'median s':>8} {'tokens/s':>9} {'GFLOP/tok':>9} {'TFLOP/s':>8} {'MFU':>6} {'vs HF':>6}"
+    header = (
+        f"{'model':<8} {'params':>8} {'best s':>7} {'median s':>8} {'tokens/s':>9} {'GFLOP/tok':>9} "
+        f"{'TFLOP/s':>8} {'MFU':>6} {'vs HF':>6}"
+    )
     print(header)
     print("-" * len(header))
     for r in results:
@@ -259,7 +270,10 @@ def main(argv: list[str] | None = None) -> dict:
         "cuda": torch.version.cuda if device.type == "cuda" else None,
         "threads": args.threads,
         "peak_tflops_bf16": args.peak_tflops,
-        "shape": {k: getattr(args, k) for k in ("layers", "hidden", "heads", "intermediate", "vocab", "seq", "batch", "masked")},
+        "shape": {
+            k: getattr(args, k)
+            for k in ("layers", "hidden", "heads", "intermediate", "vocab", "seq", "batch", "masked")
+        },
         "compile": args.compile,
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
         "steps": args.steps,

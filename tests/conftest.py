@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cramswarm.data import tokenizer as tokenization
 from cramswarm.config import load_config
+from cramswarm.data import tokenizer as tokenization
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_HUB = REPO.parent / "shared" / "data" / "hub"

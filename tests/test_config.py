@@ -52,7 +52,11 @@ def mutate(cfg, path, value):
         (("glue", "tasks"), ["cola", "squad"], ["glue.tasks[1]", "'squad'", "allowed values: cola, sst2"]),
         (("source",), "web", ["'source'", "allowed values: synthetic, hub"]),
         (("glue", "protocols", "crammed", "epochs"), 6, ["glue.protocols.crammed.epochs", "maximum"]),
-        (("glue", "protocols", "crammed", "schedule"), "linear", ["glue.protocols.crammed.schedule", "cosine, constant"]),
+        (
+            ("glue", "protocols", "crammed", "schedule"),
+            "linear",
+            ["glue.protocols.crammed.schedule", "cosine, constant"],
+        ),
         (("glue", "protocol"), "mine", ["config key 'glue.protocol': 'mine' is not in glue.protocols"]),
         (("models", "izsak", "glue_protocol"), "nope", ["config key 'models.izsak.glue_protocol': 'nope' is not in"]),
         (("pretrain", "budget"), {"unit": "hours", "value": 24}, ["pretrain.budget.unit", "tokens, steps, seconds"]),
@@ -65,22 +69,41 @@ def mutate(cfg, path, value):
         (("pretrain", "mask_mode"), "span", ["pretrain.mask_mode", "fixed, bernoulli"]),
         (("pretrain", "budget"), {"unit": "steps", "value": -5}, ["pretrain.budget.value"]),
         (("pretrain", "batch_ramp_fraction"), 1.0, ["pretrain.batch_ramp_fraction"]),
-        (("models", "bert_original", "recipe", "mask_mode"), "random",
-         ["models.bert_original.recipe.mask_mode", "fixed, bernoulli"]),
+        (
+            ("models", "bert_original", "recipe", "mask_mode"),
+            "random",
+            ["models.bert_original.recipe.mask_mode", "fixed, bernoulli"],
+        ),
         (("models", "bert_original", "recipe", "bogus"), 1, ["unknown config key 'models.bert_original.recipe.bogus'"]),
-        (("models", "bert_original", "recipe", "batch_sequences"), 48,
-         ["models.bert_original.recipe.batch_sequences", "multiple"]),
+        (
+            ("models", "bert_original", "recipe", "batch_sequences"),
+            48,
+            ["models.bert_original.recipe.batch_sequences", "multiple"],
+        ),
         (("models", "izsak", "recipe", "budget"), {"unit": "tokens", "value": 0}, ["models.izsak.recipe.budget.value"]),
         (("ablations", "groups", "original_model"), "bert", ["ablations.groups.original_model", "not in models"]),
         (("ablations", "arch", "models"), ["no_pretrain"], ["ablations.arch.models[0]", "pretrain: false"]),
-        (("ablations", "arch", "variants"), [{"name": "x", "arch": {"heads": 3}}],
-         ["ablations.arch.variants[0].arch.heads", "divide"]),
-        (("ablations", "arch", "variants"), [{"name": "x", "arch": {"ffn": "relu"}}],
-         ["ablations.arch.variants[0].arch.ffn", "glu, gelu"]),
-        (("ablations", "arch", "variants"), [{"name": "x", "arch": {"layers": 1}}, {"name": "x", "arch": {}}],
-         ["ablations.arch.variants[1].name", "used twice"]),
+        (
+            ("ablations", "arch", "variants"),
+            [{"name": "x", "arch": {"heads": 3}}],
+            ["ablations.arch.variants[0].arch.heads", "divide"],
+        ),
+        (
+            ("ablations", "arch", "variants"),
+            [{"name": "x", "arch": {"ffn": "relu"}}],
+            ["ablations.arch.variants[0].arch.ffn", "glu, gelu"],
+        ),
+        (
+            ("ablations", "arch", "variants"),
+            [{"name": "x", "arch": {"layers": 1}}, {"name": "x", "arch": {}}],
+            ["ablations.arch.variants[1].name", "used twice"],
+        ),
         (("ablations", "schedule", "schedules"), ["warmup-stable-decay"], ["ablations.schedule.schedules[0]"]),
-        (("swarm", "stages"), 3, ["config key 'swarm.stages': 3 stages do not divide the 2 layers of models.swarm.arch"]),
+        (
+            ("swarm", "stages"),
+            3,
+            ["config key 'swarm.stages': 3 stages do not divide the 2 layers of models.swarm.arch"],
+        ),
         (("swarm", "compression"), "int4", ["swarm.compression", "none, fp16, blockwise8"]),
         (("swarm", "peers_per_stage"), 0, ["swarm.peers_per_stage", "minimum"]),
         (("swarm", "transport"), "grpc", ["swarm.transport", "emulation, hivemind"]),
@@ -110,7 +133,12 @@ def test_overlay_replaces_budget_unit(repo, tmp_path):
     overlay = tmp_path / "o.yaml"
     overlay.write_text("pretrain:\n  budget: {unit: steps, value: 10}\n")
     cfg = load_config([repo / "config" / "config.yaml", overlay])
-    assert cfg["pretrain"]["budget"] == {"unit": "steps", "value": 10, "reference_card": None, "device_peak_tflops": None}
+    assert cfg["pretrain"]["budget"] == {
+        "unit": "steps",
+        "value": 10,
+        "reference_card": None,
+        "device_peak_tflops": None,
+    }
 
 
 def test_reference_card_needs_a_seconds_budget(repo, tmp_path):
@@ -140,7 +168,8 @@ def test_cli_check_config_exit_code(repo, tmp_path):
     bad.write_text("tokenizer:\n  vocab_sizes: [0]\n")
     proc = subprocess.run(
         [sys.executable, "-m", "cramswarm", "check-config", str(repo / "config" / "config.yaml"), str(bad)],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 2
     assert "tokenizer.vocab_sizes[0]" in proc.stderr
@@ -171,7 +200,9 @@ def test_runs_carry_full_arch_and_merged_recipe(repo, default):
             assert run["recipe"]["budget"] == cfg["ablations"]["budget"], name
     sched = [r for r in runs.values() if r["study"] == "schedule"]
     n = len(cfg["ablations"]["schedule"]["schedules"]) * len(cfg["ablations"]["schedule"]["lrs"])
-    assert len(sched) == n and {r["recipe"]["schedule"] for r in sched} == set(cfg["ablations"]["schedule"]["schedules"])
+    assert len(sched) == n and {r["recipe"]["schedule"] for r in sched} == set(
+        cfg["ablations"]["schedule"]["schedules"]
+    )
     groups = {name: r for name, r in runs.items() if r["study"] == "groups"}
     assert groups["groups-original_arch"]["arch"] == bert["arch"]
     assert groups["groups-original_arch"]["recipe"]["mask_rate"] == 0.25  # crammed training
@@ -181,7 +212,19 @@ def test_runs_carry_full_arch_and_merged_recipe(repo, default):
 
 def test_model_info_prints_the_paper_shape_parameter_count(repo):
     out = subprocess.run(
-        [sys.executable, "-m", "cramswarm", "model-info", "config/config.yaml", "config/paper.yaml", "--runs", "crammed"],
-        cwd=repo, capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-m",
+            "cramswarm",
+            "model-info",
+            "config/config.yaml",
+            "config/paper.yaml",
+            "--runs",
+            "crammed",
+        ],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     assert "crammed: 16 layers x 768 (12 heads), vocab 32768: 119,589,889 parameters" in out

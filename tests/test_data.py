@@ -1,18 +1,23 @@
 """Tokenizer, packing and the real (hub) loaders, the latter on the offline mirror in ../shared/data/hub."""
+
 import subprocess
 import sys
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-
-from cramswarm.data import packing, tokenizer as tokenization
-from cramswarm.data import hub, sources
-from cramswarm.glue.tasks import TASKS
 from conftest import mirror_corpus, requires_mirror
 
-DOCS = [f"the {a} saw a {b} near the river . it was {c} ." for a in ("dog", "cat", "fox") for b in ("bird", "horse")
-        for c in ("late", "early", "cold", "warm")] * 5
+from cramswarm.data import hub, packing, sources
+from cramswarm.data import tokenizer as tokenization
+from cramswarm.glue.tasks import TASKS
+
+DOCS = [
+    f"the {a} saw a {b} near the river . it was {c} ."
+    for a in ("dog", "cat", "fox")
+    for b in ("bird", "horse")
+    for c in ("late", "early", "cold", "warm")
+] * 5
 
 
 def write_corpus(path, docs=DOCS):
@@ -71,8 +76,22 @@ def test_missing_and_corrupt_files_are_named(tmp_path):
     with pytest.raises(ValueError, match=f"corrupt corpus file {bad}"):
         next(tokenization.iter_corpus_batches(bad))
     (tmp_path / "tok.json").write_text("{")
-    proc = subprocess.run([sys.executable, "-m", "cramswarm", "pack", "--corpus", str(bad), "--tokenizer",
-                           str(tmp_path / "tok.json"), "--out", str(tmp_path / "o.npy")], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cramswarm",
+            "pack",
+            "--corpus",
+            str(bad),
+            "--tokenizer",
+            str(tmp_path / "tok.json"),
+            "--out",
+            str(tmp_path / "o.npy"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "corrupt tokenizer file" in proc.stderr
 
 

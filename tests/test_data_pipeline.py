@@ -1,4 +1,5 @@
 """The data stages of Cramming §3.2: filters, tokenizer families, streaming packing, block orders, bad input."""
+
 import itertools
 import json
 import subprocess
@@ -7,13 +8,13 @@ import sys
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from conftest import mirror_corpus, requires_mirror
 
-from cramswarm.data import ordering, packing, tokenizer as tokenization
-from cramswarm.data import filters, hub, sources
+from cramswarm.data import filters, hub, ordering, packing, sources
+from cramswarm.data import tokenizer as tokenization
 from cramswarm.data.stream import iter_documents, split_long
 from cramswarm.data.synthetic import corpus_documents
 from cramswarm.data.synthetic.noise import BOILERPLATE, trash_document, with_noise
-from conftest import mirror_corpus, requires_mirror
 
 CLEAN = list(corpus_documents(400, 0))
 
@@ -66,7 +67,9 @@ def test_trash_cutoff_is_strict_token_count_below_cutoff_times_characters(tmp_pa
 
 def test_a_filter_that_removes_everything_is_an_error_and_writes_nothing(tmp_path, tok):
     path = corpus(tmp_path, CLEAN[:20])
-    with pytest.raises(ValueError, match=r"trash filter removed all 20 documents \(cutoff 0.01 .*lowest ratio is 0\.\d+"):
+    with pytest.raises(
+        ValueError, match=r"trash filter removed all 20 documents \(cutoff 0.01 .*lowest ratio is 0\.\d+"
+    ):
         filters.trash_filter(path, tok, tmp_path / "out.parquet", cutoff=0.01)
     assert not (tmp_path / "out.parquet").exists()
 
@@ -103,7 +106,10 @@ def test_special_token_ids_are_fixed_in_every_family_across_rebuilds(family):
     for docs in (CLEAN[:200], CLEAN[:200][::-1], CLEAN[200:], ["zebra apple . mango"] * 40 + CLEAN[:50]):
         tok = tokenization.train([docs], 300, family, min_frequency=1)
         assert [tok.token_to_id(t) for t in tokenization.SPECIAL_TOKENS] == [0, 1, 2, 3, 4]
-        assert tok.encode("the dog .").ids[0] == tokenization.CLS_ID and tok.encode("the dog .").ids[-1] == tokenization.SEP_ID
+        assert (
+            tok.encode("the dog .").ids[0] == tokenization.CLS_ID
+            and tok.encode("the dog .").ids[-1] == tokenization.SEP_ID
+        )
         assert tok.token_to_id(".") is not None
 
 
@@ -117,8 +123,22 @@ def test_whitespace_cut_pieces_encode_like_the_whole_document(tok):
 
 def test_a_vocab_larger_than_the_corpus_can_fill_is_a_clear_error(tmp_path):
     path = corpus(tmp_path, ["a tiny corpus . with few words ."] * 10)
-    proc = subprocess.run([sys.executable, "-m", "cramswarm", "tokenizer", "--corpus", str(path), "--vocab-size", "4096",
-                           "--out", str(tmp_path / "tok.json")], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cramswarm",
+            "tokenizer",
+            "--corpus",
+            str(path),
+            "--vocab-size",
+            "4096",
+            "--out",
+            str(tmp_path / "tok.json"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "filled only" in proc.stderr and "of 4096 wordpiece vocab entries" in proc.stderr
     assert not (tmp_path / "tok.json").exists()
 
@@ -132,13 +152,21 @@ def test_packing_is_deterministic_and_independent_of_the_memory_cap(tmp_path, to
     small = packing.pack(path, tok, tmp_path / "small.npy", 128, shuffle_seed=1, memory_cap_mb=0.5)
     packing.pack(path, tok, tmp_path / "big.npy", 128, shuffle_seed=1, memory_cap_mb=512)
     packing.pack(path, tok, tmp_path / "again.npy", 128, shuffle_seed=1, memory_cap_mb=0.5)
-    assert (tmp_path / "small.npy").read_bytes() == (tmp_path / "big.npy").read_bytes() == (tmp_path / "again.npy").read_bytes()
+    assert (
+        (tmp_path / "small.npy").read_bytes()
+        == (tmp_path / "big.npy").read_bytes()
+        == (tmp_path / "again.npy").read_bytes()
+    )
     blocks = np.load(tmp_path / "small.npy", mmap_mode="r")
     assert isinstance(blocks, np.memmap) and blocks.shape == (small["blocks"], 128)
-    ids = [i for d in tok.encode_batch(CLEAN + [long_doc], add_special_tokens=False) for i in d.ids + [tokenization.SEP_ID]]
+    ids = [
+        i for d in tok.encode_batch(CLEAN + [long_doc], add_special_tokens=False) for i in d.ids + [tokenization.SEP_ID]
+    ]
     assert small["tokens"] == len(ids) == small["blocks"] * 128 + small["tokens_dropped_in_tail"]
     assert (blocks == tokenization.SEP_ID).sum() >= len(CLEAN) + 1 - small["tokens_dropped_in_tail"]
-    assert small["documents_shorter_than_block"] == sum(len(tok.encode(d, add_special_tokens=False).ids) + 1 < 128 for d in CLEAN)
+    assert small["documents_shorter_than_block"] == sum(
+        len(tok.encode(d, add_special_tokens=False).ids) + 1 < 128 for d in CLEAN
+    )
 
 
 def test_documents_shorter_than_a_block_are_packed_together_and_counted(tmp_path, tok):
@@ -155,19 +183,36 @@ def test_bounded_memory_a_corpus_much_larger_than_the_cap_streams_through(tmp_pa
     book = " ".join(CLEAN) * 3  # a book-length document, larger than a batch at this cap
     unit = list(corpus_documents(3000, 1))
     small = corpus(tmp_path, unit + [book], "small.parquet")
-    large = corpus(tmp_path, itertools.chain(itertools.chain.from_iterable(itertools.repeat(unit, 30)), [book] * 4), "large.parquet")
+    large = corpus(
+        tmp_path,
+        itertools.chain(itertools.chain.from_iterable(itertools.repeat(unit, 30)), [book] * 4),
+        "large.parquet",
+    )
     text_mb = {p.stem: sum(len(t) for t in iter_documents(p)) / 2**20 for p in (small, large)}
     cap = 2
     assert text_mb["large"] > 15 * cap and text_mb["large"] > 20 * text_mb["small"]
     # Peak RSS (VmHWM; ru_maxrss would carry this process's peak over through fork + exec) of a fresh process
     # without torch (blocked: the package then skips registering the model), so the packer's own memory shows.
-    probe = ("import sys; sys.modules['torch'] = None; from cramswarm.cli import main; main({args!r}); "
-             "print([int(l.split()[1]) // 1024 for l in open('/proc/self/status') if l.startswith('VmHWM')][0])")
+    probe = (
+        "import sys; sys.modules['torch'] = None; from cramswarm.cli import main; main({args!r}); "
+        "print([int(l.split()[1]) // 1024 for l in open('/proc/self/status') if l.startswith('VmHWM')][0])"
+    )
     peaks = {}
     for path in (small, large):
-        args = ["pack", "--corpus", str(path), "--tokenizer", str(tmp_path / "tok.json"), "--out",
-                str(tmp_path / f"{path.stem}.npy"), "--memory-cap-mb", str(cap)]
-        out = subprocess.run([sys.executable, "-c", probe.format(args=args)], capture_output=True, text=True, check=True)
+        args = [
+            "pack",
+            "--corpus",
+            str(path),
+            "--tokenizer",
+            str(tmp_path / "tok.json"),
+            "--out",
+            str(tmp_path / f"{path.stem}.npy"),
+            "--memory-cap-mb",
+            str(cap),
+        ]
+        out = subprocess.run(
+            [sys.executable, "-c", probe.format(args=args)], capture_output=True, text=True, check=True
+        )
         peaks[path.stem] = int(out.stdout.strip().splitlines()[-1])  # MiB
     blocks = np.load(tmp_path / "large.npy", mmap_mode="r").shape[0]
     assert blocks * 128 > 0.15 * text_mb["large"] * 2**20  # everything was packed (~0.2 tokens per character)
@@ -239,8 +284,9 @@ def test_data_cap_keeps_the_head_of_the_order_and_the_held_out_sample(packed, to
     tmp, blocks = packed
     full, _ = ordered(packed, tok, "sentence-length")
     out = tmp / "capped.npy"
-    report = ordering.order_blocks(tmp / "packed.npy", tok, out, "sentence-length", 0, 20, memory_cap_mb=0.5,
-                                   max_training_blocks=50)
+    report = ordering.order_blocks(
+        tmp / "packed.npy", tok, out, "sentence-length", 0, 20, memory_cap_mb=0.5, max_training_blocks=50
+    )
     capped = np.load(out)
     assert capped.shape == (70, blocks.shape[1])
     assert np.array_equal(capped[:50], full[:50])  # the first 50 of the curriculum
@@ -258,17 +304,37 @@ def test_holding_out_every_block_is_an_error(packed, tok):
 
 
 def test_non_utf8_bytes_are_repaired_and_counted_not_dropped(tmp_path):
-    docs = ["fine text .", b"caf\xe9 au lait", "ok \udce9 surrogate", "valid ".encode() + "\u00e9t\u00e9".encode(), None, "  "]
+    docs = [
+        "fine text .",
+        b"caf\xe9 au lait",
+        "ok \udce9 surrogate",
+        "valid ".encode() + "\u00e9t\u00e9".encode(),
+        None,
+        "  ",
+    ]
     report = sources.write_corpus(docs, tmp_path / "c.parquet")
-    assert texts(tmp_path / "c.parquet") == ["fine text .", "caf\ufffd au lait", "ok \ufffd\ufffd\ufffd surrogate", "valid \u00e9t\u00e9"]
-    assert (report["documents"], report["invalid_utf8_repaired"], report["non_text_dropped"], report["empty_documents_dropped"]) == (4, 2, 1, 1)
+    assert texts(tmp_path / "c.parquet") == [
+        "fine text .",
+        "caf\ufffd au lait",
+        "ok \ufffd\ufffd\ufffd surrogate",
+        "valid \u00e9t\u00e9",
+    ]
+    assert (
+        report["documents"],
+        report["invalid_utf8_repaired"],
+        report["non_text_dropped"],
+        report["empty_documents_dropped"],
+    ) == (4, 2, 1, 1)
     assert len(report["warnings"]) == 3
 
 
 def test_empty_corpus_through_the_cli_is_a_clear_error(tmp_path):
     spec = json.dumps({"source": "synthetic", "synthetic": {"seed": 0, "corpus_documents": 0}})
-    proc = subprocess.run([sys.executable, "-m", "cramswarm", "corpus", "--source-spec", spec, "--out",
-                           str(tmp_path / "c.parquet")], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "cramswarm", "corpus", "--source-spec", spec, "--out", str(tmp_path / "c.parquet")],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "the corpus is empty" in proc.stderr and not (tmp_path / "c.parquet").exists()
 
 
@@ -325,7 +391,10 @@ def test_data_runs_and_their_file_keys(repo):
     cells = {name: run["data"] for name, run in runs.items() if run["study"] == "data"}
     assert len(cells) == 2 * 4 and runs["crammed"]["data"] == cells["data-synthetic-none"]  # the study's recipe
     assert filters_key(cells["data-noisy-filtered_dedup"]) == "trash0.35-dedup0.8"
-    sorted_, filtered = data_wildcards(cells["data-noisy-filtered_sorted"]), data_wildcards(cells["data-noisy-filtered"])
+    sorted_, filtered = (
+        data_wildcards(cells["data-noisy-filtered_sorted"]),
+        data_wildcards(cells["data-noisy-filtered"]),
+    )
     assert {k: v for k, v in sorted_.items() if k != "order"} == {k: v for k, v in filtered.items() if k != "order"}
     assert filters_key({**cells["data-noisy-none"], "trash_cutoff": 0.9, "dedup_threshold": 0.1}) == "raw"
     assert runs["data-noisy-none"]["recipe"]["budget"] == cfg["ablations"]["budget"]

@@ -9,17 +9,16 @@ import sys
 import datasets
 import pytest
 import torch
+from conftest import ARCH, DEFAULT, REPO
 
-from cramswarm.data import tokenizer as tokenization
 from cramswarm.config import glue_protocol, load_config, resolve_runs
 from cramswarm.data import hub, sources
+from cramswarm.data import tokenizer as tokenization
 from cramswarm.data.synthetic import corpus_documents
 from cramswarm.glue.finetune import finetune
 from cramswarm.glue.tasks import TASKS
 from cramswarm.pretrain import init_random
 from cramswarm.provenance import settings_hash
-
-from conftest import ARCH, DEFAULT, REPO
 
 SYNTHETIC = {"source": "synthetic", "synthetic": {"seed": 0, "glue_train_examples": 40, "glue_validation_examples": 24}}
 
@@ -49,7 +48,12 @@ def protocol(name: str, **overrides) -> dict:
 def test_default_config_has_both_paper_settings():
     cfg = load_config([REPO / "config" / "config.yaml", REPO / "config" / "paper.yaml"])
     crammed, bert = glue_protocol(cfg, "crammed"), glue_protocol(cfg, "bert_checkpoint")
-    assert (crammed["batch_size"], crammed["lr"], crammed["schedule"], crammed["warmup_fraction"]) == (16, 4e-5, "cosine", 0.1)
+    assert (crammed["batch_size"], crammed["lr"], crammed["schedule"], crammed["warmup_fraction"]) == (
+        16,
+        4e-5,
+        "cosine",
+        0.1,
+    )
     assert (bert["batch_size"], bert["lr"], bert["schedule"]) == (32, 2e-5, "constant")
     assert crammed["epochs"] == bert["epochs"] == 5 and crammed["dropout"] == 0.1
     runs = resolve_runs(cfg)
@@ -64,7 +68,9 @@ def test_default_config_has_both_paper_settings():
 )
 def test_protocol_switch_sets_batch_and_schedule(checkpoint, sst2, tmp_path, name, batch, final_lr):
     proto = protocol(name)
-    result = finetune(checkpoint, "sst2", sst2, 0, proto, tmp_path / "r.json", {"model": "m", "vocab": 256}, "fp32", False)
+    result = finetune(
+        checkpoint, "sst2", sst2, 0, proto, tmp_path / "r.json", {"model": "m", "vocab": 256}, "fp32", False
+    )
     assert result["protocol"]["name"] == name
     assert result["steps"] == math.ceil(40 / batch) * 2  # 40 train rows, 2 epochs
     expected = proto["lr"] if final_lr == "peak" else 0.0
@@ -79,11 +85,16 @@ def test_protocol_switch_sets_batch_and_schedule(checkpoint, sst2, tmp_path, nam
 
 
 def test_same_seed_same_scores(checkpoint, sst2, tmp_path):
-    runs = [finetune(checkpoint, "sst2", sst2, 3, protocol("crammed"), tmp_path / f"{i}.json", None, "fp32", False) for i in range(2)]
+    runs = [
+        finetune(checkpoint, "sst2", sst2, 3, protocol("crammed"), tmp_path / f"{i}.json", None, "fp32", False)
+        for i in range(2)
+    ]
     assert runs[0]["scores"] == runs[1]["scores"]
     assert runs[0]["train_loss_per_epoch"] == runs[1]["train_loss_per_epoch"]
     assert runs[0]["provenance"]["settings_sha256"] == runs[1]["provenance"]["settings_sha256"]
-    other = finetune(checkpoint, "sst2", sst2, 3, protocol("crammed", lr=1e-3), tmp_path / "o.json", None, "fp32", False)
+    other = finetune(
+        checkpoint, "sst2", sst2, 3, protocol("crammed", lr=1e-3), tmp_path / "o.json", None, "fp32", False
+    )
     assert other["provenance"]["settings_sha256"] != runs[0]["provenance"]["settings_sha256"]
 
 
@@ -96,10 +107,31 @@ def test_incomplete_protocol_is_refused_before_training(checkpoint, sst2, tmp_pa
 
 def test_task_outside_the_nine_is_refused(checkpoint, sst2, tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "cramswarm", "finetune", "--checkpoint", str(checkpoint), "--task", "squad",
-         "--data", str(sst2), "--seed", "0", "--protocol", json.dumps(protocol("crammed")), "--model", "m",
-         "--vocab", "256", "--out", str(tmp_path / "r.json")],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "cramswarm",
+            "finetune",
+            "--checkpoint",
+            str(checkpoint),
+            "--task",
+            "squad",
+            "--data",
+            str(sst2),
+            "--seed",
+            "0",
+            "--protocol",
+            json.dumps(protocol("crammed")),
+            "--model",
+            "m",
+            "--vocab",
+            "256",
+            "--out",
+            str(tmp_path / "r.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert "unknown GLUE task 'squad'; allowed: cola, sst2, mrpc, qqp, stsb, mnli, qnli, rte, wnli" in proc.stderr
@@ -136,7 +168,11 @@ def test_test_splits_are_never_requested(task, tmp_path, monkeypatch):
         requested.append(split)
         n = 4
         cols = {c: [f"text {i}" for i in range(n)] for c in TASKS[task].text_columns}
-        labels = [float(i) for i in range(n)] if TASKS[task].is_regression else [i % TASKS[task].num_labels for i in range(n)]
+        labels = (
+            [float(i) for i in range(n)]
+            if TASKS[task].is_regression
+            else [i % TASKS[task].num_labels for i in range(n)]
+        )
         return datasets.Dataset.from_dict({**cols, "label": labels, "idx": list(range(n))})
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
@@ -169,12 +205,47 @@ def test_seeds_in_one_process_equal_one_process_per_seed_and_are_cached(checkpoi
     alone = []
     for seed in (1, 2):
         out = tmp_path / f"alone{seed}.json"
-        subprocess.run([sys.executable, "-m", "cramswarm", "finetune", "--checkpoint", str(checkpoint), "--task",
-                        "sst2", "--data", str(sst2), "--seed", str(seed), "--protocol", json.dumps(p), "--model", "m",
-                        "--vocab", "256", "--precision", "fp32", "--quiet", "--out", str(out)], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "cramswarm",
+                "finetune",
+                "--checkpoint",
+                str(checkpoint),
+                "--task",
+                "sst2",
+                "--data",
+                str(sst2),
+                "--seed",
+                str(seed),
+                "--protocol",
+                json.dumps(p),
+                "--model",
+                "m",
+                "--vocab",
+                "256",
+                "--precision",
+                "fp32",
+                "--quiet",
+                "--out",
+                str(out),
+            ],
+            check=True,
+        )
         alone.append(json.loads(out.read_text()))
-    together = ft.finetune_seeds(checkpoint, "sst2", sst2, [1, 2], p, [tmp_path / "t1.json", tmp_path / "t2.json"],
-                                 {"model": "m", "vocab": 256}, "fp32", False, cache_dir=tmp_path / "cache")
+    together = ft.finetune_seeds(
+        checkpoint,
+        "sst2",
+        sst2,
+        [1, 2],
+        p,
+        [tmp_path / "t1.json", tmp_path / "t2.json"],
+        {"model": "m", "vocab": 256},
+        "fp32",
+        False,
+        cache_dir=tmp_path / "cache",
+    )
     for a, b in zip(alone, together):
         assert a["seed"] == b["seed"] and a["scores"] == b["scores"]
         assert a["train_loss_per_epoch"] == b["train_loss_per_epoch"]
@@ -182,12 +253,32 @@ def test_seeds_in_one_process_equal_one_process_per_seed_and_are_cached(checkpoi
 
     calls = []
     monkeypatch.setattr(ft, "finetune", lambda *a, **k: calls.append(a) or pytest.fail("a cached seed was retrained"))
-    again = ft.finetune_seeds(checkpoint, "sst2", sst2, [1, 2], p, [tmp_path / "r1.json", tmp_path / "r2.json"],
-                              {"model": "m", "vocab": 256}, "fp32", False, cache_dir=tmp_path / "cache")
+    again = ft.finetune_seeds(
+        checkpoint,
+        "sst2",
+        sst2,
+        [1, 2],
+        p,
+        [tmp_path / "r1.json", tmp_path / "r2.json"],
+        {"model": "m", "vocab": 256},
+        "fp32",
+        False,
+        cache_dir=tmp_path / "cache",
+    )
     assert [r["scores"] for r in again] == [r["scores"] for r in together] and not calls
     assert json.loads((tmp_path / "r2.json").read_text())["scores"] == together[1]["scores"]
     # another protocol is another key: it trains
     monkeypatch.undo()
-    other = ft.finetune_seeds(checkpoint, "sst2", sst2, [1], p | {"lr": 1e-3}, [tmp_path / "o1.json"],
-                              {"model": "m", "vocab": 256}, "fp32", False, cache_dir=tmp_path / "cache")
+    other = ft.finetune_seeds(
+        checkpoint,
+        "sst2",
+        sst2,
+        [1],
+        p | {"lr": 1e-3},
+        [tmp_path / "o1.json"],
+        {"model": "m", "vocab": 256},
+        "fp32",
+        False,
+        cache_dir=tmp_path / "cache",
+    )
     assert len(list((tmp_path / "cache").iterdir())) == 3 and other[0]["seed"] == 1

@@ -89,7 +89,9 @@ def test_auto_classes_load_checkpoint(tmp_path):
     classifier = AutoModelForSequenceClassification.from_pretrained(tmp_path, num_labels=3).eval()
     out = classifier(x, attention_mask=torch.ones_like(x), token_type_ids=torch.zeros_like(x))
     assert out.logits.shape == (3, 3)
-    torch.testing.assert_close(classifier.bert.embeddings.word_embeddings.weight, model.bert.embeddings.word_embeddings.weight)
+    torch.testing.assert_close(
+        classifier.bert.embeddings.word_embeddings.weight, model.bert.embeddings.word_embeddings.weight
+    )
 
 
 def test_regression_head_is_fp32_under_autocast():
@@ -119,7 +121,12 @@ def test_mean_pooling_ignores_padding():
 
 
 def test_unknown_switch_values_are_rejected():
-    for bad in ({"norm_scheme": "sandwich"}, {"ffn": "swiglu"}, {"pos_embedding": "rotary"}, {"classifier_pooling": "max"}):
+    for bad in (
+        {"norm_scheme": "sandwich"},
+        {"ffn": "swiglu"},
+        {"pos_embedding": "rotary"},
+        {"classifier_pooling": "max"},
+    ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             CrammedBertConfig(**TINY, **bad)
 

@@ -23,15 +23,15 @@ from cramswarm.training import (
 @pytest.mark.parametrize(
     "schedule, t, warmup, expected",
     [
-        ("triangle", 0.0, 0, 0.25),   # starts at 25 % of peak
+        ("triangle", 0.0, 0, 0.25),  # starts at 25 % of peak
         ("triangle", 0.375, 0, 0.625),
-        ("triangle", 0.75, 0, 1.0),   # peak at 75 % of the budget
+        ("triangle", 0.75, 0, 1.0),  # peak at 75 % of the budget
         ("triangle", 0.875, 0, 0.5),
-        ("triangle", 1.0, 0, 0.0),    # zero at the end
+        ("triangle", 1.0, 0, 0.0),  # zero at the end
         ("one-cycle", 0.25, 0, 0.5),
         ("one-cycle", 0.5, 0, 1.0),
-        ("cosine", 0.05, 0.1, 0.5),   # half-way through warmup
-        ("cosine", 0.55, 0.1, 0.5),   # half-way through the decay
+        ("cosine", 0.05, 0.1, 0.5),  # half-way through warmup
+        ("cosine", 0.55, 0.1, 0.5),  # half-way through the decay
         ("linear", 0.53, 0.06, 0.5),
         ("inverse-sqrt", 0.4, 0.1, 0.5),
         ("constant", 0.9, 0, 1.0),
@@ -70,8 +70,16 @@ def test_bernoulli_masking_rate_and_no_sep():
 
 
 def test_weight_decay_groups_exempt_biases_and_norms():
-    model = CrammedBertForMaskedLM(CrammedBertConfig(vocab_size=50, num_hidden_layers=1, hidden_size=16,
-                                                     num_attention_heads=2, intermediate_size=32, use_bias=True))
+    model = CrammedBertForMaskedLM(
+        CrammedBertConfig(
+            vocab_size=50,
+            num_hidden_layers=1,
+            hidden_size=16,
+            num_attention_heads=2,
+            intermediate_size=32,
+            use_bias=True,
+        )
+    )
     decay, no_decay = decay_groups(model, 0.01)
     names = {id(p): n for n, p in model.named_parameters()}
     no_decay_names = {names[id(p)] for p in no_decay["params"]}
@@ -94,7 +102,10 @@ def test_pretrain_reduces_loss_and_writes_checkpoint(tiny_run):
     for name in ("model.safetensors", "config.json", "tokenizer.json", "summary.json"):
         assert (folder / "ckpt" / name).is_file()
     prov = json.loads((folder / "ckpt" / "summary.json").read_text())["provenance"]
-    assert prov["settings_sha256"] == settings_hash({"recipe": recipe(), "arch": ARCH}) and prov["seed"] == recipe()["seed"]
+    assert (
+        prov["settings_sha256"] == settings_hash({"recipe": recipe(), "arch": ARCH})
+        and prov["seed"] == recipe()["seed"]
+    )
     assert set(prov) >= {"packages", "python", "hardware", "hostname", "git_commit", "finished_utc"}
 
 
@@ -104,8 +115,9 @@ def test_pretrain_is_deterministic_with_a_token_budget(tiny_run):
     a = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "a", progress=False)
     b = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "b", progress=False)
     assert a["steps"] == b["steps"] == 10  # ceil(5000 / (16 * 32))
-    assert (folder / "a" / "train_log.csv").read_text().splitlines()[-1].split(",")[:3] == \
-        (folder / "b" / "train_log.csv").read_text().splitlines()[-1].split(",")[:3]
+    assert (folder / "a" / "train_log.csv").read_text().splitlines()[-1].split(",")[:3] == (
+        folder / "b" / "train_log.csv"
+    ).read_text().splitlines()[-1].split(",")[:3]
 
 
 def test_pretrain_rejects_token_ids_outside_the_vocab(tiny_run):
@@ -129,8 +141,13 @@ def test_no_ramp_means_the_final_batch_from_the_start():
 
 def test_pretrain_logs_the_ramp_the_schedule_and_held_out_losses(tiny_run):
     folder, tok_path = tiny_run
-    r = recipe(budget={"unit": "tokens", "value": 40 * 8 * 32}, batch_sequences=32, batch_ramp_fraction=0.5,
-               log_every_steps=1, eval_points=4)
+    r = recipe(
+        budget={"unit": "tokens", "value": 40 * 8 * 32},
+        batch_sequences=32,
+        batch_ramp_fraction=0.5,
+        log_every_steps=1,
+        eval_points=4,
+    )
     summary = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "ramp", progress=False)
     rows = list(csv.DictReader(open(folder / "ramp" / "train_log.csv")))
     batches = [int(row["batch_sequences"]) for row in rows]
@@ -155,7 +172,9 @@ def test_held_out_loss_is_the_same_measurement_for_every_recipe(tiny_run):
     b = HeldOut(blocks, 0.15, 96, 4)
     assert torch.equal(a.inputs, b.inputs) and torch.equal(a.labels, b.labels)
     model = CrammedBertForMaskedLM(CrammedBertConfig.from_arch(ARCH, 96))
-    assert a.loss(model, "fp32", torch.device("cpu")) == pytest.approx(b.loss(model, "fp32", torch.device("cpu")), rel=1e-5)
+    assert a.loss(model, "fp32", torch.device("cpu")) == pytest.approx(
+        b.loss(model, "fp32", torch.device("cpu")), rel=1e-5
+    )
 
 
 def test_pretrain_rejects_a_tokenizer_of_the_wrong_size(tiny_run):
@@ -204,8 +223,9 @@ def test_state_of_another_recipe_is_not_resumed(tiny_run):
     r = recipe(budget={"unit": "steps", "value": 6}, resume_every_steps=2)
     with killed_at_save(1):
         pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "a", progress=False, state_dir=state)
-    other = pretrain(r | {"lr": 1e-3}, ARCH, folder / "blocks.npy", tok_path, folder / "a", progress=False,
-                     state_dir=state)
+    other = pretrain(
+        r | {"lr": 1e-3}, ARCH, folder / "blocks.npy", tok_path, folder / "a", progress=False, state_dir=state
+    )
     assert other["resumed_from_step"] is None and other["steps"] == 6
 
 
@@ -220,7 +240,8 @@ def test_compiled_pretraining_matches_eager_and_saves_clean_keys(tiny_run):
     folder, tok_path = tiny_run
     r = recipe(budget={"unit": "steps", "value": 6}, precision="fp32")
     eager = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "eager", progress=False)
-    compiled = pretrain(r | {"compile": True}, ARCH, folder / "blocks.npy", tok_path, folder / "compiled",
-                        progress=False)
+    compiled = pretrain(
+        r | {"compile": True}, ARCH, folder / "blocks.npy", tok_path, folder / "compiled", progress=False
+    )
     assert compiled["final_loss"] == pytest.approx(eager["final_loss"], abs=1e-3)
     assert not [k for k in load_file(folder / "compiled" / "model.safetensors") if k.startswith("_orig_mod")]

@@ -36,9 +36,15 @@ SEED_OFFSETS = {0: 0.0, 1: 10.0, 2: 4.0}
 def write_result(folder, model, vocab, task, seed, value, **extra):
     spec = TASKS[task]
     record = {
-        "model": model, "vocab": vocab, "task": task, "seed": seed,
+        "model": model,
+        "vocab": vocab,
+        "task": task,
+        "seed": seed,
         "scores": {split: dict.fromkeys(spec.metrics, value) for split in spec.eval_splits},
-        "epochs": 3, "train_examples": 100, "wall_s": 1.0, **extra,
+        "epochs": 3,
+        "train_examples": 100,
+        "wall_s": 1.0,
+        **extra,
     }
     path = folder / f"{model}_{vocab}_{task}_{seed}.json"
     path.write_text(json.dumps(record))
@@ -98,11 +104,29 @@ def test_load_results_errors_name_the_file(tmp_path):
 
 def test_glue_table_medians_over_three_seeds(results):
     table = glue_table(results)
-    expected = ["model", "vocab", "protocol", *SCORE_COLUMNS, "avg_paper", "avg_paper_seeds", "avg_paper_std",
-                "avg_glue", "n_seeds"]
+    expected = [
+        "model",
+        "vocab",
+        "protocol",
+        *SCORE_COLUMNS,
+        "avg_paper",
+        "avg_paper_seeds",
+        "avg_paper_std",
+        "avg_glue",
+        "n_seeds",
+    ]
     assert list(table.columns) == expected
     assert list(table.columns[3:13]) == [
-        "mnli_m", "mnli_mm", "qqp_f1", "qqp_acc", "qnli", "sst2", "cola", "stsb_pearson", "stsb_spearman", "mrpc_f1"
+        "mnli_m",
+        "mnli_mm",
+        "qqp_f1",
+        "qqp_acc",
+        "qnli",
+        "sst2",
+        "cola",
+        "stsb_pearson",
+        "stsb_spearman",
+        "mrpc_f1",
     ]
     crammed = table.set_index("model").loc["crammed"]
     for column in SCORE_COLUMNS:
@@ -133,8 +157,11 @@ def test_paper_average_is_mean_of_task_medians_not_median_of_seed_means(tmp_path
     # 70, 110, 105: the median of per-seed averages is (7*70 + 105)/9 instead.
     varying = {"cola": {0: 30.0, 1: 50.0, 2: 35.0}, "sst2": {0: 40.0, 1: 60.0, 2: 70.0}}
     paths = write_runs(tmp_path, "m", 1024, skip=tuple(varying), base=70.0, seeds=dict.fromkeys(range(3), 0.0))
-    paths += [write_result(tmp_path, "m", 1024, task, seed, value)
-              for task, values in varying.items() for seed, value in values.items()]
+    paths += [
+        write_result(tmp_path, "m", 1024, task, seed, value)
+        for task, values in varying.items()
+        for seed, value in values.items()
+    ]
     row = glue_table(load_results(paths)).iloc[0]
     assert row["avg_paper"] == pytest.approx((7 * 70 + 95) / 9)
     assert row["avg_paper_seeds"] == pytest.approx((7 * 70 + 105) / 9)
@@ -168,11 +195,11 @@ def test_write_table_csv_and_markdown(results, tmp_path):
     header = [cell.strip() for cell in lines[0].strip("|").split("|")]
     assert header[:5] == ["Model", "Vocab", "Protocol", "MNLI-m", "MNLI-mm"]
     assert "GLUE avg (paper)" in header and "Seeds" in header
-    crammed = [cell.strip() for cell in next(l for l in lines if "crammed" in l).strip("|").split("|")]
+    crammed = [cell.strip() for cell in next(line for line in lines if "crammed" in line).strip("|").split("|")]
     assert crammed[:4] == ["crammed", "2048", "", "54.0"]  # these results record no protocol
     assert crammed[header.index("± seed std")] == "5.0"
     assert crammed[header.index("Seeds")] == "3"
-    scratch = [cell.strip() for cell in next(l for l in lines if "scratch" in l).strip("|").split("|")]
+    scratch = [cell.strip() for cell in next(line for line in lines if "scratch" in line).strip("|").split("|")]
     assert scratch[header.index("RTE")] == "NaN"
 
 
@@ -191,8 +218,16 @@ def test_vocab_sweep_table(tmp_path):
         paths += write_runs(tmp_path, "crammed", vocab, base=base)
     paths += write_runs(tmp_path, "scratch", 2048, base=30.0)
     sweep = vocab_sweep_table(load_results(paths), exclude=["scratch"])
-    assert list(sweep.columns) == ["model", "vocab", "avg_paper", "avg_paper_seeds", "avg_paper_std", "mnli_m",
-                                   "mnli_m_std", "n_seeds"]
+    assert list(sweep.columns) == [
+        "model",
+        "vocab",
+        "avg_paper",
+        "avg_paper_seeds",
+        "avg_paper_std",
+        "mnli_m",
+        "mnli_m_std",
+        "n_seeds",
+    ]
     assert sweep["vocab"].tolist() == [512, 2048, 8192]
     assert sweep["avg_paper"].tolist() == pytest.approx([44.0, 59.0, 64.0])
     assert sweep["mnli_m_std"].tolist() == pytest.approx([math.sqrt(76 / 3)] * 3)
@@ -205,7 +240,9 @@ def assert_png(path) -> str:
     assert len(data) > 1000 and data.startswith(PNG_MAGIC)
     assert path.with_suffix(".pdf").read_bytes().startswith(b"%PDF")
     stem = path.name.removesuffix(".png")
-    assert sorted(p.name for p in path.parent.iterdir()) == sorted(f"{stem}{ext}" for ext in (".caption.rst", ".pdf", ".png"))
+    assert sorted(p.name for p in path.parent.iterdir()) == sorted(
+        f"{stem}{ext}" for ext in (".caption.rst", ".pdf", ".png")
+    )
     caption = path.with_suffix(".caption.rst").read_text()
     assert len(caption) > 100 and "{{" not in caption
     return caption
@@ -284,10 +321,24 @@ def ours_frame():
     scores = dict.fromkeys(SCORE_COLUMNS, 80.0)
     return pd.DataFrame(
         [
-            {"model": "crammed", "vocab": 2048, **scores, "avg_paper": 80.0, "avg_paper_std": 0.5, "avg_glue": 80.0,
-             "n_seeds": 3},
-            {"model": "scratch", "vocab": 2048, **scores, "avg_paper": float("nan"), "avg_paper_std": float("nan"),
-             "avg_glue": float("nan"), "n_seeds": 1},
+            {
+                "model": "crammed",
+                "vocab": 2048,
+                **scores,
+                "avg_paper": 80.0,
+                "avg_paper_std": 0.5,
+                "avg_glue": 80.0,
+                "n_seeds": 3,
+            },
+            {
+                "model": "scratch",
+                "vocab": 2048,
+                **scores,
+                "avg_paper": float("nan"),
+                "avg_paper_std": float("nan"),
+                "avg_glue": float("nan"),
+                "n_seeds": 1,
+            },
         ]
     )
 
@@ -331,8 +382,13 @@ def test_glue_table_with_paper_delta():
 def test_latex_escaping_and_nan():
     assert latex_escape("a_b 5% R&D #1") == r"a\_b 5\% R\&D \#1"
     df = pd.DataFrame(
-        {"kind": ["ours", "published"], "model": ["crammed_v1", "BERT & co"], "vocab": pd.array([2048, None], "Int64"),
-         "cola": [44.46, float("nan")], "avg_paper_delta": [-2.34, float("nan")]}
+        {
+            "kind": ["ours", "published"],
+            "model": ["crammed_v1", "BERT & co"],
+            "vocab": pd.array([2048, None], "Int64"),
+            "cola": [44.46, float("nan")],
+            "avg_paper_delta": [-2.34, float("nan")],
+        }
     )
     tex = to_latex(df)
     lines = tex.splitlines()
@@ -358,12 +414,27 @@ def test_cli_tables_writes_paper_files(tmp_path):
     folder.mkdir()
     paths = write_runs(folder, "crammed", 2048, base=80.0) + write_runs(folder, "scratch", 2048, base=30.0)
     out = tmp_path / "tables"
-    argv = ["tables", "--results", *map(str, paths), "--baseline", "scratch",
-            "--out-stem", str(out / "glue"), "--sweep-stem", str(out / "vocab_sweep")]
+    argv = [
+        "tables",
+        "--results",
+        *map(str, paths),
+        "--baseline",
+        "scratch",
+        "--out-stem",
+        str(out / "glue"),
+        "--sweep-stem",
+        str(out / "vocab_sweep"),
+    ]
     assert cli_main(argv) == 0
     # exactly these files: no temporary leftovers
     assert sorted(p.name for p in out.iterdir()) == [
-        "glue.csv", "glue.md", "glue_paper.csv", "glue_paper.md", "glue_paper.tex", "vocab_sweep.csv", "vocab_sweep.md"
+        "glue.csv",
+        "glue.md",
+        "glue_paper.csv",
+        "glue_paper.md",
+        "glue_paper.tex",
+        "vocab_sweep.csv",
+        "vocab_sweep.md",
     ]
 
     paper = pd.read_csv(out / "glue_paper.csv")
@@ -375,7 +446,8 @@ def test_cli_tables_writes_paper_files(tmp_path):
     md = (out / "glue_paper.md").read_text()
     assert "Δ avg vs paper crammed" in md and DEFAULT_REFERENCE_MODEL in md
     header = [cell.strip() for cell in md.splitlines()[0].strip("|").split("|")]
-    crammed_md = [cell.strip() for cell in next(l for l in md.splitlines() if "| crammed" in l).strip("|").split("|")]
+    crammed_line = next(line for line in md.splitlines() if "| crammed" in line)
+    crammed_md = [cell.strip() for cell in crammed_line.strip("|").split("|")]
     assert crammed_md[header.index("Source")] == ""  # text our rows lack is blank, not "NaN"
     assert "NaN" not in crammed_md
     tex = (out / "glue_paper.tex").read_text()

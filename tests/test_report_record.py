@@ -1,4 +1,5 @@
 """The study record: benchmark files summed per rule, software versions, the config as written."""
+
 import pandas as pd
 import pytest
 import yaml
@@ -25,12 +26,22 @@ def benchmarks(tmp_path):
 
 def test_benchmarks_are_summed_per_rule(benchmarks):
     raw = read_benchmarks(benchmarks)
-    assert sorted(raw["job"]) == ["finetune/synthetic/crammed/sst2/s0", "finetune/synthetic/crammed/sst2/s1",
-                                  "pretrain/synthetic/crammed/v128"]
+    assert sorted(raw["job"]) == [
+        "finetune/synthetic/crammed/sst2/s0",
+        "finetune/synthetic/crammed/sst2/s1",
+        "pretrain/synthetic/crammed/v128",
+    ]
     table = benchmark_table(raw).set_index("rule")
     assert list(table.index) == ["pretrain", "finetune"]  # largest total wall time first
     assert table.loc["finetune"].to_dict() == pytest.approx(
-        {"jobs": 2, "wall_s_total": 24.0, "wall_s_mean": 12.0, "wall_s_max": 14.0, "cpu_s_total": 2.0, "max_rss_mb": 320.0}
+        {
+            "jobs": 2,
+            "wall_s_total": 24.0,
+            "wall_s_mean": 12.0,
+            "wall_s_max": 14.0,
+            "cpu_s_total": 2.0,
+            "max_rss_mb": 320.0,
+        }
     )
     assert pd.isna(table.loc["pretrain", "cpu_s_total"])  # "NA" (not measured) stays missing, not 0
 

@@ -19,14 +19,33 @@ from conftest import ARCH, REPO, recipe
 
 def command(folder, tok_path, out, state, r):
     return [
-        sys.executable, "-m", "cramswarm", "pretrain", "--recipe", json.dumps(r), "--arch", json.dumps(ARCH),
-        "--blocks", str(folder / "blocks.npy"), "--tokenizer", str(tok_path), "--out-dir", str(out),
-        "--state-dir", str(state), "--run", "resume-test", "--quiet",
+        sys.executable,
+        "-m",
+        "cramswarm",
+        "pretrain",
+        "--recipe",
+        json.dumps(r),
+        "--arch",
+        json.dumps(ARCH),
+        "--blocks",
+        str(folder / "blocks.npy"),
+        "--tokenizer",
+        str(tok_path),
+        "--out-dir",
+        str(out),
+        "--state-dir",
+        str(state),
+        "--run",
+        "resume-test",
+        "--quiet",
     ]
 
 
 def env():
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))}
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")])),
+    }
 
 
 def log_rows(path):
@@ -35,15 +54,26 @@ def log_rows(path):
 
 def test_sigkill_mid_run_then_rerun_resumes_to_the_same_end(tiny_run):
     folder, tok_path = tiny_run
-    r = recipe(budget={"unit": "tokens", "value": 300 * 16 * 32}, resume_every_steps=10, log_every_steps=10,
-               eval_points=3, precision="fp32")
+    r = recipe(
+        budget={"unit": "tokens", "value": 300 * 16 * 32},
+        resume_every_steps=10,
+        log_every_steps=10,
+        eval_points=3,
+        precision="fp32",
+    )
     full = folder / "full"
-    subprocess.run(command(folder, tok_path, full, folder / "state-full", r), check=True, env=env(),
-                   capture_output=True)
+    subprocess.run(
+        command(folder, tok_path, full, folder / "state-full", r), check=True, env=env(), capture_output=True
+    )
 
     out, state = folder / "killed", folder / "state"
-    proc = subprocess.Popen(command(folder, tok_path, out, state, r), env=env(), start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        command(folder, tok_path, out, state, r),
+        env=env(),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 120
     while not (state / "state.pt").exists():  # wait for the first saved state, then kill the process group
         assert proc.poll() is None, "pretraining ended before it saved any state; raise the budget"
@@ -55,8 +85,9 @@ def test_sigkill_mid_run_then_rerun_resumes_to_the_same_end(tiny_run):
     assert proc.returncode == -signal.SIGKILL
     assert not (out / "summary.json").exists(), "the run finished before it was killed; raise the budget"
 
-    result = subprocess.run(command(folder, tok_path, out, state, r), check=True, env=env(), capture_output=True,
-                            text=True)
+    result = subprocess.run(
+        command(folder, tok_path, out, state, r), check=True, env=env(), capture_output=True, text=True
+    )
     assert "resuming from" in result.stdout
     resumed = json.loads((out / "summary.json").read_text())
     uninterrupted = json.loads((full / "summary.json").read_text())

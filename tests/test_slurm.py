@@ -18,7 +18,6 @@ import subprocess
 import tempfile
 import time
 from collections import Counter
-
 from pathlib import Path
 
 import psutil

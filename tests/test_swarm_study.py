@@ -4,8 +4,8 @@
 import numpy as np
 import pandas as pd
 import pytest
-
 from conftest import ARCH
+
 from cramswarm.report import swarm_figures
 from cramswarm.swarm import study
 

@@ -1,4 +1,5 @@
 """The whole DAG through Snakemake on the tiny overlay: outputs, caching, and what a config change reruns."""
+
 import json
 
 import pandas as pd
@@ -18,7 +19,12 @@ def workdir(tmp_path_factory):
 def test_tiny_study_writes_tables_and_figures(workdir):
     table = pd.read_csv(workdir / "results" / "tables" / "synthetic" / "glue.csv")
     assert set(zip(table["model"], table["vocab"])) == {
-        ("crammed", 128), ("crammed", 160), ("bert_original", 128), ("izsak", 128), ("swarm", 128), ("no_pretrain", 128)
+        ("crammed", 128),
+        ("crammed", 160),
+        ("bert_original", 128),
+        ("izsak", 128),
+        ("swarm", 128),
+        ("no_pretrain", 128),
     }
     assert (table["n_seeds"] == 2).all()
     assert table[["mnli_m", "mnli_mm", "sst2", "stsb_pearson"]].notna().all().all()
@@ -32,7 +38,8 @@ def test_tiny_study_writes_tables_and_figures(workdir):
     # one benchmark file per job, mirroring its log; the study record sums them per rule
     assert (workdir / "results" / "benchmarks" / "pretrain" / "synthetic" / "crammed" / "v128.tsv").is_file()
     rules = pd.read_csv(workdir / "results" / "report" / "synthetic" / "benchmarks.csv").set_index("rule")
-    assert rules.loc["finetune", "jobs"] == 6 * 3  # one job per (model, vocab, task) runs both seeds and rules.loc["pretrain", "jobs"] == 4
+    assert rules.loc["finetune", "jobs"] == 6 * 3  # one job per (model, vocab, task) runs both seeds
+    assert rules.loc["pretrain", "jobs"] == 4
     assert rules.loc["swarm_pretrain", "jobs"] == 1
     # the swarm-trained model: a crammed-layout checkpoint from 2 stages x 2 replicas, no microbatch lost
     swarm = json.loads((workdir / "results" / "swarm" / "synthetic" / "swarm" / "v128" / "summary.json").read_text())
@@ -51,8 +58,18 @@ def test_tiny_study_writes_tables_and_figures(workdir):
 def test_report_builds_with_every_table_figure_and_the_study_record(workdir):
     snakemake(workdir, "--report", "results/report.html", *TINY)
     html = (workdir / "results" / "report.html").read_text()
-    for name in ("glue.csv", "glue_paper.csv", "vocab_sweep.csv", "mlm_loss_vs_tokens.png", "glue_by_task.png",
-                 "glue_vs_vocab.png", "config.yaml", "software.csv", "benchmarks.csv", "rule_times.png"):
+    for name in (
+        "glue.csv",
+        "glue_paper.csv",
+        "vocab_sweep.csv",
+        "mlm_loss_vs_tokens.png",
+        "glue_by_task.png",
+        "glue_vs_vocab.png",
+        "config.yaml",
+        "software.csv",
+        "benchmarks.csv",
+        "rule_times.png",
+    ):
         assert name in html, name
     assert "Study record" in html and "Cramming" in html  # report categories
     # the front page (rules/workflow.rst), rendered with this run's config
@@ -110,7 +127,8 @@ def test_changing_the_glue_data_size_keeps_the_corpus_and_checkpoints(workdir):
 @pytest.mark.slow
 def test_named_targets_resolve(workdir):
     for target in ("tokenizers", "pretrain_all", "glue", "ablation_vocab"):
-        assert planned_jobs(workdir, target, *TINY) == {}  # already built by the full run (target first: --configfile takes every following word)
+        # already built by the full run (target first: --configfile takes every following word)
+        assert planned_jobs(workdir, target, *TINY) == {}
 
 
 @pytest.mark.slow
@@ -126,12 +144,21 @@ def test_ablation_targets_build_tables_and_figures(workdir):
     assert (arch["tokens"] == 8192).all() and arch["eval_loss"].notna().all()
     assert arch.set_index("label").loc["depth2", "layers"] == 2
     schedule = pd.read_csv(out / "schedule.csv")
-    assert set(zip(schedule["schedule"], schedule["lr"])) == {(s, lr) for s in ("triangle", "constant") for lr in (1e-3, 4e-3)}
+    assert set(zip(schedule["schedule"], schedule["lr"])) == {
+        (s, lr) for s in ("triangle", "constant") for lr in (1e-3, 4e-3)
+    }
     groups = pd.read_csv(out / "groups.csv")
-    assert list(groups["run"]) == ["groups-final", "groups-original_arch", "groups-original_training", "groups-original_both"]
+    assert list(groups["run"]) == [
+        "groups-final",
+        "groups-original_arch",
+        "groups-original_training",
+        "groups-original_both",
+    ]
     for png in ("figure1_loss_vs_tokens", "figure2_schedules"):
         assert (out / f"{png}.png").read_bytes()[:4] == b"\x89PNG"
-    summary = (workdir / "results" / "pretrain" / "synthetic" / "arch-bert_original" / "v128" / "summary.json").read_text()
+    summary = (
+        workdir / "results" / "pretrain" / "synthetic" / "arch-bert_original" / "v128" / "summary.json"
+    ).read_text()
     assert '"mask_rate": 0.15' in summary and '"norm_scheme": "post"' in summary
 
 
@@ -151,7 +178,16 @@ def test_changing_the_block_order_reorders_and_retrains_only(workdir):
     jobs = planned_jobs(workdir, *TINY, str(overlay.relative_to(workdir)))
     # one order job per vocab; the 4 pretrained (model, vocab) pairs and the swarm model; no corpus, tokenizer,
     # packing or init job
-    assert jobs == {"order_blocks": 2, "pretrain": 4, "swarm_pretrain": 1, "finetune": 5 * 3, "tables": 1, "figures": 1, "study_record": 1, "all": 1}
+    assert jobs == {
+        "order_blocks": 2,
+        "pretrain": 4,
+        "swarm_pretrain": 1,
+        "finetune": 5 * 3,
+        "tables": 1,
+        "figures": 1,
+        "study_record": 1,
+        "all": 1,
+    }
 
 
 @pytest.mark.slow
@@ -191,13 +227,19 @@ def test_ablation_data_writes_table2_with_stage_counts(workdir):
     assert table.loc["none", "blocks"] > table.loc["filtered_sorted", "blocks"] > table.loc["filtered_dedup", "blocks"]
     assert table["sst2"].notna().all() and (table["n_seeds"] == 2).all()
     table2 = pd.read_csv(out / "data_table2.csv")
-    assert list(table2.columns) == ["source", "none", "filtered_sorted", "filtered_dedup"] and table2["source"][0] == "noisy"
-    paper = table2.set_index("source").loc["paper (ICML, [third-party]): bookcorpus-wikipedia"]  # published rows below ours
+    assert (
+        list(table2.columns) == ["source", "none", "filtered_sorted", "filtered_dedup"]
+        and table2["source"][0] == "noisy"
+    )
+    paper = table2.set_index("source").loc[
+        "paper (ICML, [third-party]): bookcorpus-wikipedia"
+    ]  # published rows below ours
     assert (paper["none"], paper["filtered_sorted"]) == (78.1, 78.8) and pd.isna(paper["filtered_dedup"])
     assert len(table2) == 1 + 5
     reports = workdir / "results" / "data" / "noisy"
     trash_report = json.loads((reports / "trash0.72" / "report.json").read_text())
-    assert trash_report["tokenizer"] == "results/tokenizers/noisy/raw/wordpiece-v128/tokenizer.json"  # its own tokenizer
+    # its own tokenizer
+    assert trash_report["tokenizer"] == "results/tokenizers/noisy/raw/wordpiece-v128/tokenizer.json"
     assert "GLUE scores" in (out / "data_table2.md").read_text()
 
 
@@ -210,8 +252,14 @@ def test_swarm_study_builds_every_experiment_table_and_figure(workdir):
     compression = pd.read_csv(out / "compression_loss.csv")
     assert set(compression["config"]) == {"none", "blockwise8", "maxout2"} and compression["step"].max() == 20
     assert sorted(pd.read_csv(out / "square_cube.csv")["hidden_size"].unique()) == [64, 128]
-    for name in ("square_cube", "wiring_throughput", "failures_timeline", "rebalancing_recovery", "compression_loss",
-                 "sim_scale"):
+    for name in (
+        "square_cube",
+        "wiring_throughput",
+        "failures_timeline",
+        "rebalancing_recovery",
+        "compression_loss",
+        "sim_scale",
+    ):
         figure = out / "report" / f"{name}.png"
         assert figure.read_bytes()[:4] == b"\x89PNG" and figure.with_suffix(".caption.rst").read_text().strip()
         assert (out / "report" / f"{name}_table.csv").is_file()

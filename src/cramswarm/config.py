@@ -87,7 +87,8 @@ def _describe(error) -> str:
         names = ", ".join(repr(prefix + u) for u in unknown)
         return f"unknown config key {names}; allowed keys here: {', '.join(allowed)}"
     if error.validator == "enum":
-        return f"config key '{where}': {error.instance!r} is not allowed; allowed values: {', '.join(map(str, error.validator_value))}"
+        allowed = ", ".join(map(str, error.validator_value))
+        return f"config key '{where}': {error.instance!r} is not allowed; allowed values: {allowed}"
     return f"config key '{where}': {error.message}"
 
 
@@ -180,8 +181,12 @@ def _swarm_recipe_errors(recipe: dict, where: str) -> list[str]:
     errors = []
     if recipe["budget"]["unit"] == "exaflop" or recipe["budget"].get("reference_card"):
         errors.append(f"config key '{where}.budget': SWARM runs take tokens, steps or seconds, not a normalised budget")
-    for key, plain in (("optimizer", "adamw"), ("dropout", 0.0), ("schedule_horizon_sequences", None),
-                       ("batch_ramp_micro_steps", None)):
+    for key, plain in (
+        ("optimizer", "adamw"),
+        ("dropout", 0.0),
+        ("schedule_horizon_sequences", None),
+        ("batch_ramp_micro_steps", None),
+    ):
         if recipe.get(key, plain) != plain:
             errors.append(f"config key '{where}.{key}': SWARM trainers support only {plain!r}")
     return errors
@@ -228,14 +233,18 @@ def _semantic_errors(cfg: dict, base_dir: Path, schema: dict) -> list[str]:
             f"{cfg['models'][split]['arch']['layers']} layers of models.{split} (the model the experiment splits)"
         )
     if cfg["swarm"]["placement"] != "local" and cfg["swarm"]["transport"] != "hivemind":
-        errors.append(f"config key 'swarm.placement': {cfg['swarm']['placement']} starts the peers as separate "
-                      f"processes, which needs swarm.transport: hivemind (not {cfg['swarm']['transport']})")
+        errors.append(
+            f"config key 'swarm.placement': {cfg['swarm']['placement']} starts the peers as separate "
+            f"processes, which needs swarm.transport: hivemind (not {cfg['swarm']['transport']})"
+        )
     stages = cfg["swarm"]["stages"]
     for name, model in cfg["models"].items():
         if model["trainer"] != "swarm":
             continue
         if not model["pretrain"]:
-            errors.append(f"config key 'models.{name}.trainer': swarm needs pretrain: true (a random-init model is not trained)")
+            errors.append(
+                f"config key 'models.{name}.trainer': swarm needs pretrain: true (a random-init model is not trained)"
+            )
         elif model["arch"]["layers"] % stages:
             errors.append(
                 f"config key 'swarm.stages': {stages} stages do not divide the {model['arch']['layers']} layers of "
@@ -304,7 +313,12 @@ def filters_key(recipe: dict) -> str:
 
 def data_wildcards(recipe: dict) -> dict:
     """The path wildcards of a recipe's files (rules/common.smk: FILTERED, TOKENIZER, PACKED, BLOCKS)."""
-    return {"corpus": recipe["corpus"], "filters": filters_key(recipe), "family": recipe["family"], "order": recipe["order"]}
+    return {
+        "corpus": recipe["corpus"],
+        "filters": filters_key(recipe),
+        "family": recipe["family"],
+        "order": recipe["order"],
+    }
 
 
 def corpus_spec(cfg: dict, name: str) -> dict:
@@ -329,7 +343,12 @@ def glue_protocol(cfg: dict, name: str | None = None) -> dict:
     the protocols entry plus its ``name`` and the settings shared by every protocol."""
     glue = cfg["glue"]
     name = name or glue["protocol"]
-    return {"name": name, **glue["protocols"][name], "max_length_tokens": glue["max_length_tokens"], "device": glue["device"]}
+    return {
+        "name": name,
+        **glue["protocols"][name],
+        "max_length_tokens": glue["max_length_tokens"],
+        "device": glue["device"],
+    }
 
 
 def _fmt_lr(lr: float) -> str:
@@ -342,8 +361,9 @@ def resolve_runs(cfg: dict) -> dict[str, dict]:
     The study's models keep their names; ablation runs are ``arch-<variant>``, ``arch-<model>``,
     ``sched-<schedule>-lr<peak>``, ``groups-<row>`` and ``data-<source>-<cell>``, all trained at
     ``ablations.budget``. Each entry: ``{"pretrain", "vocab_sweep", "arch", "recipe", "glue", "study", "label",
-    "data", "trainer"}`` (trainer: single | swarm, ablation runs always single; study: models | arch | schedule | groups | data; glue: the fine-tuning protocol,
-    :func:`glue_protocol`; data: the data recipe, :func:`data_recipe`). Ablation runs are fine-tuned with the
+    "data", "trainer"}`` (trainer: single | swarm, ablation runs always single; study: models | arch | schedule |
+    groups | data; glue: the fine-tuning protocol, :func:`glue_protocol`; data: the data recipe,
+    :func:`data_recipe`). Ablation runs are fine-tuned with the
     study's default protocol (``glue.protocol``): they compare pretraining, so fine-tuning is held fixed.
     """
     runs = {
@@ -364,8 +384,17 @@ def resolve_runs(cfg: dict) -> dict[str, dict]:
 
     def add(run: str, study: str, label: str, arch: dict, recipe: dict, data: dict | None = None) -> None:
         recipe = {**recipe, "budget": abl["budget"]}
-        runs[run] = {"pretrain": True, "vocab_sweep": False, "arch": arch, "recipe": recipe, "glue": glue_protocol(cfg),
-                     "study": study, "label": label, "data": data or data_recipe(cfg), "trainer": "single"}
+        runs[run] = {
+            "pretrain": True,
+            "vocab_sweep": False,
+            "arch": arch,
+            "recipe": recipe,
+            "glue": glue_protocol(cfg),
+            "study": study,
+            "label": label,
+            "data": data or data_recipe(cfg),
+            "trainer": "single",
+        }
 
     base = abl["arch"]["base_model"]
     add(f"arch-{base}", "arch", base, cfg["models"][base]["arch"], model_recipe(cfg, base))
@@ -380,8 +409,13 @@ def resolve_runs(cfg: dict) -> dict[str, dict]:
             recipe = {**model_recipe(cfg, sched["base_model"]), "schedule": schedule, "lr": lr}
             if schedule in sched["warmup_fractions"]:
                 recipe["warmup_fraction"] = sched["warmup_fractions"][schedule]
-            add(f"sched-{schedule}-lr{_fmt_lr(lr)}", "schedule", f"{schedule} @ {_fmt_lr(lr)}",
-                cfg["models"][sched["base_model"]]["arch"], recipe)
+            add(
+                f"sched-{schedule}-lr{_fmt_lr(lr)}",
+                "schedule",
+                f"{schedule} @ {_fmt_lr(lr)}",
+                cfg["models"][sched["base_model"]]["arch"],
+                recipe,
+            )
     final, original = abl["groups"]["final_model"], abl["groups"]["original_model"]
     rows = {
         "final": ("final (crammed arch + recipe)", final, final),
@@ -394,8 +428,14 @@ def resolve_runs(cfg: dict) -> dict[str, dict]:
     base = abl["data"]["base_model"]
     for source in abl["data"]["sources"] or [cfg["source"]]:
         for cell in abl["data"]["cells"]:
-            add(f"data-{source}-{cell['name']}", "data", f"{source} / {cell['name']}", cfg["models"][base]["arch"],
-                model_recipe(cfg, base), data_recipe(cfg, source, cell))
+            add(
+                f"data-{source}-{cell['name']}",
+                "data",
+                f"{source} / {cell['name']}",
+                cfg["models"][base]["arch"],
+                model_recipe(cfg, base),
+                data_recipe(cfg, source, cell),
+            )
     return runs
 
 
@@ -411,7 +451,9 @@ def validate_config(cfg: dict, schema_path: str | Path = DEFAULT_SCHEMA, base_di
     return cfg
 
 
-def load_config(paths: Iterable[str | Path], schema_path: str | Path = DEFAULT_SCHEMA, base_dir: str | Path = ".") -> dict:
+def load_config(
+    paths: Iterable[str | Path], schema_path: str | Path = DEFAULT_SCHEMA, base_dir: str | Path = "."
+) -> dict:
     cfg: dict = {}
     for path in paths:
         cfg = deep_merge(cfg, load_yaml(path))

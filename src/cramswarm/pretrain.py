@@ -51,8 +51,11 @@ def init_random(arch: dict, tokenizer_path: str | Path, out_dir: str | Path, see
     tok = tokenization.load(tokenizer_path)
     model = build_model(arch, tok.get_vocab_size(), seed)
     save_checkpoint(model, tok, out_dir, arch["max_positions"])
-    return {"parameters": sum(p.numel() for p in model.parameters()), "pretrained": False,
-            "provenance": provenance({"arch": arch}, seed)}
+    return {
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "pretrained": False,
+        "provenance": provenance({"arch": arch}, seed),
+    }
 
 
 def fingerprint(recipe: dict, arch: dict, blocks_path: str | Path, vocab_size: int) -> str:
@@ -135,8 +138,9 @@ def data_passes_planned(budget: dict, n_blocks: int, block_tokens: int, batch_se
     return None
 
 
-def load_training_data(recipe: dict, tokenizer_path: str | Path, blocks_path: str | Path,
-                       expected_vocab: int | None = None):
+def load_training_data(
+    recipe: dict, tokenizer_path: str | Path, blocks_path: str | Path, expected_vocab: int | None = None
+):
     """(tokenizer, blocks, training blocks): the tokenizer and packed blocks a pretraining run reads, checked
     against each other and the recipe; the last ``eval_blocks`` rows are held out, so rows
     ``[0, training blocks)`` are trained on."""
@@ -181,18 +185,27 @@ def pretrain(
     precision = resolve_precision(recipe["precision"], device)
     tok, blocks, n_blocks = load_training_data(recipe, tokenizer_path, blocks_path, expected_vocab)
     vocab_size = tok.get_vocab_size()
-    micro, final_accumulation = recipe["micro_batch_sequences"], recipe["batch_sequences"] // recipe["micro_batch_sequences"]
+    micro, final_accumulation = (
+        recipe["micro_batch_sequences"],
+        recipe["batch_sequences"] // recipe["micro_batch_sequences"],
+    )
     heldout = HeldOut(blocks[n_blocks:], recipe["eval_mask_rate"], vocab_size, micro) if recipe["eval_blocks"] else None
     block_tokens = blocks.shape[1]
 
     budget = resolve_budget(recipe, device)
     if budgets.is_normalised(recipe["budget"]):
-        print(f"budget {recipe['budget']} -> {budget['value']:,.0f} s on this device "
-              f"({budget['device_peak_tflops']:.1f} TFLOP/s, {budget['device_peak_source']})", flush=True)
+        print(
+            f"budget {recipe['budget']} -> {budget['value']:,.0f} s on this device "
+            f"({budget['device_peak_tflops']:.1f} TFLOP/s, {budget['device_peak_source']})",
+            flush=True,
+        )
     planned_passes = data_passes_planned(budget, n_blocks, block_tokens, recipe["batch_sequences"])
     if planned_passes is not None and planned_passes > 1:
-        print(f"warning: this budget reads the {n_blocks:,} training blocks {planned_passes:.2f} times; the data "
-              "order (e.g. the sentence-length curriculum) restarts on every pass", flush=True)
+        print(
+            f"warning: this budget reads the {n_blocks:,} training blocks {planned_passes:.2f} times; the data "
+            "order (e.g. the sentence-length curriculum) restarts on every pass",
+            flush=True,
+        )
 
     model = build_model(arch, vocab_size, recipe["seed"], dropout=recipe.get("dropout", 0.0)).to(device)
     model.train()
@@ -201,8 +214,20 @@ def pretrain(
     generator = torch.Generator().manual_seed(recipe["seed"])
     forward = torch.compile(model) if recipe["compile"] else model
 
-    counters = dict(step=0, tokens=0, cursor=0, epochs_of_data=0.0, window_loss=0.0, window_n=0, next_eval=1,
-                    elapsed_s=0.0, resumed_from_step=None, sequences=0, skipped_nonfinite=0, reloaded=0)
+    counters = dict(
+        step=0,
+        tokens=0,
+        cursor=0,
+        epochs_of_data=0.0,
+        window_loss=0.0,
+        window_n=0,
+        next_eval=1,
+        elapsed_s=0.0,
+        resumed_from_step=None,
+        sequences=0,
+        skipped_nonfinite=0,
+        reloaded=0,
+    )
     log_text = ",".join(LOG_COLUMNS) + "\n"
     state_path = Path(state_dir) / "state.pt" if state_dir is not None else None
     key = fingerprint(recipe, arch, blocks_path, vocab_size)
@@ -216,10 +241,18 @@ def pretrain(
         print(f"resuming from {state_path} at step {counters['step']} ({counters['tokens']:,} tokens)", flush=True)
 
     def save_state() -> None:
-        _save_state(state_path, {
-            "fingerprint": key, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "scaler": scaler.state_dict(), "generator": generator.get_state(), "counters": dict(counters), "log": log_text,
-        })
+        _save_state(
+            state_path,
+            {
+                "fingerprint": key,
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scaler": scaler.state_dict(),
+                "generator": generator.get_state(),
+                "counters": dict(counters),
+                "log": log_text,
+            },
+        )
 
     c = counters
     start, last_save = time.perf_counter(), time.perf_counter()
@@ -234,8 +267,9 @@ def pretrain(
         for group in optimizer.param_groups:
             group["lr"] = lr
         if recipe.get("batch_ramp_micro_steps"):
-            accumulate = accumulation_at_micro_step(c["sequences"] // micro, recipe["batch_sequences"], micro,
-                                                    recipe["batch_ramp_micro_steps"])
+            accumulate = accumulation_at_micro_step(
+                c["sequences"] // micro, recipe["batch_sequences"], micro, recipe["batch_ramp_micro_steps"]
+            )
         else:
             accumulate = accumulation_at(t, final_accumulation, recipe["batch_ramp_fraction"])
         step_loss = 0.0
@@ -258,11 +292,15 @@ def pretrain(
                 model.load_state_dict(last_good["model"])
                 optimizer.load_state_dict(last_good["optimizer"])
                 c["reloaded"] += 1
-            print(f"non-finite loss {step_loss} at step {c['step'] + 1}: batch skipped"
-                  + (", weights reloaded from the last good step" if last_good is not None else ""), flush=True)
+            print(
+                f"non-finite loss {step_loss} at step {c['step'] + 1}: batch skipped"
+                + (", weights reloaded from the last good step" if last_good is not None else ""),
+                flush=True,
+            )
             if c["skipped_nonfinite"] > MAX_NONFINITE_STEPS:
                 raise FloatingPointError(
-                    f"pretraining loss was non-finite in {c['skipped_nonfinite']} steps (last at step {c['step'] + 1}); "
+                    f"pretraining loss was non-finite in {c['skipped_nonfinite']} steps "
+                    f"(last at step {c['step'] + 1}); "
                     "lower pretrain.lr"
                 )
             continue
@@ -274,8 +312,10 @@ def pretrain(
         optimizer.zero_grad(set_to_none=True)
         c["step"] += 1
         if c["step"] % SNAPSHOT_EVERY_STEPS == 1:
-            last_good = {"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
-                         "optimizer": _clone_state(optimizer.state_dict())}
+            last_good = {
+                "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                "optimizer": _clone_state(optimizer.state_dict()),
+            }
         c["window_loss"], c["window_n"] = c["window_loss"] + step_loss, c["window_n"] + 1
         done = budget_progress(budget, c["tokens"], c["step"], elapsed())
         eval_loss = ""
@@ -284,14 +324,27 @@ def pretrain(
             c["next_eval"] = math.floor(done * recipe["eval_points"] + 1e-9) + 1
         if c["step"] % recipe["log_every_steps"] == 0 or eval_loss or done >= 1.0:
             mean_loss = c["window_loss"] / c["window_n"]
-            row = (c["step"], c["tokens"], f"{t:.5f}", f"{mean_loss:.5f}", f"{lr:.6g}", f"{multiplier:.5f}",
-                   accumulate * micro, f"{elapsed():.2f}", eval_loss)
+            row = (
+                c["step"],
+                c["tokens"],
+                f"{t:.5f}",
+                f"{mean_loss:.5f}",
+                f"{lr:.6g}",
+                f"{multiplier:.5f}",
+                accumulate * micro,
+                f"{elapsed():.2f}",
+                eval_loss,
+            )
             log_text += ",".join(map(str, row)) + "\n"
             c["last_loss"] = mean_loss
             if eval_loss:
                 c["last_eval_loss"] = float(eval_loss)
-            bar.set_postfix(tokens=f"{c['tokens']:,}", loss=f"{mean_loss:.3f}", lr=f"{lr:.2e}",
-                            tok_s=f"{c['tokens'] / elapsed():,.0f}")
+            bar.set_postfix(
+                tokens=f"{c['tokens']:,}",
+                loss=f"{mean_loss:.3f}",
+                lr=f"{lr:.2e}",
+                tok_s=f"{c['tokens'] / elapsed():,.0f}",
+            )
             c["window_loss"], c["window_n"] = 0.0, 0
         bar.update(min(100, int(100 * done)) - bar.n)
         if state_path is not None and done < 1.0:

@@ -8,7 +8,9 @@ from __future__ import annotations
 from cramswarm.cli import arg, command, json_arg, report
 from cramswarm.config import schema_default
 
-SOURCE_SPEC = arg("--source-spec", type=json_arg, required=True, help="JSON with the config's source, synthetic and hub sections")
+SOURCE_SPEC = arg(
+    "--source-spec", type=json_arg, required=True, help="JSON with the config's source, synthetic and hub sections"
+)
 OUT = arg("--out", required=True)
 REPORT = arg("--report", help="also write the counts to this JSON file")
 
@@ -22,7 +24,13 @@ def memory_cap():
     )
 
 
-@command("corpus", "write the pretraining corpus (parquet, one 'text' column) from the configured source", SOURCE_SPEC, OUT, REPORT)
+@command(
+    "corpus",
+    "write the pretraining corpus (parquet, one 'text' column) from the configured source",
+    SOURCE_SPEC,
+    OUT,
+    REPORT,
+)
 def corpus(args) -> int:
     from cramswarm.data.sources import corpus_documents, write_corpus
 
@@ -89,8 +97,15 @@ def tokenizer(args) -> int:
     arg("--corpus", required=True),
     arg("--tokenizer", help="trash: the corpus's own tokenizer (tokenizer.json)"),
     arg("--trash-cutoff", type=float, default=schema_default("data.trash_cutoff"), help="trash: tokens per character"),
-    arg("--dedup-threshold", type=float, default=schema_default("data.dedup_threshold"), help="dedup: Jaccard similarity"),
-    arg("--shingle-words", type=int, default=schema_default("data.dedup_shingle_words"), help="dedup: words per shingle"),
+    arg(
+        "--dedup-threshold",
+        type=float,
+        default=schema_default("data.dedup_threshold"),
+        help="dedup: Jaccard similarity",
+    ),
+    arg(
+        "--shingle-words", type=int, default=schema_default("data.dedup_shingle_words"), help="dedup: words per shingle"
+    ),
     arg("--num-perm", type=int, default=schema_default("data.dedup_permutations"), help="dedup: MinHash permutations"),
     OUT,
     REPORT,
@@ -125,7 +140,8 @@ def filter_corpus(args) -> int:
     memory_cap(),
 )
 def pack(args) -> int:
-    from cramswarm.data import packing, tokenizer as tokenization
+    from cramswarm.data import packing
+    from cramswarm.data import tokenizer as tokenization
 
     tok = tokenization.load(args.tokenizer)
     counts = packing.pack(
@@ -143,18 +159,29 @@ def pack(args) -> int:
     arg("--order", required=True, choices=("random", "sentence-length", "unigram", "unigram-reverse")),
     arg("--seed", type=int, default=schema_default("data.order_seed")),
     arg("--holdout-blocks", type=int, default=0, help="blocks of a random sample put last (held out)"),
-    arg("--max-training-blocks", type=int, default=schema_default("data.max_sequences"),
-        help="keep only the first N training blocks of the order (data.max_sequences; default: all)"),
+    arg(
+        "--max-training-blocks",
+        type=int,
+        default=schema_default("data.max_sequences"),
+        help="keep only the first N training blocks of the order (data.max_sequences; default: all)",
+    ),
     OUT,
     REPORT,
     memory_cap(),
 )
 def order(args) -> int:
-    from cramswarm.data import ordering, tokenizer as tokenization
+    from cramswarm.data import ordering
+    from cramswarm.data import tokenizer as tokenization
 
     tok = tokenization.load(args.tokenizer)
     counts = ordering.order_blocks(
-        args.packed, tok, args.out, args.order, args.seed, args.holdout_blocks, args.memory_cap_mb,
+        args.packed,
+        tok,
+        args.out,
+        args.order,
+        args.seed,
+        args.holdout_blocks,
+        args.memory_cap_mb,
         args.max_training_blocks,
     )
     report(args.report, counts)

@@ -7,8 +7,8 @@
   size, so the cutoff is calibrated per scale; the report gives the ratio's quantiles in and out.
 * :func:`dedup` — near-duplicate removal with MinHash LSH (``datasketch`` MinHash and banding): a document that
   shares an LSH band with an earlier document (shingle sets of estimated Jaccard similarity about
-  ``threshold`` or more) is dropped; the first copy stays. The paper used exact-substring dedup (Lee et al. 2022) through a Rust suffix-array
-  tool; see README, "Data pipeline", for why we use MinHash.
+  ``threshold`` or more) is dropped; the first copy stays. The paper used exact-substring dedup (Lee et al. 2022)
+  through a Rust suffix-array tool; docs/data.md says why we use MinHash.
 
 Both stream the corpus (one row group and one encoding batch in memory; dedup also keeps a few bytes per
 document) and write through :class:`~cramswarm.data.stream.CorpusWriter`. A filter that removes every
@@ -62,18 +62,28 @@ def trash_filter(corpus: str | Path, tok, out: str | Path, cutoff: float, memory
             ratio = len(ids) / max(len(doc), 1)
             keep = len(ids) < cutoff * len(doc)
             extremes[keep] = [min(extremes[keep][0], ratio), max(extremes[keep][1], ratio)]
-            (kept_hist if keep else removed_hist)[min(np.searchsorted(RATIO_BINS, ratio, "right") - 1, len(kept_hist) - 1)] += 1
+            (kept_hist if keep else removed_hist)[
+                min(np.searchsorted(RATIO_BINS, ratio, "right") - 1, len(kept_hist) - 1)
+            ] += 1
             if keep:
                 writer.write(doc)
         if n_in == 0:
             raise ValueError(f"corpus {corpus} has no documents")
         if writer.documents == 0:
             lowest = extremes[False][0]
-            raise _nothing_left("trash filter", n_in, f"cutoff {cutoff} tokens/character; the lowest ratio is {lowest:.3f}")
+            raise _nothing_left(
+                "trash filter", n_in, f"cutoff {cutoff} tokens/character; the lowest ratio is {lowest:.3f}"
+            )
     return {
-        "filter": "trash", "cutoff_tokens_per_char": cutoff, "tokenizer_vocab_size": tok.get_vocab_size(),
-        "documents_in": n_in, "documents_out": writer.documents, "documents_removed": n_in - writer.documents,
-        "characters_in": chars_in, "characters_out": writer.characters, "tokens_in": tokens_in,
+        "filter": "trash",
+        "cutoff_tokens_per_char": cutoff,
+        "tokenizer_vocab_size": tok.get_vocab_size(),
+        "documents_in": n_in,
+        "documents_out": writer.documents,
+        "documents_removed": n_in - writer.documents,
+        "characters_in": chars_in,
+        "characters_out": writer.characters,
+        "tokens_in": tokens_in,
         "tokens_per_char_kept": _quantiles(kept_hist, *extremes[True]),
         "tokens_per_char_removed": _quantiles(removed_hist, *extremes[False]),
         "warnings": [],
@@ -87,12 +97,15 @@ def _shingles(words: list[str], k: int, start: int, stop: int) -> list[bytes]:
 def _band_hashes(sketch, bands: int, rows: int) -> np.ndarray:
     """One 64-bit hash per LSH band of a MinHash signature (``rows`` hash values per band)."""
     values = np.ascontiguousarray(sketch.hashvalues[: bands * rows], dtype=np.uint64).reshape(bands, rows)
-    return np.array([int.from_bytes(hashlib.blake2b(v.tobytes(), digest_size=8).digest(), "little") for v in values],
-                    dtype=np.uint64)
+    return np.array(
+        [int.from_bytes(hashlib.blake2b(v.tobytes(), digest_size=8).digest(), "little") for v in values],
+        dtype=np.uint64,
+    )
 
 
-def dedup(corpus: str | Path, out: str | Path, threshold: float, shingle_words: int = 5, num_perm: int = 128,
-          seed: int = 1) -> dict:
+def dedup(
+    corpus: str | Path, out: str | Path, threshold: float, shingle_words: int = 5, num_perm: int = 128, seed: int = 1
+) -> dict:
     """Drop near-duplicate documents (MinHash LSH over word ``shingle_words``-grams); return the stage report.
 
     Documents are compared after lowercasing and whitespace splitting; a document shorter than one shingle is
@@ -138,9 +151,17 @@ def dedup(corpus: str | Path, out: str | Path, threshold: float, shingle_words: 
             if keep:
                 writer.write(doc)
     return {
-        "filter": "dedup", "method": "MinHash LSH (datasketch MinHash; band hashes sorted per band)",
-        "jaccard_threshold": threshold, "shingle_words": shingle_words, "num_perm": num_perm,
-        "lsh_bands": bands, "lsh_rows": rows,
-        "documents_in": n_in, "documents_out": writer.documents, "documents_removed": n_in - writer.documents,
-        "characters_in": chars_in, "characters_out": writer.characters, "warnings": [],
+        "filter": "dedup",
+        "method": "MinHash LSH (datasketch MinHash; band hashes sorted per band)",
+        "jaccard_threshold": threshold,
+        "shingle_words": shingle_words,
+        "num_perm": num_perm,
+        "lsh_bands": bands,
+        "lsh_rows": rows,
+        "documents_in": n_in,
+        "documents_out": writer.documents,
+        "documents_removed": n_in - writer.documents,
+        "characters_in": chars_in,
+        "characters_out": writer.characters,
+        "warnings": [],
     }

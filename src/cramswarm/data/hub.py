@@ -40,7 +40,9 @@ def iter_corpus(sources: list[dict], mirror: str | Path | None = None) -> Iterat
     import datasets
 
     for src in sources:
-        stream = datasets.load_dataset(resolve(src["path"], mirror), src.get("name"), split=src.get("split", "train"), streaming=True)
+        stream = datasets.load_dataset(
+            resolve(src["path"], mirror), src.get("name"), split=src.get("split", "train"), streaming=True
+        )
         column = src.get("text_column", "text")
         if column not in (stream.column_names or [column]):
             raise ValueError(f"corpus {src['path']} has no column {column!r}; columns: {stream.column_names}")

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
+from cramswarm.data.packing import load_blocks
 from cramswarm.data.stream import BYTES_PER_TEXT_CHAR, batch_chars
 from cramswarm.io import atomic_path
-from cramswarm.data.packing import load_blocks
 
 ORDERS = ("random", "sentence-length", "unigram", "unigram-reverse")
 

@@ -19,8 +19,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from cramswarm.data.stream import batch_chars, encode_documents, iter_documents, open_corpus
-from cramswarm.io import atomic_path
 from cramswarm.data.tokenizer import SEP_ID
+from cramswarm.io import atomic_path
 
 HEADER_BYTES = 128  # fixed .npy (v1.0) header size: the shape is filled in once the block count is known
 

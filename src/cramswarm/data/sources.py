@@ -86,8 +86,14 @@ def write_corpus(documents: Iterable, out: str | Path) -> dict:
         )
         if count
     ]
-    return {"documents": writer.documents, "empty_documents_dropped": empty, "non_text_dropped": not_text,
-            "invalid_utf8_repaired": repaired, "characters": writer.characters, "warnings": warnings}
+    return {
+        "documents": writer.documents,
+        "empty_documents_dropped": empty,
+        "non_text_dropped": not_text,
+        "invalid_utf8_repaired": repaired,
+        "characters": writer.characters,
+        "warnings": warnings,
+    }
 
 
 def glue_rows(cfg: dict, task: str, split: str) -> list[dict]:
@@ -121,7 +127,9 @@ def check_rows(task: str, split: str, rows: list[dict]) -> None:
         else:
             ok = isinstance(label, int) and 0 <= label < spec.num_labels
         if not ok:
-            allowed = "a finite number" if spec.is_regression else f"integers 0..{spec.num_labels - 1} {spec.label_names}"
+            allowed = (
+                "a finite number" if spec.is_regression else f"integers 0..{spec.num_labels - 1} {spec.label_names}"
+            )
             raise ValueError(f"GLUE {task}/{split} row idx={row.get('idx')} has label {label!r}; expected {allowed}")
 
 
@@ -136,8 +144,11 @@ def write_glue(cfg: dict, task: str, out: str | Path) -> dict:
         counts[split] = len(rows)
         for i, row in enumerate(rows):
             out_row = {col: row[col] for col in spec.text_columns}
-            out_row.update(label=float(row["label"]) if spec.is_regression else int(row["label"]),
-                           idx=int(row.get("idx", i)), split=split)
+            out_row.update(
+                label=float(row["label"]) if spec.is_regression else int(row["label"]),
+                idx=int(row.get("idx", i)),
+                split=split,
+            )
             table_rows.append(out_row)
     with atomic_path(out) as tmp:
         pq.write_table(pa.Table.from_pylist(table_rows), tmp)

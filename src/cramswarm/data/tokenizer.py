@@ -11,11 +11,10 @@ same ids. Inputs are encoded as ``[CLS] A [SEP]`` or ``[CLS] A [SEP] B [SEP]``; 
 from __future__ import annotations
 
 from pathlib import Path
-
-from tqdm.auto import tqdm
 from typing import Iterable, Iterator
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tqdm.auto import tqdm
 
 from cramswarm.data.stream import open_corpus
 
@@ -28,8 +27,13 @@ def iter_corpus_batches(path: str | Path, batch: int = BATCH_DOCUMENTS, progress
     """The corpus's documents in batches of ``batch``; ``progress`` draws a tqdm bar over documents read (the
     tokenizer trainer counts words as it reads, so this is most of its time; the merges follow)."""
     reader = open_corpus(path)
-    with tqdm(total=reader.metadata.num_rows, unit="doc", desc=f"tokenizer: reading {Path(path).name}",
-              disable=not progress, mininterval=2.0) as bar:
+    with tqdm(
+        total=reader.metadata.num_rows,
+        unit="doc",
+        desc=f"tokenizer: reading {Path(path).name}",
+        disable=not progress,
+        mininterval=2.0,
+    ) as bar:
         for record_batch in reader.iter_batches(batch_size=batch, columns=["text"]):
             yield record_batch.column(0).to_pylist()
             bar.update(record_batch.num_rows)
@@ -51,8 +55,13 @@ def _model_and_trainer(family: str, vocab_size: int, min_frequency: int):
     raise ValueError(f"unknown tokenizer family {family!r}; allowed: {', '.join(FAMILIES)}")
 
 
-def train(batches: Iterable[list[str]], vocab_size: int, family: str = "wordpiece", lowercase: bool = True,
-          min_frequency: int = 2) -> Tokenizer:
+def train(
+    batches: Iterable[list[str]],
+    vocab_size: int,
+    family: str = "wordpiece",
+    lowercase: bool = True,
+    min_frequency: int = 2,
+) -> Tokenizer:
     """Train a ``family`` tokenizer on batches of documents; special tokens at ids 0-4 (checked)."""
     model, trainer = _model_and_trainer(family, vocab_size, min_frequency)
     tok = Tokenizer(model)
@@ -67,12 +76,16 @@ def train(batches: Iterable[list[str]], vocab_size: int, family: str = "wordpiec
         if tok.token_to_id(token) != token_id:
             raise RuntimeError(f"special token {token} landed at id {tok.token_to_id(token)}, expected {token_id}")
     tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:0 [SEP]:0", special_tokens=[("[CLS]", CLS_ID), ("[SEP]", SEP_ID)]
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:0 [SEP]:0",
+        special_tokens=[("[CLS]", CLS_ID), ("[SEP]", SEP_ID)],
     )
     return tok
 
 
-def train_wordpiece(batches: Iterable[list[str]], vocab_size: int, lowercase: bool = True, min_frequency: int = 2) -> Tokenizer:
+def train_wordpiece(
+    batches: Iterable[list[str]], vocab_size: int, lowercase: bool = True, min_frequency: int = 2
+) -> Tokenizer:
     return train(batches, vocab_size, "wordpiece", lowercase, min_frequency)
 
 
@@ -92,7 +105,11 @@ def to_transformers(tok: Tokenizer, max_length: int):
 
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
         model_max_length=max_length,
         model_input_names=["input_ids", "attention_mask"],
     )

@@ -24,8 +24,8 @@ from transformers import (
     get_cosine_schedule_with_warmup,
 )
 
-from cramswarm.data import tokenizer as tokenization
 import cramswarm.models  # noqa: F401  (registers crammed-bert with the Auto classes)
+from cramswarm.data import tokenizer as tokenization
 from cramswarm.data.sources import read_glue
 from cramswarm.glue.metrics import compute_metrics
 from cramswarm.glue.tasks import get_task
@@ -35,8 +35,17 @@ from cramswarm.training import autocast, resolve_device, resolve_precision
 
 BUCKET_POOL_BATCHES = 50  # batches per pool inside which examples are sorted by length
 # Keys of a protocol (cramswarm.config.glue_protocol: a glue.protocols entry plus the shared settings).
-PROTOCOL_KEYS = ("epochs", "batch_size", "lr", "schedule", "warmup_fraction", "weight_decay", "dropout",
-                 "max_length_tokens", "device")
+PROTOCOL_KEYS = (
+    "epochs",
+    "batch_size",
+    "lr",
+    "schedule",
+    "warmup_fraction",
+    "weight_decay",
+    "dropout",
+    "max_length_tokens",
+    "device",
+)
 
 
 def encode(tok, task: str, rows: list[dict], max_length: int) -> list[list[int]]:
@@ -182,7 +191,9 @@ def finetune(
             padded_tokens += input_ids.numel()
             real_tokens += int(mask.sum())
             with autocast(precision, device), attention_backends(device):
-                loss = model(input_ids.to(device), attention_mask=mask.to(device), labels=train_labels[index].to(device)).loss
+                loss = model(
+                    input_ids.to(device), attention_mask=mask.to(device), labels=train_labels[index].to(device)
+                ).loss
             scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
@@ -228,8 +239,15 @@ def _file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def cache_key(checkpoint: str | Path, task: str, data_path: str | Path, seed: int, protocol: dict,
-              labels: dict | None, precision: str) -> str:
+def cache_key(
+    checkpoint: str | Path,
+    task: str,
+    data_path: str | Path,
+    seed: int,
+    protocol: dict,
+    labels: dict | None,
+    precision: str,
+) -> str:
     """What a fine-tuning result depends on: the checkpoint's weights and config, the task data (by content), the
     seed, the protocol, the labels and the precision."""
     checkpoint = Path(checkpoint)
@@ -237,7 +255,11 @@ def cache_key(checkpoint: str | Path, task: str, data_path: str | Path, seed: in
         "weights": _file_digest(checkpoint / "model.safetensors"),
         "config": _file_digest(checkpoint / "config.json"),
         "data": _file_digest(Path(data_path)),
-        "task": task, "seed": seed, "protocol": protocol, "labels": labels or {}, "precision": precision,
+        "task": task,
+        "seed": seed,
+        "protocol": protocol,
+        "labels": labels or {},
+        "precision": precision,
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
 

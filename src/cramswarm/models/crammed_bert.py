@@ -287,7 +287,8 @@ class CrammedBertModel(CrammedBertPreTrainedModel):
     ) -> BaseModelOutput:
         if input_ids.shape[1] > self.config.max_position_embeddings:
             raise ValueError(
-                f"input of {input_ids.shape[1]} tokens exceeds max_position_embeddings={self.config.max_position_embeddings}"
+                f"input of {input_ids.shape[1]} tokens exceeds "
+                f"max_position_embeddings={self.config.max_position_embeddings}"
             )
         mask = None
         if attention_mask is not None and not bool(attention_mask.all()):

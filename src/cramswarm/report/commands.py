@@ -55,7 +55,8 @@ def tables(args) -> int:
     arg("--source", default="synthetic", choices=("synthetic", "hub"), help="the config's source (captions)"),
 )
 def figures(args) -> int:
-    from cramswarm.report import figures as f, tables as t
+    from cramswarm.report import figures as f
+    from cramswarm.report import tables as t
 
     f.plot_loss_curves({Path(p).parent.parent.name + "/" + Path(p).parent.name: p for p in args.logs}, args.loss_png)
     df = t.load_results(args.results)

@@ -50,16 +50,25 @@ def data_table(runs: Mapping[str, Mapping], results: Iterable[str]) -> pd.DataFr
             raise ValueError(f"{spec['summary']}: summary of run {summary['run']!r} given for run {run!r}")
         reports = {stage: _report(path) for stage, path in spec["reports"].items()}
         data = spec["data"]
-        rows.append({
-            "label": spec["label"], "run": run, "source": spec["source"], "cell": spec["cell"],
-            "trash_filter": bool(data["trash_filter"]), "dedup": bool(data["dedup"]), "order": data["order"],
-            "family": data["family"],
-            "documents_raw": reports["corpus"].get("documents"),
-            "documents_after_trash": reports.get("trash", {}).get("documents_out"),
-            "documents_after_dedup": reports.get("dedup", {}).get("documents_out"),
-            "tokens_packed": reports["pack"].get("tokens"), "blocks": reports["pack"].get("blocks"),
-            "pretrain_tokens": int(summary["tokens"]), "eval_loss": _number(summary["eval_loss"]),
-        })
+        rows.append(
+            {
+                "label": spec["label"],
+                "run": run,
+                "source": spec["source"],
+                "cell": spec["cell"],
+                "trash_filter": bool(data["trash_filter"]),
+                "dedup": bool(data["dedup"]),
+                "order": data["order"],
+                "family": data["family"],
+                "documents_raw": reports["corpus"].get("documents"),
+                "documents_after_trash": reports.get("trash", {}).get("documents_out"),
+                "documents_after_dedup": reports.get("dedup", {}).get("documents_out"),
+                "tokens_packed": reports["pack"].get("tokens"),
+                "blocks": reports["pack"].get("blocks"),
+                "pretrain_tokens": int(summary["tokens"]),
+                "eval_loss": _number(summary["eval_loss"]),
+            }
+        )
     table = pd.DataFrame(rows)
     scores, columns = _run_scores(results, table["run"])
     table = table.join(scores[columns], on="run")
@@ -77,11 +86,21 @@ def table2(table: pd.DataFrame, value: str = AVG_COLUMN) -> pd.DataFrame:
 
 
 COUNT_HEADERS = {
-    "documents_raw": "Docs (raw)", "documents_after_trash": "Docs after trash", "documents_after_dedup": "Docs after dedup",
-    "tokens_packed": "Tokens packed", "blocks": "Blocks", "pretrain_tokens": "Pretrain tokens",
+    "documents_raw": "Docs (raw)",
+    "documents_after_trash": "Docs after trash",
+    "documents_after_dedup": "Docs after dedup",
+    "tokens_packed": "Tokens packed",
+    "blocks": "Blocks",
+    "pretrain_tokens": "Pretrain tokens",
 }
-TEXT_HEADERS = {"source": "Source", "cell": "Cell", "trash_filter": "Trash", "dedup": "Dedup", "order": "Order",
-                "family": "Tokenizer"}
+TEXT_HEADERS = {
+    "source": "Source",
+    "cell": "Cell",
+    "trash_filter": "Trash",
+    "dedup": "Dedup",
+    "order": "Order",
+    "family": "Tokenizer",
+}
 
 
 def _markdown(df: pd.DataFrame) -> str:
@@ -107,8 +126,10 @@ def paper_table2(cells: list[str]) -> pd.DataFrame:
     """:data:`PAPER_TABLE2` as rows below ours: ``source`` = "paper (ICML, [third-party]): <corpus>", one
     column per cell of ``cells`` (NaN where the paper has no such cell, e.g. dedup)."""
     return pd.DataFrame(
-        [{"source": f"paper (ICML, [third-party]): {corpus}", **{c: row.get(c, float("nan")) for c in cells}}
-         for corpus, row in PAPER_TABLE2.items()]
+        [
+            {"source": f"paper (ICML, [third-party]): {corpus}", **{c: row.get(c, float("nan")) for c in cells}}
+            for corpus, row in PAPER_TABLE2.items()
+        ]
     )
 
 

@@ -91,7 +91,9 @@ def plot_loss_curves(
     with _style():
         fig = _new_figure(6, 4)
         ax = fig.subplots()
-        sns.lineplot(data=data, x="tokens", y="loss", hue="label", hue_order=sorted(curves), estimator=None, sort=True, ax=ax)
+        sns.lineplot(
+            data=data, x="tokens", y="loss", hue="label", hue_order=sorted(curves), estimator=None, sort=True, ax=ax
+        )
         if log_x:
             ax.set_xscale("log")
         else:
@@ -104,7 +106,8 @@ def plot_loss_curves(
     caption = (
         f"Masked-LM training loss (cross-entropy, nats per token) against tokens seen, {len(curves)} pretraining "
         "run(s), one line per model/vocabulary (one row of the training log every few optimizer steps). Last "
-        "logged loss: " + "; ".join(f"{label} {row.loss:.3f} at {row.tokens:,.0f} tokens" for label, row in finals.iterrows())
+        "logged loss: "
+        + "; ".join(f"{label} {row.loss:.3f} at {row.tokens:,.0f} tokens" for label, row in finals.iterrows())
         + ". Losses are comparable only at the same vocabulary size (a larger vocabulary has a higher entropy floor). "
         "The paper draws loss curves (Figure 1) but prints no values, so no paper reference is drawn."
     )
@@ -137,8 +140,13 @@ def plot_vocab_sweep(
             for model in models:
                 rows = table[table["model"] == model].sort_values("vocab")
                 ax.errorbar(
-                    rows["vocab"], rows[column], yerr=rows[f"{column}_std"],
-                    marker="o", capsize=3, color=colors[model], label=model,
+                    rows["vocab"],
+                    rows[column],
+                    yerr=rows[f"{column}_std"],
+                    marker="o",
+                    capsize=3,
+                    color=colors[model],
+                    label=model,
                 )
             if baseline is not None and column in baseline and np.isfinite(baseline[column]):
                 ax.axhline(baseline[column], color="0.4", linestyle="--", label=baseline_label)
@@ -155,8 +163,12 @@ def plot_vocab_sweep(
         "GLUE dev average over the paper's nine columns (left) and MNLI-m accuracy (right) against the "
         f"tokenizer's vocabulary size ({', '.join(map(str, sizes))} tokens), one pretraining run per point, "
         "median over fine-tuning seeds, error bars plus/minus the seed standard deviation. "
-        + ("Best average per model: " + "; ".join(f"{row.model} {row.avg_paper:.1f} at {row.vocab}" for row in best.itertuples())
-           if len(best) else "No average is drawn: not all nine of the paper's columns were fine-tuned")
+        + (
+            "Best average per model: "
+            + "; ".join(f"{row.model} {row.avg_paper:.1f} at {row.vocab}" for row in best.itertuples())
+            if len(best)
+            else "No average is drawn: not all nine of the paper's columns were fine-tuned"
+        )
         + ". The paper (v1 Figure 3) prints no per-size values; its text says smaller vocabularies (4096 to "
         "16384) did worse and 65536 was not reliably better than 32768, with MNLI plateauing around 32768 [paper]."
     )
@@ -188,9 +200,7 @@ def plot_glue_by_task(
         raise ValueError("plot_glue_by_task: no task scores to plot")
     paper = paper_rows() if paper is None else paper
     several_vocabs = data.groupby("model")["vocab"].nunique().max() > 1
-    data["run"] = (
-        data["model"] + " (V=" + data["vocab"].astype(str) + ")" if several_vocabs else data["model"]
-    )
+    data["run"] = data["model"] + " (V=" + data["vocab"].astype(str) + ")" if several_vocabs else data["model"]
     columns = [c for c in TASK_PLOT_COLUMNS if c in set(data["column"])]
     order = [COLUMN_LABELS[c] for c in columns]
     data["task"] = data["column"].map(COLUMN_LABELS)
@@ -200,19 +210,40 @@ def plot_glue_by_task(
         fig = _new_figure(min(13.0, max(8.0, 1.0 + 0.18 * len(order) * len(hue_order))), 5.2)
         ax = fig.subplots()
         sns.barplot(
-            data=data, x="task", y="value", hue="run", order=order, hue_order=hue_order,
-            estimator="median", errorbar=("pi", 100), capsize=0.1, err_kws={"linewidth": 1}, ax=ax,
+            data=data,
+            x="task",
+            y="value",
+            hue="run",
+            order=order,
+            hue_order=hue_order,
+            estimator="median",
+            errorbar=("pi", 100),
+            capsize=0.1,
+            err_kws={"linewidth": 1},
+            ax=ax,
         )
         sns.stripplot(
-            data=data, x="task", y="value", hue="run", order=order, hue_order=hue_order,
-            dodge=True, palette=dict.fromkeys(hue_order, "0.15"), size=2.0, jitter=0.1, legend=False, ax=ax,
+            data=data,
+            x="task",
+            y="value",
+            hue="run",
+            order=order,
+            hue_order=hue_order,
+            dodge=True,
+            palette=dict.fromkeys(hue_order, "0.15"),
+            size=2.0,
+            jitter=0.1,
+            legend=False,
+            ax=ax,
         )
         drawn = []
         for model, label, style, color in PAPER_LEVELS:
             row = paper[paper["model"] == model]
             if row.empty:
                 continue
-            values = [(i, float(row.iloc[0][c])) for i, c in enumerate(columns) if c in row and np.isfinite(row.iloc[0][c])]
+            values = [
+                (i, float(row.iloc[0][c])) for i, c in enumerate(columns) if c in row and np.isfinite(row.iloc[0][c])
+            ]
             if values:
                 x, y = np.array(values).T
                 ax.hlines(y, x - 0.45, x + 0.45, colors=color, linestyles=style, linewidth=1.6, zorder=5, label=label)
@@ -231,12 +262,25 @@ def plot_glue_by_task(
         f"correlation for CoLA, Pearson for STS-B, accuracy elsewhere) for {len(hue_order)} model(s); bars are "
         f"medians over {', '.join(f'{run}: {n}' for run, n in seeds.items())} fine-tuning seed(s), whiskers the "
         "range over seeds, dots single seeds. Median per task: "
-        + "; ".join(f"{run}: " + ", ".join(f"{COLUMN_LABELS[c]} {medians.loc[run, c]:.1f}" for c in columns
-                                        if c in medians and np.isfinite(medians.loc[run, c]))
-                    for run in hue_order)
+        + "; ".join(
+            f"{run}: "
+            + ", ".join(
+                f"{COLUMN_LABELS[c]} {medians.loc[run, c]:.1f}"
+                for c in columns
+                if c in medians and np.isfinite(medians.loc[run, c])
+            )
+            for run in hue_order
+        )
         + ". "
-        + (f"Level lines: {' and '.join(drawn)}, from report/paper_glue.csv (WNLI is not in the paper's table). " if drawn else "")
-        + ("These runs use the synthetic stand-in tasks, not real GLUE: the paper's lines show the real scale only. "
-           if source == "synthetic" else "")
+        + (
+            f"Level lines: {' and '.join(drawn)}, from report/paper_glue.csv (WNLI is not in the paper's table). "
+            if drawn
+            else ""
+        )
+        + (
+            "These runs use the synthetic stand-in tasks, not real GLUE: the paper's lines show the real scale only. "
+            if source == "synthetic"
+            else ""
+        )
     )
     return _save(fig, out_png, caption)

@@ -7,7 +7,8 @@ Aggregation rules (one row per (model, vocab)):
   (so the printed average is the mean of the printed columns);
 * ``avg_paper_seeds`` / ``avg_glue`` are computed **per seed** (see :mod:`cramswarm.glue.metrics`) and then the
   median over seeds is reported, with ``avg_paper_std`` the sample standard deviation (ddof=1) of the per-seed
-  paper averages — NaN with a single seed; they carry the seed-to-seed spread that a mean of medians hides. A seed lacking any task needed by an average makes that seed's average
+  paper averages — NaN with a single seed; they carry the seed-to-seed spread that a mean of medians hides. A seed
+  lacking any task needed by an average makes that seed's average
   NaN and so the row's median NaN: a partial row says so instead of averaging fewer numbers.
 """
 
@@ -21,7 +22,6 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from cramswarm.io import atomic_path, read_json_object
 from cramswarm.glue.metrics import (
     PAPER_AVERAGE_COLUMNS,
     SCORE_COLUMNS,
@@ -29,6 +29,7 @@ from cramswarm.glue.metrics import (
     paper_average,
     score_columns,
 )
+from cramswarm.io import atomic_path, read_json_object
 
 LONG_COLUMNS: tuple[str, ...] = ("model", "vocab", "task", "seed", "protocol", "column", "value")
 KEYS: list[str] = ["model", "vocab"]
@@ -184,7 +185,9 @@ def to_markdown(df: pd.DataFrame) -> str:
     cells = pd.DataFrame(
         {
             COLUMN_LABELS.get(name, name): column.map(
-                _format_cell if pd.api.types.is_numeric_dtype(column) else lambda v: "" if pd.isna(v) else _format_cell(v)
+                _format_cell
+                if pd.api.types.is_numeric_dtype(column)
+                else lambda v: "" if pd.isna(v) else _format_cell(v)
             )
             for name, column in df.items()
         }
@@ -230,13 +233,19 @@ def paper_rows() -> pd.DataFrame:
     percent, NaN where the source gives no number. ``note`` carries the confidence tag of the reference
     ([paper] = printed by the authors, [third-party] = quoted by someone else)."""
     with resources.as_file(resources.files(__package__).joinpath(PAPER_GLUE_CSV)) as path:
-        rows = pd.read_csv(path, dtype={"source": "str", "model": "str", "note": "str"}, keep_default_na=False,
-                           na_values={c: [""] for c in (*PAPER_AVERAGE_COLUMNS, "avg_paper")})
+        rows = pd.read_csv(
+            path,
+            dtype={"source": "str", "model": "str", "note": "str"},
+            keep_default_na=False,
+            na_values={c: [""] for c in (*PAPER_AVERAGE_COLUMNS, "avg_paper")},
+        )
     missing = [c for c in PAPER_COLUMNS if c not in rows.columns]
     if missing:
         raise ValueError(f"{PAPER_GLUE_CSV}: missing column(s) {', '.join(missing)}")
     if rows["model"].duplicated().any():
-        raise ValueError(f"{PAPER_GLUE_CSV}: duplicate model(s) {sorted(set(rows['model'][rows['model'].duplicated()]))}")
+        raise ValueError(
+            f"{PAPER_GLUE_CSV}: duplicate model(s) {sorted(set(rows['model'][rows['model'].duplicated()]))}"
+        )
     numeric = [*PAPER_AVERAGE_COLUMNS, "avg_paper"]
     rows[numeric] = rows[numeric].astype("float64")
     return rows[list(PAPER_COLUMNS)]

@@ -74,39 +74,39 @@ from cramswarm.training import (
 )
 
 ROUTINGS = ("weighted", "uniform", "fixed")
-BACKWARD_COMPUTE_FACTOR = 2.0   # emulated backward compute = 2 x forward (run() only)
-BACKWARD_TASK_SIZE = 2.5        # the balancers' backward task-size multiplier (SWARM's default)
-RECORD_TTL_TIMEOUTS = 3.0       # directory records live this many forward timeouts; re-declared every timeout
+BACKWARD_COMPUTE_FACTOR = 2.0  # emulated backward compute = 2 x forward (run() only)
+BACKWARD_TASK_SIZE = 2.5  # the balancers' backward task-size multiplier (SWARM's default)
+RECORD_TTL_TIMEOUTS = 3.0  # directory records live this many forward timeouts; re-declared every timeout
 
 
 @dataclass
 class PeerSpec:
     stage: int
-    speed: float = 1.0   # 0.5 = twice as slow
+    speed: float = 1.0  # 0.5 = twice as slow
 
 
 @dataclass
 class FailureEvent:
     at_s: float
-    peer: int                              # index into SwarmSetup.peers
-    rejoin_after_s: float | None = None    # None: never comes back
+    peer: int  # index into SwarmSetup.peers
+    rejoin_after_s: float | None = None  # None: never comes back
 
 
 @dataclass
 class SwarmSetup:
     peers: list[PeerSpec]
     trainers: int
-    stage_time_s: float                    # emulated compute seconds per forward call at speed 1
+    stage_time_s: float  # emulated compute seconds per forward call at speed 1
     bandwidth_mbit_s: float | None = None  # None: no transfer time
     latency_s: float = 0.0
     activation_bytes: int = 0
-    routing: str = "weighted"              # weighted (StageBalancer) | uniform (UniformBalancer) | fixed (chains)
+    routing: str = "weighted"  # weighted (StageBalancer) | uniform (UniformBalancer) | fixed (chains)
     failures: list[FailureEvent] = field(default_factory=list)
     rebalance_period_s: float | None = None
     forward_timeout_s: float = 1.0
     duration_s: float = 30.0
     seed: int = 0
-    state_download_s: float = 0.0          # emulated time a rejoining or moving peer spends loading stage state
+    state_download_s: float = 0.0  # emulated time a rejoining or moving peer spends loading stage state
 
     @property
     def num_stages(self) -> int:
@@ -213,7 +213,7 @@ class Peer(threading.Thread):
         self.pending_move: int | None = None
         self.ema = PerformanceEMA()
         self.served: dict[str, int] = {"forward": 0, "backward": 0, "last": 0}
-        self.state: Any = None   # transport-specific stage state (train: module, optimizer, gradient buffers)
+        self.state: Any = None  # transport-specific stage state (train: module, optimizer, gradient buffers)
         self._wake = threading.Event()
         self._next_declare = -math.inf
 
@@ -317,7 +317,7 @@ class _Swarm(abc.ABC):
         self.state_download_s = state_download_s
         self.stop = threading.Event()
         self.lock = threading.Lock()
-        self.membership = threading.Lock()   # kill and move decisions: never two at once on one stage
+        self.membership = threading.Lock()  # kill and move decisions: never two at once on one stage
         self.counters = {"retries": 0, "timeouts": 0, "errors": 0, "peers_killed": 0, "rejoins": 0}
         self.moves: list[dict] = []
         self.errors: list[BaseException] = []
@@ -338,10 +338,10 @@ class _Swarm(abc.ABC):
     def kill(self, peer: Peer) -> None:
         peer.kill()
 
-    def join_state(self, peer: Peer) -> None:
+    def join_state(self, peer: Peer) -> None:  # noqa: B027 (a no-op by default, not abstract)
         """A restarted peer downloads its stage's state (no state to copy when compute is emulated)."""
 
-    def move_state(self, peer: Peer, from_stage: int, to_stage: int) -> None:
+    def move_state(self, peer: Peer, from_stage: int, to_stage: int) -> None:  # noqa: B027 (a no-op by default)
         """A moving peer hands its unaveraged work to its old stage and loads the new stage's state."""
 
     def record_error(self, exc: BaseException) -> None:
@@ -383,8 +383,14 @@ class _Swarm(abc.ABC):
     def begin_move(self, move: Move) -> None:
         peer = self.by_uid[move.uid]
         with self.lock:
-            self.moves.append({"t_s": round(self.clock.now(), 3), "uid": move.uid,
-                               "from_stage": move.from_stage, "to_stage": move.to_stage})
+            self.moves.append(
+                {
+                    "t_s": round(self.clock.now(), 3),
+                    "uid": move.uid,
+                    "from_stage": move.from_stage,
+                    "to_stage": move.to_stage,
+                }
+            )
         peer.pending_move = move.to_stage
 
 
@@ -395,9 +401,17 @@ class _StopRun(Exception):
 class Router:
     """A trainer's view of the swarm: one balancer per stage (or a fixed chain), timeouts and retries."""
 
-    def __init__(self, swarm: _Swarm, stages: int, routing: str, retry: RetryPolicy, rng: random.Random,
-                 chain: list[Peer] | None = None, network_s: Callable[[int], float] = lambda nbytes: 0.0,
-                 deadline_s: float = math.inf):
+    def __init__(
+        self,
+        swarm: _Swarm,
+        stages: int,
+        routing: str,
+        retry: RetryPolicy,
+        rng: random.Random,
+        chain: list[Peer] | None = None,
+        network_s: Callable[[int], float] = lambda nbytes: 0.0,
+        deadline_s: float = math.inf,
+    ):
         self.swarm, self.retry = swarm, retry
         self.chain, self.network_s, self.deadline_s = chain, network_s, deadline_s
         cls = UniformBalancer if routing == "uniform" else StageBalancer
@@ -427,7 +441,7 @@ class Router:
     def call(self, stage: int, kind: str, mb: int, data: Any, task_size: float, nbytes: tuple[int, int]) -> Any:
         """Send one request to a peer of ``stage`` and return its result, retrying until a peer answers."""
         swarm, clock = self.swarm, self.swarm.clock
-        backward = kind != "forward"   # "backward", or "last" (the last stage's forward + backward)
+        backward = kind != "forward"  # "backward", or "last" (the last stage's forward + backward)
         timeout = self.retry.timeout(backward)
         first_try, stranded_since = True, None
         while True:
@@ -478,14 +492,16 @@ class Router:
             clock.sleep(self.network_s(nbytes[1]))
             if self.chain is None:
                 # in work units, as the peer's own estimate and the hivemind transport count them
-                self.balancers[stage].report_success(peer.uid, task_size * swarm.work_units(request),
-                                                     clock.now() - start)
+                self.balancers[stage].report_success(
+                    peer.uid, task_size * swarm.work_units(request), clock.now() - start
+                )
             return request.result
 
 
 # ------------------------------------------------------------------------------------------------------------
 # Throughput emulation
 # ------------------------------------------------------------------------------------------------------------
+
 
 class _EmulatedSwarm(_Swarm):
     def __init__(self, setup: SwarmSetup, clock: ScaledClock):
@@ -536,9 +552,16 @@ def run(setup: SwarmSetup, *, clock: ScaledClock | None = None, time_scale: floa
     nbytes = (setup.activation_bytes, setup.activation_bytes)
 
     def trainer(index: int) -> None:
-        router = Router(swarm, stages, setup.routing, retry, random.Random(rng.random()),
-                        chain=chains[index % len(chains)] if chains else None, network_s=network_s,
-                        deadline_s=deadline)
+        router = Router(
+            swarm,
+            stages,
+            setup.routing,
+            retry,
+            random.Random(rng.random()),
+            chain=chains[index % len(chains)] if chains else None,
+            network_s=network_s,
+            deadline_s=deadline,
+        )
         while True:
             with swarm.lock:
                 mb = state["next_mb"]
@@ -561,8 +584,9 @@ def run(setup: SwarmSetup, *, clock: ScaledClock | None = None, time_scale: floa
                 state["done"] += 1
                 timeline.append((round(now - start, 4), state["done"]))
 
-    threads = [threading.Thread(target=trainer, args=(i,), name=f"trainer{i}", daemon=True)
-               for i in range(setup.trainers)]
+    threads = [
+        threading.Thread(target=trainer, args=(i,), name=f"trainer{i}", daemon=True) for i in range(setup.trainers)
+    ]
     if setup.rebalance_period_s and setup.routing != "fixed":
         rebalancer = Rebalancer(setup.rebalance_period_s)
         threads.append(threading.Thread(target=swarm.rebalance_loop, args=(rebalancer, stages), daemon=True))
@@ -621,13 +645,13 @@ def _inject_failures(swarm: _Swarm, failures: list[FailureEvent], start: float) 
 # Training
 # ------------------------------------------------------------------------------------------------------------
 
-WORK_UNITS = {"forward": 1.0, "backward": 2.0, "last": 3.0}   # relative compute per sample, for peers' own EMA
+WORK_UNITS = {"forward": 1.0, "backward": 2.0, "last": 3.0}  # relative compute per sample, for peers' own EMA
 
 
 @dataclass
 class TrainResult:
-    stage_states: list[dict[str, torch.Tensor]]   # final parameters of each stage (replicas are equal)
-    log: list[dict]                               # one row per optimizer step (of the last stage)
+    stage_states: list[dict[str, torch.Tensor]]  # final parameters of each stage (replicas are equal)
+    log: list[dict]  # one row per optimizer step (of the last stage)
     stats: dict
 
 
@@ -637,13 +661,17 @@ class _Replica:
     def __init__(self, module: torch.nn.Module, recipe: dict, optimizer_state: dict | None = None):
         self.module = module
         self.params = [p for p in module.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(decay_groups(module, recipe["weight_decay"]), lr=recipe["lr"],
-                                           betas=tuple(recipe["betas"]), eps=recipe["eps"])
+        self.optimizer = torch.optim.AdamW(
+            decay_groups(module, recipe["weight_decay"]),
+            lr=recipe["lr"],
+            betas=tuple(recipe["betas"]),
+            eps=recipe["eps"],
+        )
         if optimizer_state is not None:
             self.optimizer.load_state_dict(copy.deepcopy(optimizer_state))
         self.buffers = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
-        self.mbs: set[int] = set()   # microbatches whose gradients sit in ``buffers``
-        self.member = True           # takes part in its stage's synchronous steps
+        self.mbs: set[int] = set()  # microbatches whose gradients sit in ``buffers``
+        self.member = True  # takes part in its stage's synchronous steps
         self.lock = threading.Lock()
 
     @classmethod
@@ -684,7 +712,9 @@ class Dispatcher:
             if self.left_in_step == 0:
                 if self.issued >= self.total:
                     return None
-                t = budget_progress(self.recipe["budget"], self.tokens, len(self.plan), time.perf_counter() - self.start)
+                t = budget_progress(
+                    self.recipe["budget"], self.tokens, len(self.plan), time.perf_counter() - self.start
+                )
                 if t >= 1.0:
                     return None
                 size = accumulation_at(t, self.final_accumulation, self.recipe["batch_ramp_fraction"])
@@ -694,7 +724,9 @@ class Dispatcher:
             try:
                 inputs, labels = next(self.batches)
             except StopIteration:
-                raise ValueError(f"the batch iterator ran out after {self.issued} of {self.total} microbatches") from None
+                raise ValueError(
+                    f"the batch iterator ran out after {self.issued} of {self.total} microbatches"
+                ) from None
             mb = self.issued
             self.issued += 1
             self.left_in_step -= 1
@@ -705,10 +737,23 @@ class Dispatcher:
 class _TrainingSwarm(_Swarm):
     """Peers that really compute their stage (see the module docstring for the synchronisation rules)."""
 
-    def __init__(self, specs: list[PeerSpec], clock: ScaledClock, stages: list[torch.nn.Module], recipe: dict,
-                 swarm_cfg: dict, precision: str, dispatcher: Dispatcher):
+    def __init__(
+        self,
+        specs: list[PeerSpec],
+        clock: ScaledClock,
+        stages: list[torch.nn.Module],
+        recipe: dict,
+        swarm_cfg: dict,
+        precision: str,
+        dispatcher: Dispatcher,
+    ):
         super().__init__(specs, clock, swarm_cfg["forward_timeout_s"], 0.0)
-        self.recipe, self.scheme, self.precision, self.dispatcher = recipe, swarm_cfg["compression"], precision, dispatcher
+        self.recipe, self.scheme, self.precision, self.dispatcher = (
+            recipe,
+            swarm_cfg["compression"],
+            precision,
+            dispatcher,
+        )
         self.num_stages = len(stages)
         self.stage_state = [_StageState() for _ in stages]
         self.log: list[dict] = []
@@ -771,8 +816,16 @@ class _TrainingSwarm(_Swarm):
         return result
 
     # -- in-stage synchronisation ----------------------------------------------------------------------
-    def _accumulate(self, peer: Peer, incarnation: int, stage: int, mb: int, grads: list[torch.Tensor | None],
-                    loss: float | None, samples: int) -> None:
+    def _accumulate(
+        self,
+        peer: Peer,
+        incarnation: int,
+        stage: int,
+        mb: int,
+        grads: list[torch.Tensor | None],
+        loss: float | None,
+        samples: int,
+    ) -> None:
         st = self.stage_state[stage]
         with st.lock:
             if not peer.alive or peer.incarnation != incarnation:
@@ -834,11 +887,18 @@ class _TrainingSwarm(_Swarm):
             if not math.isfinite(loss):
                 raise FloatingPointError(f"swarm pretraining loss became {loss} at step {st.step}; lower pretrain.lr")
             tokens_per_mb = self.dispatcher.tokens // max(self.dispatcher.issued, 1)
-            self.log.append({
-                "step": st.step, "tokens": sum(n for _, n in plan[: st.step]) * tokens_per_mb, "progress": t,
-                "loss": loss, "lr": lr, "lr_multiplier": multiplier, "batch_sequences": total,
-                "elapsed_s": time.perf_counter() - self.dispatcher.start,
-            })
+            self.log.append(
+                {
+                    "step": st.step,
+                    "tokens": sum(n for _, n in plan[: st.step]) * tokens_per_mb,
+                    "progress": t,
+                    "loss": loss,
+                    "lr": lr,
+                    "lr_multiplier": multiplier,
+                    "batch_sequences": total,
+                    "elapsed_s": time.perf_counter() - self.dispatcher.start,
+                }
+            )
             st.losses.clear()
 
     def flush(self) -> None:
@@ -857,7 +917,7 @@ class _TrainingSwarm(_Swarm):
             rep: _Replica = peer.state
             rep.member = False
             st.sync.remove(peer.uid)
-            st.seen -= rep.mbs   # their gradients are gone: a resent request may count them again
+            st.seen -= rep.mbs  # their gradients are gone: a resent request may count them again
             rep.mbs.clear()
             for buf in rep.buffers:
                 buf.zero_()
@@ -868,12 +928,12 @@ class _TrainingSwarm(_Swarm):
             raise NoPeersError(stage)
         return sources[0]
 
-    def join_state(self, peer: Peer) -> None:
+    def join_state(self, peer: Peer) -> None:  # noqa: B027 (a no-op by default, not abstract)
         st = self.stage_state[peer.stage]
         with st.lock:
             peer.state = _Replica.copy_of(self._source(peer.stage, peer).state, self.recipe)
 
-    def move_state(self, peer: Peer, from_stage: int, to_stage: int) -> None:
+    def move_state(self, peer: Peer, from_stage: int, to_stage: int) -> None:  # noqa: B027 (a no-op by default)
         st = self.stage_state[from_stage]
         with st.lock:  # hand the unaveraged gradients to a replica that stays
             rep: _Replica = peer.state
@@ -912,8 +972,11 @@ def _peer_specs(swarm_cfg: dict, num_stages: int) -> list[PeerSpec]:
         raise ValueError(f"swarm.peers_per_stage={per_stage}: every stage needs at least one peer to serve it")
     if any(s <= 0 for s in speeds):
         raise ValueError(f"swarm.peer_speeds must be positive, got {speeds}")
-    return [PeerSpec(stage, speeds[(stage * per_stage + r) % len(speeds)])
-            for stage in range(num_stages) for r in range(per_stage)]
+    return [
+        PeerSpec(stage, speeds[(stage * per_stage + r) % len(speeds)])
+        for stage in range(num_stages)
+        for r in range(per_stage)
+    ]
 
 
 def _fault_loop(swarm: _TrainingSwarm, kill_every_s: float, rejoin_after_s: float | None, seed: int) -> None:
@@ -931,8 +994,11 @@ def _fault_loop(swarm: _TrainingSwarm, kill_every_s: float, rejoin_after_s: floa
             continue
         next_kill = now + kill_every_s
         with swarm.membership:
-            candidates = [p for p in swarm.peers if p.alive and p.pending_move is None
-                          and sum(q.alive for q in swarm.members(p.stage)) >= 2]
+            candidates = [
+                p
+                for p in swarm.peers
+                if p.alive and p.pending_move is None and sum(q.alive for q in swarm.members(p.stage)) >= 2
+            ]
             victim = rng.choice(candidates) if candidates else None
             if victim is not None:
                 swarm.kill(victim)
@@ -942,9 +1008,16 @@ def _fault_loop(swarm: _TrainingSwarm, kill_every_s: float, rejoin_after_s: floa
                 rejoins.append((now + rejoin_after_s, victim))
 
 
-def train(*, arch: dict, vocab_size: int, recipe: dict, swarm: dict,
-          batches: Iterator[tuple[torch.Tensor, torch.Tensor]], total_microbatches: int,
-          progress: bool = True) -> TrainResult:
+def train(
+    *,
+    arch: dict,
+    vocab_size: int,
+    recipe: dict,
+    swarm: dict,
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    total_microbatches: int,
+    progress: bool = True,
+) -> TrainResult:
     """Train crammed BERT with SWARM on peer and trainer threads (see the module docstring).
 
     ``batches`` yields already-masked (input_ids, labels) microbatches; at most ``total_microbatches`` are
@@ -992,17 +1065,32 @@ def train(*, arch: dict, vocab_size: int, recipe: dict, swarm: dict,
         except BaseException as exc:  # surfaced by the main thread
             sw.record_error(exc)
 
-    trainers = [threading.Thread(target=trainer, args=(i, rng.random()), name=f"trainer{i}", daemon=True)
-                for i in range(swarm["trainers"])]
+    trainers = [
+        threading.Thread(target=trainer, args=(i, rng.random()), name=f"trainer{i}", daemon=True)
+        for i in range(swarm["trainers"])
+    ]
     helpers = []
     if swarm.get("kill_every_s"):
-        helpers.append(threading.Thread(target=_fault_loop, daemon=True, args=(
-            sw, swarm["kill_every_s"], swarm.get("rejoin_after_s"), swarm["seed"])))
+        helpers.append(
+            threading.Thread(
+                target=_fault_loop,
+                daemon=True,
+                args=(sw, swarm["kill_every_s"], swarm.get("rejoin_after_s"), swarm["seed"]),
+            )
+        )
     if swarm.get("rebalance_period_s"):
-        helpers.append(threading.Thread(target=sw.rebalance_loop, daemon=True,
-                                        args=(Rebalancer(swarm["rebalance_period_s"]), len(stages))))
-    bar = tqdm(total=total_microbatches if total_microbatches < 1 << 40 else None, desc="swarm", unit="mb",
-               disable=not progress, mininterval=2.0)
+        helpers.append(
+            threading.Thread(
+                target=sw.rebalance_loop, daemon=True, args=(Rebalancer(swarm["rebalance_period_s"]), len(stages))
+            )
+        )
+    bar = tqdm(
+        total=total_microbatches if total_microbatches < 1 << 40 else None,
+        desc="swarm",
+        unit="mb",
+        disable=not progress,
+        mininterval=2.0,
+    )
     wall_start = dispatcher.start = time.perf_counter()
     sw.start()
     for thread in trainers + helpers:
@@ -1016,8 +1104,12 @@ def train(*, arch: dict, vocab_size: int, recipe: dict, swarm: dict,
                 elapsed = time.perf_counter() - wall_start
                 row = sw.log[-1] if sw.log else None
                 bar.update(counts["done"] - bar.n)
-                bar.set_postfix(tokens=f"{counts['tokens']:,}", loss=f"{row['loss']:.3f}" if row else "-",
-                                lr=f"{row['lr']:.2e}" if row else "-", tok_s=f"{counts['tokens'] / elapsed:,.0f}")
+                bar.set_postfix(
+                    tokens=f"{counts['tokens']:,}",
+                    loss=f"{row['loss']:.3f}" if row else "-",
+                    lr=f"{row['lr']:.2e}" if row else "-",
+                    tok_s=f"{counts['tokens'] / elapsed:,.0f}",
+                )
         if sw.errors:
             raise RuntimeError("swarm training failed in a peer or trainer thread") from sw.errors[0]
         sw.flush()
@@ -1026,8 +1118,10 @@ def train(*, arch: dict, vocab_size: int, recipe: dict, swarm: dict,
         bar.close()
     for thread in helpers:
         thread.join(timeout=5.0)
-    stage_states = [{k: v.detach().clone() for k, v in sw.members(s)[0].state.module.state_dict().items()}
-                    for s in range(len(stages))]
+    stage_states = [
+        {k: v.detach().clone() for k, v in sw.members(s)[0].state.module.state_dict().items()}
+        for s in range(len(stages))
+    ]
     stats = {
         "transport": "emulation",
         "microbatches_requested": dispatcher.issued,

@@ -78,9 +78,15 @@ from hivemind.utils import get_dht_time
 from tqdm.auto import tqdm
 
 import cramswarm
-from cramswarm.training import lr_multiplier
-from cramswarm.swarm.emulation import (BACKWARD_COMPUTE_FACTOR, WORK_UNITS, Dispatcher, FailureEvent, SwarmSetup,
-                                       TrainResult)
+from cramswarm.swarm.compression import SCHEMES
+from cramswarm.swarm.emulation import (
+    BACKWARD_COMPUTE_FACTOR,
+    WORK_UNITS,
+    Dispatcher,
+    FailureEvent,
+    SwarmSetup,
+    TrainResult,
+)
 from cramswarm.swarm.hivemind_peer import (
     ADDR_FILE,
     CONFIG_FILE,
@@ -99,9 +105,9 @@ from cramswarm.swarm.hivemind_peer import (
     stage_records,
     unpack,
 )
-from cramswarm.swarm.stages import check_stage_count
-from cramswarm.swarm.compression import SCHEMES
 from cramswarm.swarm.policies import NoPeersError, PeerLoad, Rebalancer, RetryPolicy, StageBalancer, StageSync
+from cramswarm.swarm.stages import check_stage_count
+from cramswarm.training import lr_multiplier
 
 REFRESH_PERIOD_S = 1.0  # trainers re-read the stages' DHT records this often
 PLACEMENTS = ("local", "attach", "srun")  # who starts the stage peers (SwarmPlan.placement)

@@ -353,8 +353,8 @@ def _train_compressed(config: str, blocks: torch.Tensor, order: torch.Tensor, *,
                       stages: int, steps: int, micro_batch: int, lr: float, mask_rate: float, weight_decay: float,
                       seed: int) -> list[dict]:
     """One config's training run of :func:`compression_loss`: one row per step."""
-    from cramswarm.training import build_model, decay_groups, mask_tokens
     from cramswarm.swarm.stages import split_model
+    from cramswarm.training import build_model, decay_groups, mask_tokens
 
     model = build_model(arch, vocab_size, seed)
     torch.manual_seed(seed + 1)   # the same compression-layer init for every config

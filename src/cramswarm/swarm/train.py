@@ -39,10 +39,12 @@ from cramswarm.training import (
 
 TRANSPORTS = ("emulation", "hivemind")
 PLACEMENTS = ("local", "attach", "srun")  # hivemind_transport.PLACEMENTS (not imported: hivemind is optional)
-UNBOUNDED = 1 << 62   # microbatch bound for a seconds budget (time decides)
+UNBOUNDED = 1 << 62  # microbatch bound for a seconds budget (time decides)
 
 
-def microbatches(blocks: np.ndarray, n_blocks: int, recipe: dict, vocab_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def microbatches(
+    blocks: np.ndarray, n_blocks: int, recipe: dict, vocab_size: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """pretrain's microbatch sequence: consecutive (wrapping) windows of the training blocks, masked in order."""
     micro = recipe["micro_batch_sequences"]
     generator = torch.Generator().manual_seed(recipe["seed"])
@@ -82,8 +84,10 @@ def validate(arch: dict, swarm: dict) -> None:
     if swarm["placement"] not in PLACEMENTS:
         raise ValueError(f"swarm.placement must be one of {', '.join(PLACEMENTS)}, got {swarm['placement']!r}")
     if swarm["placement"] != "local" and swarm["transport"] != "hivemind":
-        raise ValueError(f"swarm.placement={swarm['placement']} runs peers as separate processes: it needs "
-                         f"swarm.transport: hivemind (got {swarm['transport']})")
+        raise ValueError(
+            f"swarm.placement={swarm['placement']} runs peers as separate processes: it needs "
+            f"swarm.transport: hivemind (got {swarm['transport']})"
+        )
 
 
 def _log_rows(log: list[dict], every: int, eval_loss: float | None) -> list[dict]:
@@ -107,9 +111,19 @@ def _csv(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def swarm_pretrain(recipe: dict, arch: dict, swarm: dict, blocks_path, tokenizer_path, out_dir, *,
-                   progress: bool = True, run: str | None = None, expected_vocab: int | None = None,
-                   rendezvous: str | Path | None = None) -> dict:
+def swarm_pretrain(
+    recipe: dict,
+    arch: dict,
+    swarm: dict,
+    blocks_path,
+    tokenizer_path,
+    out_dir,
+    *,
+    progress: bool = True,
+    run: str | None = None,
+    expected_vocab: int | None = None,
+    rendezvous: str | Path | None = None,
+) -> dict:
     """Pretrain with SWARM until the budget is spent; write the checkpoint, train_log.csv and summary.json.
     ``rendezvous``: the folder where peers of the attach/srun placements find the swarm (shared filesystem)."""
     validate(arch, swarm)
@@ -122,19 +136,28 @@ def swarm_pretrain(recipe: dict, arch: dict, swarm: dict, blocks_path, tokenizer
     extra = {}
     if swarm["transport"] == "hivemind":
         from cramswarm.swarm.hivemind_transport import train as transport_train
+
         extra["rendezvous"] = rendezvous
     else:
         from cramswarm.swarm.emulation import train as transport_train
-    result = transport_train(arch=arch, vocab_size=vocab_size, recipe=recipe, swarm=swarm,
-                             batches=microbatches(blocks, n_blocks, recipe, vocab_size),
-                             total_microbatches=total, progress=progress, **extra)
+    result = transport_train(
+        arch=arch,
+        vocab_size=vocab_size,
+        recipe=recipe,
+        swarm=swarm,
+        batches=microbatches(blocks, n_blocks, recipe, vocab_size),
+        total_microbatches=total,
+        progress=progress,
+        **extra,
+    )
     stats = result.stats
 
     stages = split_model(build_model(arch, vocab_size, recipe["seed"]), swarm["stages"])
     for stage, state in zip(stages, result.stage_states):
         stage.load_state_dict(state)
-    model = assemble_model(stages, CrammedBertConfig.from_arch(arch, vocab_size, hidden_dropout_prob=0.0,
-                                                               attention_probs_dropout_prob=0.0))
+    model = assemble_model(
+        stages, CrammedBertConfig.from_arch(arch, vocab_size, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    )
     device = torch.device("cpu")
     precision = resolve_precision(recipe["precision"], device)
     eval_loss = None

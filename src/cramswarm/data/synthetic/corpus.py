@@ -36,7 +36,10 @@ _REVIEW_ITEMS = ("work", "work", "work", "food", "place", "instrument", "vehicle
 # Sentence-local polar cues for review sentences. Real reviews signal sentiment inside the sentence too;
 # a small MLM learns such one-hop evidence far sooner than document-level consistency. The cue words are
 # outside the lexicon and never occur in task rows, so they teach polarity without leaking labels.
-POLAR_CUES = {1: ("happily", "luckily", "thankfully", "wonderfully"), -1: ("sadly", "unluckily", "regrettably", "annoyingly")}
+POLAR_CUES = {
+    1: ("happily", "luckily", "thankfully", "wonderfully"),
+    -1: ("sadly", "unluckily", "regrettably", "annoyingly"),
+}
 # What things at each pole of a scale do or undergo: the world knowledge that, in real text, tells "huge"
 # from "tiny" although both describe the same nouns. Past-tense phrases (no agreement), free of lexicon
 # words; sentiment adjectives share one list per polarity ("+" / "-").
@@ -76,8 +79,13 @@ CUES: dict[str, tuple[str, ...]] = {
     "+": ("made everyone smile", "earned a standing ovation", "left everyone happy"),
     "-": ("made everyone groan", "left everyone upset", "earned nothing but complaints"),
 }
-_FRAMES = ("officials said that {c}", "according to the report , {c}", "{c} , the report said", "yesterday , {c}",
-           *(frame for _, _, frames in GENRES.values() for frame in frames))
+_FRAMES = (
+    "officials said that {c}",
+    "according to the report , {c}",
+    "{c} , the report said",
+    "yesterday , {c}",
+    *(frame for _, _, frames in GENRES.values() for frame in frames),
+)
 
 
 def _pronoun(noun: Noun, plural: bool, rng: random.Random) -> str:
@@ -93,8 +101,24 @@ def _cue(rng: random.Random, adj: Adj) -> str:
 def _narrative(rng: random.Random, subj: NP | None = None) -> str:
     # mostly without sentiment words: those appear where their polarity is consistent (reviews, lessons)
     pool = P if rng.random() < 0.2 else NEUTRAL
-    return clause_text(sample_clause(rng, pool, subj=subj, copular=0.25, adj=0.35, obj_adj=0.3, place=0.35,
-                                     past=0.6, neg=0.08, plural=0.3, rel=0.12)) + " ."
+    return (
+        clause_text(
+            sample_clause(
+                rng,
+                pool,
+                subj=subj,
+                copular=0.25,
+                adj=0.35,
+                obj_adj=0.3,
+                place=0.35,
+                past=0.6,
+                neg=0.08,
+                plural=0.3,
+                rel=0.12,
+            )
+        )
+        + " ."
+    )
 
 
 def _explanation(rng: random.Random) -> str:
@@ -263,8 +287,10 @@ def _adjective_lesson(rng: random.Random, n: int) -> list[str]:
         elif d == 7:
             out.append(f"{x.word} and {y.word} mean the same thing .")
         elif d == 8:
-            out.append(f"{article(x.word)} {x.word} {noun.sg} {_cue(rng, x)} , but {article(z.word)} {z.word} one "
-                       f"{_cue(rng, z)} .")
+            out.append(
+                f"{article(x.word)} {x.word} {noun.sg} {_cue(rng, x)} , but {article(z.word)} {z.word} one "
+                f"{_cue(rng, z)} ."
+            )
         elif x.polarity:
             like, hate = ("love", "hate") if rng.random() < 0.5 else ("praise", "criticize")
             if x.polarity < 0:
@@ -312,8 +338,18 @@ def _forum(rng: random.Random, n: int) -> list[str]:
         if d == 0:
             intent = rng.choice(tuple(QUESTION_FORMS))
             subj_class = "person" if intent != "why" else rng.choice(ANIMATE)
-            c = sample_clause(rng, NEUTRAL, subj_class=subj_class, transitive=intent != "why" or None, copular=0.0,
-                              adj=0.5, obj_adj=0.6, place=0.0, past=0.0, plural=0.0)
+            c = sample_clause(
+                rng,
+                NEUTRAL,
+                subj_class=subj_class,
+                transitive=intent != "why" or None,
+                copular=0.0,
+                adj=0.5,
+                obj_adj=0.6,
+                place=0.0,
+                past=0.0,
+                plural=0.0,
+            )
             if intent == "why":
                 c = c._replace(subj=c.subj._replace(det="my"))
                 answer = f"maybe it is {rng.choice(NEUTRAL.adjs_for[c.subj.noun.cls]).word} ."
@@ -330,19 +366,25 @@ def _forum(rng: random.Random, n: int) -> list[str]:
         elif d == 2:
             c = sample_clause(rng, NEUTRAL, transitive=True, adj=0.3, obj_adj=0.3, place=0.0, past=1.0, plural=0.2)
             pron, them = _pronoun(c.subj.noun, c.subj.plural, rng), "them" if c.obj.plural else "it"
-            out += [f"where did {np_text(c.subj)} {c.verb.base} {np_text(c.obj)} ?",
-                    f"{pron} {c.verb.past} {them} in the {rng.choice(P.nouns['place']).sg} ."]
+            out += [
+                f"where did {np_text(c.subj)} {c.verb.base} {np_text(c.obj)} ?",
+                f"{pron} {c.verb.past} {them} in the {rng.choice(P.nouns['place']).sg} .",
+            ]
         elif d == 3:
             cls = rng.choice(_HYPER_CLASSES)
             x = rng.choice(P.nouns[cls])
             hyper = HYPERNYMS[cls]
             if rng.random() < 0.5:
-                out += [f"is {article(x.sg)} {x.sg} {article(hyper.sg)} {hyper.sg} ?",
-                        f"yes , every {x.sg} is {article(hyper.sg)} {hyper.sg} ."]
+                out += [
+                    f"is {article(x.sg)} {x.sg} {article(hyper.sg)} {hyper.sg} ?",
+                    f"yes , every {x.sg} is {article(hyper.sg)} {hyper.sg} .",
+                ]
             else:
                 o = HYPERNYMS[rng.choice(tuple(k for k in _HYPER_CLASSES if k != cls))]
-                out += [f"is {article(x.sg)} {x.sg} {article(o.sg)} {o.sg} ?",
-                        f"no , {article(x.sg)} {x.sg} is {article(hyper.sg)} {hyper.sg} ."]
+                out += [
+                    f"is {article(x.sg)} {x.sg} {article(o.sg)} {o.sg} ?",
+                    f"no , {article(x.sg)} {x.sg} is {article(hyper.sg)} {hyper.sg} .",
+                ]
         elif d == 4:
             x, y = rng.sample(LEXICON.adj_synsets[rng.choice(_ADJ_SYNSETS)], 2)
             out += [f"what does {x.word} mean ?", f"it means {y.word} ."]
@@ -374,8 +416,15 @@ def _news(rng: random.Random, n: int) -> list[str]:
 
 
 # cumulative share -> document kind
-_KINDS = ((0.28, _story), (0.5, _review), (0.62, _class_lesson), (0.72, _adjective_lesson), (0.78, _verb_lesson),
-          (0.88, _forum), (1.0, _news))
+_KINDS = (
+    (0.28, _story),
+    (0.5, _review),
+    (0.62, _class_lesson),
+    (0.72, _adjective_lesson),
+    (0.78, _verb_lesson),
+    (0.88, _forum),
+    (1.0, _news),
+)
 
 
 def document(rng: random.Random) -> str:
