@@ -1,11 +1,14 @@
 import csv
 import json
+import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from conftest import ARCH, killed_at_save, recipe
 
+from cramswarm import pretrain as stage_module
 from cramswarm.data import tokenizer as tokenization
 from cramswarm.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
 from cramswarm.pretrain import HeldOut, pretrain
@@ -245,3 +248,62 @@ def test_compiled_pretraining_matches_eager_and_saves_clean_keys(tiny_run):
     )
     assert compiled["final_loss"] == pytest.approx(eager["final_loss"], abs=1e-3)
     assert not [k for k in load_file(folder / "compiled" / "model.safetensors") if k.startswith("_orig_mod")]
+
+
+def test_hot_loop_reads_the_loss_once_per_optimizer_step(tiny_run, monkeypatch):
+    """No host sync per micro-step: the package's code reads a floating-point tensor (a loss) into Python at most
+    once per optimizer step.
+
+    Every way a tensor reaches Python as a number is counted (item, float, int, bool, tolist) when the tensor holds
+    floating-point values and the read is made by cramswarm code (torch's CPU Adam reads its host-side step counter,
+    which is no device sync); masks and masked-token counts are integer or boolean host tensors."""
+    import sys
+
+    folder, tok_path = tiny_run
+    package = str(Path(stage_module.__file__).parent)
+    reads = []
+    for name in ("item", "__float__", "__int__", "__bool__", "tolist"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if self.is_floating_point() and caller.startswith(package):
+                reads.append(f"{_name} in {caller}:{sys._getframe(1).f_lineno}")
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    # 4 micro-batches per optimizer step, 6 steps, no held-out evaluation
+    r = recipe(budget={"unit": "steps", "value": 6}, micro_batch_sequences=4, batch_sequences=16, eval_blocks=0)
+    summary = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "ckpt", progress=False)
+    assert summary["steps"] == 6
+    assert 0 < len(reads) <= 6, reads
+
+
+def test_nonfinite_guard_sees_one_bad_micro_batch_in_the_accumulated_loss(tiny_run, monkeypatch):
+    """The guard checks the step's loss summed on the device at its one read: a NaN in one micro-batch of two
+    (the other finite) still skips that step."""
+    from cramswarm import pretrain as stage
+
+    folder, tok_path = tiny_run
+    calls = {"n": 0}
+    original = stage.build_model
+
+    def poisoned_build(*args, **kwargs):
+        model = original(*args, **kwargs)
+        forward = model.forward
+
+        def maybe_nan(*a, **k):
+            out = forward(*a, **k)
+            calls["n"] += 1
+            if calls["n"] == 5:  # the first micro-batch of step 3 only
+                out.loss = out.loss * float("nan")
+            return out
+
+        model.forward = maybe_nan
+        return model
+
+    monkeypatch.setattr(stage, "build_model", poisoned_build)
+    r = recipe(budget={"unit": "steps", "value": 4}, eval_blocks=0)
+    summary = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "ckpt", progress=False)
+    assert summary["skipped_nonfinite"] == 1 and summary["steps"] == 4
+    assert math.isfinite(summary["final_loss"])

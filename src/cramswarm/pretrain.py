@@ -43,6 +43,8 @@ from cramswarm.training import (
 # skips its batch; more than MAX_NONFINITE_STEPS such steps end the run (the recipe is unstable, not unlucky).
 SNAPSHOT_EVERY_STEPS = 50
 MAX_NONFINITE_STEPS = 10
+# recipe keys that change how a run executes but not what it computes: a state saved under other values resumes
+RUN_ONLY_KEYS = ("compile_mode", "devices", "nodes")
 LOG_COLUMNS = ("step", "tokens", "progress", "loss", "lr", "lr_multiplier", "batch_sequences", "elapsed_s", "eval_loss")
 
 
@@ -59,8 +61,9 @@ def init_random(arch: dict, tokenizer_path: str | Path, out_dir: str | Path, see
 
 
 def fingerprint(recipe: dict, arch: dict, blocks_path: str | Path, vocab_size: int) -> str:
-    """What a saved training state must match to be resumed: the recipe (minus save cadence), arch and data."""
-    relevant = {k: v for k, v in recipe.items() if not k.startswith("resume_every")}
+    """What a saved training state must match to be resumed: the recipe (minus save cadence and how it runs: the
+    compile mode and the number of processes), arch and data."""
+    relevant = {k: v for k, v in recipe.items() if not k.startswith("resume_every") and k not in RUN_ONLY_KEYS}
     stat = Path(blocks_path).stat()
     payload = json.dumps([relevant, arch, vocab_size, stat.st_size], sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
@@ -81,17 +84,34 @@ class HeldOut:
     def loss(self, model, precision: str, device: torch.device) -> float:
         was_training = model.training
         model.eval()
-        total, count = 0.0, 0
+        # summed on the device and read once (one host sync per evaluation, not one per micro-batch)
+        total, count = torch.zeros((), device=device), 0
         for start in range(0, len(self.inputs), self.micro):
             labels = self.labels[start : start + self.micro]
-            n = int((labels != -100).sum())
+            n = int((labels != -100).sum())  # labels live on the host: no device sync
             if n == 0:
                 continue
             with autocast(precision, device):
-                out = model(self.inputs[start : start + self.micro].to(device), labels=labels.to(device))
-            total, count = total + out.loss.float().item() * n, count + n
+                inputs = to_device(self.inputs[start : start + self.micro], device)
+                out = model(inputs, labels=to_device(labels, device))
+            total, count = total + out.loss.float() * n, count + n
         model.train(was_training)
-        return total / max(count, 1)
+        return total.item() / max(count, 1)
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``: on CUDA through pinned memory, copied without blocking the host."""
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def compile_model(model: torch.nn.Module, recipe: dict):
+    """The recipe's forward: the module itself, or torch.compile of it in ``compile_mode``."""
+    if not recipe["compile"]:
+        return model
+    mode = recipe.get("compile_mode", "default")
+    return torch.compile(model, mode=None if mode == "default" else mode)
 
 
 def _clone_state(value):
@@ -209,10 +229,10 @@ def pretrain(
 
     model = build_model(arch, vocab_size, recipe["seed"], dropout=recipe.get("dropout", 0.0)).to(device)
     model.train()
-    optimizer = make_optimizer(model, recipe)
+    optimizer = make_optimizer(model, recipe, fused=device.type == "cuda")
     scaler = torch.amp.GradScaler(enabled=precision == "fp16")
     generator = torch.Generator().manual_seed(recipe["seed"])
-    forward = torch.compile(model) if recipe["compile"] else model
+    forward = compile_model(model, recipe)
 
     counters = dict(
         step=0,
@@ -272,7 +292,9 @@ def pretrain(
             )
         else:
             accumulate = accumulation_at(t, final_accumulation, recipe["batch_ramp_fraction"])
-        step_loss = 0.0
+        # the step's loss is summed on the device and read once, after the last micro-batch: no host sync per
+        # micro-step (a .item() there would wait for every forward and backward to finish)
+        step_loss = torch.zeros((), device=device)
         for _ in range(accumulate):
             idx = np.arange(c["cursor"], c["cursor"] + micro) % n_blocks
             c["cursor"] = (c["cursor"] + micro) % n_blocks
@@ -280,11 +302,12 @@ def pretrain(
             batch = torch.from_numpy(blocks[np.sort(idx)].astype(np.int64))
             inputs, labels = mask_tokens(batch, recipe["mask_rate"], recipe["mask_mode"], vocab_size, generator)
             with autocast(precision, device):
-                loss = forward(inputs.to(device), labels=labels.to(device)).loss / accumulate
+                loss = forward(to_device(inputs, device), labels=to_device(labels, device)).loss / accumulate
             scaler.scale(loss).backward()
-            step_loss += loss.item()
+            step_loss += loss.detach().float()
             c["tokens"] += micro * block_tokens
             c["sequences"] += micro
+        step_loss = step_loss.item()  # the one host read of this optimizer step
         if not math.isfinite(step_loss):
             c["skipped_nonfinite"] += 1
             optimizer.zero_grad(set_to_none=True)
