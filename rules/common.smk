@@ -193,8 +193,23 @@ def gpus(device):
     return int(device == "cuda")
 
 
+def pretrain_processes_per_node(wildcards):
+    """Data-parallel processes of a pretraining job on each node (pretrain.devices): the rule's threads, one CPU
+    each; profiles/slurm multiplies its GPUs per process by this."""
+    return RUNS[wildcards.model]["recipe"]["devices"]
+
+
+def pretrain_nodes(wildcards):
+    return RUNS[wildcards.model]["recipe"]["nodes"]
+
+
 def pretrain_gpus(wildcards):
-    return gpus(RUNS[wildcards.model]["recipe"]["device"])
+    """GPUs per data-parallel process (gpus(); under profiles/slurm its CRAMSWARM_SLURM_GPUS, which the profile
+    passes on as CRAMSWARM_GPUS_PER_PROCESS) x processes (pretrain.devices x pretrain.nodes)."""
+    recipe = RUNS[wildcards.model]["recipe"]
+    site = os.environ.get("CRAMSWARM_GPUS_PER_PROCESS")
+    per_process = int(site) if site is not None else gpus(recipe["device"])
+    return per_process * recipe["devices"] * recipe["nodes"]
 
 
 def finetune_gpus(wildcards):
@@ -443,10 +458,12 @@ def pretrain_runtime(wildcards):
 
 
 def pretrain_mem_mb(wildcards):
+    """Per node (sbatch --mem): one training process per pretrain.devices, each with its slice of a micro-batch."""
     recipe = RUNS[wildcards.model]["recipe"]
     seq = config["packing"]["block_tokens"]
-    return training_mem_mb(
-        RUNS[wildcards.model]["arch"], int(wildcards.vocab), recipe["micro_batch_sequences"], seq, recipe["device"]
+    share = recipe["micro_batch_sequences"] // (recipe["devices"] * recipe["nodes"])
+    return recipe["devices"] * training_mem_mb(
+        RUNS[wildcards.model]["arch"], int(wildcards.vocab), share, seq, recipe["device"]
     )
 
 

@@ -73,9 +73,10 @@ rule pretrain:
         "results/benchmarks/pretrain/{source}/{model}/v{vocab}.tsv"
     conda:
         "../envs/cramswarm.yaml"
-    threads: 1
+    threads: pretrain_processes_per_node  # pretrain.devices: one CPU per data-parallel process (one torch thread each)
     resources:
-        gpu=pretrain_gpus,  # see gpus() in common.smk
+        gpu=pretrain_gpus,  # one per process where the run uses a GPU: see gpus() in common.smk
+        nodes=pretrain_nodes,  # pretrain.nodes (profiles/slurm: sbatch --nodes; srun starts one torchrun per node)
         mem_mb=pretrain_mem_mb,
         runtime=pretrain_runtime,
     params:
@@ -88,7 +89,7 @@ rule pretrain:
         "python -m cramswarm pretrain --recipe {params.recipe:q} --arch {params.arch:q} "
         "--blocks {input.blocks} --tokenizer {input.tokenizer} --vocab-size {wildcards.vocab} "
         "--out-dir {params.out_dir} --state-dir {params.state_dir} --run {wildcards.model} "
-        "--threads {threads} > {log} 2>&1"
+        "--threads 1 > {log} 2>&1"
 
 
 rule init_model:

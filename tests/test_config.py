@@ -17,7 +17,15 @@ def check(cfg, repo):
 
 
 @pytest.mark.parametrize(
-    "overlays", [[], ["paper.yaml"], ["test/tiny.yaml"], ["mirror.yaml"], ["mirror.yaml", "mirror_arch.yaml"]]
+    "overlays",
+    [
+        [],
+        ["paper.yaml"],
+        ["paper.yaml", "recipes/cramming-v1.yaml", "recipes/cramming-8gpu-48h.yaml"],
+        ["test/tiny.yaml"],
+        ["mirror.yaml"],
+        ["mirror.yaml", "mirror_arch.yaml"],
+    ],
 )
 def test_shipped_configs_validate(repo, overlays, monkeypatch):
     if "mirror.yaml" in overlays and not (repo.parent / "shared" / "data" / "hub").is_dir():
@@ -63,6 +71,10 @@ def mutate(cfg, path, value):
         (("pretrain", "budget"), {"unit": "tokens", "value": 0}, ["pretrain.budget.value"]),
         (("tokenizer", "main_vocab_size"), 4096, ["tokenizer.main_vocab_size", "not one of"]),
         (("pretrain", "batch_sequences"), 48, ["pretrain.batch_sequences", "multiple"]),
+        (("pretrain", "compile_mode"), "fast", ["pretrain.compile_mode", "max-autotune, reduce-overhead"]),
+        (("pretrain", "devices"), 0, ["pretrain.devices"]),
+        (("pretrain", "devices"), 3, ["pretrain.micro_batch_sequences", "devices x nodes = 3"]),
+        (("pretrain", "nodes"), 3, ["pretrain.micro_batch_sequences", "devices x nodes = 3"]),
         (("models", "crammed", "arch", "heads"), 3, ["models.crammed.arch.heads", "divide"]),
         (("models", "crammed", "arch", "ffn"), "swiglu", ["models.crammed.arch.ffn", "glu, gelu"]),
         (("pretrain", "schedule"), "cyclic", ["pretrain.schedule", "allowed values: triangle"]),

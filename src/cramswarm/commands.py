@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 
 from cramswarm.cli import arg, command, json_arg, set_threads
@@ -94,6 +96,16 @@ def model_info(args) -> int:
     QUIET,
 )
 def pretrain(args) -> int:
+    from cramswarm.distributed import launch_command
+
+    # devices x nodes > 1: this process becomes the recipe's data-parallel job (torchrun, or srun of torchruns), so
+    # that signals (scancel, Snakemake's SIGTERM) reach the launcher, which passes them on to its processes
+    relaunch = launch_command(args.recipe, ["pretrain", *pretrain_arguments(args)])
+    if relaunch is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execvp(relaunch[0], relaunch)
+
     from cramswarm.pretrain import pretrain as run
 
     set_threads(args.threads)
@@ -101,8 +113,19 @@ def pretrain(args) -> int:
         args.recipe, args.arch, args.blocks, args.tokenizer, args.out_dir, not args.quiet,
         state_dir=args.state_dir, run=args.run, expected_vocab=args.vocab_size,
     )  # fmt: skip
-    print(json.dumps(summary, sort_keys=True))
+    if summary is not None:  # rank 0 (or the only process)
+        print(json.dumps(summary, sort_keys=True))
     return 0
+
+
+def pretrain_arguments(args) -> list[str]:
+    """The pretrain command line that ``args`` were parsed from (what every data-parallel process runs)."""
+    argv = ["--recipe", json.dumps(args.recipe), "--arch", json.dumps(args.arch), "--blocks", str(args.blocks)]
+    argv += ["--tokenizer", str(args.tokenizer), "--out-dir", str(args.out_dir), "--threads", str(args.threads)]
+    for flag, value in (("--state-dir", args.state_dir), ("--run", args.run), ("--vocab-size", args.vocab_size)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv + (["--quiet"] if args.quiet else [])
 
 
 @command(

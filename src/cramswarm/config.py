@@ -144,6 +144,12 @@ def _batch_errors(recipe: dict, where: str) -> list[str]:
             f"config key '{where}.batch_sequences': {recipe['batch_sequences']} is not a multiple of "
             f"{where}.micro_batch_sequences ({recipe['micro_batch_sequences']})"
         ]
+    processes = recipe.get("devices", 1) * recipe.get("nodes", 1)
+    if recipe["micro_batch_sequences"] % processes:
+        return [
+            f"config key '{where}.micro_batch_sequences': {recipe['micro_batch_sequences']} sequences cannot be "
+            f"split evenly over devices x nodes = {processes} data-parallel processes"
+        ]
     return []
 
 

@@ -7,6 +7,7 @@ makes mini runs repeatable). Every optimizer step's realised LR is logged.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -20,6 +21,7 @@ from tqdm.auto import tqdm
 from cramswarm import budget as budgets
 from cramswarm.data import tokenizer as tokenization
 from cramswarm.data.packing import load_blocks
+from cramswarm.distributed import World
 from cramswarm.io import atomic_path, write_json
 from cramswarm.models.crammed_bert import unwrap_compiled
 from cramswarm.provenance import provenance
@@ -114,6 +116,18 @@ def compile_model(model: torch.nn.Module, recipe: dict):
     return torch.compile(model, mode=None if mode == "default" else mode)
 
 
+def _slice_loss(forward, inputs, labels, all_labels, processes: int, precision: str, device: torch.device):
+    """This process's share of a micro-batch's mean MLM loss: its rows' mean loss weighted by its share of the
+    micro-batch's predicted tokens, so that the shares sum to the loss one process computes on the whole
+    micro-batch (and their gradients to its gradient)."""
+    predicted, total = int((labels != -100).sum()), int((all_labels != -100).sum())  # host tensors: no sync
+    with autocast(precision, device):
+        out = forward(to_device(inputs, device), labels=to_device(labels, device))
+    if predicted == 0:  # nothing to predict in this slice: a zero loss that still reaches every parameter
+        return out.logits.float().sum() * 0.0
+    return out.loss * (predicted / total)
+
+
 def _clone_state(value):
     """A deep copy of an optimizer state dict (tensors cloned, so later steps do not change it)."""
     if isinstance(value, torch.Tensor):
@@ -194,14 +208,34 @@ def pretrain(
     state_dir: str | Path | None = None,
     run: str | None = None,
     expected_vocab: int | None = None,
-) -> dict:
+) -> dict | None:
     """Train until the budget is spent; write the checkpoint, ``train_log.csv`` and ``summary.json``.
 
     With ``state_dir``, the full training state (weights, optimizer, scaler, RNG, counters, log) is saved
     there atomically every ``resume_every_seconds`` / ``resume_every_steps``; a rerun with the same recipe,
-    arch and data continues from it, and it is deleted once the checkpoint is written.
+    arch and data continues from it (at any number of processes), and it is deleted once the checkpoint is written.
+
+    Started by torch's launcher (:mod:`cramswarm.distributed`), every process trains its slice of each
+    micro-batch and only rank 0 prints, evaluates and writes files; the others return None.
     """
     device = resolve_device(recipe["device"])
+    world = World.join(device.type)
+    try:
+        return _pretrain(
+            world, device, recipe, arch, blocks_path, tokenizer_path, out_dir, progress, state_dir, run, expected_vocab
+        )
+    finally:
+        world.close()
+
+
+def _pretrain(
+    world: World, device: torch.device, recipe, arch, blocks_path, tokenizer_path, out_dir, progress, state_dir, run,
+    expected_vocab,
+) -> dict | None:  # fmt: skip
+    """:func:`pretrain` in one process of ``world``."""
+    if world.size > 1 and device.type == "cuda":
+        device = torch.device("cuda", world.local_rank)
+    say = print if world.main else lambda *args, **kwargs: None
     precision = resolve_precision(recipe["precision"], device)
     tok, blocks, n_blocks = load_training_data(recipe, tokenizer_path, blocks_path, expected_vocab)
     vocab_size = tok.get_vocab_size()
@@ -209,19 +243,28 @@ def pretrain(
         recipe["micro_batch_sequences"],
         recipe["batch_sequences"] // recipe["micro_batch_sequences"],
     )
-    heldout = HeldOut(blocks[n_blocks:], recipe["eval_mask_rate"], vocab_size, micro) if recipe["eval_blocks"] else None
+    if micro % world.size:
+        raise ValueError(
+            f"pretrain.micro_batch_sequences: {micro} sequences cannot be split evenly over {world.size} processes "
+            "(devices x nodes); every process takes an equal slice of each micro-batch"
+        )
+    # this process's rows of every micro-batch: N processes x micro/N rows see exactly the blocks of 1 x micro
+    share = micro // world.size
+    rows = slice(world.rank * share, (world.rank + 1) * share)
+    use_heldout = recipe["eval_blocks"] and world.main
+    heldout = HeldOut(blocks[n_blocks:], recipe["eval_mask_rate"], vocab_size, micro) if use_heldout else None
     block_tokens = blocks.shape[1]
 
     budget = resolve_budget(recipe, device)
     if budgets.is_normalised(recipe["budget"]):
-        print(
+        say(
             f"budget {recipe['budget']} -> {budget['value']:,.0f} s on this device "
             f"({budget['device_peak_tflops']:.1f} TFLOP/s, {budget['device_peak_source']})",
             flush=True,
         )
     planned_passes = data_passes_planned(budget, n_blocks, block_tokens, recipe["batch_sequences"])
     if planned_passes is not None and planned_passes > 1:
-        print(
+        say(
             f"warning: this budget reads the {n_blocks:,} training blocks {planned_passes:.2f} times; the data "
             "order (e.g. the sentence-length curriculum) restarts on every pass",
             flush=True,
@@ -232,7 +275,6 @@ def pretrain(
     optimizer = make_optimizer(model, recipe, fused=device.type == "cuda")
     scaler = torch.amp.GradScaler(enabled=precision == "fp16")
     generator = torch.Generator().manual_seed(recipe["seed"])
-    forward = compile_model(model, recipe)
 
     counters = dict(
         step=0,
@@ -258,7 +300,15 @@ def pretrain(
         generator.set_state(state["generator"])
         counters, log_text = {**counters, **state["counters"]}, state["log"]
         counters["resumed_from_step"] = counters["step"]
-        print(f"resuming from {state_path} at step {counters['step']} ({counters['tokens']:,} tokens)", flush=True)
+        say(f"resuming from {state_path} at step {counters['step']} ({counters['tokens']:,} tokens)", flush=True)
+    if world.size > 1:
+        torch.manual_seed(recipe["seed"] + world.rank)  # dropout masks differ between processes
+        trained = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False
+        )
+    else:
+        trained = model
+    forward = compile_model(trained, recipe)
 
     def save_state() -> None:
         _save_state(
@@ -277,11 +327,18 @@ def pretrain(
     c = counters
     start, last_save = time.perf_counter(), time.perf_counter()
     elapsed = lambda: c["elapsed_s"] + time.perf_counter() - start  # noqa: E731
-    bar = tqdm(total=100, desc=run or "pretrain", unit="%", disable=not progress, mininterval=2.0)
+    bar = tqdm(total=100, desc=run or "pretrain", unit="%", disable=not (progress and world.main), mininterval=2.0)
+
+    def clock() -> float:
+        """Elapsed seconds; under a seconds budget with several processes, rank 0's (they must stop together)."""
+        if world.size == 1 or budget["unit"] != "seconds":
+            return elapsed()
+        return float(world.from_main(torch.tensor([elapsed()], dtype=torch.float64, device=device)).item())
+
     # the last good weights and optimizer state, in memory: a non-finite loss reloads them (Cramming's reference
     # reloads its last checkpoint), skips the batch that caused it and counts it in the summary
     last_good = None
-    while (t := budget_progress(budget, c["tokens"], c["step"], elapsed())) < 1.0:
+    while (t := budget_progress(budget, c["tokens"], c["step"], clock())) < 1.0:
         multiplier = lr_multiplier(recipe["schedule"], *schedule_point(recipe, t, c["sequences"]))
         lr = recipe["lr"] * multiplier
         for group in optimizer.param_groups:
@@ -295,19 +352,29 @@ def pretrain(
         # the step's loss is summed on the device and read once, after the last micro-batch: no host sync per
         # micro-step (a .item() there would wait for every forward and backward to finish)
         step_loss = torch.zeros((), device=device)
-        for _ in range(accumulate):
+        for micro_step in range(accumulate):
             idx = np.arange(c["cursor"], c["cursor"] + micro) % n_blocks
             c["cursor"] = (c["cursor"] + micro) % n_blocks
             c["epochs_of_data"] += micro / n_blocks
             batch = torch.from_numpy(blocks[np.sort(idx)].astype(np.int64))
+            # every process masks the whole micro-batch with the shared generator (the same draws as one process)
+            # and keeps its rows
             inputs, labels = mask_tokens(batch, recipe["mask_rate"], recipe["mask_mode"], vocab_size, generator)
-            with autocast(precision, device):
-                loss = forward(to_device(inputs, device), labels=to_device(labels, device)).loss / accumulate
-            scaler.scale(loss).backward()
+            # inner micro-steps accumulate gradients locally; the last one all-reduces them
+            inner = world.size > 1 and micro_step < accumulate - 1
+            with trained.no_sync() if inner else contextlib.nullcontext():
+                if world.size == 1:
+                    with autocast(precision, device):
+                        loss = forward(to_device(inputs, device), labels=to_device(labels, device)).loss
+                else:
+                    loss = _slice_loss(forward, inputs[rows], labels[rows], labels, world.size, precision, device)
+                loss = loss / accumulate
+                scaler.scale(loss * world.size).backward()  # DDP averages gradients over processes; undo that
             step_loss += loss.detach().float()
             c["tokens"] += micro * block_tokens
             c["sequences"] += micro
-        step_loss = step_loss.item()  # the one host read of this optimizer step
+        # the one host read of this optimizer step (every process reads the same sum, so all skip or step alike)
+        step_loss = world.all_sum(step_loss).item()
         if not math.isfinite(step_loss):
             c["skipped_nonfinite"] += 1
             optimizer.zero_grad(set_to_none=True)
@@ -315,7 +382,7 @@ def pretrain(
                 model.load_state_dict(last_good["model"])
                 optimizer.load_state_dict(last_good["optimizer"])
                 c["reloaded"] += 1
-            print(
+            say(
                 f"non-finite loss {step_loss} at step {c['step'] + 1}: batch skipped"
                 + (", weights reloaded from the last good step" if last_good is not None else ""),
                 flush=True,
@@ -370,7 +437,7 @@ def pretrain(
             )
             c["window_loss"], c["window_n"] = 0.0, 0
         bar.update(min(100, int(100 * done)) - bar.n)
-        if state_path is not None and done < 1.0:
+        if state_path is not None and done < 1.0 and world.main:
             every = recipe["resume_every_steps"]
             if (every and c["step"] % every == 0) or time.perf_counter() - last_save >= recipe["resume_every_seconds"]:
                 c["elapsed_s"] = elapsed()
@@ -378,6 +445,8 @@ def pretrain(
                 save_state()
     bar.close()
     total_s = elapsed()
+    if not world.main:  # rank 0 writes the outputs
+        return None
     out_dir = Path(out_dir)
     save_checkpoint(unwrap_compiled(model).cpu(), tok, out_dir, arch["max_positions"])
     with atomic_path(out_dir / "train_log.csv") as tmp:
@@ -401,6 +470,7 @@ def pretrain(
         "reloaded_after_nonfinite": c["reloaded"],
         "precision": precision,
         "device": str(device),
+        "processes": world.size,
         "recipe": recipe,
         "arch": arch,
         "pretrained": True,
