@@ -125,3 +125,15 @@ def test_killed_two_process_run_resumes_as_one_process_to_the_same_end(tiny_run)
     assert [s for s, _ in a] == [s for s, _ in b]
     np.testing.assert_allclose([v for _, v in b], [v for _, v in a], rtol=0, atol=1e-3)
     assert not (state / "state.pt").exists()
+
+
+def test_two_processes_stop_together_on_a_seconds_budget(tiny_run):
+    """Under a wall-clock budget the processes follow rank 0's clock, so they stop after the same step (a process
+    stopping alone would leave the other waiting in its all-reduce until the test's timeout)."""
+    folder, tok_path = tiny_run
+    r = tiny_recipe(budget={"unit": "seconds", "value": 4}, log_every_steps=5)
+    run(folder, tok_path, folder / "timed", r | {"devices": 2})
+    summary = json.loads((folder / "timed" / "summary.json").read_text())
+    assert summary["processes"] == 2 and summary["steps"] > 0
+    assert summary["tokens"] == summary["steps"] * 16 * 32  # whole global batches of 16 sequences x 32 tokens
+    assert summary["elapsed_s"] >= 4
