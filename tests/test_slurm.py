@@ -290,3 +290,27 @@ def processes_naming(text):
             if any(text in part for part in proc.info["cmdline"] or []):
                 found.append(proc.pid)
     return found
+
+
+# Data-parallel pretraining through the profile: pretrain.devices 2 on the 2-CPU test node is one SLURM job with
+# 2 CPUs (the rule's threads), in which the pretrain command relaunches itself through torchrun as 2 gloo processes.
+DDP_OVERLAY = "pretrain:\n  budget: {unit: tokens, value: 81920}\n  devices: 2\n"  # 20 steps of 32 x 128 tokens
+
+
+def test_data_parallel_pretraining_runs_as_one_slurm_job(cluster, local, tmp_path_factory):
+    work = copy_workflow(tmp_path_factory.mktemp("ddp"))
+    (work / "slurm_test.yaml").write_text(DDP_OVERLAY)
+    for folder in ("results/data", "results/tokenizers", "results/packed"):
+        shutil.copytree(local / folder, work / folder)  # keeps the times: only pretrain is to run
+    assert planned_jobs(work, f"{PRETRAIN}/summary.json", *CONFIG) == Counter({"pretrain": 1})
+    proc = snakemake(work, *PROFILE, f"{PRETRAIN}/summary.json", *CONFIG, check=False, timeout=900,
+                     env=env(**CPU_CLUSTER))  # fmt: skip
+    log = work / "logs/pretrain/synthetic/crammed/v128.log"
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:] + (log.read_text()[-4000:] if log.exists() else "")
+    submitted = proc.stdout + proc.stderr
+    job = next(job for job in cluster.jobs() if f"submitted with SLURM jobid {job['id']} " in submitted)
+    assert job["state"] == "COMPLETED" and "cpu=2" in job["tres"] and "gpu" not in job["tres"], job
+    summary = json.loads((work / PRETRAIN / "summary.json").read_text())
+    assert summary["processes"] == 2 and summary["steps"] == 20 and summary["tokens"] == 81920
+    assert log.read_text().count('"processes": 2') == 1  # one summary printed: rank 0's
+    assert processes_naming(str(work / PRETRAIN)) == []  # torchrun and both processes ended with the job

@@ -116,7 +116,7 @@ def compile_model(model: torch.nn.Module, recipe: dict):
     return torch.compile(model, mode=None if mode == "default" else mode)
 
 
-def _slice_loss(forward, inputs, labels, all_labels, processes: int, precision: str, device: torch.device):
+def _slice_loss(forward, inputs, labels, all_labels, precision: str, device: torch.device):
     """This process's share of a micro-batch's mean MLM loss: its rows' mean loss weighted by its share of the
     micro-batch's predicted tokens, so that the shares sum to the loss one process computes on the whole
     micro-batch (and their gradients to its gradient)."""
@@ -367,7 +367,7 @@ def _pretrain(
                     with autocast(precision, device):
                         loss = forward(to_device(inputs, device), labels=to_device(labels, device)).loss
                 else:
-                    loss = _slice_loss(forward, inputs[rows], labels[rows], labels, world.size, precision, device)
+                    loss = _slice_loss(forward, inputs[rows], labels[rows], labels, precision, device)
                 loss = loss / accumulate
                 scaler.scale(loss * world.size).backward()  # DDP averages gradients over processes; undo that
             step_loss += loss.detach().float()
