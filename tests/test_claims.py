@@ -289,3 +289,19 @@ def test_claims_target_plans_every_experiment_the_claims_read(tmp_path):
     assert jobs["swarm_pretrain"] == 1 and jobs["init_model"] == 1
     assert jobs["swarm_experiment"] == 5  # every SWARM experiment but sim_scale
     assert "tables" not in jobs and "ablation_data_report" not in jobs  # the claims read the raw results
+
+
+def test_readme_block_renders_the_committed_claims_csv(manifest, tmp_path):
+    from cramswarm.report import docs
+
+    readme = tmp_path / "readme"
+    assert "Not committed yet" in docs.render_block("claims:synthetic", readme, tmp_path, tmp_path)
+    c.write_claims(manifest, tmp_path / "claims")
+    readme.mkdir()
+    (readme / "claims_synthetic.csv").write_bytes((tmp_path / "claims.csv").read_bytes())
+    body = docs.render_block("claims:synthetic", readme, tmp_path, tmp_path)
+    rows = [line for line in body.splitlines() if line.startswith("| C") or line.startswith("| S")]
+    assert len(rows) == len(c.CLAIMS)
+    assert f"Verdicts: holds {len(c.CLAIMS)}" in body and "claims_synthetic.csv sha256" in body
+    with pytest.raises(docs.DocsError, match="source name"):
+        docs.render_block("claims:../x", readme, tmp_path, tmp_path)
