@@ -305,3 +305,10 @@ def test_readme_block_renders_the_committed_claims_csv(manifest, tmp_path):
     assert f"Verdicts: holds {len(c.CLAIMS)}" in body and "claims_synthetic.csv sha256" in body
     with pytest.raises(docs.DocsError, match="source name"):
         docs.render_block("claims:../x", readme, tmp_path, tmp_path)
+
+
+def test_identical_pairs_at_the_margin_are_inconclusive():
+    # e.g. every model at chance on a task: no difference and no spread says nothing about the claim
+    outcome = c.paired_greater([0.0, 0.0, 0.0, 0.0])
+    assert outcome.verdict == c.INCONCLUSIVE and "all 4 differences equal" in outcome.statistic
+    assert c.paired_greater([-1.0, -1.0, -1.0]).verdict == c.FAILS

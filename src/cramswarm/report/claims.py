@@ -153,7 +153,7 @@ def paired_greater(diffs: Iterable[float], *, margin: float = 0.0, alpha: float 
     if n < MIN_PAIRS:
         return Outcome(INCONCLUSIVE, measurement, f"{n} pair(s): fewer than {MIN_PAIRS}")
     if _constant(d):  # every pair equal: the t statistic is undefined, the data are not
-        verdict = HOLDS if d[0] > margin else FAILS
+        verdict = HOLDS if d[0] > margin else FAILS if d[0] < margin else INCONCLUSIVE
         return Outcome(verdict, measurement, f"all {n} differences equal ({_fmt(d[0])}); margin {margin:g}")
     above = stats.ttest_1samp(d, margin, alternative="greater")
     below = stats.ttest_1samp(d, margin, alternative="less")
@@ -239,7 +239,7 @@ def _eval_loss(summary: dict) -> float:
 def _shape(summary: dict) -> str:
     arch = summary.get("arch", {})
     params = summary.get("parameters")
-    size = f", {params / 1e6:.2f} M params" if params else ""
+    size = f", {params / 1e6:.3g} M params" if params else ""
     return f"{arch.get('layers', '?')}x{arch.get('hidden_size', '?')}{size}"
 
 
@@ -393,9 +393,9 @@ def _arch_evaluate(manifest):
     summaries = {label: _summary(folder) for label, folder in runs.items()}
     params = [float(s["parameters"]) for s in summaries.values()]
     losses = [_eval_loss(s) for s in summaries.values()]
-    verdict, statistic = trend(params, losses, increasing=False, what="runs of distinct size")
+    verdict, statistic = trend(params, losses, increasing=False, what="model sizes")
     order = sorted(zip(params, losses, summaries), key=lambda r: r[0])
-    measurement = "; ".join(f"{label} {p / 1e6:.2f} M: {loss:.3f}" for p, loss, label in order)
+    measurement = "; ".join(f"{label} {p / 1e6:.3g} M: {loss:.3f}" for p, loss, label in order)
     measurement += " (params: held-out MLM loss, nats; 1 pretraining seed each)"
     tokens = {s.get("tokens") for s in summaries.values()}
     setup = (f"{manifest['source']}; {len(runs)} arch runs at {', '.join(f'{t / 1e6:.3g} M' for t in tokens if t)} "
