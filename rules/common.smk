@@ -565,30 +565,22 @@ def claims_manifest():
     checkpoints, the arch (the base recipe's shapes only), schedule and data ablation runs, the SWARM study."""
     glue, checkpoints = {}, {}
     for model, vocab in STUDY_RUNS:
-        glue.setdefault(model, {})[str(vocab)] = [
-            FINETUNE.format(source=SOURCE, model=model, vocab=vocab, task=task, seed=seed)
-            for task in TASKS
-            for seed in SEEDS
-        ]
+        glue.setdefault(model, []).append(vocab)
         if MODELS[model]["pretrain"]:
             checkpoints.setdefault(model, {})[str(vocab)] = checkpoint_dir(model, vocab)
     own_recipe = {f"arch-{name}" for name in config["ablations"]["arch"]["models"]}  # not the base recipe
-    data = {
-        run: {
-            "source": RUNS[run]["label"].split(" / ")[0],
-            "cell": RUNS[run]["label"].split(" / ")[1],
-            "results": [
-                FINETUNE.format(source=SOURCE, model=run, vocab=MAIN_VOCAB, task=task, seed=seed)
-                for task in config["ablations"]["glue_tasks"]
-                for seed in SEEDS
-            ],
-        }
-        for run in runs_of("data")
+    data = {run: dict(zip(("source", "cell"), RUNS[run]["label"].split(" / "))) for run in runs_of("data")}
+    finetune = {
+        "pattern": FINETUNE.replace("{source}", SOURCE),
+        "tasks": TASKS,
+        "seeds": SEEDS,
+        "ablation_tasks": config["ablations"]["glue_tasks"],
     }
     return {
         "source": SOURCE,
         "main_vocab": MAIN_VOCAB,
         "roles": claim_roles(),
+        "finetune": finetune,
         "glue": glue,
         "checkpoints": checkpoints,
         "arch": {RUNS[r]["label"]: checkpoint_dir(r, MAIN_VOCAB) for r in runs_of("arch") if r not in own_recipe},

@@ -128,7 +128,7 @@ rule claims_table:
     resources:
         **REPORT_RESOURCES,
     params:
-        manifest=json.dumps(claims_manifest()),
+        manifest=lambda wildcards: json.dumps(claims_manifest()),  # a function: the pattern has {braces}
         stem=subpath(output.table, strip_suffix=".csv"),
     shell:
         "python -m cramswarm claims --manifest {params.manifest:q} --out-stem {params.stem} "
@@ -145,7 +145,7 @@ rule claims_available:  # no input or output: runs whenever asked, on whatever r
     resources:
         **REPORT_RESOURCES,
     params:
-        manifest=json.dumps(claims_manifest()),
+        manifest=lambda wildcards: json.dumps(claims_manifest()),  # a function: the pattern has {braces}
         stem=f"{CLAIMS}/claims",
         readme=f"results/readme/claims_{SOURCE}.csv",
     shell:

@@ -19,10 +19,10 @@ NOISE = (0.0, 1.5, -1.0, 0.5, 2.0)  # per-seed offsets shared by every model: pa
 ARCH = {"layers": 2, "hidden_size": 64, "heads": 2}
 
 
-def write_glue(root, model, vocab, base, jitter=(0.3, -0.2, 0.1, -0.1, 0.2), seeds=SEEDS):
+def write_glue(root, model, vocab, base, jitter=(0.3, -0.2, 0.1, -0.1, 0.2), seeds=SEEDS, tasks=TASK_NAMES):
     """Fine-tuning results of one (model, vocab): every metric scores base + NOISE[seed] + jitter[seed]."""
     paths = []
-    for task in TASK_NAMES:
+    for task in tasks:
         spec = TASKS[task]
         for seed in seeds:
             value = base + NOISE[seed] + jitter[seed]
@@ -98,14 +98,13 @@ def write_swarm_study(root):
 @pytest.fixture
 def manifest(tmp_path):
     """Result files on which every claim holds."""
-    glue = {
-        "crammed": {str(v): write_glue(tmp_path, "crammed", v, base) for v, base in ((512, 60.0), (1024, 65.0),
-                                                                                       (2048, 70.0))},
-        "bert_original": {"2048": write_glue(tmp_path, "bert_original", 2048, 60.0)},
-        "izsak": {"2048": write_glue(tmp_path, "izsak", 2048, 62.0)},
-        "no_pretrain": {"2048": write_glue(tmp_path, "no_pretrain", 2048, 40.0)},
-        "swarm": {"2048": write_glue(tmp_path, "swarm", 2048, 70.0, jitter=(0.25, -0.15, 0.15, -0.05, 0.2))},
-    }
+    for vocab, base in ((512, 60.0), (1024, 65.0), (2048, 70.0)):
+        write_glue(tmp_path, "crammed", vocab, base)
+    write_glue(tmp_path, "bert_original", 2048, 60.0)
+    write_glue(tmp_path, "izsak", 2048, 62.0)
+    write_glue(tmp_path, "no_pretrain", 2048, 40.0)
+    write_glue(tmp_path, "swarm", 2048, 70.0, jitter=(0.25, -0.15, 0.15, -0.05, 0.2))
+    glue = {"crammed": [512, 1024, 2048], **{m: [2048] for m in ("bert_original", "izsak", "no_pretrain", "swarm")}}
     ckpt = tmp_path / "pretrain"
     swarm_settings = {"stages": 2, "peers_per_stage": 2, "compression": "blockwise8"}
     checkpoints = {
@@ -126,10 +125,12 @@ def manifest(tmp_path):
     for source in ("synthetic", "noisy"):
         for cell, base in (("none", 50.0), ("filtered", 54.0), ("filtered_sorted", 57.0)):
             run = f"data-{source}-{cell}"
-            data[run] = {"source": source, "cell": cell,
-                         "results": write_glue(tmp_path, run, 2048, base + (1.0 if source == "noisy" else 0.0))}
+            data[run] = {"source": source, "cell": cell}
+            write_glue(tmp_path, run, 2048, base + (1.0 if source == "noisy" else 0.0), tasks=("sst2",))
     return {"source": "synthetic", "main_vocab": 2048,
             "roles": {r: r for r in ("crammed", "bert_original", "izsak", "no_pretrain", "swarm")},
+            "finetune": {"pattern": str(tmp_path / "glue" / "{model}" / "v{vocab}" / "{task}" / "s{seed}.json"),
+                         "tasks": list(TASK_NAMES), "seeds": list(SEEDS), "ablation_tasks": ["sst2"]},
             "glue": glue, "checkpoints": checkpoints, "arch": arch, "schedule": schedule, "data": data,
             "swarm_study": write_swarm_study(tmp_path)}
 
@@ -159,8 +160,7 @@ def test_glue_claims_measure_the_paired_gap_with_its_seed_spread(manifest):
 
 
 def test_a_reversed_gap_does_not_hold(manifest, tmp_path):
-    manifest["glue"]["bert_original"]["2048"] = write_glue(tmp_path / "b", "bert_original", 2048, 75.0,
-                                                           jitter=(0.1, 0.4, -0.3, 0.0, 0.2))
+    write_glue(tmp_path, "bert_original", 2048, 75.0, jitter=(0.1, 0.4, -0.3, 0.0, 0.2))
     manifest["checkpoints"]["bert_original"]["2048"] = write_run(tmp_path / "b" / "ckpt", "bert_original", 2.5)
     outcomes = by_id(manifest)
     assert outcomes["C1"].verdict == c.FAILS  # lower loss for BERT's recipe, by 0.5 nats against 0.01 noise
@@ -169,15 +169,12 @@ def test_a_reversed_gap_does_not_hold(manifest, tmp_path):
 
 
 def test_pretraining_gap_below_the_claimed_margin_does_not_hold(manifest, tmp_path):
-    manifest["glue"]["no_pretrain"]["2048"] = write_glue(tmp_path / "n", "no_pretrain", 2048, 68.0,
-                                                         jitter=(0.1, -0.1, 0.0, 0.1, -0.1))
+    write_glue(tmp_path, "no_pretrain", 2048, 68.0, jitter=(0.1, -0.1, 0.0, 0.1, -0.1))
     assert by_id(manifest)["C5"].verdict == c.FAILS  # Δ ≈ 2 points, significantly below the 5-point margin
 
 
 def test_two_seeds_are_inconclusive(manifest):
-    for model in ("crammed", "bert_original"):
-        manifest["glue"][model]["2048"] = [p for p in manifest["glue"][model]["2048"] if p.endswith(("s0.json",
-                                                                                                    "s1.json"))]
+    manifest["finetune"]["seeds"] = [0, 1]
     outcome = by_id(manifest)["C2"]
     assert outcome.verdict == c.INCONCLUSIVE and "fewer than 3" in outcome.statistic
 
@@ -189,8 +186,7 @@ def test_loss_difference_within_noise_is_inconclusive(manifest, tmp_path):
 
 
 def test_absent_inputs_are_not_run(manifest):
-    Path = type(c.Path())
-    Path(manifest["swarm_study"]["wiring_throughput"]).unlink()
+    c.Path(manifest["swarm_study"]["wiring_throughput"]).unlink()
     del manifest["roles"]["izsak"]
     outcomes = by_id(manifest)
     assert outcomes["S3"].verdict == c.NOT_RUN and "absent" in outcomes["S3"].measurement
@@ -205,7 +201,7 @@ def test_empty_manifest_marks_every_claim_not_run():
 
 
 def test_trends_need_enough_levels_and_fail_when_reversed(manifest):
-    manifest["glue"]["crammed"] = {k: v for k, v in manifest["glue"]["crammed"].items() if k != "512"}
+    manifest["glue"]["crammed"] = [1024, 2048]
     assert by_id(manifest)["C8"].verdict == c.INCONCLUSIVE  # two vocab sizes
     verdict, _ = c.trend([1, 2, 3, 4, 5], [5, 4, 3, 2, 1], increasing=True)
     assert verdict == c.FAILS
@@ -312,3 +308,10 @@ def test_identical_pairs_at_the_margin_are_inconclusive():
     outcome = c.paired_greater([0.0, 0.0, 0.0, 0.0])
     assert outcome.verdict == c.INCONCLUSIVE and "all 4 differences equal" in outcome.statistic
     assert c.paired_greater([-1.0, -1.0, -1.0]).verdict == c.FAILS
+
+
+def test_a_missing_result_file_marks_its_claims_not_run(manifest):
+    c.Path(c.finetune_paths(manifest, "izsak", 2048)[0]).unlink()
+    outcomes = by_id(manifest)
+    assert outcomes["C4"].verdict == c.NOT_RUN and "1 of 30 input file(s) absent" in outcomes["C4"].measurement
+    assert outcomes["C2"].verdict == c.HOLDS

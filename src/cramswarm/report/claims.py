@@ -18,14 +18,17 @@ The inputs are named by a *manifest* (a JSON object the workflow builds in ``rul
     (a role the config lacks is absent, and its claims are not run);
 ``main_vocab``
     the vocabulary size of the GLUE table's models;
+``finetune``
+    ``{"pattern", "tasks", "seeds", "ablation_tasks"}``: the fine-tuning result files (``pattern`` with the fields
+    ``model``, ``vocab``, ``task``, ``seed``; the study's tasks, the seeds, the ablation runs' tasks);
 ``glue``
-    ``{model: {vocab: [fine-tuning result JSONs]}}`` of the study (``results/glue/...``);
+    ``{model: [vocab, ...]}``: the study's fine-tuned (model, vocab) pairs;
 ``checkpoints``
     ``{model: {vocab: checkpoint folder}}`` of the study's pretrained models (``summary.json``, ``train_log.csv``);
 ``arch``, ``schedule``
     ``{label: checkpoint folder}`` of the ablation runs (Figures 1 and 2);
 ``data``
-    ``{run: {"source", "cell", "results"}}`` of the Table 2 runs (``results``: their fine-tuning JSONs);
+    ``{run: {"source", "cell"}}`` of the Table 2 runs (fine-tuned on ``finetune.ablation_tasks``);
 ``swarm_study``
     ``{experiment: CSV}`` of the SWARM study (``results/swarm_study/<source>/``).
 
@@ -274,12 +277,21 @@ def _role(manifest: Mapping, role: str) -> str:
     return name
 
 
+def finetune_paths(manifest: Mapping, model: str, vocab: int, tasks: str = "tasks") -> list[str]:
+    """The fine-tuning result files of (``model``, ``vocab``): the manifest's ``finetune.pattern`` for every task
+    of ``finetune.<tasks>`` and every seed of ``finetune.seeds``."""
+    spec = manifest.get("finetune") or {}
+    if not spec.get("pattern") or not spec.get(tasks) or not spec.get("seeds"):
+        raise MissingInput(f"the manifest names no fine-tuning result files ({tasks})")
+    return [spec["pattern"].format(model=model, vocab=vocab, task=task, seed=seed)
+            for task in spec[tasks] for seed in spec["seeds"]]
+
+
 def _glue_paths(manifest: Mapping, model: str, vocab: int | None = None) -> list[str]:
     vocab = manifest["main_vocab"] if vocab is None else vocab
-    paths = manifest.get("glue", {}).get(model, {}).get(str(vocab))
-    if not paths:
-        raise MissingInput(f"no fine-tuning results of {model} at vocab {vocab} in the manifest")
-    return list(paths)
+    if int(vocab) not in [int(v) for v in manifest.get("glue", {}).get(model, [])]:
+        raise MissingInput(f"the study fine-tunes no {model} at vocab {vocab}")
+    return finetune_paths(manifest, model, vocab)
 
 
 def _checkpoint(manifest: Mapping, model: str, vocab: int | None = None) -> str:
@@ -358,10 +370,10 @@ def loss_gap(better: str, worse: str) -> tuple[Callable, Callable]:
 
 def _vocab_inputs(manifest):
     model = _role(manifest, "crammed")
-    vocabs = manifest.get("glue", {}).get(model, {})
+    vocabs = manifest.get("glue", {}).get(model, [])
     if not vocabs:
-        raise MissingInput(f"no fine-tuning results of {model}")
-    return [p for paths in vocabs.values() for p in paths]
+        raise MissingInput(f"the study fine-tunes no {model}")
+    return [p for vocab in vocabs for p in _glue_paths(manifest, model, vocab)]
 
 
 def _vocab_evaluate(manifest):
@@ -458,18 +470,15 @@ def data_gap(better_cell: str, worse_cell: str) -> tuple[Callable, Callable]:
             raise MissingInput(f"no source has both cells {better_cell} and {worse_cell}")
         return {run: spec for run, spec in chosen.items() if spec["source"] in sources}
 
-    def results(runs):
-        return [p for spec in runs.values() for p in spec.get("results", [])]
+    def results(manifest, runs):
+        return [p for run in runs for p in finetune_paths(manifest, run, manifest["main_vocab"], "ablation_tasks")]
 
     def inputs(manifest):
-        runs = cells(manifest)
-        if not all(spec.get("results") for spec in runs.values()):
-            raise MissingInput("a Table 2 run of these cells has no fine-tuning results in the manifest")
-        return results(runs)
+        return results(manifest, cells(manifest))
 
     def evaluate(manifest):
         runs = cells(manifest)
-        seeds = per_seed_average(results(runs))
+        seeds = per_seed_average(results(manifest, runs))
         seeds["source"] = seeds["model"].map({r: s["source"] for r, s in runs.items()})
         seeds["cell"] = seeds["model"].map({r: s["cell"] for r, s in runs.items()})
         wide = seeds.pivot_table(index=["source", "seed"], columns="cell", values="avg").dropna()
