@@ -189,7 +189,7 @@ def render_table(results_dir: Path, doc_dir: Path, repo: Path, file: str) -> str
 
 
 # The claims table's columns shown in a page (the committed CSV has them all, docs/claims.md explains each).
-CLAIMS_COLUMNS = ("id", "claim", "paper_number", "measurement", "test", "verdict", "setup")
+CLAIMS_COLUMNS = ("id", "claim", "where", "paper_number", "measurement", "test", "verdict", "setup")
 
 
 def render_claims(results_dir: Path, doc_dir: Path, repo: Path, source: str) -> str:
