@@ -6,6 +6,8 @@ import pandas as pd
 import pytest
 from conftest import TINY, copy_workflow, planned_jobs, snakemake
 
+from cramswarm.report.claims import CLAIMS, NOT_RUN, VERDICTS
+
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
@@ -266,3 +268,27 @@ def test_swarm_study_builds_every_experiment_table_and_figure(workdir):
     snakemake(workdir, "--report", "results/swarm.html", "swarm_study", *TINY)
     html = (workdir / "results" / "swarm.html").read_text()
     assert "SWARM" in html and "rebalancing_recovery.png" in html
+
+
+@pytest.mark.slow
+def test_claims_target_writes_a_verdict_per_claim_from_the_files(workdir):
+    # after the study, the ablations and the swarm study above, the claims need no experiment of their own
+    assert planned_jobs(workdir, "claims", *TINY) == {"claims_table": 1, "claims": 1}
+    snakemake(workdir, "--cores", "1", "claims", *TINY)
+    out = workdir / "results" / "claims" / "synthetic"
+    table = pd.read_csv(out / "claims.csv", dtype=str, keep_default_na=False).set_index("id")
+    assert list(table.index) == [claim.id for claim in CLAIMS]
+    assert set(table["verdict"]) <= set(VERDICTS) - {NOT_RUN}  # every file a claim reads was built
+    assert (table["measurement"].str.len() > 0).all() and (table["setup"].str.len() > 0).all()
+    assert (workdir / "results" / "readme" / "claims_synthetic.csv").read_bytes() == (out / "claims.csv").read_bytes()
+    # the verdicts follow the files: without the wiring experiment's CSV, its claim says not run
+    wiring = workdir / "results" / "swarm_study" / "synthetic" / "wiring_throughput.csv"
+    kept = wiring.read_bytes()
+    wiring.unlink()
+    try:
+        snakemake(workdir, "--cores", "1", "claims_available", *TINY)
+    finally:
+        wiring.write_bytes(kept)
+    available = pd.read_csv(out / "claims.csv", dtype=str, keep_default_na=False).set_index("id")
+    assert available.loc["S3", "verdict"] == NOT_RUN
+    assert available.drop(index="S3")["verdict"].equals(table.drop(index="S3")["verdict"])

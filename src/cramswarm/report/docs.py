@@ -16,6 +16,7 @@ Blocks:
 
 - ``figures``: the README's two figures (``readme`` target), each with its checksum;
 - ``glue``: the study's GLUE table (``glue_paper.csv``) in the paper's columns, the published rows below ours;
+- ``claims:SOURCE``: the papers' claims checked on one source (``claims_<source>.csv``, `claims` target);
 - ``table:FILE``: any committed CSV, Markdown table or JSON file (benchmark output) under the results folder.
 
 ``tests/test_docs.py`` regenerates every block from the committed files and fails if a committed block differs;
@@ -187,6 +188,33 @@ def render_table(results_dir: Path, doc_dir: Path, repo: Path, file: str) -> str
     )
 
 
+# The claims table's columns shown in a page (the committed CSV has them all, docs/claims.md explains each).
+CLAIMS_COLUMNS = ("id", "claim", "where", "paper_number", "measurement", "test", "verdict", "setup")
+
+
+def render_claims(results_dir: Path, doc_dir: Path, repo: Path, source: str) -> str:
+    """The claims table of one source (``claims_<source>.csv``, written by the `claims` target), verdict counts
+    and the file's checksum."""
+    import pandas as pd
+
+    from cramswarm.report.claims import LABELS, VERDICTS
+
+    if not re.fullmatch(r"[a-z0-9_]+", source):
+        raise DocsError(f"generated:claims:{source}: a source name is lowercase letters, digits and _")
+    path = results_dir / f"claims_{source}.csv"
+    if not path.is_file():
+        return _missing(path, results_dir, "snakemake --cores 8 claims")
+    df = pd.read_csv(path, dtype=str, keep_default_na=False)
+    rows = [[_cell(row[c]) for c in CLAIMS_COLUMNS] for _, row in df.iterrows()]
+    lines = ["| " + " | ".join(LABELS[c] for c in CLAIMS_COLUMNS) + " |", "|" + "---|" * len(CLAIMS_COLUMNS)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    counts = df["verdict"].value_counts()
+    lines += ["", "Verdicts: " + ", ".join(f"{v} {int(counts.get(v, 0))}" for v in VERDICTS) + "."]
+    extra = f"{path.name} sha256 `{sha256(path)[:12]}`"
+    return "\n".join(lines) + "\n\n" + provenance_line([path], results_dir, writer="snakemake --cores 8 claims",
+                                                          extra=extra)
+
+
 RENDERERS: dict[str, Callable[..., str]] = {"figures": render_figures, "glue": render_glue}
 
 
@@ -195,8 +223,10 @@ def render_block(name: str, results_dir: str | os.PathLike, doc_dir: str | os.Pa
     results_dir, doc_dir, repo = Path(results_dir), Path(doc_dir), Path(repo)
     if name.startswith("table:"):
         return render_table(results_dir, doc_dir, repo, name.removeprefix("table:"))
+    if name.startswith("claims:"):
+        return render_claims(results_dir, doc_dir, repo, name.removeprefix("claims:"))
     if name not in RENDERERS:
-        known = ", ".join([*RENDERERS, "table:FILE"])
+        known = ", ".join([*RENDERERS, "table:FILE", "claims:SOURCE"])
         raise DocsError(f"unknown generated block {name!r}; known: {known}")
     return RENDERERS[name](results_dir, doc_dir, repo)
 
