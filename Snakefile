@@ -35,6 +35,8 @@ localrules:
     ablation_schedule_report,
     ablation_groups_report,
     ablation_data_report,
+    claims_table,
+    claims_available,
 
 
 rule all:
@@ -101,6 +103,13 @@ rule swarm_study:
     """SWARM: square-cube law, wiring, failures, rebalancing, compression vs loss, simulator at scale."""
     input:
         rules.swarm_report.output,
+
+
+rule claims:
+    """The papers' claims, checked: runs every experiment the claims need, then the verdict table
+    (results/claims/<source>/claims.{csv,md}; docs/claims.md)."""
+    input:
+        rules.claims_table.output,
 
 
 rule readme:

@@ -108,3 +108,46 @@ rule readme_figures:
         out_dir=lambda wildcards, output: Path(output[0]).parent,
     shell:
         "python -m cramswarm readme-figures --figures {input} --out-dir {params.out_dir} > {log} 2>&1"
+
+
+rule claims_table:
+    """The papers' claims, checked: one row per claim of Cramming and SWARM with our measurement, the test and a
+    verdict derived from the result files (named target `claims` runs every experiment they need)."""
+    input:
+        claims_inputs,
+    output:
+        table=table(f"{CLAIMS}/claims.csv", "Claims"),
+        markdown=f"{CLAIMS}/claims.md",
+        readme=f"results/readme/claims_{SOURCE}.csv",  # committed; the README's generated claims block reads it
+    log:
+        f"logs/report/{SOURCE}/claims.log",
+    benchmark:
+        f"results/benchmarks/claims_table/{SOURCE}/claims.tsv"
+    conda:
+        "../envs/cramswarm.yaml"
+    resources:
+        **REPORT_RESOURCES,
+    params:
+        manifest=lambda wildcards: json.dumps(claims_manifest()),  # a function: the pattern has {braces}
+        stem=subpath(output.table, strip_suffix=".csv"),
+    shell:
+        "python -m cramswarm claims --manifest {params.manifest:q} --out-stem {params.stem} "
+        "--copy-to {output.readme} > {log} 2>&1"
+
+
+rule claims_available:  # no input or output: runs whenever asked, on whatever results exist
+    """The claims table from the results already on disk, every claim whose inputs are absent marked not run
+    (the same files as claims_table, without running any experiment)."""
+    log:
+        f"logs/report/{SOURCE}/claims_available.log",
+    conda:
+        "../envs/cramswarm.yaml"
+    resources:
+        **REPORT_RESOURCES,
+    params:
+        manifest=lambda wildcards: json.dumps(claims_manifest()),  # a function: the pattern has {braces}
+        stem=f"{CLAIMS}/claims",
+        readme=f"results/readme/claims_{SOURCE}.csv",
+    shell:
+        "python -m cramswarm claims --manifest {params.manifest:q} --out-stem {params.stem} "
+        "--copy-to {params.readme} > {log} 2>&1"

@@ -3,7 +3,8 @@
 
 
 rule train_tokenizer:
-    """A tokenizer of one family and vocab size, trained on one corpus variant (raw or filtered)."""
+    """A tokenizer of exactly one vocab size and family, trained on one corpus variant (raw or filtered), and its
+    report (size, alphabet, share of ## entries, non-ASCII entries, settings)."""
     input:
         corpus=corpus_variant,
     output:
@@ -23,7 +24,9 @@ rule train_tokenizer:
         family=lambda wildcards: wildcards.family,
         min_frequency=config["tokenizer"]["min_frequency"],
         case="" if config["tokenizer"]["lowercase"] else "--cased",
+        ascii="" if config["tokenizer"]["ascii_only"] else "--keep-non-ascii",
+        limit_alphabet=config["tokenizer"]["limit_alphabet"],
     shell:
         "python -m cramswarm tokenizer --corpus {input.corpus} --vocab-size {params.vocab} --family {params.family} "
-        "--min-frequency {params.min_frequency} {params.case} --out {output.tokenizer} --report {output.report} "
-        "> {log} 2>&1"
+        "--min-frequency {params.min_frequency} {params.case} {params.ascii} --limit-alphabet {params.limit_alphabet} "
+        "--out {output.tokenizer} --report {output.report} > {log} 2>&1"

@@ -57,12 +57,19 @@ def glue_data(args) -> int:
 
 @command(
     "tokenizer",
-    "train a tokenizer (WordPiece, BPE or Unigram) on the corpus",
+    "train a tokenizer (WordPiece, BPE or Unigram) of exactly --vocab-size entries on the corpus",
     arg("--corpus", required=True),
     arg("--vocab-size", type=int, required=True),
     arg("--family", default=schema_default("tokenizer.family"), choices=("wordpiece", "bpe", "unigram")),
     arg("--min-frequency", type=int, default=schema_default("tokenizer.min_frequency")),
     arg("--cased", action="store_true", help="keep case and accents (tokenizer.lowercase: false)"),
+    arg("--keep-non-ascii", action="store_true", help="keep non-ASCII characters (tokenizer.ascii_only: false)"),
+    arg(
+        "--limit-alphabet",
+        type=int,
+        default=schema_default("tokenizer.limit_alphabet"),
+        help="most frequent characters kept (tokenizer.limit_alphabet)",
+    ),
     OUT,
     arg("--report", help="also write the vocab facts to this JSON file"),
 )
@@ -70,22 +77,34 @@ def tokenizer(args) -> int:
     from cramswarm.data import tokenizer as tokenization
     from cramswarm.io import atomic_path
 
+    settings = {
+        "family": args.family,
+        "requested": args.vocab_size,
+        "min_frequency": args.min_frequency,
+        "lowercase": not args.cased,
+        "ascii_only": not args.keep_non_ascii,
+        "limit_alphabet": args.limit_alphabet,
+    }
+    # the corpus is read twice (alphabet, then training); any size problem is raised before the file is written
     tok = tokenization.train(
-        tokenization.iter_corpus_batches(args.corpus, progress=True),
+        lambda: tokenization.iter_corpus_batches(args.corpus, progress=True),
         args.vocab_size,
         args.family,
-        not args.cased,
+        settings["lowercase"],
         args.min_frequency,
+        settings["ascii_only"],
+        args.limit_alphabet,
+        exact=True,
     )
-    if tok.get_vocab_size() < args.vocab_size:
-        raise ValueError(
-            f"the corpus {args.corpus} filled only {tok.get_vocab_size()} of {args.vocab_size} {args.family} vocab "
-            f"entries (min_frequency {args.min_frequency}); lower tokenizer.vocab_sizes or use a larger corpus"
-        )
     with atomic_path(args.out) as tmp:
         tok.save(str(tmp))
-    facts = {"family": args.family, "vocab_size": tok.get_vocab_size(), "requested": args.vocab_size}
-    facts |= {"min_frequency": args.min_frequency, "lowercase": not args.cased, "corpus": args.corpus}
+    facts = tokenization.vocab_facts(tok) | {"settings": settings, "corpus": args.corpus}
+    facts["bit_reproducible"] = tokenization.REPRODUCIBLE[args.family]
+    if not facts["bit_reproducible"]:
+        facts["warnings"] = [
+            f"{args.family} training is not bit-reproducible: the trainer sums piece scores in parallel, so two "
+            "runs on the same corpus can differ in the last bits of the scores and in the order of tied pieces"
+        ]
     report(args.report, facts)
     return 0
 

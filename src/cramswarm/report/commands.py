@@ -1,5 +1,5 @@
 """Commands of the report: tables, figures, ablation-report, data-ablation-report, swarm-report, study-record,
-readme-figures, docs-snapshot, docs, fidelity-table."""
+readme-figures, docs-snapshot, docs, fidelity-table, claims."""
 
 from __future__ import annotations
 
@@ -209,3 +209,25 @@ def docs(args) -> int:
     for path in changed:
         print(f"{'stale' if args.check else 'rewrote'}: {path}")
     return 1 if args.check and changed else 0
+
+
+@command(
+    "claims",
+    "the papers' claims, checked: one row per claim (verdict from the result files), as CSV + Markdown",
+    arg("--manifest", type=json_arg, required=True,
+        help="JSON naming the result files per claim input (rules/common.smk: claims_manifest())"),
+    arg("--out-stem", required=True, help="table path without suffix (.csv and .md)"),
+    arg("--copy-to", help="also copy the CSV to this path (the committed results/readme/ folder)"),
+)
+def claims(args) -> int:
+    from cramswarm.io import atomic_path
+    from cramswarm.report.claims import write_claims
+
+    paths = write_claims(args.manifest, args.out_stem)
+    if args.copy_to:
+        with atomic_path(Path(args.copy_to)) as tmp:
+            tmp.write_bytes(paths[0].read_bytes())
+        paths = (*paths, Path(args.copy_to))
+    for path in paths:
+        print(path)
+    return 0

@@ -16,6 +16,7 @@ Blocks:
 
 - ``figures``: the README's two figures (``readme`` target), each with its checksum;
 - ``glue``: the study's GLUE table (``glue_paper.csv``) in the paper's columns, the published rows below ours;
+- ``claims:SOURCE``: the papers' claims checked on one source (``claims_<source>.csv``, `claims` target);
 - ``table:FILE``: any committed CSV, Markdown table or JSON file (benchmark output) under the results folder.
 
 ``tests/test_docs.py`` regenerates every block from the committed files and fails if a committed block differs;
@@ -165,14 +166,21 @@ def _flatten(value, prefix: str = "") -> list[tuple[str, object]]:
     return [(prefix.rstrip("."), json.dumps(value) if isinstance(value, list) else value)]
 
 
+# The command that writes a committed table, where one is known (else the docs around the block name it).
+TABLE_WRITERS = {
+    "front_door.csv": "python benchmarks/front_door.py --smoke --default --out results/readme/front_door.csv",
+}
+
+
 def render_table(results_dir: Path, doc_dir: Path, repo: Path, file: str) -> str:
     import pandas as pd
 
     path = (results_dir / file).resolve()
     if results_dir.resolve() not in path.parents:
         raise DocsError(f"generated:table:{file}: the file must lie under {RESULTS_DIR}")
+    writer = TABLE_WRITERS.get(file)
     if not path.is_file():
-        return _missing(results_dir / file, results_dir, "the benchmark or rule that writes it")
+        return _missing(results_dir / file, results_dir, writer or "the benchmark or rule that writes it")
     if path.suffix == ".md":
         body = path.read_text().rstrip("\n")
     elif path.suffix == ".csv":
@@ -183,8 +191,37 @@ def render_table(results_dir: Path, doc_dir: Path, repo: Path, file: str) -> str
     else:
         raise DocsError(f"generated:table:{file}: only .csv, .md and .json files can be rendered")
     return (
-        body + "\n\n" + provenance_line([results_dir / file], results_dir, writer="the rule or benchmark named in docs")
+        body
+        + "\n\n"
+        + provenance_line([results_dir / file], results_dir, writer=writer or "the rule or benchmark named in docs")
     )
+
+
+# The claims table's columns shown in a page (the committed CSV has them all, docs/claims.md explains each).
+CLAIMS_COLUMNS = ("id", "claim", "where", "paper_number", "measurement", "test", "verdict", "setup")
+
+
+def render_claims(results_dir: Path, doc_dir: Path, repo: Path, source: str) -> str:
+    """The claims table of one source (``claims_<source>.csv``, written by the `claims` target), verdict counts
+    and the file's checksum."""
+    import pandas as pd
+
+    from cramswarm.report.claims import LABELS, VERDICTS
+
+    if not re.fullmatch(r"[a-z0-9_]+", source):
+        raise DocsError(f"generated:claims:{source}: a source name is lowercase letters, digits and _")
+    path = results_dir / f"claims_{source}.csv"
+    if not path.is_file():
+        return _missing(path, results_dir, "snakemake --cores 8 claims")
+    df = pd.read_csv(path, dtype=str, keep_default_na=False)
+    rows = [[_cell(row[c]) for c in CLAIMS_COLUMNS] for _, row in df.iterrows()]
+    lines = ["| " + " | ".join(LABELS[c] for c in CLAIMS_COLUMNS) + " |", "|" + "---|" * len(CLAIMS_COLUMNS)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    counts = df["verdict"].value_counts()
+    lines += ["", "Verdicts: " + ", ".join(f"{v} {int(counts.get(v, 0))}" for v in VERDICTS) + "."]
+    extra = f"{path.name} sha256 `{sha256(path)[:12]}`"
+    return "\n".join(lines) + "\n\n" + provenance_line([path], results_dir, writer="snakemake --cores 8 claims",
+                                                          extra=extra)
 
 
 RENDERERS: dict[str, Callable[..., str]] = {"figures": render_figures, "glue": render_glue}
@@ -195,8 +232,10 @@ def render_block(name: str, results_dir: str | os.PathLike, doc_dir: str | os.Pa
     results_dir, doc_dir, repo = Path(results_dir), Path(doc_dir), Path(repo)
     if name.startswith("table:"):
         return render_table(results_dir, doc_dir, repo, name.removeprefix("table:"))
+    if name.startswith("claims:"):
+        return render_claims(results_dir, doc_dir, repo, name.removeprefix("claims:"))
     if name not in RENDERERS:
-        known = ", ".join([*RENDERERS, "table:FILE"])
+        known = ", ".join([*RENDERERS, "table:FILE", "claims:SOURCE"])
         raise DocsError(f"unknown generated block {name!r}; known: {known}")
     return RENDERERS[name](results_dir, doc_dir, repo)
 

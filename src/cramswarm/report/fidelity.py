@@ -86,6 +86,36 @@ SPECS: list[Spec] = [
     ("data", "sequence length (tokens)", "packing.block_tokens", _both(128, "cramming/config/data/*.yaml seq_length")),
     ("data", "vocabulary size", "tokenizer.main_vocab_size", _both(32768, "cramming/config/data/*.yaml vocab_size")),
     (
+        "data",
+        "tokenizer",
+        "tokenizer.family",
+        _each(
+            ("WordPiece", "cramming/config/data/c4-subset.yaml tokenizer"),
+            ("WordPiece", "cramming/config/data/the-pile.yaml tokenizer"),
+        ),
+    ),
+    (
+        "data",
+        "tokenizer normaliser",
+        "tokenizer.normaliser",
+        _each(
+            (
+                "quotes, NFD, lowercase, strip accents, collapse spaces, delete non-ASCII",
+                "cramming/data/tokenizer_preparation.py; data/c4-subset.yaml normalizer (force_english_keyboard: True)",
+            ),
+            (
+                "quotes, NFD, lowercase, strip accents, collapse spaces, delete non-ASCII",
+                "cramming/data/tokenizer_preparation.py; data/the-pile.yaml normalizer (force_english_keyboard: True)",
+            ),
+        ),
+    ),
+    (
+        "data",
+        "tokenizer pre-tokenizer",
+        "tokenizer.pre_tokenizer",
+        _both("Whitespace (runs of punctuation stay together)", "cramming/data/tokenizer_preparation.py"),
+    ),
+    (
         "arch",
         "layers x width x heads x FFN",
         "arch.crammed",
@@ -243,6 +273,9 @@ KNOWN_DIFFERENCES = {
     "tokenizer trained on the raw corpus) where the reference code loads albert-base-v2",
     ("*", "bert_original", "pretraining corpus"): "one corpus per study: every model trains on the study's data, "
     "so baselines and crammed differ only in arch and recipe",
+    ("*", "data", "tokenizer pre-tokenizer"): "kept from the project's first version (every '.' is its own word for "
+    "the sentence-length order); on ASCII text it differs from Whitespace only at runs of punctuation, '_' and "
+    "control characters",
     ("icml", "data", "corpus"): "the original Pile is no longer hosted; its deduplicated release is the nearest "
     "loadable copy (so the ICML data is deduplicated after all)",
 }
@@ -301,6 +334,11 @@ def _view(cfg: dict) -> dict:
     view["data.baselines"] = view["hub.corpus.0.path"]
     view["packing.block_tokens"] = cfg["packing"]["block_tokens"]
     view["tokenizer.main_vocab_size"] = cfg["tokenizer"]["main_vocab_size"]
+    tok = cfg["tokenizer"]
+    view["tokenizer.family"] = {"wordpiece": "WordPiece", "bpe": "BPE", "unigram": "Unigram"}[tok["family"]]
+    steps = ["quotes", "NFD"] + (["lowercase", "strip accents"] if tok["lowercase"] else []) + ["collapse spaces"]
+    view["tokenizer.normaliser"] = ", ".join(steps + (["delete non-ASCII"] if tok["ascii_only"] else []))
+    view["tokenizer.pre_tokenizer"] = "BERT (every punctuation character split off)"
     return view
 
 
