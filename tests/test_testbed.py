@@ -8,13 +8,15 @@ failure. The argument checks at the end run everywhere.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
 
 import pytest
 
 from cramswarm.testbed import Testbed, cleanup, measure, relay, run_namespaces, shaping, unavailable_reason
-from cramswarm.testbed.netns import namespaces
+from cramswarm.testbed.netns import namespaces, package_env
 
 PORT = measure.PORT
 netns = pytest.mark.netns
@@ -191,6 +193,9 @@ def test_cleanup_removes_a_killed_runs_leftovers_and_parallel_runs_do_not_collid
         measure.start_server(other, "h1")
         for tb in (left, other):
             assert measure.connect(tb, "h0", (tb.host("h1").ip, PORT))["outcome"] == "ok"
+        listed = subprocess.run([sys.executable, "-m", "cramswarm", "testbed-cleanup"], capture_output=True,
+                                text=True, check=True, env=package_env()).stdout.split()  # fmt: skip
+        assert {left.run_id, other.run_id} <= set(listed)
         assert sorted(cleanup(left.run_id)) == sorted([left.switch, *(h.netns for h in left.hosts)])
         assert not run_namespaces(left.run_id)
         assert measure.connect(other, "h0", (other.host("h1").ip, PORT))["outcome"] == "ok"
@@ -233,3 +238,23 @@ def test_relay_delays_stay_within_latency_plus_minus_jitter():
     assert 800 <= drops <= 1200
     with pytest.raises(ValueError):
         relay.Delay(1.0, 0.0, 1.0, seed=0)
+
+
+@netns
+def test_testbed_check_prints_what_processes_saw_and_leaves_nothing(can_build, tmp_path):
+    before = set(namespaces())
+    out = tmp_path / "check.json"
+    argv = [sys.executable, "-m", "cramswarm", "testbed-check", "--hosts", "2", "--bandwidth-mbit", "30",
+            "--latency-ms", "10", "--seconds", "2", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=package_env())
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert json.loads(proc.stdout) == result
+    seen, configured = result["seen"], result["configured"]
+    assert 0.75 * 30 <= seen["throughput_direct_mbit"] <= 1.25 * 30
+    assert 0.75 * 30 <= seen["throughput_relay_mbit"] <= 1.25 * 30
+    assert abs(seen["rtt_relay_ms"] - configured["expected_rtt_relay_ms"]) <= 0.2 * 20 + 3.0
+    assert seen["udp_relay_delivered"] == 1.0
+    assert (seen["cut_open_connection"], seen["cut_new_connection"], seen["restored_open_connection"]) == (
+        "timeout", "timeout", "ok")
+    assert set(namespaces()) - before == set()
