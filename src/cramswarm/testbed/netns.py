@@ -167,8 +167,9 @@ class Testbed:
         if not 1 <= len(names) <= MAX_HOSTS:
             raise ValueError(f"a testbed has 1..{MAX_HOSTS} hosts, not {len(names)}")
         for name in names:
-            if not HOST_NAME.match(name) or name == "br":
-                raise ValueError(f"host names must match {HOST_NAME.pattern} (and not be 'br'): {name!r}")
+            if not HOST_NAME.match(name) or name in ("br", "switch"):
+                raise ValueError(f"host names must match {HOST_NAME.pattern} (and be neither 'br' nor 'switch'): "
+                                 f"{name!r}")  # fmt: skip
         if len(set(names)) != len(names):
             raise ValueError(f"host names repeat: {names}")
         self.run_id = run_id or f"{os.getpid() % 100000}{secrets.token_hex(3)}"
