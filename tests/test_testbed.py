@@ -13,7 +13,9 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
+import psutil
 import pytest
 
 from cramswarm.testbed import Testbed, Unavailable, cleanup, measure, relay, run_namespaces, shaping, unavailable_reason
@@ -206,6 +208,37 @@ def test_cleanup_removes_a_killed_runs_leftovers_and_parallel_runs_do_not_collid
         assert measure.connect(other, "h0", (other.host("h1").ip, PORT))["outcome"] == "ok"
     left.close()  # nothing left to do
     assert not run_namespaces(other.run_id)
+
+
+@netns
+def test_cleanup_after_the_owner_was_sigkilled_removes_its_namespaces_and_processes(can_build):
+    code = ("import time\nfrom cramswarm.testbed import Testbed, measure\ntb = Testbed(2).start()\n"
+            "measure.start_server(tb, 'h1')\nprint(tb.run_id, flush=True)\ntime.sleep(120)\n")  # fmt: skip
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=package_env())
+    try:
+        run_id = owner.stdout.readline().strip()
+    finally:
+        owner.kill()  # SIGKILL: no clean-up of its own
+        owner.wait()
+        owner.stdout.close()
+    left = run_namespaces(run_id)
+    assert len(left) == 3
+    pids = [int(p) for ns in left for p in subprocess.run(["ip", "netns", "pids", ns], capture_output=True,
+                                                          text=True, check=True).stdout.split()]  # fmt: skip
+    assert pids  # the measurement server outlived its owner
+    assert sorted(cleanup(run_id)) == sorted(left)
+    assert not run_namespaces(run_id)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+        time.sleep(0.05)
+    assert not any(_alive(pid) for pid in pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 # -- argument checks (no namespaces needed) -----------------------------------------------------------------

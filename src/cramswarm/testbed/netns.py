@@ -331,14 +331,18 @@ class Testbed:
 
 
 def _stop(proc: subprocess.Popen, grace_s: float = 2.0) -> None:
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        proc.terminate()
-    deadline = time.monotonic() + grace_s
-    while proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
+    """SIGTERM, then SIGKILL after ``grace_s``; close its pipes."""
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        proc.wait()
+            proc.terminate()
+        deadline = time.monotonic() + grace_s
+        while proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait()
+    for pipe in (proc.stdin, proc.stdout, proc.stderr):
+        if pipe is not None:
+            with contextlib.suppress(OSError):
+                pipe.close()
