@@ -139,6 +139,9 @@ def test_a_cut_link_times_out_without_a_reset_and_restoring_it_resumes_the_conne
         assert [s.connected["outcome"] for s in sessions] == ["ok", "ok"]
         with tb.link_cut("h1"):
             assert shaping.port_state(tb.switch, h1.port) == "disabled"
+            link = subprocess.run(["ip", "-n", h1.netns, "link", "show", "eth0"], capture_output=True, text=True,
+                                  check=True).stdout  # fmt: skip
+            assert "LOWER_UP" in link  # the host itself sees nothing: its link is up
             during = [s.echo("cut") for s in sessions]
             assert [d["outcome"] for d in during] == ["timeout", "timeout"], during
             assert all(d["s"] >= 1.9 for d in during)
