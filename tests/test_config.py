@@ -105,6 +105,8 @@ def mutate(cfg, path, value):
             ["config key 'swarm.stages': 3 stages do not divide the 2 layers of models.swarm.arch"],
         ),
         (("swarm", "compression"), "int4", ["swarm.compression", "none, fp16, blockwise8"]),
+        (("swarm", "averaging_compression"), "blockwise8", ["swarm.averaging_compression", "none, fp16, 8bit"]),
+        (("swarm", "link_mbit_s"), 0, ["swarm.link_mbit_s"]),
         (("swarm", "peers_per_stage"), 0, ["swarm.peers_per_stage", "minimum"]),
         (("swarm", "transport"), "grpc", ["swarm.transport", "emulation, hivemind"]),
         (("swarm", "placement"), "srun", ["config key 'swarm.placement'", "needs swarm.transport: hivemind"]),

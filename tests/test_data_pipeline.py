@@ -49,6 +49,9 @@ def test_trash_filter_removes_exactly_the_trash(tmp_path, tok):
     report = filters.trash_filter(corpus(tmp_path, docs), tok, tmp_path / "out.parquet", cutoff=cutoff)
     assert texts(tmp_path / "out.parquet") == CLEAN[:100]  # order kept, every trash document gone
     assert (report["documents_in"], report["documents_out"], report["documents_removed"]) == (130, 100, 30)
+    assert report["documents_removed_share"] == pytest.approx(30 / 130)
+    removed_chars = sum(map(len, trash)) / sum(map(len, docs))
+    assert report["characters_removed_share"] == pytest.approx(removed_chars)
     assert report["tokens_per_char_kept"]["max"] == pytest.approx(worst_clean, abs=1e-4)
     assert report["tokens_per_char_removed"]["min"] == pytest.approx(best_trash, abs=1e-4)
     assert report["characters_out"] == sum(map(len, CLEAN[:100]))
@@ -80,6 +83,7 @@ def test_dedup_drops_copies_and_near_copies_and_keeps_the_first(tmp_path):
     report = filters.dedup(corpus(tmp_path, docs), tmp_path / "out.parquet", threshold=0.8)
     assert texts(tmp_path / "out.parquet") == [a, b, BOILERPLATE[0], c, "short one", "short two"]
     assert (report["documents_in"], report["documents_out"], report["documents_removed"]) == (10, 6, 4)
+    assert report["documents_removed_share"] == pytest.approx(0.4)
     assert report["lsh_bands"] * report["lsh_rows"] <= report["num_perm"]
 
 

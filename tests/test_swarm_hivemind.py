@@ -84,9 +84,35 @@ def test_sigkill_of_peers_mid_run_loses_no_microbatch_and_rejoined_peers_load_th
     assert stats["replicas_equal"] and stats["replica_max_abs_diff"] == [0.0, 0.0], replicas
     assert all(len(set(steps.values())) == 1 for steps in replicas.values()), replicas
     assert len(result.stage_states) == 2 and all(result.stage_states) and result.log
+    # the in-stage all-reduce (fp16 by default) sent at most 2 bytes per parameter per replica and step, plus the
+    # parts' protobuf fields (groups of 3 replicas, after a rejoin, send 4/3 values per parameter: up to 2.67)
+    assert stats["averaging_compression"] == "fp16"
+    assert all(1.99 <= b <= 2.0 * 4 / 3 * 1.01 for b in stats["averaging_bytes_per_param"]), stats
     # nothing outlives the run: no member of any process group it started, no p2pd of this process
     assert ht.leftover_processes(stats["process_groups"]) == []
     assert own_p2p_daemons() == daemons_before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("scheme", "width"), [("none", 4.0), ("fp16", 2.0), ("8bit", 1.0 + 4 / 4096)])
+def test_in_stage_averaging_traffic_per_parameter_and_equal_replicas(scheme, width):
+    total = 96  # 24 steps of 2 stages x 2 replicas
+    result = ht.run_swarm(plan(averaging_compression=scheme), batches(), total, progress=False)
+    stats = result.stats
+    assert stats["microbatches_done"] == total and stats["lost_microbatches"] == 0
+    assert stats["replicas_equal"] and stats["digest_mismatches"] == 0, stats["replica_max_abs_diff"]
+    params = ht.stage_parameter_counts(TINY, VOCAB, 2)
+    assert stats["stage_parameters"] == params and all(n > 30_000 for n in params)
+    for stage in range(2):
+        # pairs of replicas: each sends one value per parameter and step (half its vector out, its reduced half
+        # back), at the codec's width plus the parts' protobuf fields (< 1 % at these stage sizes)
+        peer_steps = stats["averaging_param_steps"][stage] / params[stage]
+        assert peer_steps == int(peer_steps) and 0 < peer_steps <= 2 * stats["stage_steps"][stage]
+        assert stats["averaging_values_sent"][stage] == stats["averaging_param_steps"][stage]
+        assert width <= stats["averaging_bytes_per_param"][stage] <= width * 1.01, stats["averaging_bytes_per_param"]
+    losses = [row["loss"] for row in result.log]
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5, losses
+    assert ht.leftover_processes(stats["process_groups"]) == []
 
 
 @pytest.mark.slow

@@ -32,9 +32,9 @@ from cramswarm.training import build_model, save_checkpoint
 PARITY_NATS = 0.1
 TINY = ARCH | dict(layers=2, hidden_size=64, heads=2, intermediate_size=128)
 SWARM = dict(transport="emulation", stages=2, peers_per_stage=2, peer_speeds=[1.0], trainers=2,
-             compression="blockwise8", forward_timeout_s=30.0, kill_every_s=None, rejoin_after_s=5.0,
-             rebalance_period_s=None, seed=0, placement="local", host="127.0.0.1", interface=None, srun_args=[],
-             startup_timeout_s=180.0)
+             compression="blockwise8", averaging_compression="fp16", link_mbit_s=100.0, forward_timeout_s=30.0,
+             kill_every_s=None, rejoin_after_s=5.0, rebalance_period_s=None, seed=0, placement="local",
+             host="127.0.0.1", interface=None, srun_args=[], startup_timeout_s=180.0)
 
 
 def masked_batch(vocab=100, rows=4, length=16, seed=0):

@@ -261,6 +261,9 @@ def test_ablation_data_writes_table2_with_stage_counts(workdir):
     assert (table["documents_raw"] == 1500).all() and (table["pretrain_tokens"] == 8192).all()
     raw, trash, dedup = table.loc["filtered_dedup", ["documents_raw", "documents_after_trash", "documents_after_dedup"]]
     assert 1500 * 0.1 < raw - trash < 1500 * 0.2  # ~15 % trash documents in the noisy corpus
+    assert table.loc["filtered_dedup", "trash_removed_share"] == pytest.approx((raw - trash) / raw)
+    assert pd.isna(table.loc["none", "trash_removed_share"])  # no trash filter in this cell
+    assert "Trash removed (% docs)" in (out / "data.md").read_text()
     assert 1500 * 0.05 < trash - dedup < 1500 * 0.1  # ~10 % duplicates, near-copies partly kept
     assert table.loc["none", "blocks"] > table.loc["filtered_sorted", "blocks"] > table.loc["filtered_dedup", "blocks"]
     assert table["sst2"].notna().all() and (table["n_seeds"] == 2).all()

@@ -29,7 +29,8 @@ NOTE = (
     "\nGLUE scores (median over fine-tuning seeds; avg = mean over the tasks run) compare across sources and "
     "filters: every run is fine-tuned and scored on the same validation rows. Held-out MLM loss is measured on "
     "each run's own packed data and tokenizer, so it compares only between cells that share both (cells that "
-    "differ only in order); documents counts are per stage (raw corpus, after trash filter, after dedup).\n"
+    "differ only in order); documents counts are per stage (raw corpus, after trash filter, after dedup), and the "
+    "trash filter's removed share is of the documents it read.\n"
 )
 
 
@@ -62,6 +63,7 @@ def data_table(runs: Mapping[str, Mapping], results: Iterable[str]) -> pd.DataFr
                 "family": data["family"],
                 "documents_raw": reports["corpus"].get("documents"),
                 "documents_after_trash": reports.get("trash", {}).get("documents_out"),
+                "trash_removed_share": reports.get("trash", {}).get("documents_removed_share"),
                 "documents_after_dedup": reports.get("dedup", {}).get("documents_out"),
                 "tokens_packed": reports["pack"].get("tokens"),
                 "blocks": reports["pack"].get("blocks"),
@@ -104,8 +106,12 @@ TEXT_HEADERS = {
 
 
 def _markdown(df: pd.DataFrame) -> str:
-    """:func:`cramswarm.report.ablations.to_markdown` with counts as integers ("-": stage not run) and a note."""
+    """:func:`cramswarm.report.ablations.to_markdown` with counts as integers ("-": stage not run), the trash
+    filter's removed share in percent, and a note."""
     df = df.copy()
+    if "trash_removed_share" in df.columns:
+        df["trash_removed_share"] = df["trash_removed_share"].map(lambda v: "-" if pd.isna(v) else f"{100 * v:.1f}")
+        df = df.rename(columns={"trash_removed_share": "Trash removed (% docs)"})
     for column in COUNT_HEADERS.keys() & set(df.columns):
         df[column] = df[column].map(lambda v: "-" if pd.isna(v) else f"{int(v):,}")
     return to_markdown(df.rename(columns={**COUNT_HEADERS, **TEXT_HEADERS})) + NOTE

@@ -25,8 +25,9 @@ later) and moves to another stage when the coordinator's rebalancer asks. Its RP
 * ``reduce``   - phase 1 of the synchronous in-stage step (with ``probe``: only compare the step count):
   snapshot the accumulated gradients (later backward calls accumulate toward the next step), divide by the
   local sample count and average them across the group the coordinator named, weighted by local samples, with
-  hivemind's butterfly ``AllReduceRunner`` (in float64, so the replicas cast the same fp32 average); the
-  result is held, not applied;
+  hivemind's butterfly all-reduce, compressed (``swarm.averaging_compression``) and arranged so that every
+  replica holds the same decompressed average (``averaging.StageAllReduce``); the result is held, not applied;
+  the reply counts the bytes this peer sent;
 * ``commit``   - phase 2: apply the held average (clip, set the LR, AdamW step) - every replica of the group
   takes the same step, so replicas stay equal; replies with a SHA-1 of the parameters;
 * ``state`` / ``resync`` - parameters + optimizer state + step count of a replica (a joining or lagging peer
@@ -50,8 +51,9 @@ address file lists the bootstrap's visible multiaddrs, loopback ones last.
 ``EmulatedStagePeer`` (``"emulate"`` in the config) serves the throughput emulation of ``hivemind_transport.run``:
 the same RPCs, but it sleeps an emulated compute time instead of running a model.
 
-Payload tensors travel uncompressed at the hivemind level (``CompressionType.NONE``; hivemind's own 8-bit codecs
-are broken with numpy 2.4, swarm.md 5.2-1): the compression is ours, applied before.
+The RPCs' payload tensors travel uncompressed at the hivemind level (``CompressionType.NONE``): the boundary
+compression is ours, applied before. The in-stage all-reduce uses hivemind's codecs (``averaging``; its 8-bit
+one with a decoder that runs on numpy 2.4).
 """
 
 from __future__ import annotations
@@ -78,16 +80,16 @@ from typing import AsyncIterator  # hivemind's servicer recognises typing's alia
 
 import psutil
 import torch
-from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_dht_time
-from hivemind.utils.asyncio import achain, as_aiter, azip
+from hivemind.utils.asyncio import achain, as_aiter
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
+from cramswarm.swarm.averaging import StageAllReduce, average, chunk_timeout_s, codec, state_timeout_s
 from cramswarm.swarm.compression import decode, encode
 from cramswarm.swarm.stages import split_model
 from cramswarm.training import autocast, build_model, decay_groups, resolve_device, resolve_precision
@@ -311,12 +313,14 @@ class StagePeer(ServicerBase):
                                            betas=tuple(recipe["betas"]), eps=recipe["eps"])
         self.grad_clip = recipe["grad_clip_norm"]
         self.scheme = cfg["compression"]
+        self.averaging_scheme, self.link_mbit_s = cfg["averaging_compression"], cfg["link_mbit_s"]
+        self.num_params = sum(p.numel() for p in self.params)
         self.sync_timeout_s = cfg["sync_timeout_s"]
         self.compute = ThreadPoolExecutor(1, thread_name_prefix=f"stage{stage}-compute")
         self.step = 0
         self.local_samples = 0
-        self.snapshot: tuple[int, list[torch.Tensor], int] | None = None  # (step, float64 grads, samples)
-        self.averaged: tuple[bytes, list[torch.Tensor]] | None = None     # (group id, averaged float64 grads)
+        self.snapshot: tuple[int, torch.Tensor, int] | None = None  # (step, flat fp32 gradient sums, samples)
+        self.averaged: tuple[bytes, torch.Tensor] | None = None     # (group id, flat averaged gradient)
         self.runners: dict[bytes, asyncio.Future] = {}
 
     @property
@@ -368,23 +372,24 @@ class StagePeer(ServicerBase):
         self._emulate_speed(time.perf_counter() - start)
         return result, out_meta
 
-    def _take_snapshot(self, step: int) -> tuple[list[torch.Tensor], int]:
-        """Move the accumulated gradients out of ``.grad`` (once per step; kept across reduce retries)."""
+    def _take_snapshot(self, step: int) -> tuple[torch.Tensor, int]:
+        """Move the accumulated gradients out of ``.grad`` into one flat fp32 vector (once per step; kept across
+        reduce retries); returns it divided by the local sample count."""
         if self.snapshot is None or self.snapshot[0] != step:
-            grads = [p.grad.detach().double().reshape(-1).cpu() if p.grad is not None
-                     else torch.zeros(p.numel(), dtype=torch.float64) for p in self.params]
-            self.snapshot = (step, grads, self.local_samples)
+            flat = torch.cat([p.grad.detach().float().reshape(-1).cpu() if p.grad is not None
+                              else torch.zeros(p.numel()) for p in self.params])
+            self.snapshot = (step, flat, self.local_samples)
             for p in self.params:
                 p.grad = None
             self.local_samples = 0
-        _, grads, samples = self.snapshot
-        return [g / samples if samples else g.clone() for g in grads], samples
+        _, flat, samples = self.snapshot
+        return flat / samples if samples else flat.clone(), samples
 
     def _apply(self, group_id: bytes, lr: float) -> dict:
         if self.averaged is None or self.averaged[0] != group_id:
             return {"status": "failed", "error": "no averaged gradients held for this group"}
         leftover = [p.grad for p in self.params]  # backward calls that arrived after the snapshot
-        for p, g in zip(self.params, self.averaged[1]):
+        for p, g in zip(self.params, torch.split(self.averaged[1], [p.numel() for p in self.params])):
             p.grad = g.to(p.device, p.dtype).view_as(p)
         if self.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
@@ -439,12 +444,13 @@ class StagePeer(ServicerBase):
         elif meta.get("probe"):
             reply = {"status": "ok", "step": self.step}
         else:
-            grads, samples = await self._run(self._take_snapshot, self.step)
+            flat, samples = await self._run(self._take_snapshot, self.step)
             peers = [PeerID.from_base58(p) for p in meta["peers"]]
+            traffic: dict = {}
             try:
-                averaged = await self._all_reduce(grads, samples, meta["group_id"], peers)
+                averaged = await self._all_reduce(flat, samples, meta["group_id"], peers, traffic)
                 self.averaged = (meta["group_id"], averaged)
-                reply = {"status": "ok", "samples": samples}
+                reply = {"status": "ok", "samples": samples, "params": self.num_params, **traffic}
             except Exception as e:  # a group member died or timed out: the coordinator retries without it
                 reply = {"status": "failed", "error": repr(e), "samples": samples}
         for message in respond({}, reply):
@@ -511,25 +517,28 @@ class StagePeer(ServicerBase):
             yield message
 
     # -- in-stage averaging and state transfer ------------------------------------------------------------
-    async def _all_reduce(self, tensors: list[torch.Tensor], weight: int, group_id: bytes,
-                          peers: list[PeerID]) -> list[torch.Tensor]:
-        """Weighted average over ``peers`` (the coordinator's group, same order everywhere)."""
+    async def _all_reduce(self, flat: torch.Tensor, weight: int, group_id: bytes, peers: list[PeerID],
+                          traffic: dict) -> torch.Tensor:
+        """Weighted average of the flat gradient over ``peers`` (the coordinator's group, same order everywhere),
+        the same decompressed values on every peer; ``traffic`` gets the bytes and values this peer sent."""
+        traffic.update(bytes_sent=0, values_sent=0)
         if len(peers) == 1:
-            return tensors
-        runner = AllReduceRunner(
+            return flat
+        # per-part timeouts (between two parts of one stream); the whole all-reduce's bound, which grows with
+        # the stage, is the coordinator's (averaging.averaging_timeout_s)
+        part_s = chunk_timeout_s(self.averaging_scheme, self.link_mbit_s, self.sync_timeout_s / 2)
+        runner = StageAllReduce(
             p2p=self.node.p2p, servicer_type=type(self), prefix=self.namespace, group_id=group_id,
-            tensors=tensors, weight=float(weight), ordered_peer_ids=peers,
-            peer_fractions=tuple(1.0 / len(peers) for _ in peers),
-            sender_timeout=self.sync_timeout_s / 2, reducer_timeout=self.sync_timeout_s,
+            tensors=[flat], weight=float(weight), ordered_peer_ids=peers,
+            peer_fractions=tuple(1.0 / len(peers) for _ in peers), compression=codec(self.averaging_scheme),
+            sender_timeout=part_s, reducer_timeout=2 * part_s,
         )
         future = self.runners.setdefault(group_id, asyncio.get_running_loop().create_future())
         future.set_result(runner)
         try:
-            averaged = [t.clone() for t in tensors]
-            async for tensor, delta in azip(as_aiter(*averaged), runner):
-                tensor.add_(delta)
-            return averaged
+            return await average(runner)
         finally:
+            traffic.update(bytes_sent=runner.bytes_sent, values_sent=runner.values_sent)
             self.runners.pop(group_id, None)
 
     async def download_state(self, source: PeerID) -> int:
@@ -538,7 +547,8 @@ class StagePeer(ServicerBase):
         async def fetch() -> dict[str, torch.Tensor]:
             return (await unpack(await stub.rpc_state(request({}, {}))))[0]
 
-        tensors = await asyncio.wait_for(fetch(), timeout=self.sync_timeout_s)
+        tensors = await asyncio.wait_for(fetch(), timeout=state_timeout_s(self.num_params, self.link_mbit_s,
+                                                                           self.sync_timeout_s))
         return await self._run(self._load_blob, tensors["blob"].numpy().tobytes())
 
     async def load_from_replica(self, give_up_after_s: float) -> None:
@@ -578,6 +588,7 @@ class EmulatedStagePeer(StagePeer):
         self.run_id, self.num_stages = cfg["run_id"], cfg["stages"]
         self.namespace = stage_namespace(self.run_id, stage)
         self.sync_timeout_s = cfg["sync_timeout_s"]
+        self.num_params, self.link_mbit_s = 0, cfg["link_mbit_s"]
         self.compute = ThreadPoolExecutor(1, thread_name_prefix=f"stage{stage}-compute")
         self.stage_time_s, self.backward_factor = emulate["stage_time_s"], emulate["backward_factor"]
         self.payload = torch.zeros(emulate["activation_bytes"], dtype=torch.uint8)

@@ -29,7 +29,9 @@ toward the stage's current global batch (``recipe`` batch, with pretrain's ramp)
 in flight and runs two phases on the stage's live replicas: ``reduce`` (each replica snapshots its accumulated
 gradient, divides it by its local sample count and all-reduces it with hivemind's ``AllReduceRunner`` weighted
 by that count - the butterfly all-reduce of ``DecentralizedAverager`` without its matchmaking: the coordinator
-names the group; in float64, so all replicas cast the same fp32 average) and, only if every replica of the
+names the group; compressed by ``swarm.averaging_compression``, every replica receiving the same decompressed
+average, see ``averaging``; the coordinator's timeout grows with the stage's parameters, the group size and
+``swarm.link_mbit_s``) and, only if every replica of the
 group succeeded, ``commit`` (per-stage clipping, the schedule's LR at the step's planned progress, AdamW step:
 the same step everywhere, so replicas stay bitwise equal; the commit replies carry parameter digests, and a
 replica that differs takes the state of the first). A failed reduce (a replica died or timed out) is
@@ -78,6 +80,7 @@ from hivemind.utils import get_dht_time
 from tqdm.auto import tqdm
 
 import cramswarm
+from cramswarm.swarm import averaging
 from cramswarm.swarm.compression import SCHEMES
 from cramswarm.swarm.emulation import (
     BACKWARD_COMPUTE_FACTOR,
@@ -106,8 +109,8 @@ from cramswarm.swarm.hivemind_peer import (
     unpack,
 )
 from cramswarm.swarm.policies import NoPeersError, PeerLoad, Rebalancer, RetryPolicy, StageBalancer, StageSync
-from cramswarm.swarm.stages import check_stage_count
-from cramswarm.training import lr_multiplier
+from cramswarm.swarm.stages import check_stage_count, split_model
+from cramswarm.training import build_model, lr_multiplier
 
 REFRESH_PERIOD_S = 1.0  # trainers re-read the stages' DHT records this often
 PLACEMENTS = ("local", "attach", "srun")  # who starts the stage peers (SwarmPlan.placement)
@@ -226,6 +229,8 @@ class SwarmPlan:
     peer_speeds: list[float] = field(default_factory=lambda: [1.0])
     trainers: int = 2
     compression: str = "blockwise8"
+    averaging_compression: str = "fp16"  # in-stage all-reduce: none | fp16 | 8bit (averaging.SCHEMES)
+    link_mbit_s: float = 100.0      # assumed link speed of a peer; the averaging and state timeouts grow with it
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     kill_every_s: float | None = None
     rejoin_after_s: float = 5.0
@@ -264,6 +269,14 @@ class SwarmPlan:
         if self.placement == "srun" and "SLURM_JOB_ID" not in os.environ:
             raise ValueError("swarm.placement=srun starts the peers as a job step of the SLURM job it runs in, but "
                              "SLURM_JOB_ID is unset: run it through profiles/slurm (or placement: local / attach)")
+
+
+def stage_parameter_counts(arch: dict, vocab_size: int, stages: int) -> list[int]:
+    """Trainable parameters of each stage, counted on a model built on the meta device (no memory, and the
+    global RNG is left as it was)."""
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        model = build_model(arch, vocab_size, seed=0)
+    return [sum(p.numel() for p in stage.parameters() if p.requires_grad) for stage in split_model(model, stages)]
 
 
 def visible_gpus() -> list[str]:
@@ -325,7 +338,12 @@ class Coordinator:
                       "moves_completed": 0, "rollbacks": [], "catch_ups": [],
                       "stage_steps": [0] * stages, "lost_gradient_samples": 0, "resyncs": 0,
                       "sync_retries": 0, "killed": [],
-                      "digest_mismatches": 0, "peer_devices": {}}
+                      "digest_mismatches": 0, "peer_devices": {},
+                      # in-stage all-reduce traffic, per stage, summed over the replicas of groups of >= 2
+                      "averaging_bytes_sent": [0] * stages, "averaging_values_sent": [0] * stages,
+                      "averaging_param_steps": [0] * stages}
+        self.stage_params = stage_parameter_counts(plan.arch, plan.vocab_size, stages) if self.training \
+            else [0] * stages
         self.tasks: set[asyncio.Task] = set()
         self.start = time.perf_counter()
         self.next_uid = 0
@@ -352,6 +370,7 @@ class Coordinator:
         p = self.plan
         cfg = {"run_id": self.run_id, "arch": p.arch, "vocab_size": p.vocab_size, "recipe": p.recipe,
                "stages": p.stages, "compression": p.compression, "sync_timeout_s": self.sync_timeout_s,
+               "averaging_compression": p.averaging_compression, "link_mbit_s": p.link_mbit_s,
                "join_timeout_s": p.join_timeout_s, "give_up_after_s": p.retry.give_up_after_s, "host": p.host,
                "interface": p.interface, "placement_specs": [list(spec) for spec in self._initial_specs()],
                "rejoin_after_s": p.rejoin_after_s, "coordinator_grace_s": p.coordinator_grace_s}
@@ -367,6 +386,15 @@ class Coordinator:
     @property
     def sync_timeout_s(self) -> float:
         return self.plan.sync_timeout_s
+
+    def _reduce_timeout_s(self, stage: int, group_size: int) -> float:
+        """Bound on one replica's reduce call: the stage's all-reduce at ``link_mbit_s`` (``averaging``)."""
+        return averaging.averaging_timeout_s(self.stage_params[stage], group_size, self.plan.averaging_compression,
+                                             self.plan.link_mbit_s, 2 * self.sync_timeout_s)
+
+    def _state_timeout_s(self, stage: int) -> float:
+        """Bound on a state download of the stage (a replica's own bound, plus ``sync_timeout_s``)."""
+        return averaging.state_timeout_s(self.stage_params[stage], self.plan.link_mbit_s, 2 * self.sync_timeout_s)
 
     def _check_started(self, peers: list[PeerProcess]) -> None:
         for peer in peers:
@@ -425,8 +453,9 @@ class Coordinator:
                                   namespace=stage_namespace(self.run_id, stage))
         return await unpack(await getattr(stub, f"rpc_{method}")(request(tensors, meta)))
 
-    async def _control(self, stage: int, uid: str, method: str, meta: dict) -> dict:
-        _, reply = await asyncio.wait_for(self._rpc(stage, uid, method, {}, meta), timeout=2 * self.sync_timeout_s)
+    async def _control(self, stage: int, uid: str, method: str, meta: dict, timeout_s: float | None = None) -> dict:
+        _, reply = await asyncio.wait_for(self._rpc(stage, uid, method, {}, meta),
+                                          timeout=timeout_s or 2 * self.sync_timeout_s)
         return reply
 
     async def _call(self, stage: int, method: str, tensors: dict, meta: dict, samples: int, *,
@@ -577,7 +606,9 @@ class Coordinator:
         contributions = {uid: share * total for uid, share in sync.weights().items()}
         stale: set[str] = set()     # replicas whose step count lags: left out, resynced after the step
         slow: set[str] = set()      # replicas whose reduce timed out: left out while others can step
-        deadline = time.monotonic() + self.plan.retry.give_up_after_s
+        # a step may take a few all-reduce attempts of the whole stage (the group size is at most its peers)
+        step_bound_s = max(self.plan.retry.give_up_after_s, 3 * self._reduce_timeout_s(stage, len(balancer.peers)))
+        deadline = time.monotonic() + step_bound_s
         while True:
             await self._refresh(stage)
             unknown = [u for u in balancer.peers if u in self.peer_ids and self.known_steps.get(u) != self.steps[stage]]
@@ -590,8 +621,7 @@ class Coordinator:
                     if reply["status"] == "stale":
                         stale.add(uid)
             if time.monotonic() > deadline:
-                raise RuntimeError(f"stage {stage}: in-stage averaging did not succeed within "
-                                   f"{self.plan.retry.give_up_after_s:.0f} s")
+                raise RuntimeError(f"stage {stage}: in-stage averaging did not succeed within {step_bound_s:.0f} s")
             live = [uid for uid in balancer.peers if uid in self.peer_ids and uid not in stale]
             if not live and stale:  # no replica at the current step: go on from the most advanced one
                 best = max(self.known_steps[uid] for uid in stale)
@@ -612,7 +642,8 @@ class Coordinator:
                 return
             group_id = os.urandom(16)
             meta = {"step": self.steps[stage], "group_id": group_id, "peers": [self.peer_ids[u] for u in members]}
-            replies = await asyncio.gather(*(self._control(stage, u, "reduce", meta) for u in members),
+            reduce_s = self._reduce_timeout_s(stage, len(members))
+            replies = await asyncio.gather(*(self._control(stage, u, "reduce", meta, reduce_s) for u in members),
                                            return_exceptions=True)
             status = {u: r.get("status") if isinstance(r, dict) else
                       "timeout" if isinstance(r, asyncio.TimeoutError) else "dead" for u, r in zip(members, replies)}
@@ -633,17 +664,21 @@ class Coordinator:
                 if committed:
                     break
             if time.monotonic() > deadline:
-                raise RuntimeError(f"stage {stage}: in-stage averaging did not succeed within "
-                                   f"{self.plan.retry.give_up_after_s:.0f} s (last replies: {replies})")
+                raise RuntimeError(f"stage {stage}: in-stage averaging did not succeed within {step_bound_s:.0f} s "
+                                   f"(last replies: {replies})")
             self.stats["sync_retries"] += 1
         self.stats["lost_gradient_samples"] += round(sum(n for u, n in contributions.items() if u not in committed))
+        if len(members) > 1:  # the traffic of the all-reduce that made this step (a lone replica sends nothing)
+            for reply in replies:
+                self.stats["averaging_bytes_sent"][stage] += reply["bytes_sent"]
+                self.stats["averaging_values_sent"][stage] += reply["values_sent"]
+                self.stats["averaging_param_steps"][stage] += reply["params"]
         self.steps[stage] += 1
         self.known_steps.update({uid: self.steps[stage] for uid in committed})
         self.stats["stage_steps"][stage] = self.steps[stage]
         self._close_window(stage)
-        # Replicas apply bitwise-identical averages unless float64 rounding of hivemind's delta transport crosses an
-        # fp32 rounding boundary (needs |own gradient| > 2^28 |average|); a replica whose parameters then differ
-        # from the first one's takes its state (counted, so it shows if it ever happens).
+        # Replicas apply bitwise-identical averages (averaging.StageAllReduce); a replica whose parameters differ
+        # all the same from the first one's takes its state (counted, so it shows if it ever happens).
         diverged = {u for u in committed if digests[u] != digests[committed[0]]}
         self.stats["digest_mismatches"] += len(diverged)
         for uid in stale | slow | diverged | (set(ok) - set(committed)):  # alive replicas that missed this step
@@ -663,7 +698,8 @@ class Coordinator:
             return
         self.resyncing.add(uid)
         try:
-            reply = await self._control(stage, uid, "resync", {"source": self.peer_ids[source]})
+            reply = await self._control(stage, uid, "resync", {"source": self.peer_ids[source]},
+                                        self._state_timeout_s(stage))
             self.known_steps[uid] = reply["step"]
             self.stats["resyncs"] += 1
         except Exception:
@@ -794,7 +830,7 @@ class Coordinator:
             for uid in self.balancers[stage].peers:
                 try:
                     tensors, meta = await asyncio.wait_for(self._rpc(stage, uid, "state", {}, {}),
-                                                           timeout=2 * self.sync_timeout_s)
+                                                           timeout=self._state_timeout_s(stage))
                 except Exception:
                     continue
                 blob = torch.load(io.BytesIO(tensors["blob"].numpy().tobytes()), weights_only=True,
@@ -939,6 +975,11 @@ class Coordinator:
             per_stage_peers=[len(steps) for steps in replica_steps.values()], replica_steps=replica_steps,
             replicas_equal=not any(spread), replica_max_abs_diff=spread, process_groups=list(self.groups.pgids),
             balancer_stats=[dict(b.stats) for b in self.balancers],
+            stage_parameters=self.stage_params, averaging_compression=self.plan.averaging_compression,
+            averaging_bytes_per_param=[round(b / n, 4) if n else None for b, n in
+                                       zip(self.stats["averaging_bytes_sent"], self.stats["averaging_param_steps"])],
+            averaging_bytes_per_value=[round(b / n, 4) if n else None for b, n in
+                                       zip(self.stats["averaging_bytes_sent"], self.stats["averaging_values_sent"])],
         )
         return TrainResult(stage_states=stage_states, log=self.log, stats=self.stats)
 
@@ -1023,6 +1064,11 @@ def run_swarm(plan: SwarmPlan, batches: Iterator[tuple[torch.Tensor, torch.Tenso
     plan.validate()
     if plan.compression not in SCHEMES:
         raise ValueError(f"swarm.compression={plan.compression!r}; allowed: {', '.join(SCHEMES)}")
+    if plan.averaging_compression not in averaging.SCHEMES:
+        raise ValueError(f"swarm.averaging_compression={plan.averaging_compression!r}; allowed: "
+                         f"{', '.join(averaging.SCHEMES)}")
+    if not plan.link_mbit_s > 0:
+        raise ValueError(f"swarm.link_mbit_s={plan.link_mbit_s!r}: must be positive")
     if plan.trainers < 1 or any(n < 0 for n in plan.peers_per_stage) or not plan.peer_speeds \
             or any(not s > 0 for s in plan.peer_speeds):
         raise ValueError(f"invalid swarm plan: trainers={plan.trainers}, peers_per_stage={plan.peers_per_stage}, "
@@ -1074,6 +1120,7 @@ def train(*, arch: dict, vocab_size: int, recipe: dict, swarm: dict,
         arch=arch, vocab_size=vocab_size, recipe=recipe,
         peers_per_stage=[swarm["peers_per_stage"]] * swarm["stages"], peer_speeds=list(swarm["peer_speeds"]),
         trainers=swarm["trainers"], compression=swarm["compression"],
+        averaging_compression=swarm["averaging_compression"], link_mbit_s=swarm["link_mbit_s"],
         retry=RetryPolicy(forward_timeout_s=swarm["forward_timeout_s"]), kill_every_s=swarm["kill_every_s"],
         rejoin_after_s=swarm["rejoin_after_s"], rebalance_period_s=swarm["rebalance_period_s"], seed=swarm["seed"],
         placement=swarm["placement"], rendezvous=Path(rendezvous) if rendezvous else None, host=swarm["host"],
