@@ -24,6 +24,7 @@ COMMAND_MODULES = (
     "cramswarm.data.commands",
     "cramswarm.glue.commands",
     "cramswarm.swarm.commands",
+    "cramswarm.testbed.commands",
     "cramswarm.report.commands",
 )
 
