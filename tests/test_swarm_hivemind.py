@@ -278,9 +278,10 @@ def test_peers_started_as_separate_tasks_train_through_kills_and_exit_with_the_r
 def test_rebalancing_moves_a_separately_started_task_to_the_bottleneck_stage(tmp_path):
     # 800 microbatches: at 500 a loaded machine (load 6-11) ended the run after the move was decided but before
     # the moved peer had restarted and served (moves_completed 0)
+    total = 800
     with job_tasks(tmp_path, range(4)) as (rendezvous, logs, tasks):
         result = ht.run_swarm(plan(placement="attach", rendezvous=rendezvous, peers_per_stage=[3, 1], trainers=3,
-                                   peer_speeds=[0.4], rebalance_period_s=3.0), batches(), 800, progress=False)
+                                   peer_speeds=[0.4], rebalance_period_s=3.0), batches(), total, progress=False)
     stats = result.stats
     assert [(m["from_stage"], m["to_stage"]) for m in stats["moves"]][:1] == [(0, 1)], stats["moves"]
     assert stats["moves_completed"] >= 1, stats
@@ -288,7 +289,7 @@ def test_rebalancing_moves_a_separately_started_task_to_the_bottleneck_stage(tmp
     log = (logs / f"rank{moved}.log").read_text()
     assert f"[rank {moved}] moving to stage 1" in log and f"[s1r{moved}.1] serving stage 1" in log, log[-2000:]
     assert f"[s1r{moved}.1] loaded stage 1 state" in log, log[-2000:]
-    assert stats["lost_microbatches"] == 0 and stats["microbatches_done"] == 500
+    assert stats["lost_microbatches"] == 0 and stats["microbatches_done"] == total
     assert stats["replicas_equal"], stats["replica_steps"]
     wait_all(tasks, logs)
     assert processes_naming(str(rendezvous)) == []

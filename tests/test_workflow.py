@@ -311,9 +311,12 @@ def test_swarm_study_builds_every_experiment_table_and_figure(workdir):
 
 @pytest.mark.slow
 def test_claims_target_writes_a_verdict_per_claim_from_the_files(workdir):
-    # after the study, the ablations and the swarm study above, the claims need no experiment of their own
-    assert planned_jobs(workdir, "claims", *TINY) == {"claims_table": 1, "claims": 1}
-    snakemake(workdir, "--cores", "1", "claims", *TINY)
+    # after the study, the ablations and the swarm study above, the claims need no experiment of their own beyond
+    # the Table 2 cells that the data ablation test above left out (it ran 3 cells of one source)
+    planned = planned_jobs(workdir, "claims", *TINY)
+    data_cells = {"filter_corpus", "train_tokenizer", "pack_corpus", "order_blocks", "pretrain", "finetune"}
+    assert planned.keys() - data_cells == {"claims_table", "claims"}, planned
+    snakemake(workdir, "--cores", "2", "claims", *TINY)
     out = workdir / "results" / "claims" / "synthetic"
     table = pd.read_csv(out / "claims.csv", dtype=str, keep_default_na=False).set_index("id")
     assert list(table.index) == [claim.id for claim in CLAIMS]
