@@ -45,6 +45,19 @@ def _nothing_left(name: str, n_in: int, detail: str) -> ValueError:
     return ValueError(f"the {name} removed all {n_in} documents ({detail}); loosen the filter or switch it off")
 
 
+def _counts(n_in: int, chars_in: int, writer) -> dict:
+    """What a filter read and kept: documents and characters, in, out and the share removed."""
+    return {
+        "documents_in": n_in,
+        "documents_out": writer.documents,
+        "documents_removed": n_in - writer.documents,
+        "documents_removed_share": (n_in - writer.documents) / n_in,
+        "characters_in": chars_in,
+        "characters_out": writer.characters,
+        "characters_removed_share": (chars_in - writer.characters) / max(chars_in, 1),
+    }
+
+
 def trash_filter(corpus: str | Path, tok, out: str | Path, cutoff: float, memory_cap_mb: float = 256) -> dict:
     """Keep documents with fewer than ``cutoff`` tokens per character; return the stage report."""
     if cutoff <= 0:
@@ -78,13 +91,7 @@ def trash_filter(corpus: str | Path, tok, out: str | Path, cutoff: float, memory
         "filter": "trash",
         "cutoff_tokens_per_char": cutoff,
         "tokenizer_vocab_size": tok.get_vocab_size(),
-        "documents_in": n_in,
-        "documents_out": writer.documents,
-        "documents_removed": n_in - writer.documents,
-        "documents_removed_share": (n_in - writer.documents) / n_in,
-        "characters_in": chars_in,
-        "characters_out": writer.characters,
-        "characters_removed_share": (chars_in - writer.characters) / max(chars_in, 1),
+        **_counts(n_in, chars_in, writer),
         "tokens_in": tokens_in,
         "tokens_per_char_kept": _quantiles(kept_hist, *extremes[True]),
         "tokens_per_char_removed": _quantiles(removed_hist, *extremes[False]),
@@ -160,12 +167,6 @@ def dedup(
         "num_perm": num_perm,
         "lsh_bands": bands,
         "lsh_rows": rows,
-        "documents_in": n_in,
-        "documents_out": writer.documents,
-        "documents_removed": n_in - writer.documents,
-        "documents_removed_share": (n_in - writer.documents) / n_in,
-        "characters_in": chars_in,
-        "characters_out": writer.characters,
-        "characters_removed_share": (chars_in - writer.characters) / max(chars_in, 1),
+        **_counts(n_in, chars_in, writer),
         "warnings": [],
     }
