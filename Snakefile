@@ -13,6 +13,7 @@ report: "rules/workflow.rst"  # the front page of `snakemake --report`
 
 
 include: "rules/common.smk"  # validates the config before any job runs
+include: "rules/resources.smk"  # mem_mb and runtime of every job, from the config
 include: "rules/outputs.smk"  # report() figures and tables
 include: "rules/data.smk"
 include: "rules/tokenizers.smk"
