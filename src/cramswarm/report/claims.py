@@ -143,18 +143,29 @@ def _constant(d: np.ndarray) -> bool:
     return bool(np.ptp(d) <= 1e-9 * max(1.0, float(np.abs(d).max())))
 
 
+def _paired(diffs: Iterable[float], unit: str, what: str, *, mean_digits: int,
+            spread_format: str) -> tuple[np.ndarray, str, Outcome | None]:
+    """The finite differences, the measurement text (mean ± sd over n), and an inconclusive outcome when there
+    are too few pairs to test (else None)."""
+    d = np.asarray([x for x in diffs if np.isfinite(x)], dtype=float)
+    n = len(d)
+    if n == 0:
+        return d, "", Outcome(INCONCLUSIVE, "no finite paired differences")
+    spread = format(d.std(ddof=1), spread_format) if n > 1 else "NaN"
+    measurement = f"Δ = {_fmt(d.mean(), mean_digits)} {unit} (mean ± sd {spread} over {n} {what})"
+    if n < MIN_PAIRS:
+        return d, measurement, Outcome(INCONCLUSIVE, measurement, f"{n} pair(s): fewer than {MIN_PAIRS}")
+    return d, measurement, None
+
+
 def paired_greater(diffs: Iterable[float], *, margin: float = 0.0, alpha: float = 0.05, unit: str = "points",
                    what: str = "seeds") -> Outcome:
     """One-sided paired t-test of ``diffs`` (one per pair) against ``margin``: holds if the mean difference is
     significantly above it, does not hold if significantly below, else inconclusive."""
-    d = np.asarray([x for x in diffs if np.isfinite(x)], dtype=float)
+    d, measurement, early = _paired(diffs, unit, what, mean_digits=2, spread_format=".2f")
+    if early:
+        return early
     n = len(d)
-    if n == 0:
-        return Outcome(INCONCLUSIVE, "no finite paired differences")
-    spread = f"{d.std(ddof=1):.2f}" if n > 1 else "NaN"
-    measurement = f"Δ = {_fmt(d.mean())} {unit} (mean ± sd {spread} over {n} {what})"
-    if n < MIN_PAIRS:
-        return Outcome(INCONCLUSIVE, measurement, f"{n} pair(s): fewer than {MIN_PAIRS}")
     if _constant(d):  # every pair equal: the t statistic is undefined, the data are not
         verdict = HOLDS if d[0] > margin else FAILS if d[0] < margin else INCONCLUSIVE
         return Outcome(verdict, measurement, f"all {n} differences equal ({_fmt(d[0])}); margin {margin:g}")
@@ -173,14 +184,10 @@ def equivalent(diffs: Iterable[float], *, margin: float, alpha: float = 0.05, un
                what: str = "seeds") -> Outcome:
     """TOST: holds if the mean difference lies significantly within ±``margin``; does not hold if it lies
     significantly outside; else inconclusive."""
-    d = np.asarray([x for x in diffs if np.isfinite(x)], dtype=float)
+    d, measurement, early = _paired(diffs, unit, what, mean_digits=3, spread_format=".3g")
+    if early:
+        return early
     n = len(d)
-    if n == 0:
-        return Outcome(INCONCLUSIVE, "no finite paired differences")
-    spread = f"{d.std(ddof=1):.3g}" if n > 1 else "NaN"
-    measurement = f"Δ = {_fmt(d.mean(), 3)} {unit} (mean ± sd {spread} over {n} {what})"
-    if n < MIN_PAIRS:
-        return Outcome(INCONCLUSIVE, measurement, f"{n} pair(s): fewer than {MIN_PAIRS}")
     if _constant(d):
         verdict = HOLDS if abs(d[0]) < margin else FAILS
         return Outcome(verdict, measurement, f"all {n} differences equal ({_fmt(d[0], 3)}); margin ±{margin:g}")
