@@ -54,7 +54,6 @@ on the recipient stage with a state download.
 from __future__ import annotations
 
 import asyncio
-import atexit
 import contextlib
 import io
 import json
@@ -72,14 +71,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
 import torch
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from tqdm.auto import tqdm
 
-import cramswarm
 from cramswarm.swarm import averaging
 from cramswarm.swarm.compression import SCHEMES
 from cramswarm.swarm.emulation import (
@@ -109,113 +106,19 @@ from cramswarm.swarm.hivemind_peer import (
     unpack,
 )
 from cramswarm.swarm.policies import NoPeersError, PeerLoad, Rebalancer, RetryPolicy, StageBalancer, StageSync
+from cramswarm.swarm.processes import (  # noqa: F401 (leftover_processes, _LIVE_GROUPS: the tests' names)
+    _LIVE_GROUPS,
+    PEER_MODULE,
+    PeerProcess,
+    ProcessGroups,
+    leftover_processes,
+    own_daemons,
+)
 from cramswarm.swarm.stages import check_stage_count, split_model
 from cramswarm.training import build_model, lr_multiplier
 
 REFRESH_PERIOD_S = 1.0  # trainers re-read the stages' DHT records this often
 PLACEMENTS = ("local", "attach", "srun")  # who starts the stage peers (SwarmPlan.placement)
-PEER_MODULE = [sys.executable, "-m", "cramswarm.swarm.hivemind_peer"]
-_LIVE_GROUPS: set[int] = set()  # process groups started by this process and not yet killed
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    _LIVE_GROUPS.discard(pgid)
-
-
-@atexit.register
-def _kill_leftover_groups() -> None:
-    for pgid in list(_LIVE_GROUPS):
-        _kill_group(pgid)
-
-
-@dataclass
-class PeerProcess:
-    uid: str
-    stage: int
-    speed: float
-    proc: subprocess.Popen
-    log: Path
-
-    @property
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def log_tail(self, chars: int = 3000) -> str:
-        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else "(no log)"
-
-
-class ProcessGroups:
-    """The run's OS processes; each is a process-group leader and is killed with its whole group."""
-
-    def __init__(self, workdir: Path):
-        self.workdir = workdir
-        self.peers: list[PeerProcess] = []
-        self.pgids: list[int] = []  # every group ever started (for the leftover check)
-        self.procs: list[subprocess.Popen] = []
-        self._pythonpath = os.pathsep.join(
-            filter(None, [str(Path(cramswarm.__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]))
-
-    def spawn(self, args: list[str], name: str, launcher: list[str] = PEER_MODULE,
-              gpu: str | None = None) -> tuple[subprocess.Popen, Path]:
-        log = self.workdir / f"{name}.log"
-        env = {**os.environ, "PYTHONPATH": self._pythonpath, "OMP_NUM_THREADS": "1",
-               "CRAMSWARM_COORDINATOR_PID": str(os.getpid())}
-        if gpu is not None:  # one of this host's GPUs (local placement spreads its peers over them)
-            env["CUDA_VISIBLE_DEVICES"] = gpu
-        with open(log, "wb") as out:
-            proc = subprocess.Popen([*launcher, *args], stdout=out,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                    start_new_session=True)
-        _LIVE_GROUPS.add(proc.pid)
-        self.pgids.append(proc.pid)
-        self.procs.append(proc)
-        return proc, log
-
-    def start_peer(self, uid: str, stage: int, speed: float, config: Path, addr_file: Path,
-                   load_state: bool, gpu: str | None = None) -> PeerProcess:
-        args = ["stage", "--config", str(config), "--stage", str(stage), "--uid", uid, "--addr-file",
-                str(addr_file), "--speed", repr(speed)] + (["--load-state"] if load_state else [])
-        proc, log = self.spawn(args, uid, gpu=gpu)
-        peer = PeerProcess(uid, stage, speed, proc, log)
-        self.peers.append(peer)
-        return peer
-
-    @staticmethod
-    def kill(proc: subprocess.Popen) -> None:
-        _kill_group(proc.pid)
-        proc.wait()
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Kill every group, reap the leaders, and wait until no member of any group is left."""
-        for pgid in self.pgids:
-            _kill_group(pgid)
-        for proc in self.procs:
-            proc.wait()
-        deadline = time.monotonic() + timeout_s
-        while (left := leftover_processes(self.pgids)) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if left:
-            raise RuntimeError(f"processes {left} of this swarm survived SIGKILL of their process groups")
-
-
-def leftover_processes(pgids: list[int]) -> list[int]:
-    """PIDs of live (non-zombie) processes in any of the given process groups (scans /proc)."""
-    wanted, found = set(pgids), []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if fields[0] != "Z" and int(fields[2]) in wanted:
-            found.append(int(entry.name))
-    return found
 
 
 @dataclass
@@ -1053,8 +956,7 @@ def _exit_on_sigterm(signum: int, frame) -> None:
     raise SystemExit(128 + signum)
 
 
-def _own_daemons() -> set[int]:
-    return {c.pid for c in psutil.Process().children() if c.name() == "p2pd"}
+_own_daemons = own_daemons  # the tests' name for it
 
 
 def run_swarm(plan: SwarmPlan, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], total_microbatches: int,

@@ -1,0 +1,126 @@
+"""The OS processes of a hivemind swarm: each started as its own process-group leader
+(``start_new_session=True``) and killed as a group with ``os.killpg``, so no ``p2pd`` daemon or child outlives it.
+Used by the coordinator (``hivemind_transport``) and the launcher (``launcher``)."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+import cramswarm
+
+PEER_MODULE = [sys.executable, "-m", "cramswarm.swarm.hivemind_peer"]
+_LIVE_GROUPS: set[int] = set()  # process groups started by this process and not yet killed
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    _LIVE_GROUPS.discard(pgid)
+
+
+@atexit.register
+def _kill_leftover_groups() -> None:
+    for pgid in list(_LIVE_GROUPS):
+        _kill_group(pgid)
+
+
+@dataclass
+class PeerProcess:
+    uid: str
+    stage: int
+    speed: float
+    proc: subprocess.Popen
+    log: Path
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else "(no log)"
+
+
+class ProcessGroups:
+    """The run's OS processes; each is a process-group leader and is killed with its whole group."""
+
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+        self.peers: list[PeerProcess] = []
+        self.pgids: list[int] = []  # every group ever started (for the leftover check)
+        self.procs: list[subprocess.Popen] = []
+        self._pythonpath = os.pathsep.join(
+            filter(None, [str(Path(cramswarm.__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]))
+
+    def spawn(self, args: list[str], name: str, launcher: list[str] = PEER_MODULE,
+              gpu: str | None = None) -> tuple[subprocess.Popen, Path]:
+        log = self.workdir / f"{name}.log"
+        env = {**os.environ, "PYTHONPATH": self._pythonpath, "OMP_NUM_THREADS": "1",
+               "CRAMSWARM_COORDINATOR_PID": str(os.getpid())}
+        if gpu is not None:  # one of this host's GPUs (local placement spreads its peers over them)
+            env["CUDA_VISIBLE_DEVICES"] = gpu
+        with open(log, "wb") as out:
+            proc = subprocess.Popen([*launcher, *args], stdout=out,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                    start_new_session=True)
+        _LIVE_GROUPS.add(proc.pid)
+        self.pgids.append(proc.pid)
+        self.procs.append(proc)
+        return proc, log
+
+    def start_peer(self, uid: str, stage: int, speed: float, config: Path, addr_file: Path,
+                   load_state: bool, gpu: str | None = None) -> PeerProcess:
+        args = ["stage", "--config", str(config), "--stage", str(stage), "--uid", uid, "--addr-file",
+                str(addr_file), "--speed", repr(speed)] + (["--load-state"] if load_state else [])
+        proc, log = self.spawn(args, uid, gpu=gpu)
+        peer = PeerProcess(uid, stage, speed, proc, log)
+        self.peers.append(peer)
+        return peer
+
+    @staticmethod
+    def kill(proc: subprocess.Popen) -> None:
+        _kill_group(proc.pid)
+        proc.wait()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Kill every group, reap the leaders, and wait until no member of any group is left."""
+        for pgid in self.pgids:
+            _kill_group(pgid)
+        for proc in self.procs:
+            proc.wait()
+        deadline = time.monotonic() + timeout_s
+        while (left := leftover_processes(self.pgids)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if left:
+            raise RuntimeError(f"processes {left} of this swarm survived SIGKILL of their process groups")
+
+
+def leftover_processes(pgids: list[int]) -> list[int]:
+    """PIDs of live (non-zombie) processes in any of the given process groups (scans /proc)."""
+    wanted, found = set(pgids), []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if fields[0] != "Z" and int(fields[2]) in wanted:
+            found.append(int(entry.name))
+    return found
+
+
+def own_daemons() -> set[int]:
+    """PIDs of this process's ``p2pd`` children (its DHT node's daemon)."""
+    return {c.pid for c in psutil.Process().children() if c.name() == "p2pd"}
