@@ -101,6 +101,7 @@ COORDINATOR_GRACE_S = 30.0  # a stage peer exits once the coordinator's heartbea
 COORDINATOR_GONE = 3       # exit code of a stage peer whose coordinator is gone (its supervisor does not restart it)
 MIGRATE_EXIT = 64          # exit code MIGRATE_EXIT + s: restart this peer on stage s (rebalancing)
 ADDR_FILE, CONFIG_FILE = "dht_addrs.txt", "config.json"  # in a rendezvous folder, written in the order config, addrs
+JOIN_THROUGH = 32          # a joining process tries this many of the address file's newest entries
 DONE_FILE = "done"         # in a rendezvous folder: the run id of a coordinator that has finished
 
 
@@ -157,6 +158,30 @@ def read_addr_file(path: str | Path, timeout_s: float) -> list[str]:
     return maddrs
 
 
+def append_addr_file(path: str | Path, maddrs: list[str]) -> None:
+    """Add this process's multiaddrs to the address file (one ``write`` of whole lines with ``O_APPEND``, so
+    concurrent writers never interleave within a line): any live process listed there lets newcomers in."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, "".join(f"{m}\n" for m in maddrs).encode())
+    finally:
+        os.close(fd)
+
+
+async def join_swarm(addr_file: str | Path, *, host: str, timeout_s: float, announce: bool,
+                     recent: int = JOIN_THROUGH) -> DHTNode:
+    """A full DHT node joined through the ``recent`` newest entries of the address file (dead entries are
+    skipped: joining needs one live one); with ``announce`` its own multiaddrs are appended, so that no single
+    process - the one that started the DHT included - is needed for later joins."""
+    maddrs = await asyncio.to_thread(read_addr_file, addr_file, timeout_s)
+    newest = list(dict.fromkeys(reversed(maddrs)))[:recent]
+    node = await join_dht(newest, client_mode=False, host=host, timeout_s=timeout_s)
+    if announce:
+        visible = sorted((str(m) for m in await node.p2p.get_visible_maddrs()), key=lambda m: m.startswith("/ip4/127."))
+        append_addr_file(addr_file, visible)
+    return node
+
+
 async def join_dht(initial_peers: list[str] | None, *, client_mode: bool, host: str = "127.0.0.1",
                    timeout_s: float = 15.0) -> DHTNode:
     """A DHT node in this process (its P2P daemon is a child process), joined through ``initial_peers``.
@@ -168,7 +193,8 @@ async def join_dht(initial_peers: list[str] | None, *, client_mode: bool, host: 
         return await asyncio.wait_for(
             DHTNode.create(initial_peers=initial_peers or None, client_mode=client_mode,
                            host_maddrs=[f"/ip4/{host}/tcp/0"], startup_timeout=timeout_s,
-                           bootstrap_timeout=timeout_s, ensure_bootstrap_success=True),
+                           bootstrap_timeout=min(timeout_s, 3.0) if initial_peers and len(initial_peers) > 1
+                           else timeout_s, ensure_bootstrap_success=True),
             timeout=timeout_s,
         )
     except (asyncio.TimeoutError, TimeoutError) as e:
@@ -408,7 +434,7 @@ class StagePeer(ServicerBase):
     def _state_blob(self) -> tuple[bytes, int]:
         buffer = io.BytesIO()
         torch.save({"module": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                    "step": self.step}, buffer)
+                    "step": self.step, **self._extra_state()}, buffer)
         return buffer.getvalue(), self.step
 
     def _load_blob(self, blob: bytes) -> int:
@@ -419,7 +445,15 @@ class StagePeer(ServicerBase):
             p.grad = None
         self.step, self.local_samples = state["step"], 0
         self.snapshot = self.averaged = None
+        self._load_extra_state(state)
         return self.step
+
+    def _extra_state(self) -> dict:
+        """More entries of the state a replica hands a joining one (``peer_sync`` adds its stepped samples)."""
+        return {}
+
+    def _load_extra_state(self, state: dict) -> None:
+        pass
 
     # -- RPC handlers -------------------------------------------------------------------------------------
     async def rpc_forward(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
@@ -570,6 +604,10 @@ class StagePeer(ServicerBase):
                                    f"within {give_up_after_s:.0f} s")
             await asyncio.sleep(0.5)
 
+    def background_tasks(self) -> list[asyncio.Task]:
+        """Tasks the peer runs while it serves (``peer_sync``: its in-stage synchronisation loop)."""
+        return []
+
     async def declare_forever(self) -> None:
         key, peer_id = stage_key(self.run_id, self.stage), self.node.p2p.peer_id.to_base58()
         while True:
@@ -633,9 +671,15 @@ async def serve_stage(args: argparse.Namespace) -> None:
     cfg = json.loads(Path(args.config).read_text())
     torch.set_num_threads(1)
     watchdog = asyncio.create_task(exit_with_coordinator())
-    maddrs = read_addr_file(args.addr_file, cfg["join_timeout_s"])
-    node = await join_dht(maddrs, client_mode=False, host=listen_host(cfg), timeout_s=cfg["join_timeout_s"])
-    peer = (EmulatedStagePeer if "emulate" in cfg else StagePeer)(cfg, args.stage, args.uid, args.speed, node)
+    if cfg.get("peer_sync"):  # the launcher's swarm: peers step by themselves (peer_sync), any live entry joins
+        from cramswarm.swarm.peer_sync import SyncingStagePeer as peer_cls
+
+        node = await join_swarm(args.addr_file, host=listen_host(cfg), timeout_s=cfg["join_timeout_s"], announce=True)
+    else:
+        peer_cls = EmulatedStagePeer if "emulate" in cfg else StagePeer
+        maddrs = read_addr_file(args.addr_file, cfg["join_timeout_s"])
+        node = await join_dht(maddrs, client_mode=False, host=listen_host(cfg), timeout_s=cfg["join_timeout_s"])
+    peer = peer_cls(cfg, args.stage, args.uid, args.speed, node)
     peer.migrate_to = asyncio.get_running_loop().create_future()
     await peer.add_p2p_handlers(node.p2p, namespace=peer.namespace)
     with contextlib.suppress(Exception):  # joining a running swarm: take the stage's state first
@@ -644,9 +688,10 @@ async def serve_stage(args: argparse.Namespace) -> None:
         await peer.load_from_replica(cfg["give_up_after_s"])
     print(f"[{args.uid}] serving stage {args.stage} (speed {args.speed}) as {node.p2p.peer_id}", flush=True)
     declare = asyncio.create_task(peer.declare_forever())
+    background = peer.background_tasks()
     coordinator = asyncio.create_task(watch_coordinator(node, peer.run_id, cfg.get("coordinator_grace_s",
                                                                                     COORDINATOR_GRACE_S)))
-    done, _ = await asyncio.wait([declare, watchdog, coordinator, peer.migrate_to],
+    done, _ = await asyncio.wait([declare, watchdog, coordinator, peer.migrate_to, *background],
                                  return_when=asyncio.FIRST_COMPLETED)
     if peer.migrate_to in done:  # its DHT record expires; the coordinator stops routing to it at once
         code = MIGRATE_EXIT + peer.migrate_to.result()

@@ -150,6 +150,10 @@ class SwarmPlan:
     emulate: dict | None = None     # throughput emulation (``run``): stage_time_s, backward_factor, activation_bytes
     startup_timeout_s: float = 180.0
     join_timeout_s: float = 15.0
+    decentralised: bool = False     # run under the launcher (independent trainers, peer-driven steps), not the
+                                    # coordinator; train() sets it where decentralised_supported() allows
+    faults: list[tuple[float, str]] = field(default_factory=list)  # launcher: SIGKILL (seconds into training,
+                                    # "bootstrap" | "trainer<R>" | "peer") - the kill tests' fault injection
 
     @property
     def stages(self) -> int:
@@ -959,6 +963,22 @@ def _exit_on_sigterm(signum: int, frame) -> None:
 _own_daemons = own_daemons  # the tests' name for it
 
 
+def decentralised_supported(plan: SwarmPlan, total_microbatches: int) -> str | None:
+    """Why the launcher (independent trainer processes, steps decided by the stage peers) cannot run ``plan``
+    yet, or None. Rebalancing, the attach/srun placements and a seconds budget still need the coordinator."""
+    if plan.placement != "local":
+        return f"swarm.placement={plan.placement} (the launcher starts its peers itself: local only)"
+    if plan.rebalance_period_s:
+        return "swarm.rebalance_period_s is set (rebalancing is still decided by the coordinator)"
+    if plan.emulate is not None:
+        return "throughput emulation (hivemind_transport.run) uses the coordinator"
+    if plan.recipe["budget"]["unit"] == "seconds" or total_microbatches >= 1 << 40:
+        return "a seconds budget (the trainers' shards are written before the start: a token or step budget)"
+    if min(plan.peers_per_stage, default=0) < 1:
+        return f"swarm.peers_per_stage={plan.peers_per_stage}: every stage needs a peer"
+    return None
+
+
 def run_swarm(plan: SwarmPlan, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], total_microbatches: int,
               progress: bool = True) -> TrainResult:
     """Run one hivemind swarm; every process it started (and this process's p2pd) is gone when it returns."""
@@ -975,6 +995,13 @@ def run_swarm(plan: SwarmPlan, batches: Iterator[tuple[torch.Tensor, torch.Tenso
             or any(not s > 0 for s in plan.peer_speeds):
         raise ValueError(f"invalid swarm plan: trainers={plan.trainers}, peers_per_stage={plan.peers_per_stage}, "
                          f"peer_speeds={plan.peer_speeds}")
+    if plan.decentralised:
+        problem = decentralised_supported(plan, total_microbatches)
+        if problem:
+            raise ValueError(f"the launcher cannot run this swarm: {problem}")
+        from cramswarm.swarm import launcher
+
+        return launcher.run(plan, batches, total_microbatches, progress)
     before = _own_daemons()
     coordinator = Coordinator(plan, batches, total_microbatches, progress)
     keep_logs = True
@@ -1028,4 +1055,5 @@ def train(*, arch: dict, vocab_size: int, recipe: dict, swarm: dict,
         placement=swarm["placement"], rendezvous=Path(rendezvous) if rendezvous else None, host=swarm["host"],
         interface=swarm["interface"], srun_args=list(swarm["srun_args"]), startup_timeout_s=swarm["startup_timeout_s"],
     )
+    plan.decentralised = decentralised_supported(plan, total_microbatches) is None
     return run_swarm(plan, batches, total_microbatches, progress)

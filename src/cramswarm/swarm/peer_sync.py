@@ -1,0 +1,306 @@
+"""Stage peer of the launcher's swarm (``launcher``): in-stage synchronisation decided by the stage's own peers.
+
+No process tells the peers when to step. Every ``PROGRESS_PERIOD_S`` each peer stores a progress record under
+its stage's DHT key (``progress_key``; sub-key = its uid; expiration ``PROGRESS_TTL_S``): its step, the samples
+whose backward it has accumulated toward that step, whether it is ready to average (and with how many samples,
+and their summed loss), and the digest of its parameters after its last step. It reads its stage's records back
+and
+
+* steps once the samples of the records at its step reach the global batch of that step, or another peer at its
+  step is ready, or the launcher asked for the last, partial batch (``flush_key``, stored once every trainer
+  reported its shard done). The global batch is the recipe batch with pretrain's ramp, at the budget progress
+  computed from the stage's stepped samples and steps (tokens = stepped samples x sequence length), so every
+  replica computes the same batch and the same learning rate (``lr_multiplier`` at that progress) from the
+  stage's own progress: no schedule comes from outside;
+* to step, it moves its accumulated gradients aside (backward calls arriving later count toward the next step),
+  marks its record ready and waits until every peer with a record at its step is ready (at most
+  ``GATHER_S``). The group is **deterministic, from the DHT records** (the ready records at this step, ordered by
+  uid; the group id hashes their uids and sample counts), not hivemind's matchmaking: ``DecentralizedAverager``'s
+  matchmaking needs its own averager process per peer with its own copy of the gradients and forms groups by
+  time windows, while here every replica of a stage must take part in every step or fall behind; a group read
+  from the records that every member reads alike is enough, and a member that read a different set simply fails
+  the all-reduce (group ids differ) and tries again with a fresh read (records of dead peers expire within
+  ``PROGRESS_TTL_S``);
+* the group all-reduces the gradients with ``averaging.StageAllReduce`` (compressed by
+  ``swarm.averaging_compression``, weighted by each member's samples, the same decompressed average everywhere,
+  bounded by ``averaging.averaging_timeout_s``), and each member clips and takes its AdamW step: the same step
+  from the same state, so replicas stay bitwise equal;
+* a peer that sees a record at a later step (it was left out of a group, or its all-reduce failed) downloads the
+  state of the most advanced replica; a peer whose parameter digest differs from that of the lowest uid at the
+  same step does too (counted: ``digest_mismatches``). The gradients it held are lost and counted
+  (``lost_gradient_samples``), as in SWARM.
+
+Each peer writes its counters to ``peer-<uid>.json`` in the run's folder (atomically) and, on the last stage,
+one line per step (step, progress, mean loss of the group's samples, LR, samples) to ``log-<uid>.jsonl``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import random
+import time
+from pathlib import Path
+from typing import AsyncIterator  # hivemind's servicer recognises typing's alias only
+
+import torch
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import runtime_pb2
+from hivemind.utils import get_dht_time
+
+from cramswarm.io import write_json
+from cramswarm.swarm.averaging import averaging_timeout_s
+from cramswarm.swarm.hivemind_peer import StagePeer, respond, unpack
+from cramswarm.training import accumulation_at, budget_progress, lr_multiplier
+
+PROGRESS_PERIOD_S = 0.25  # a peer publishes its progress record and reads its stage's this often ...
+PROGRESS_TTL_S = 4.0      # ... with this expiration: a dead peer drops out of its stage's groups within it
+GATHER_S = 2.0            # a ready peer waits at most this long for the other peers at its step to be ready
+MIN_GATHER_S = 0.3        # ... and at least this long (records of peers that became ready at once)
+
+
+def progress_key(run_id: str, stage: int) -> str:
+    """DHT key of a stage's progress records (sub-key: peer uid)."""
+    return f"{run_id}_progress{stage}"
+
+
+def flush_key(run_id: str) -> str:
+    """DHT key the launcher sets once every trainer is done: step the last, partial global batch."""
+    return f"{run_id}_flush"
+
+
+async def progress_records(node, run_id: str, stage: int) -> dict[str, dict]:
+    found = await node.get(progress_key(run_id, stage), latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    return {uid: entry.value for uid, entry in found.value.items()
+            if isinstance(uid, str) and isinstance(entry.value, dict) and "step" in entry.value}
+
+
+def step_target(recipe: dict, seq_len: int, stepped_samples: int, step: int) -> tuple[float, int]:
+    """(budget progress, global batch in samples) of a stage's step ``step`` after ``stepped_samples``: pretrain's
+    accounting (the dispatcher's: progress before the step, ``accumulation_at`` micro-batches)."""
+    t = budget_progress(recipe["budget"], stepped_samples * seq_len, step, 0.0)
+    micro = recipe["micro_batch_sequences"]
+    size = accumulation_at(t, recipe["batch_sequences"] // micro, recipe["batch_ramp_fraction"])
+    return t, size * micro
+
+
+class SyncingStagePeer(StagePeer):
+    """A ``StagePeer`` that synchronises with its stage's other peers by itself (see the module docstring)."""
+
+    def __init__(self, cfg: dict, stage: int, uid: str, speed: float, node):
+        super().__init__(cfg, stage, uid, speed, node)
+        self.seq_len = cfg["seq_len"]
+        self.workdir = Path(cfg["workdir"])
+        self.peer_id = node.p2p.peer_id.to_base58()
+        self.stepped_samples = 0
+        self.local_loss = 0.0      # summed loss x samples of the last stage's backward calls since the snapshot
+        self.snapshot_loss = 0.0
+        self.digest: str | None = None
+        self.ready: tuple[int, int, float] | None = None  # (step, samples, loss sum) while waiting to average
+        self.admitted = 0          # samples of backward calls admitted and not yet computed
+        self.others_pending = 0    # samples the other peers at this step held at the last read of the records
+        self.nudge = asyncio.Event()  # wakes the synchronisation loop early (this peer's count reached the batch)
+        self.counters = {"uid": uid, "stage": stage, "steps_taken": 0, "resyncs": 0, "digest_mismatches": 0,
+                         "lost_gradient_samples": 0, "averaging_bytes_sent": 0, "averaging_values_sent": 0,
+                         "averaging_param_steps": 0, "group_sizes": [], "failed_rounds": 0}
+
+    # -- compute thread ---------------------------------------------------------------------------------------
+    def _backward(self, tensors: dict[str, torch.Tensor], meta: dict) -> tuple[dict, dict]:
+        result, out_meta = super()._backward(tensors, meta)
+        if "loss" in out_meta:
+            self.local_loss += out_meta["loss"] * out_meta["samples"]
+        return result, out_meta
+
+    def _take_snapshot(self, step: int) -> tuple[torch.Tensor, int]:
+        if self.snapshot is None or self.snapshot[0] != step:
+            self.snapshot_loss, self.local_loss = self.local_loss, 0.0
+        return super()._take_snapshot(step)
+
+    def _extra_state(self) -> dict:
+        return {"stepped_samples": self.stepped_samples}
+
+    def _load_extra_state(self, state: dict) -> None:
+        self.stepped_samples = int(state.get("stepped_samples", 0))
+        self.local_loss = self.snapshot_loss = 0.0
+        self.ready = None
+        self.digest = self._digest()
+
+    def _digest(self) -> str:
+        digest = hashlib.sha1()
+        for p in self.params:
+            digest.update(p.detach().cpu().numpy().tobytes())
+        return digest.hexdigest()
+
+    def _held_samples(self) -> int:
+        """Samples whose gradients this peer holds toward its current step (snapshot and since)."""
+        snap = self.snapshot[2] if self.snapshot is not None and self.snapshot[0] == self.step else 0
+        return self.local_samples + snap + self.admitted
+
+    def _target(self) -> int:
+        return step_target(self.cfg["recipe"], self.seq_len, self.stepped_samples, self.step)[1]
+
+    async def rpc_backward(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
+                           context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """Admission toward the stage's global batch, as the coordinator's window did: a backward call waits
+        while this peer is averaging or the stage's samples (others' as last read, plus this peer's) would pass
+        the batch, at most ``sync_timeout_s`` (then it counts toward the next step); the rest is ``StagePeer``'s."""
+        tensors, meta = await unpack(requests)
+        samples = int(meta.get("samples", 0))
+        deadline = time.monotonic() + self.sync_timeout_s
+        while time.monotonic() < deadline and (self.ready is not None or (
+                self._held_samples() > 0 and self.others_pending + self._held_samples() + samples > self._target())):
+            self.nudge.set()
+            await asyncio.sleep(0.02)
+        self.admitted += samples
+        try:
+            result, out_meta = await self._run(self._backward, tensors, meta)
+        finally:
+            self.admitted -= samples
+        if self.others_pending + self._held_samples() >= self._target():
+            self.nudge.set()
+        for message in respond(result, out_meta):
+            yield message
+
+    # -- records ----------------------------------------------------------------------------------------------
+    async def _publish(self) -> None:
+        value = {"peer": self.peer_id, "step": self.step, "samples": self._held_samples(),
+                 "stepped": self.stepped_samples, "digest": self.digest, "ready": False}
+        if self.ready is not None and self.ready[0] == self.step:
+            value.update(ready=True, snap=self.ready[1], loss=self.ready[2])
+        await self.node.store(progress_key(self.run_id, self.stage), subkey=self.uid, value=value,
+                              expiration_time=get_dht_time() + PROGRESS_TTL_S)
+
+    def _write_counters(self) -> None:
+        write_json(self.workdir / f"peer-{self.uid}.json",
+                   {**self.counters, "step": self.step, "stepped_samples": self.stepped_samples})
+
+    def background_tasks(self) -> list[asyncio.Task]:
+        return [asyncio.create_task(self.sync_forever())]
+
+    async def sync_forever(self) -> None:
+        self.digest = await self._run(self._digest)
+        while True:
+            try:
+                await self._round()
+            except Exception as e:  # a DHT or transfer hiccup: the next round reads the records again
+                print(f"[{self.uid}] sync round failed: {e!r}", flush=True)
+                self.counters["failed_rounds"] += 1
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.nudge.wait(), PROGRESS_PERIOD_S)
+            self.nudge.clear()
+
+    async def _round(self) -> None:
+        await self._publish()
+        records = await progress_records(self.node, self.run_id, self.stage)
+        if await self._catch_up(records):
+            return
+        at_step = [r for uid, r in records.items() if r["step"] == self.step and uid != self.uid]
+        self.others_pending = sum(r["samples"] for r in at_step)
+        pending = self.others_pending + self._held_samples()
+        target = self._target()
+        if any(r.get("ready") for r in at_step) or pending >= target:
+            await self._step()
+        elif pending > 0 and await self._flushing():
+            await self._step()
+
+    async def _flushing(self) -> bool:
+        found = await self.node.get(flush_key(self.run_id), latest=True)
+        return found is not None and found.value is True
+
+    async def _catch_up(self, records: dict[str, dict]) -> bool:
+        """Download the state of a replica that is ahead, or of the reference replica (lowest uid) at this step
+        when the parameter digests differ. Returns whether it did."""
+        ahead = {uid: r for uid, r in records.items() if r["step"] > self.step}
+        source = None
+        if ahead:
+            source = min(ahead, key=lambda uid: (-ahead[uid]["step"], uid))
+        else:
+            same = {uid: r for uid, r in records.items() if r["step"] == self.step and r.get("digest")}
+            if same and self.digest is not None and self.step > 0:
+                reference = min(same)
+                if reference != self.uid and same[reference]["digest"] != self.digest:
+                    source = reference
+                    self.counters["digest_mismatches"] += 1
+        if source is None:
+            return False
+        lost = self._held_samples()
+        step = await self.download_state(PeerID.from_base58(records[source]["peer"]))
+        self.counters["lost_gradient_samples"] += lost
+        self.counters["resyncs"] += 1
+        print(f"[{self.uid}] took the state of {source} (step {step}); {lost} samples' gradients dropped", flush=True)
+        self._write_counters()
+        return True
+
+    async def _gather(self, step: int) -> dict[str, dict] | None:
+        """The ready records at ``step`` once every record at it is ready (or ``GATHER_S`` passed); None once a
+        replica is past ``step`` (this peer then catches up)."""
+        started = time.monotonic()
+        while True:
+            await self._publish()
+            records = await progress_records(self.node, self.run_id, self.stage)
+            if any(r["step"] > step for r in records.values()):
+                return None
+            at_step = {uid: r for uid, r in records.items() if r["step"] == step}
+            ready = {uid: r for uid, r in at_step.items() if r.get("ready")}
+            waited = time.monotonic() - started
+            if waited >= GATHER_S and self.uid not in ready:  # this peer's own record not read back yet
+                ready[self.uid] = {"peer": self.peer_id, "snap": self.ready[1], "loss": self.ready[2]}
+            if self.uid in ready and ((len(ready) == len(at_step) and waited >= MIN_GATHER_S) or waited >= GATHER_S):
+                return ready
+            await asyncio.sleep(0.1)
+
+    async def _step(self) -> None:
+        step = self.step
+        flat, samples = await self._run(self._take_snapshot, step)
+        self.ready = (step, samples, self.snapshot_loss)
+        while True:
+            group = await self._gather(step)
+            if group is None:
+                return  # someone stepped without this peer: the next round downloads its state
+            uids = sorted(group)
+            total = sum(int(group[uid]["snap"]) for uid in uids)
+            if total == 0:  # nobody holds gradients (e.g. a flush after the last step): nothing to step
+                self.ready = None
+                return
+            group_id = hashlib.sha1("|".join([self.run_id, str(self.stage), str(step)] +
+                                             [f"{uid}:{group[uid]['snap']}" for uid in uids]).encode()).digest()
+            peers = [PeerID.from_base58(group[uid]["peer"]) for uid in uids]
+            traffic: dict = {}
+            bound = averaging_timeout_s(self.num_params, len(peers), self.averaging_scheme, self.link_mbit_s,
+                                        2 * self.sync_timeout_s)
+            try:
+                averaged = await asyncio.wait_for(self._all_reduce(flat, samples, group_id, peers, traffic), bound)
+            except Exception as e:  # a member died, or read another group: read the records again
+                print(f"[{self.uid}] step {step}: all-reduce over {uids} failed ({e!r}); retrying", flush=True)
+                self.counters["failed_rounds"] += 1
+                await asyncio.sleep(0.2 + 0.3 * random.random())
+                continue
+            t, _ = step_target(self.cfg["recipe"], self.seq_len, self.stepped_samples, step)
+            recipe = self.cfg["recipe"]
+            multiplier = lr_multiplier(recipe["schedule"], t, recipe["warmup_fraction"])
+            self.averaged = (group_id, averaged)
+            reply = await self._run(self._apply, group_id, recipe["lr"] * multiplier)
+            if reply.get("status") != "ok":
+                raise RuntimeError(f"step {step}: {reply}")
+            self.stepped_samples += total
+            self.digest, self.ready, self.others_pending = reply["digest"], None, 0
+            self.counters["steps_taken"] += 1
+            self.counters["group_sizes"].append(len(uids))
+            if len(uids) > 1:
+                self.counters["averaging_bytes_sent"] += traffic.get("bytes_sent", 0)
+                self.counters["averaging_values_sent"] += traffic.get("values_sent", 0)
+                self.counters["averaging_param_steps"] += self.num_params
+            if self.is_last:
+                loss = sum(float(group[uid].get("loss", 0.0)) for uid in uids) / total
+                row = {"step": step + 1, "progress": t, "loss": loss, "lr": recipe["lr"] * multiplier,
+                       "lr_multiplier": multiplier, "batch_sequences": total,
+                       "tokens": self.stepped_samples * self.seq_len, "time": time.time(), "group": uids}
+                with open(self.workdir / f"log-{self.uid}.jsonl", "a") as log:
+                    log.write(json.dumps(row) + "\n")
+            await self._publish()
+            self._write_counters()
+            return

@@ -1,0 +1,256 @@
+"""SWARM trainer: an independent OS process that pushes its own data shard through the stage peers.
+
+    python -m cramswarm.swarm.trainer --config RUN/config.json --rank R --trainers N
+
+The run's folder (``config.json``'s ``workdir``) holds the microbatches (``inputs.npy``, ``labels.npy``:
+[microbatches, sequences, tokens], memory-mapped) and the DHT address file. Trainer ``R`` of ``N`` owns the
+microbatches ``i`` with ``i mod N == R``, so the union of the shards is exactly what one process would see. It
+joins the DHT through any live entry of the address file and appends its own addresses (a DHT node like every
+peer), re-reads the stages' peer records every ``REFRESH_PERIOD_S``, keeps its own ``StageBalancer`` per stage
+(as SWARM's trainers do), and sends one microbatch at a time forward through stages 0..k-1 and backward through
+k-1..0 (the last stage's forward and backward are one call). Every call is bounded (``RetryPolicy``: hivemind has
+no client-side timeout); a failed or timed-out call is re-sent to another replica and a microbatch is never
+dropped: a stage without a live peer for ``give_up_after_s`` ends the trainer with ``EXIT_NO_PEERS`` (the stage is
+named in its progress file), a stage whose peers keep failing with ``EXIT_FAILED``.
+
+Progress: after each microbatch the trainer appends its loss to ``trainer<R>.losses.jsonl`` and rewrites
+``trainer<R>.json`` atomically (microbatches of its shard done). A trainer killed and restarted with the same rank
+resumes its shard where that file says: a microbatch whose calls were under way when it died is sent again (its
+gradient may then count twice on the stages it had reached, as a re-sent call does in SWARM). The trainer exits
+0 once its shard is done, and like a stage peer once the launcher's heartbeat record has been missing for
+``coordinator_grace_s`` or the launcher that started it is gone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import torch
+from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
+
+from cramswarm.io import read_json, write_json
+from cramswarm.swarm.emulation import WORK_UNITS
+from cramswarm.swarm.hivemind_peer import (
+    ADDR_FILE,
+    BootstrapError,
+    CoordinatorGone,
+    exit_with_coordinator,
+    join_swarm,
+    listen_host,
+    request,
+    stage_namespace,
+    stage_records,
+    unpack,
+    watch_coordinator,
+)
+from cramswarm.swarm.peer_sync import SyncingStagePeer
+from cramswarm.swarm.policies import NoPeersError, RetryPolicy, StageBalancer
+
+REFRESH_PERIOD_S = 1.0  # a trainer re-reads the stages' DHT records this often
+EXIT_NO_PEERS = 4       # a stage had no live peer for give_up_after_s
+EXIT_FAILED = 5         # a stage's peers kept failing (RetryPolicy exhausted) or the loss is not finite
+
+
+def progress_path(workdir: Path, rank: int) -> Path:
+    return workdir / f"trainer{rank}.json"
+
+
+def losses_path(workdir: Path, rank: int) -> Path:
+    return workdir / f"trainer{rank}.losses.jsonl"
+
+
+def shard(total: int, rank: int, trainers: int) -> range:
+    """The microbatch indices trainer ``rank`` of ``trainers`` owns."""
+    return range(rank, total, trainers)
+
+
+class StageClient:
+    """A trainer's view of the stages: peer records from the DHT, one balancer per stage, bounded re-sent calls."""
+
+    def __init__(self, node, run_id: str, stages: int, retry: RetryPolicy, seed: int):
+        self.node, self.run_id, self.stages, self.retry = node, run_id, stages, retry
+        self.balancers = [StageBalancer(s, rng=random.Random(seed * 1000 + s)) for s in range(stages)]
+        self.peer_ids: dict[str, str] = {}
+        self.stats = {"retries": 0, "timeouts": 0, "errors": 0}
+
+    async def refresh(self, stage: int) -> None:
+        found = await stage_records(self.node, self.run_id, stage)
+        self.peer_ids.update({uid: peer for uid, (peer, _) in found.items()})
+        self.balancers[stage].update_peers({uid: exp for uid, (_, exp) in found.items()}, get_dht_time())
+
+    async def refresh_forever(self) -> None:
+        while True:
+            with contextlib.suppress(Exception):
+                await asyncio.gather(*(self.refresh(s) for s in range(self.stages)))
+            await asyncio.sleep(REFRESH_PERIOD_S)
+
+    async def rpc(self, stage: int, uid: str, method: str, tensors: dict, meta: dict) -> tuple[dict, dict]:
+        stub = SyncingStagePeer.get_stub(self.node.p2p, PeerID.from_base58(self.peer_ids[uid]),
+                                         namespace=stage_namespace(self.run_id, stage))
+        return await unpack(await getattr(stub, f"rpc_{method}")(request(tensors, meta)))
+
+    async def call(self, stage: int, method: str, tensors: dict, meta: dict, samples: int, *,
+                   fused: bool = False) -> tuple[dict, dict]:
+        """One stage call: another replica on a timeout or error, never dropped (``NoPeersError`` once the stage
+        has had no live peer for ``give_up_after_s``; ``TimeoutError`` once ``RetryPolicy`` is exhausted)."""
+        backward = method == "backward"
+        units = samples * WORK_UNITS["last" if fused else method]
+        balancer, retry = self.balancers[stage], self.retry
+        no_peer_since = failing_since = None
+        attempts = 0
+        while True:
+            try:
+                uid = balancer.choose(samples, get_dht_time(), backward=backward)
+            except NoPeersError:
+                no_peer_since = no_peer_since or time.monotonic()
+                if time.monotonic() - no_peer_since > retry.give_up_after_s:
+                    raise
+                await asyncio.sleep(0.2)
+                with contextlib.suppress(Exception):
+                    await self.refresh(stage)
+                continue
+            no_peer_since = None
+            started = time.perf_counter()
+            try:
+                result = await asyncio.wait_for(self.rpc(stage, uid, method, tensors, meta), retry.timeout(backward))
+            except asyncio.TimeoutError:
+                balancer.report_timeout(uid)
+                self.stats["timeouts"] += 1
+                result = None
+            except Exception as e:  # refused, reset, remote handler error: banned until its record expires
+                balancer.report_error(uid, get_dht_time())
+                self.stats["errors"] += 1
+                self.stats["last_error"] = f"stage {stage} {method} on {uid}: {e!r}"
+                result = None
+            if result is not None:
+                balancer.report_success(uid, units, time.perf_counter() - started)
+                return result
+            self.stats["retries"] += 1
+            attempts += 1
+            failing_since = failing_since or started
+            if retry.exhausted(time.perf_counter() - failing_since, attempts):
+                raise TimeoutError(f"stage {stage}: {attempts} {method} calls in a row failed or timed out over "
+                                   f"{time.perf_counter() - failing_since:.0f} s (last on {uid})")
+
+    @staticmethod
+    def _rename(tensors: dict, meta: dict, old: str, new: str) -> tuple[dict, dict]:
+        renamed = {f"{new}.{k[len(old) + 1:]}": t for k, t in tensors.items() if k.startswith(f"{old}.")}
+        return renamed, {"payloads": {new: meta["payloads"][old]}}
+
+    async def microbatch(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
+        """Forward through the stages, backward back (the trainer keeps each stage's input payload and sends it
+        again with the output gradient, so any replica can take the backward call); returns the loss."""
+        samples, last = int(input_ids.shape[0]), self.stages - 1
+        inputs = [({"input_ids": input_ids}, {})]
+        for stage in range(last):
+            out, out_meta = await self.call(stage, "forward", *inputs[stage], samples)
+            inputs.append(self._rename(out, out_meta, "y", "x"))
+        tensors, meta = inputs[last]
+        grad, grad_meta = await self.call(last, "backward", {**tensors, "labels": labels}, {**meta, "samples": samples},
+                                          samples, fused=True)
+        loss = grad_meta["loss"]
+        for stage in range(last - 1, -1, -1):
+            tensors, meta = inputs[stage]
+            payloads = {**meta.get("payloads", {}), "g": grad_meta["payloads"]["g"]}
+            grad, grad_meta = await self.call(stage, "backward", {**tensors, **grad},
+                                              {"payloads": payloads, "samples": samples}, samples)
+        return loss
+
+
+async def train_shard(cfg: dict, rank: int, trainers: int) -> None:
+    workdir = Path(cfg["workdir"])
+    torch.set_num_threads(1)
+    inputs = np.load(workdir / "inputs.npy", mmap_mode="r")
+    labels = np.load(workdir / "labels.npy", mmap_mode="r")
+    mine = shard(len(inputs), rank, trainers)
+    state_file = progress_path(workdir, rank)
+    done = read_json(state_file)["done"] if state_file.exists() else 0
+    watchdog = asyncio.create_task(exit_with_coordinator())
+    node = await join_swarm(workdir / ADDR_FILE, host=listen_host(cfg), timeout_s=cfg["join_timeout_s"],
+                            announce=True)
+    launcher = asyncio.create_task(watch_coordinator(node, cfg["run_id"], cfg["coordinator_grace_s"]))
+    client = StageClient(node, cfg["run_id"], cfg["stages"], RetryPolicy(**cfg["retry"]), cfg["seed"] + 7919 * rank)
+    refresher = asyncio.create_task(client.refresh_forever())
+
+    async def work() -> None:
+        nonlocal done
+        write_json(state_file, {"rank": rank, "done": done, "shard": len(mine), "stats": client.stats})
+        for i in mine[done:]:
+            loss = await client.microbatch(torch.from_numpy(np.asarray(inputs[i], dtype=np.int64)),
+                                           torch.from_numpy(np.asarray(labels[i], dtype=np.int64)))
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"swarm loss became {loss} at microbatch {i}; lower pretrain.lr")
+            with open(losses_path(workdir, rank), "a") as out:
+                out.write(json.dumps({"mb": i, "loss": loss, "time": time.time()}) + "\n")
+            done += 1
+            write_json(state_file, {"rank": rank, "done": done, "shard": len(mine), "stats": client.stats})
+
+    job = asyncio.create_task(work())
+    finished, _ = await asyncio.wait([job, watchdog, launcher], return_when=asyncio.FIRST_COMPLETED)
+    refresher.cancel()
+    if job not in finished:
+        job.cancel()
+        for task in finished:
+            task.result()  # CoordinatorGone raises here
+        raise CoordinatorGone("the launcher is done before this trainer's shard")
+    try:
+        job.result()
+    except NoPeersError as e:
+        write_json(state_file, {"rank": rank, "done": done, "shard": len(mine), "stats": client.stats,
+                                "error": str(e), "no_peers_stage": e.stage})
+        raise
+
+
+def _leave(code: int) -> None:
+    """Exit at once with this process's p2pd (an orderly DHT shutdown can hang on dead connections)."""
+    for daemon in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):
+            daemon.kill()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m cramswarm.swarm.trainer", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True, help="the run's config.json (written by the launcher)")
+    parser.add_argument("--rank", type=int, required=True, help="this trainer's rank: it owns microbatches i = rank "
+                                                                "mod trainers")
+    parser.add_argument("--trainers", type=int, required=True, help="number of trainers")
+    args = parser.parse_args(argv)
+    if not 0 <= args.rank < args.trainers:
+        parser.error(f"--rank {args.rank} is outside 0 .. {args.trainers - 1}")
+    cfg = json.loads(Path(args.config).read_text())
+    code = 0
+    try:
+        asyncio.run(train_shard(cfg, args.rank, args.trainers))
+        print(f"[trainer {args.rank}] shard done", flush=True)
+    except BootstrapError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        code = 2
+    except CoordinatorGone as e:
+        print(f"[trainer {args.rank}] {e}; exiting", flush=True)
+        code = 3
+    except NoPeersError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        code = EXIT_NO_PEERS
+    except (TimeoutError, FloatingPointError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        code = EXIT_FAILED
+    _leave(code)
+
+
+if __name__ == "__main__":
+    main()
