@@ -1,0 +1,111 @@
+"""The launcher's swarm (real hivemind processes on localhost): independent trainer processes, stage peers that
+decide their steps among themselves, a DHT joinable through any live member - and SIGKILLs of each role mid-run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("hivemind", reason="hivemind is not installed: transport 1 (real hivemind processes) is untested")
+
+from test_swarm_hivemind import MICRO, batches, own_p2p_daemons, plan  # noqa: E402
+
+from cramswarm.swarm import hivemind_transport as ht  # noqa: E402
+from cramswarm.swarm.peer_sync import step_target  # noqa: E402
+from cramswarm.swarm.trainer import shard  # noqa: E402
+
+KEYS = ("stepped_samples", "stage_steps", "retries", "timeouts", "errors", "last_error", "trainer_restarts",
+        "killed", "peers_killed", "rejoins", "resyncs", "digest_mismatches", "lost_gradient_samples", "replica_steps")
+
+
+def brief(stats: dict) -> dict:
+    """The counters an assertion message shows."""
+    return {key: stats.get(key) for key in KEYS}
+
+
+def launch(total: int, **kw):
+    """One run under the launcher; checks what every run must show, returns (result, stats)."""
+    daemons_before = own_p2p_daemons()
+    result = ht.run_swarm(plan(decentralised=True, **kw), batches(), total, progress=False)
+    stats = result.stats
+    assert stats["roles"] == "launcher"
+    # every microbatch of every shard was trained once (re-sent on failures, resumed after a trainer restart)
+    assert stats["microbatches_done"] == stats["microbatches_requested"] == total
+    assert stats["lost_microbatches"] == 0 and stats["microbatches_with_loss"] == total
+    # replicas of a stage hold the same parameters and step count at the end
+    assert stats["replicas_equal"] and stats["replica_max_abs_diff"] == [0.0, 0.0], stats["replica_steps"]
+    assert all(len(set(steps.values())) == 1 for steps in stats["replica_steps"].values()), stats["replica_steps"]
+    assert len(result.stage_states) == 2 and all(result.stage_states)
+    # the loss falls: the last stage's steps (one log row per step) and the trainers' microbatches
+    losses = [row["loss"] for row in result.log]
+    assert len(losses) >= 10 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, losses
+    mb = stats["trainer_losses"]
+    assert sum(mb[-16:]) / 16 < sum(mb[:16]) / 16 - 0.3
+    # nothing outlives the run
+    assert ht.leftover_processes(stats["process_groups"]) == []
+    assert own_p2p_daemons() == daemons_before
+    return result, stats
+
+
+def test_shards_partition_the_microbatches_and_step_targets_follow_the_ramp():
+    total, trainers = 103, 4
+    owned = sorted(i for rank in range(trainers) for i in shard(total, rank, trainers))
+    assert owned == list(range(total))
+    recipe = plan().recipe | {"batch_ramp_fraction": 0.5, "budget": {"unit": "steps", "value": 10}}
+    # steps budget: progress = steps / 10; the batch grows from 1 micro-batch to 4 over the first half
+    assert step_target(recipe, 32, 0, 0) == (0.0, MICRO)
+    assert step_target(recipe, 32, 0, 5) == (0.5, 4 * MICRO)
+    assert step_target(recipe, 32, 0, 2)[1] == (1 + int(0.2 / 0.5 * 4)) * MICRO
+
+
+def test_a_trainer_refuses_a_rank_outside_the_trainers(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({}))
+    proc = subprocess.run([sys.executable, "-m", "cramswarm.swarm.trainer", "--config", str(config), "--rank", "2",
+                           "--trainers", "2"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--rank 2 is outside 0 .. 1" in proc.stderr
+
+
+@pytest.mark.slow
+def test_launcher_swarm_trains_with_exact_batches_and_compressed_averaging():
+    total = 96
+    result, stats = launch(total)
+    # no failure: every sample stepped on each stage, in global batches of 4 microbatches (admission at the
+    # peers; a call that waited longer than sync_timeout_s counts toward the next step, so allow a few extra)
+    assert stats["retries"] == 0 and stats["trainer_restarts"] == 0, brief(stats)
+    assert stats["stepped_samples"] == [total * MICRO] * 2, brief(stats)
+    assert [row["batch_sequences"] for row in result.log].count(4 * MICRO) >= len(result.log) - 3, result.log
+    assert all(1.99 <= b <= 2.0 * 1.01 for b in stats["averaging_bytes_per_param"]), stats
+
+
+@pytest.mark.slow
+def test_sigkill_of_a_trainer_mid_run_resumes_its_shard_and_loses_no_microbatch():
+    total = 160
+    _, stats = launch(total, faults=[(4.0, "trainer0")], rejoin_after_s=0.5)
+    assert [k["uid"] for k in stats["killed"]] == ["trainer0"] and stats["trainer_restarts"] == 1, brief(stats)
+    # a microbatch under way when the trainer died is sent again: its gradient may count twice on a stage
+    assert all(total * MICRO <= n <= (total + 1) * MICRO for n in stats["stepped_samples"]), brief(stats)
+
+
+@pytest.mark.slow
+def test_sigkill_of_the_process_that_started_the_dht_does_not_stop_training_or_newcomers():
+    total = 160
+    # the bootstrap dies first; a peer killed later is replaced by a fresh one that must join through the
+    # addresses the other processes appended to the address file
+    _, stats = launch(total, faults=[(3.0, "bootstrap"), (6.0, "peer")], rejoin_after_s=0.5)
+    assert stats["bootstrap_killed"] == 1 and stats["peers_killed"] == 1 and stats["rejoins"] == 1, brief(stats)
+    restarted = [uid for steps in stats["replica_steps"].values() for uid in steps if int(uid.split("p")[1]) > 4]
+    assert restarted, stats["replica_steps"]
+
+
+@pytest.mark.slow
+def test_random_peer_kills_under_the_launcher_lose_no_microbatch():
+    total = 320
+    _, stats = launch(total, peer_speeds=[0.25], kill_every_s=4.0, rejoin_after_s=0.2)
+    assert stats["peers_killed"] >= 2 and stats["rejoins"] >= 1, brief(stats)
+    # a killed peer's unaveraged gradients are lost (as in SWARM), at most a global batch per kill and stage
+    lost = stats["lost_gradient_samples"]
+    assert all(-MICRO <= n <= stats["peers_killed"] * 4 * MICRO for n in lost), brief(stats)
