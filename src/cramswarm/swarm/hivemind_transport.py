@@ -1,6 +1,13 @@
 """Transport 1: SWARM on real hivemind processes (localhost, or any hosts that share the address file).
 
-Process layout (every process its own process-group leader, ``start_new_session=True``, killed as a group with
+Two ways to run a swarm: ``run_swarm`` hands a plan with ``decentralised`` set to the launcher (``launcher``:
+independent trainer processes, in-stage steps decided by the stage peers, no process whose state training needs;
+``train`` sets it wherever ``decentralised_supported`` allows), and runs every other plan - rebalancing, the
+attach / srun placements, a seconds budget, the throughput emulation of ``run`` - with the coordinator below.
+The trainers' call and microbatch code is ``trainer.StageClient`` in both; the coordinator adds its window
+through StageClient's hooks.
+
+Coordinator process layout (every process its own process-group leader, ``start_new_session=True``, killed as a group with
 ``os.killpg`` so no ``p2pd`` daemon or child outlives it):
 
 * bootstrap - ``python -m cramswarm.swarm.hivemind_peer bootstrap``: a DHT node (+ its p2pd) that writes its
@@ -73,7 +80,6 @@ from pathlib import Path
 
 import torch
 from hivemind.dht.node import DHTNode
-from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from tqdm.auto import tqdm
 
@@ -81,7 +87,6 @@ from cramswarm.swarm import averaging
 from cramswarm.swarm.compression import SCHEMES
 from cramswarm.swarm.emulation import (
     BACKWARD_COMPUTE_FACTOR,
-    WORK_UNITS,
     Dispatcher,
     FailureEvent,
     SwarmSetup,
@@ -100,10 +105,7 @@ from cramswarm.swarm.hivemind_peer import (
     join_dht,
     listen_host,
     read_addr_file,
-    request,
-    stage_namespace,
     stage_records,
-    unpack,
 )
 from cramswarm.swarm.policies import NoPeersError, PeerLoad, Rebalancer, RetryPolicy, StageBalancer, StageSync
 from cramswarm.swarm.processes import (  # noqa: F401 (leftover_processes, _LIVE_GROUPS: the tests' names)
@@ -115,6 +117,7 @@ from cramswarm.swarm.processes import (  # noqa: F401 (leftover_processes, _LIVE
     own_daemons,
 )
 from cramswarm.swarm.stages import check_stage_count, split_model
+from cramswarm.swarm.trainer import StageClient
 from cramswarm.training import build_model, lr_multiplier
 
 REFRESH_PERIOD_S = 1.0  # trainers re-read the stages' DHT records this often
@@ -200,12 +203,13 @@ def rank_of_uid(uid: str) -> int | None:
     return int(rest.split(".")[0]) if rest and head.startswith("s") and "." in rest else None
 
 
-class Coordinator:
+class Coordinator(StageClient):
     """Runs one swarm: processes, trainers, in-stage synchronisation, fault injection, state collection."""
 
     def __init__(self, plan: SwarmPlan, batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
                  total_microbatches: int, progress: bool):
         self.plan, self.batches, self.total = plan, batches, total_microbatches
+        self.stages, self.retry = plan.stages, plan.retry  # StageClient's
         self.dispatcher: Dispatcher | None = None  # made when the swarm is up (a seconds budget starts then)
         self.progress = progress
         self.rng = random.Random(plan.seed)
@@ -355,109 +359,40 @@ class Coordinator:
             await self._refresh_all()
 
     # -- RPC ------------------------------------------------------------------------------------------------
-    async def _rpc(self, stage: int, uid: str, method: str, tensors: dict, meta: dict) -> tuple[dict, dict]:
-        stub = self.peer_cls.get_stub(self.node.p2p, PeerID.from_base58(self.peer_ids[uid]),
-                                  namespace=stage_namespace(self.run_id, stage))
-        return await unpack(await getattr(stub, f"rpc_{method}")(request(tensors, meta)))
-
     async def _control(self, stage: int, uid: str, method: str, meta: dict, timeout_s: float | None = None) -> dict:
         _, reply = await asyncio.wait_for(self._rpc(stage, uid, method, {}, meta),
                                           timeout=timeout_s or 2 * self.sync_timeout_s)
         return reply
 
-    async def _call(self, stage: int, method: str, tensors: dict, meta: dict, samples: int, *,
-                    fused: bool = False) -> tuple[dict, dict]:
-        """One stage call with SWARM's retry semantics: another replica on timeout/error, never dropped.
+    # -- the window: hooks of StageClient._call (the trainers' call, written once in ``trainer``) --------------
+    async def _admit(self, stage: int, samples: int, backward: bool) -> None:
+        if backward and self.training:
+            await self._reserve(stage, samples)
 
-        ``fused``: the last stage's forward + backward in one call. The peer's throughput estimate counts the
-        call's work units (``WORK_UNITS``: forward 1, backward 2, fused 3 per sample, as the emulation does), so
-        every stage does the same units per microbatch and the rebalancer can compare stages; counted in samples,
-        the last stage (one call per microbatch) looked half as fast as the others (two calls) and drew a
-        second peer after a rebalancing move had already evened the stages out."""
-        backward = method == "backward"
-        units = samples * WORK_UNITS["last" if fused else method]
-        balancer, retry = self.balancers[stage], self.plan.retry
-        no_peer_since = failing_since = None
-        attempts = 0
-        while True:
-            if backward and self.training:
-                await self._reserve(stage, samples)
-            try:
-                uid = balancer.choose(samples, get_dht_time(), backward=backward)
-            except NoPeersError:
-                if backward and self.training:
-                    self._release(stage, samples)
-                no_peer_since = no_peer_since or time.monotonic()
-                if time.monotonic() - no_peer_since > retry.give_up_after_s:
-                    raise
-                await asyncio.sleep(0.2)
-                await self._refresh(stage)
-                continue
-            no_peer_since = None
-            started = time.perf_counter()
-            self.inflight[uid] = self.inflight.get(uid, 0) + 1
-            self.backward_inflight[stage] += backward
-            result = None
-            try:
-                result = await asyncio.wait_for(self._rpc(stage, uid, method, tensors, meta), retry.timeout(backward))
-            except asyncio.TimeoutError:
-                balancer.report_timeout(uid)
-                self.stats["timeouts"] += 1
-                self.stats["retries"] += 1
-            except Exception as e:  # refused, reset, remote handler error: ban until the record expires
-                balancer.report_error(uid, get_dht_time())
-                self.stats["errors"] += 1
-                self.stats["last_error"] = f"stage {stage} {method} on {uid}: {e!r}"
-                self.stats["retries"] += 1
-            finally:
-                self.inflight[uid] -= 1
-                self.backward_inflight[stage] -= backward
-                if backward and self.training and result is None:
-                    self._release(stage, samples)
-            if result is None:
-                attempts += 1
-                failing_since = failing_since or started
-                if retry.exhausted(time.perf_counter() - failing_since, attempts):
-                    raise TimeoutError(f"stage {stage}: {attempts} {method} calls in a row failed or timed out over "
-                                       f"{time.perf_counter() - failing_since:.0f} s (last on {uid}); its declared "
-                                       f"peers do not answer (unreachable address? see swarm.host / interface)")
-                continue
-            balancer.report_success(uid, units, time.perf_counter() - started)
-            if not (backward and self.training):
-                return result
+    def _unadmit(self, stage: int, samples: int, backward: bool) -> None:
+        if backward and self.training:
+            self._release(stage, samples)
+
+    def _started(self, stage: int, uid: str, backward: bool) -> None:
+        self.inflight[uid] = self.inflight.get(uid, 0) + 1
+        self.backward_inflight[stage] += backward
+
+    def _ended(self, stage: int, uid: str, backward: bool) -> None:
+        self.inflight[uid] -= 1
+        self.backward_inflight[stage] -= backward
+
+    def _succeeded(self, stage: int, uid: str, samples: int, backward: bool) -> None:
+        if backward and self.training:
             self.syncs[stage].target_batch_samples = self._target(stage)
             if self.syncs[stage].add(uid, samples) and not self.syncing[stage]:
                 self._spawn(self._sync(stage))
-            return result
 
     # -- trainers -------------------------------------------------------------------------------------------
-    @staticmethod
-    def _rename(tensors: dict, meta: dict, old: str, new: str) -> tuple[dict, dict]:
-        renamed = {f"{new}.{k[len(old) + 1:]}": t for k, t in tensors.items() if k.startswith(f"{old}.")}
-        return renamed, {"payloads": {new: meta["payloads"][old]}}
-
-    async def _microbatch(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
-        samples, last = int(input_ids.shape[0]), self.plan.stages - 1
-        inputs = [({"input_ids": input_ids}, {})]
-        for stage in range(last):
-            out, out_meta = await self._call(stage, "forward", *inputs[stage], samples)
-            inputs.append(self._rename(out, out_meta, "y", "x"))
-        tensors, meta = inputs[last]
-        grad, grad_meta = await self._call(last, "backward", {**tensors, "labels": labels}, meta, samples,
-                                           fused=True)
-        loss = grad_meta["loss"]
-        self.window.append(loss)  # the last stage's step reports the mean loss of the microbatches it saw
-        for stage in range(last - 1, -1, -1):
-            tensors, meta = inputs[stage]
-            payloads = {**meta.get("payloads", {}), "g": grad_meta["payloads"]["g"]}
-            grad, grad_meta = await self._call(stage, "backward", {**tensors, **grad}, {"payloads": payloads},
-                                               samples)
-        return loss
-
     async def _trainer(self) -> None:
         while (item := self.dispatcher.next()) is not None:
             _, input_ids, labels = item
-            loss = await self._microbatch(input_ids, labels)
+            loss = await self.microbatch(input_ids, labels)
+            self.window.append(loss)  # the last stage's step reports the mean loss of the microbatches it saw
             if not math.isfinite(loss):
                 raise FloatingPointError(f"swarm loss became {loss} after {self.done} microbatches; lower pretrain.lr")
             self.done += 1

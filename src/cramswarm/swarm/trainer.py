@@ -77,7 +77,13 @@ def shard(total: int, rank: int, trainers: int) -> range:
 
 
 class StageClient:
-    """A trainer's view of the stages: peer records from the DHT, one balancer per stage, bounded re-sent calls."""
+    """A trainer's view of the stages: peer records from the DHT, one balancer per stage, bounded re-sent calls.
+
+    The one implementation of SWARM's trainer-side call and microbatch (the coordinator's trainer coroutines
+    subclass it: ``hivemind_transport.Coordinator``, which admits backward calls to its window through the
+    ``_admit`` / ``_unadmit`` / ``_succeeded`` hooks and counts calls in flight with ``_started`` / ``_ended``)."""
+
+    peer_cls = SyncingStagePeer  # whose RPC handler names the calls use
 
     def __init__(self, node, run_id: str, stages: int, retry: RetryPolicy, seed: int):
         self.node, self.run_id, self.stages, self.retry = node, run_id, stages, retry
@@ -85,7 +91,7 @@ class StageClient:
         self.peer_ids: dict[str, str] = {}
         self.stats = {"retries": 0, "timeouts": 0, "errors": 0}
 
-    async def refresh(self, stage: int) -> None:
+    async def _refresh(self, stage: int) -> None:
         found = await stage_records(self.node, self.run_id, stage)
         self.peer_ids.update({uid: peer for uid, (peer, _) in found.items()})
         self.balancers[stage].update_peers({uid: exp for uid, (_, exp) in found.items()}, get_dht_time())
@@ -93,56 +99,87 @@ class StageClient:
     async def refresh_forever(self) -> None:
         while True:
             with contextlib.suppress(Exception):
-                await asyncio.gather(*(self.refresh(s) for s in range(self.stages)))
+                await asyncio.gather(*(self._refresh(s) for s in range(self.stages)))
             await asyncio.sleep(REFRESH_PERIOD_S)
 
-    async def rpc(self, stage: int, uid: str, method: str, tensors: dict, meta: dict) -> tuple[dict, dict]:
-        stub = SyncingStagePeer.get_stub(self.node.p2p, PeerID.from_base58(self.peer_ids[uid]),
-                                         namespace=stage_namespace(self.run_id, stage))
+    async def _rpc(self, stage: int, uid: str, method: str, tensors: dict, meta: dict) -> tuple[dict, dict]:
+        stub = self.peer_cls.get_stub(self.node.p2p, PeerID.from_base58(self.peer_ids[uid]),
+                                      namespace=stage_namespace(self.run_id, stage))
         return await unpack(await getattr(stub, f"rpc_{method}")(request(tensors, meta)))
 
-    async def call(self, stage: int, method: str, tensors: dict, meta: dict, samples: int, *,
-                   fused: bool = False) -> tuple[dict, dict]:
-        """One stage call: another replica on a timeout or error, never dropped (``NoPeersError`` once the stage
-        has had no live peer for ``give_up_after_s``; ``TimeoutError`` once ``RetryPolicy`` is exhausted)."""
+    # hooks of the coordinator's window (no-ops here: the launcher's peers admit backward calls themselves)
+    async def _admit(self, stage: int, samples: int, backward: bool) -> None:
+        pass
+
+    def _unadmit(self, stage: int, samples: int, backward: bool) -> None:
+        pass
+
+    def _started(self, stage: int, uid: str, backward: bool) -> None:
+        pass
+
+    def _ended(self, stage: int, uid: str, backward: bool) -> None:
+        pass
+
+    def _succeeded(self, stage: int, uid: str, samples: int, backward: bool) -> None:
+        pass
+
+    async def _call(self, stage: int, method: str, tensors: dict, meta: dict, samples: int, *,
+                    fused: bool = False) -> tuple[dict, dict]:
+        """One stage call with SWARM's retry semantics: another replica on a timeout or error, never dropped
+        (``NoPeersError`` once the stage has had no live peer for ``give_up_after_s``; ``TimeoutError`` once
+        ``RetryPolicy`` is exhausted: declared peers that never answer).
+
+        ``fused``: the last stage's forward + backward in one call. The peer's throughput estimate counts the
+        call's work units (``WORK_UNITS``: forward 1, backward 2, fused 3 per sample, as the emulation does), so
+        every stage does the same units per microbatch and the rebalancer can compare stages; counted in samples,
+        the last stage (one call per microbatch) looked half as fast as the others (two calls) and drew a
+        second peer after a rebalancing move had already evened the stages out."""
         backward = method == "backward"
         units = samples * WORK_UNITS["last" if fused else method]
         balancer, retry = self.balancers[stage], self.retry
         no_peer_since = failing_since = None
         attempts = 0
         while True:
+            await self._admit(stage, samples, backward)
             try:
                 uid = balancer.choose(samples, get_dht_time(), backward=backward)
             except NoPeersError:
+                self._unadmit(stage, samples, backward)
                 no_peer_since = no_peer_since or time.monotonic()
                 if time.monotonic() - no_peer_since > retry.give_up_after_s:
                     raise
                 await asyncio.sleep(0.2)
                 with contextlib.suppress(Exception):
-                    await self.refresh(stage)
+                    await self._refresh(stage)
                 continue
             no_peer_since = None
             started = time.perf_counter()
+            self._started(stage, uid, backward)
+            result = None
             try:
-                result = await asyncio.wait_for(self.rpc(stage, uid, method, tensors, meta), retry.timeout(backward))
+                result = await asyncio.wait_for(self._rpc(stage, uid, method, tensors, meta), retry.timeout(backward))
             except asyncio.TimeoutError:
                 balancer.report_timeout(uid)
                 self.stats["timeouts"] += 1
-                result = None
             except Exception as e:  # refused, reset, remote handler error: banned until its record expires
                 balancer.report_error(uid, get_dht_time())
                 self.stats["errors"] += 1
                 self.stats["last_error"] = f"stage {stage} {method} on {uid}: {e!r}"
-                result = None
+            finally:
+                self._ended(stage, uid, backward)
+                if result is None:
+                    self._unadmit(stage, samples, backward)
             if result is not None:
                 balancer.report_success(uid, units, time.perf_counter() - started)
+                self._succeeded(stage, uid, samples, backward)
                 return result
             self.stats["retries"] += 1
             attempts += 1
             failing_since = failing_since or started
             if retry.exhausted(time.perf_counter() - failing_since, attempts):
                 raise TimeoutError(f"stage {stage}: {attempts} {method} calls in a row failed or timed out over "
-                                   f"{time.perf_counter() - failing_since:.0f} s (last on {uid})")
+                                   f"{time.perf_counter() - failing_since:.0f} s (last on {uid}); its declared "
+                                   f"peers do not answer (unreachable address? see swarm.host / interface)")
 
     @staticmethod
     def _rename(tensors: dict, meta: dict, old: str, new: str) -> tuple[dict, dict]:
@@ -150,22 +187,25 @@ class StageClient:
         return renamed, {"payloads": {new: meta["payloads"][old]}}
 
     async def microbatch(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
-        """Forward through the stages, backward back (the trainer keeps each stage's input payload and sends it
-        again with the output gradient, so any replica can take the backward call); returns the loss."""
+        """Forward through the stages, backward back; returns the loss. Activations travel trainer -> peer ->
+        trainer (the trainer is the hub, as in SWARM's code); the trainer keeps each stage's input payload and
+        sends it again with the output gradient, so any replica can take the backward call (it recomputes the
+        stage forward). The backward calls carry their sample count (``samples``: the launcher's peers admit
+        them toward the stage's global batch)."""
         samples, last = int(input_ids.shape[0]), self.stages - 1
         inputs = [({"input_ids": input_ids}, {})]
         for stage in range(last):
-            out, out_meta = await self.call(stage, "forward", *inputs[stage], samples)
+            out, out_meta = await self._call(stage, "forward", *inputs[stage], samples)
             inputs.append(self._rename(out, out_meta, "y", "x"))
         tensors, meta = inputs[last]
-        grad, grad_meta = await self.call(last, "backward", {**tensors, "labels": labels}, {**meta, "samples": samples},
-                                          samples, fused=True)
+        grad, grad_meta = await self._call(last, "backward", {**tensors, "labels": labels},
+                                           {**meta, "samples": samples}, samples, fused=True)
         loss = grad_meta["loss"]
         for stage in range(last - 1, -1, -1):
             tensors, meta = inputs[stage]
             payloads = {**meta.get("payloads", {}), "g": grad_meta["payloads"]["g"]}
-            grad, grad_meta = await self.call(stage, "backward", {**tensors, **grad},
-                                              {"payloads": payloads, "samples": samples}, samples)
+            grad, grad_meta = await self._call(stage, "backward", {**tensors, **grad},
+                                               {"payloads": payloads, "samples": samples}, samples)
         return loss
 
 
