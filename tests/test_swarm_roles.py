@@ -3,10 +3,16 @@ decide their steps among themselves, a DHT joinable through any live member - an
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
+import psutil
 import pytest
 
 pytest.importorskip("hivemind", reason="hivemind is not installed: transport 1 (real hivemind processes) is untested")
@@ -16,6 +22,8 @@ from test_swarm_hivemind import MICRO, batches, own_p2p_daemons, plan  # noqa: E
 from cramswarm.swarm import hivemind_transport as ht  # noqa: E402
 from cramswarm.swarm.peer_sync import step_target  # noqa: E402
 from cramswarm.swarm.trainer import shard  # noqa: E402
+
+TESTS = Path(__file__).resolve().parent
 
 KEYS = ("stepped_samples", "stage_steps", "retries", "timeouts", "errors", "last_error", "trainer_restarts",
         "killed", "peers_killed", "rejoins", "resyncs", "digest_mismatches", "lost_gradient_samples", "replica_steps")
@@ -109,3 +117,51 @@ def test_random_peer_kills_under_the_launcher_lose_no_microbatch():
     # a killed peer's unaveraged gradients are lost (as in SWARM), at most a global batch per kill and stage
     lost = stats["lost_gradient_samples"]
     assert all(-MICRO <= n <= stats["peers_killed"] * 4 * MICRO for n in lost), brief(stats)
+
+
+def test_train_runs_under_the_launcher_only_where_the_launcher_supports_the_plan():
+    assert ht.decentralised_supported(plan(), 96) is None
+    seconds = plan().recipe | {"budget": {"unit": "seconds", "value": 60}}
+    reasons = {
+        "rebalance_period_s": ht.decentralised_supported(plan(rebalance_period_s=3.0), 96),
+        "placement=attach": ht.decentralised_supported(plan(placement="attach"), 96),
+        "seconds budget": ht.decentralised_supported(plan(recipe=seconds), 1 << 62),
+        "peers_per_stage": ht.decentralised_supported(plan(peers_per_stage=[1, 0]), 96),
+    }
+    assert all(reason and key in reason for key, reason in reasons.items()), reasons
+    with pytest.raises(ValueError, match="the launcher cannot run this swarm: swarm.rebalance_period_s"):
+        ht.run_swarm(plan(rebalance_period_s=3.0, decentralised=True), batches(), 8, progress=False)
+
+
+@pytest.mark.slow
+def test_peers_and_trainers_exit_when_the_launcher_is_sigkilled(tmp_path):
+    code = ("import sys; sys.path.insert(0, {tests!r}); import test_swarm_roles as t; "
+            "t.ht.run_swarm(t.plan(decentralised=True), t.batches(), 2000, progress=False)")
+    launcher = subprocess.Popen([sys.executable, "-c", code.format(tests=str(TESTS))], start_new_session=True,
+                                stdout=open(tmp_path / "launcher.log", "w"), stderr=subprocess.STDOUT)
+    try:
+        deadline, trainers = time.monotonic() + 180, []
+        while time.monotonic() < deadline and len(trainers) < 2:  # up to the trainers' start
+            assert launcher.poll() is None, (tmp_path / "launcher.log").read_text()[-3000:]
+            children = psutil.Process(launcher.pid).children(recursive=True)
+            trainers = [c for c in children if "cramswarm.swarm.trainer" in " ".join(safe_cmdline(c))]
+            time.sleep(0.5)
+        assert len(trainers) == 2, (tmp_path / "launcher.log").read_text()[-3000:]
+        time.sleep(3.0)
+        started = psutil.Process(launcher.pid).children(recursive=True)
+        started = [c for c in started if c.ppid() != launcher.pid or c.name() != "p2pd"]  # not the launcher's own
+        assert len(started) >= 7  # bootstrap, 4 peers, 2 trainers (and their p2pd daemons)
+        os.killpg(launcher.pid, signal.SIGKILL)  # the launcher and its own p2pd (the others have their own groups)
+        launcher.wait()
+        # each process sees its parent gone within a second and SIGKILLs its own group (itself and its p2pd)
+        gone, alive = psutil.wait_procs(started, timeout=30)
+        assert alive == [], [safe_cmdline(p) for p in alive]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+
+
+def safe_cmdline(proc: psutil.Process) -> list[str]:
+    with contextlib.suppress(psutil.Error):
+        return proc.cmdline()
+    return []
