@@ -7,8 +7,8 @@ attach / srun placements, a seconds budget, the throughput emulation of ``run`` 
 The trainers' call and microbatch code is ``trainer.StageClient`` in both; the coordinator adds its window
 through StageClient's hooks.
 
-Coordinator process layout (every process its own process-group leader, ``start_new_session=True``, killed as a group with
-``os.killpg`` so no ``p2pd`` daemon or child outlives it):
+Coordinator process layout (every process its own process-group leader, ``start_new_session=True``, killed as a
+group with ``os.killpg`` so no ``p2pd`` daemon or child outlives it):
 
 * bootstrap - ``python -m cramswarm.swarm.hivemind_peer bootstrap``: a DHT node (+ its p2pd) that writes its
   visible multiaddrs to the run's address file; everybody else joins through that file.
