@@ -10,14 +10,14 @@ process-group leader, so killing the group also kills the peer's ``p2pd`` daemon
 ``bootstrap`` starts a DHT node and writes its visible multiaddrs to the address file (atomically, one per line);
 every other process joins the swarm through that file, as the tasks of a multi-node job would on a shared
 filesystem. In the launcher's swarm (``"peer_sync"`` in the config) every peer and trainer also appends its own
-multiaddrs and joins through the file's newest entries (``join_swarm``), so the bootstrap is not needed after
-the start; its peers are ``peer_sync.SyncingStagePeer``s. ``stage`` serves one pipeline stage
-(``stages.split_model`` of the crammed-BERT MLM) over hivemind P2P streams and declares itself under the
-stage's DHT key. ``task`` is one peer of a swarm whose coordinator did not start it (placements ``attach`` and ``srun``): it reads the coordinator's rendezvous folder (``config.json``,
-then the address file ``dht_addrs.txt``), takes the stage and speed of its rank (``--rank``, else
-``SLURM_PROCID``: the tasks of one ``srun`` job step; ``claim_rank`` locks it, so a rank runs once) and runs
-``stage`` as a child process group, which it restarts with a state download when it dies (``rejoin_after_s``
-later) and moves to another stage when the coordinator's rebalancer asks. Its RPCs (``StagePeer.rpc_*``):
+multiaddrs and joins through the file's newest entries (``join_swarm``), so the bootstrap is not needed after the
+start; its peers are ``peer_sync.SyncingStagePeer``s. ``stage`` serves one pipeline stage (``stages.split_model`` of
+the crammed-BERT MLM) over hivemind P2P streams and declares itself under the stage's DHT key. ``task`` is one peer
+of a swarm whose coordinator did not start it (placements ``attach`` and ``srun``): it reads the coordinator's
+rendezvous folder (``config.json``, then the address file ``dht_addrs.txt``), takes the stage and speed of its rank
+(``--rank``, else ``SLURM_PROCID``: the tasks of one ``srun`` job step; ``claim_rank`` locks it, so a rank runs
+once) and runs ``stage`` as a child process group, which it restarts with a state download when it dies
+(``rejoin_after_s`` later) and moves to another stage when the coordinator's rebalancer asks. Its RPCs (``StagePeer.rpc_*``):
 
 * ``forward``  - stage output for the inputs (no grad), compressed with ``compression.encode``;
 * ``backward`` - re-runs the stage forward on the saved inputs (so any replica can take it, as in SWARM),
