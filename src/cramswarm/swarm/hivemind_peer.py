@@ -17,7 +17,8 @@ of a swarm whose coordinator did not start it (placements ``attach`` and ``srun`
 rendezvous folder (``config.json``, then the address file ``dht_addrs.txt``), takes the stage and speed of its rank
 (``--rank``, else ``SLURM_PROCID``: the tasks of one ``srun`` job step; ``claim_rank`` locks it, so a rank runs
 once) and runs ``stage`` as a child process group, which it restarts with a state download when it dies
-(``rejoin_after_s`` later) and moves to another stage when the coordinator's rebalancer asks. Its RPCs (``StagePeer.rpc_*``):
+(``rejoin_after_s`` later) and moves to another stage when the coordinator's rebalancer asks. Its RPCs
+(``StagePeer.rpc_*``):
 
 * ``forward``  - stage output for the inputs (no grad), compressed with ``compression.encode``;
 * ``backward`` - re-runs the stage forward on the saved inputs (so any replica can take it, as in SWARM),
