@@ -56,7 +56,7 @@ from cramswarm.swarm.hivemind_peer import StagePeer, respond, unpack
 from cramswarm.training import accumulation_at, budget_progress, lr_multiplier
 
 PROGRESS_PERIOD_S = 0.25  # a peer publishes its progress record and reads its stage's this often ...
-PROGRESS_TTL_S = 4.0      # ... with this expiration: a dead peer drops out of its stage's groups within it
+PROGRESS_TTL_S = 2.0      # ... with this expiration: a dead peer drops out of its stage's groups within it
 GATHER_S = 2.0            # a ready peer waits at most this long for the other peers at its step to be ready
 MIN_GATHER_S = 0.3        # ... and at least this long (records of peers that became ready at once)
 
