@@ -129,6 +129,7 @@ def test_train_runs_under_the_launcher_only_where_the_launcher_supports_the_plan
         "placement=attach": ht.decentralised_supported(plan(placement="attach"), 96),
         "seconds budget": ht.decentralised_supported(plan(recipe=seconds), 1 << 62),
         "peers_per_stage": ht.decentralised_supported(plan(peers_per_stage=[1, 0]), 96),
+        "GiB in the trainers' shard files": ht.decentralised_supported(plan(), 10**7),
     }
     assert all(reason and key in reason for key, reason in reasons.items()), reasons
     with pytest.raises(ValueError, match="the launcher cannot run this swarm: swarm.rebalance_period_s"):

@@ -122,6 +122,7 @@ from cramswarm.training import build_model, lr_multiplier
 
 REFRESH_PERIOD_S = 1.0  # trainers re-read the stages' DHT records this often
 PLACEMENTS = ("local", "attach", "srun")  # who starts the stage peers (SwarmPlan.placement)
+LAUNCHER_DATA_BYTES = 4 * 2**30  # the launcher writes the microbatches to files for its trainers: at most this
 
 
 @dataclass
@@ -911,6 +912,10 @@ def decentralised_supported(plan: SwarmPlan, total_microbatches: int) -> str | N
         return "a seconds budget (the trainers' shards are written before the start: a token or step budget)"
     if min(plan.peers_per_stage, default=0) < 1:
         return f"swarm.peers_per_stage={plan.peers_per_stage}: every stage needs a peer"
+    shard_bytes = total_microbatches * plan.recipe["micro_batch_sequences"] * plan.arch["max_positions"] * 8
+    if shard_bytes > LAUNCHER_DATA_BYTES:  # inputs + labels as int32, written before the start
+        return (f"its microbatches would take {shard_bytes / 2**30:.1f} GiB in the trainers' shard files (at most "
+                f"{LAUNCHER_DATA_BYTES / 2**30:.0f} GiB; trainers do not read the training blocks themselves yet)")
     return None
 
 

@@ -106,7 +106,10 @@ class Launcher:
         """The microbatches, memory-mapped for the trainers; returns the tokens per sequence."""
         inputs = labels = None
         for i in range(self.total):
-            x, y = next(self.batches)
+            try:
+                x, y = next(self.batches)
+            except StopIteration:
+                raise ValueError(f"the batch iterator ran out after {i} of {self.total} microbatches") from None
             if inputs is None:
                 shape = (self.total, *x.shape)
                 inputs = np.lib.format.open_memmap(self.workdir / "inputs.npy", "w+", np.int32, shape)
