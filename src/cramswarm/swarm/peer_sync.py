@@ -12,7 +12,8 @@ and
   computed from the stage's stepped samples and steps (tokens = stepped samples x sequence length), so every
   replica computes the same batch and the same learning rate (``lr_multiplier`` at that progress) from the
   stage's own progress: no schedule comes from outside;
-* to step, it moves its accumulated gradients aside (backward calls arriving later count toward the next step),
+* to step, it lets the backward calls it admitted finish, then moves its accumulated gradients aside (backward
+  calls arriving later count toward the next step),
   marks its record ready and waits until every peer with a record at its step is ready (at most
   ``GATHER_S``). The group is **deterministic, from the DHT records** (the ready records at this step, ordered by
   uid; the group id hashes their uids and sample counts), not hivemind's matchmaking: ``DecentralizedAverager``'s
@@ -102,6 +103,7 @@ class SyncingStagePeer(StagePeer):
         self.digest: str | None = None
         self.ready: tuple[int, int, float] | None = None  # (step, samples, loss sum) while waiting to average
         self.admitted = 0          # samples of backward calls admitted and not yet computed
+        self.closing = False       # taking the step's snapshot: new backward calls wait, admitted ones finish
         self.others_pending = 0    # samples the other peers at this step held at the last read of the records
         self.nudge = asyncio.Event()  # wakes the synchronisation loop early (this peer's count reached the batch)
         self.counters = {"uid": uid, "stage": stage, "steps_taken": 0, "resyncs": 0, "digest_mismatches": 0,
@@ -151,7 +153,7 @@ class SyncingStagePeer(StagePeer):
         tensors, meta = await unpack(requests)
         samples = int(meta.get("samples", 0))
         deadline = time.monotonic() + self.sync_timeout_s
-        while time.monotonic() < deadline and (self.ready is not None or (
+        while time.monotonic() < deadline and (self.closing or self.ready is not None or (
                 self._held_samples() > 0 and self.others_pending + self._held_samples() + samples > self._target())):
             self.nudge.set()
             await asyncio.sleep(0.02)
@@ -255,7 +257,14 @@ class SyncingStagePeer(StagePeer):
 
     async def _step(self) -> None:
         step = self.step
-        flat, samples = await self._run(self._take_snapshot, step)
+        self.closing = True  # the calls this peer admitted (and published) belong to this step: let them finish
+        try:
+            deadline = time.monotonic() + self.sync_timeout_s
+            while self.admitted and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            flat, samples = await self._run(self._take_snapshot, step)
+        finally:
+            self.closing = False
         self.ready = (step, samples, self.snapshot_loss)
         while True:
             group = await self._gather(step)
