@@ -87,7 +87,7 @@ def test_launcher_swarm_steps_every_sample_once_with_compressed_averaging():
     assert all(total * MICRO <= n <= (total + stats["retries"]) * MICRO for n in stats["stepped_samples"]), \
         brief(stats)
     # the steps hold the recipe's batch up to what the peers admitted between two reads of each other's counts
-    # (0.25 s apart): one run on the loaded 2-core machine had 16 of its 23 steps at exactly 16 sequences
+    # (0.25 s apart), so a step may hold more or less than the batch and the next one makes up for it
     batch = [row["batch_sequences"] for row in result.log]
     assert sum(batch) == stats["stepped_samples"][1] and max(batch) <= 2 * 4 * MICRO, batch
     assert len(batch) >= 0.75 * total / 4, batch
