@@ -272,8 +272,8 @@ class SyncingStagePeer(StagePeer):
                 return  # someone stepped without this peer: the next round downloads its state
             uids = sorted(group)
             total = sum(int(group[uid]["snap"]) for uid in uids)
-            if total == 0:  # nobody holds gradients (e.g. a flush after the last step): nothing to step
-                self.ready = None
+            if total == 0:  # nobody holds gradients (e.g. a flush after the last step): nothing to step, and
+                self.ready = self.snapshot = None  # the empty snapshot must not be reused by the next attempt
                 return
             group_id = hashlib.sha1("|".join([self.run_id, str(self.stage), str(step)] +
                                              [f"{uid}:{group[uid]['snap']}" for uid in uids]).encode()).digest()
