@@ -47,6 +47,8 @@ def launch(total: int, **kw):
     assert stats["replicas_equal"] and stats["replica_max_abs_diff"] == [0.0, 0.0], stats["replica_steps"]
     assert all(len(set(steps.values())) == 1 for steps in stats["replica_steps"].values()), stats["replica_steps"]
     assert len(result.stage_states) == 2 and all(result.stage_states)
+    # every stage kept stepping (a stage stuck at one step would still end with one big flushed step)
+    assert min(stats["stage_steps"]) >= 0.5 * max(stats["stage_steps"]), brief(stats)
     # the loss falls: the last stage's steps (one log row per step) and the trainers' microbatches
     losses = [row["loss"] for row in result.log]
     assert len(losses) >= 10 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, losses
