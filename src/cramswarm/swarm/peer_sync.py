@@ -60,6 +60,7 @@ PROGRESS_PERIOD_S = 0.25  # a peer publishes its progress record and reads its s
 PROGRESS_TTL_S = 2.0      # ... with this expiration: a dead peer drops out of its stage's groups within it
 GATHER_S = 2.0            # a ready peer waits at most this long for the other peers at its step to be ready
 MIN_GATHER_S = 0.3        # ... and at least this long (records of peers that became ready at once)
+ZERO_WEIGHT = 1e-6        # all-reduce weight of a member without samples (see _step)
 
 
 def progress_key(run_id: str, stage: int) -> str:
@@ -282,7 +283,12 @@ class SyncingStagePeer(StagePeer):
             bound = averaging_timeout_s(self.num_params, len(peers), self.averaging_scheme, self.link_mbit_s,
                                         2 * self.sync_timeout_s)
             try:
-                averaged = await asyncio.wait_for(self._all_reduce(flat, samples, group_id, peers, traffic), bound)
+                # a member without samples gets a weight of 1e-6, not 0: a reducer that (a sender having died)
+                # finalises with the parts of such members alone would otherwise divide 0 by 0
+                averaged = await asyncio.wait_for(
+                    self._all_reduce(flat, samples or ZERO_WEIGHT, group_id, peers, traffic), bound)
+                if not bool(torch.isfinite(averaged).all()):  # every member got these values: all retry
+                    raise FloatingPointError("the averaged gradient is not finite")
             except Exception as e:  # a member died, or read another group: read the records again
                 print(f"[{self.uid}] step {step}: all-reduce over {uids} failed ({e!r}); retrying", flush=True)
                 self.counters["failed_rounds"] += 1
