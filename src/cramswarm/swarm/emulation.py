@@ -83,6 +83,8 @@ RECORD_TTL_TIMEOUTS = 3.0  # directory records live this many forward timeouts; 
 class PeerSpec:
     stage: int
     speed: float = 1.0  # 0.5 = twice as slow
+    nic_mbit_s: float | None = None  # this peer's NIC (simulator only); None: the setup's ``nic_mbit_s``
+    latency_s: float | None = None  # one-way latency of this peer's links (simulator only); None: the setup's
 
 
 @dataclass
@@ -97,8 +99,9 @@ class SwarmSetup:
     peers: list[PeerSpec]
     trainers: int
     stage_time_s: float  # emulated compute seconds per forward call at speed 1
-    bandwidth_mbit_s: float | None = None  # None: no transfer time
-    latency_s: float = 0.0
+    bandwidth_mbit_s: float | None = None  # per-link rate of one transfer; None: no transfer time
+    latency_s: float = 0.0  # one-way latency of every transfer
+    nic_mbit_s: float | None = None  # every peer's NIC, shared by its concurrent transfers (simulator only)
     activation_bytes: int = 0
     routing: str = "weighted"  # weighted (StageBalancer) | uniform (UniformBalancer) | fixed (chains)
     failures: list[FailureEvent] = field(default_factory=list)
@@ -124,6 +127,10 @@ class SwarmSetup:
             raise ValueError("trainers, stage_time_s, duration_s and forward_timeout_s must be positive")
         if any(p.speed <= 0 for p in self.peers):
             raise ValueError("peer speeds must be positive")
+        if self.latency_s < 0 or any(p.latency_s is not None and p.latency_s < 0 for p in self.peers):
+            raise ValueError("latencies must not be negative")
+        if any(b is not None and b <= 0 for b in (self.nic_mbit_s, *(p.nic_mbit_s for p in self.peers))):
+            raise ValueError("nic_mbit_s must be positive (None: unlimited)")
         for event in self.failures:
             if not 0 <= event.peer < len(self.peers):
                 raise ValueError(f"failure event names peer {event.peer}, but there are {len(self.peers)} peers")
@@ -533,6 +540,9 @@ def run(setup: SwarmSetup, *, clock: ScaledClock | None = None, time_scale: floa
     served), ``per_stage_peers`` (live at the end), ``wall_s``.
     """
     setup.validate()
+    if setup.nic_mbit_s is not None or any(p.nic_mbit_s is not None or p.latency_s is not None for p in setup.peers):
+        raise ValueError("shared NICs (nic_mbit_s) and per-peer latencies are modelled by the simulator only "
+                         "(cramswarm.swarm.sim); the emulation's links are never shared")
     clock = clock or ScaledClock(time_scale)
     swarm = _EmulatedSwarm(setup, clock)
     stages = setup.num_stages

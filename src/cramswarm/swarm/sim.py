@@ -16,6 +16,14 @@ The model is the emulation's, so the two transports can be compared run for run:
   the reply travels back (same size). The timeout (``RetryPolicy.timeout``) runs from the request's arrival to
   the end of its computation; a computation that would end later times out (the peer still spends the time on
   it). The balancer of the stage receives the whole call duration on success (task size 1, as the emulation).
+* The network (off by default: links are never shared, as in the emulation): with ``nic_mbit_s`` set (for the
+  setup or per ``PeerSpec``) every byte a peer receives (requests) or sends (replies) goes through its NIC,
+  shared equally by all its transfers in flight, in and out alike (processor sharing); a transfer's rate is
+  ``min(bandwidth_mbit_s, nic_mbit_s / transfers in flight)`` and it arrives the link's one-way latency
+  (``PeerSpec.latency_s``, else ``SwarmSetup.latency_s``) after its last bit left the NIC. One call of B bytes
+  alone on a NIC of b Mbit/s takes ``B * 8 / b`` seconds plus the latency each way; two at once take twice as
+  long. Trainers' NICs are not modelled (each trainer has one call in flight). A killed peer's NIC finishes
+  the transfers it had started; requests so delivered to a dead peer time out as any other.
 * Each trainer has one balancer per stage (``weighted``: ``StageBalancer``, ``uniform``: ``UniformBalancer``)
   and re-reads the stage's directory records every ``forward_timeout_s``; with no usable peer it waits
   ``0.1 x forward_timeout_s`` and re-reads at once, and after ``give_up_after_s`` without any the microbatch is
@@ -70,8 +78,33 @@ from cramswarm.swarm.policies import (
     UniformBalancer,
 )
 
-# Event kinds; the heap holds (time, sequence number, kind, payload).
-_ARRIVE, _REPLY, _TIMEOUT, _ERROR, _RETRY, _KILL, _REJOIN, _READY, _REBALANCE = range(9)
+# Event kinds; the heap holds (time, sequence number, kind, payload). Kinds up to _SEND carry (call, token).
+_ARRIVE, _REPLY, _TIMEOUT, _ERROR, _SEND, _RETRY, _KILL, _REJOIN, _READY, _REBALANCE, _NIC = range(11)
+
+
+@dataclass(slots=True)
+class _Nic:
+    """A peer's NIC under processor sharing: every transfer in flight gets ``rate()`` bits/s.
+
+    ``virtual`` counts the bits each transfer in flight has received since the NIC was made (they all receive
+    the same), so a transfer of B bits added at virtual v is done when ``virtual`` reaches v + B: ``flows``
+    is a heap of those finish tags and the next completion is one event, whatever the number in flight.
+    """
+
+    bps: float                       # capacity, bits/s
+    link_bps: float                  # one transfer's most, bits/s (math.inf: only the NIC limits)
+    virtual: float = 0.0
+    updated: float = 0.0
+    flows: list = field(default_factory=list)   # heap of (finish tag, sequence number, delivery)
+    token: int = 0                   # bumped at every reschedule; stale completion events are ignored
+
+    def rate(self) -> float:
+        return min(self.link_bps, self.bps / len(self.flows)) if self.flows else 0.0
+
+    def advance(self, now: float) -> None:
+        if self.flows:
+            self.virtual += (now - self.updated) * self.rate()
+        self.updated = now
 
 
 @dataclass(slots=True)
@@ -116,6 +149,9 @@ class _Peer:
     served: int = 0                  # forward calls answered
     work: float = 0.0                # compute in forward-call units (backward = BACKWARD_COMPUTE_FACTOR) answered
     ema: PerformanceEMA = field(default_factory=PerformanceEMA)
+    latency_s: float = 0.0           # one-way latency of its links
+    transfer_s: float = 0.0          # one transfer's time without a NIC (bytes / link bandwidth + latency)
+    nic: _Nic | None = None          # None: transfers take ``transfer_s``, never shared
 
     def queue_len(self, now: float) -> int:
         pending = self.pending
@@ -137,10 +173,9 @@ class Simulator:
         self.retry = RetryPolicy(forward_timeout_s=setup.forward_timeout_s)
         self.declare_period_s = setup.forward_timeout_s
         self.ttl_s = RECORD_TTL_TIMEOUTS * setup.forward_timeout_s
-        self.transfer_s = self._transfer_s(setup.activation_bytes)
+        self.bits = setup.activation_bytes * 8
         rng = random.Random(setup.seed)
-        self.peers = [_Peer(f"peer{i:03d}", spec.stage, spec.speed, record_stage=spec.stage)
-                      for i, spec in enumerate(setup.peers)]
+        self.peers = [self._new_peer(f"peer{i:03d}", spec) for i, spec in enumerate(setup.peers)]
         self.by_uid = {p.uid: p for p in self.peers}
         self.now = 0.0
         self._events: list[tuple] = []
@@ -165,10 +200,50 @@ class Simulator:
         count = min(len(members) for members in by_stage)
         return [[by_stage[s][c] for s in range(self.num_stages)] for c in range(count)]
 
-    def _transfer_s(self, nbytes: int) -> float:
-        if not self.setup.bandwidth_mbit_s:
-            return self.setup.latency_s
-        return nbytes * 8 / (self.setup.bandwidth_mbit_s * 1e6) + self.setup.latency_s
+    def _new_peer(self, uid: str, spec: PeerSpec) -> _Peer:
+        setup = self.setup
+        latency = setup.latency_s if spec.latency_s is None else spec.latency_s
+        link = setup.bandwidth_mbit_s
+        transfer = latency if not link else self.bits / (link * 1e6) + latency
+        nic_mbit_s = spec.nic_mbit_s if spec.nic_mbit_s is not None else setup.nic_mbit_s
+        nic = _Nic(nic_mbit_s * 1e6, link * 1e6 if link else math.inf) if nic_mbit_s is not None else None
+        return _Peer(uid, spec.stage, spec.speed, record_stage=spec.stage, latency_s=latency, transfer_s=transfer,
+                     nic=nic)
+
+    # -- network ---------------------------------------------------------------------------------------
+    def _transmit(self, peer: _Peer, delivery: tuple) -> None:
+        """Put ``delivery`` = (kind, call, token) through ``peer``'s NIC; it happens the latency after."""
+        nic, now = peer.nic, self.now
+        nic.advance(now)
+        self._seq += 1
+        heapq.heappush(nic.flows, (nic.virtual + self.bits, self._seq, delivery))
+        self._reschedule_nic(nic)
+
+    def _reschedule_nic(self, nic: _Nic) -> None:
+        nic.token += 1
+        if nic.flows:
+            self._push(self.now + max(nic.flows[0][0] - nic.virtual, 0.0) / nic.rate(), _NIC, (nic, nic.token))
+
+    def _on_nic(self, payload: tuple[_Nic, int]) -> None:
+        nic, token = payload
+        if token != nic.token:
+            return
+        nic.advance(self.now)
+        nic.virtual = max(nic.virtual, nic.flows[0][0])   # the event was due now: absorb rounding
+        finished = []
+        while nic.flows and nic.flows[0][0] <= nic.virtual * (1 + 1e-12):
+            finished.append(heapq.heappop(nic.flows)[2])
+        self._reschedule_nic(nic)
+        for kind, call, token in finished:
+            arrival = self.now + call.peer.latency_s
+            if kind == _ARRIVE:
+                self._push(arrival, _ARRIVE, call)
+            elif token == call.token:   # a reply: delivered unless its call was settled otherwise meanwhile
+                self._schedule(call, arrival, _REPLY)
+
+    def _on_send(self, call: _Call) -> None:
+        """The peer finished computing ``call``: its reply enters the NIC."""
+        self._transmit(call.peer, (_REPLY, call, call.token))
 
     def _push(self, time: float, kind: int, payload: object = None) -> None:
         self._seq += 1
@@ -176,7 +251,7 @@ class Simulator:
 
     def _schedule(self, call: _Call, time: float, kind: int) -> None:
         call.token += 1
-        call.answered = kind == _REPLY
+        call.answered = kind in (_REPLY, _SEND)
         self._push(time, kind, (call, call.token))
 
     def _service_s(self, peer: _Peer, backward: bool) -> float:
@@ -227,7 +302,11 @@ class Simulator:
                 self.counters["errors"] += 1   # connection refused: ban it and ask again at once
                 self.counters["retries"] += 1
                 balancer.report_error(uid, now)
-        self._push(now + self.transfer_s, _ARRIVE, _Call(trainer, stage, backward, peer, now))
+        call = _Call(trainer, stage, backward, peer, now)
+        if peer.nic is None:
+            self._push(now + peer.transfer_s, _ARRIVE, call)
+        else:
+            self._transmit(peer, (_ARRIVE, call, 0))
 
     def _stranded(self, trainer: _Trainer) -> None:
         now = self.now
@@ -276,7 +355,10 @@ class Simulator:
         peer.pending.append(call)
         peer.ema.update(service, BACKWARD_COMPUTE_FACTOR if call.backward else 1.0)
         if call.finish <= call.deadline:
-            self._schedule(call, call.finish + self.transfer_s, _REPLY)
+            if peer.nic is None:
+                self._schedule(call, call.finish + peer.transfer_s, _REPLY)
+            else:
+                self._schedule(call, call.finish, _SEND)
         else:
             self._schedule(call, call.deadline, _TIMEOUT)
 
@@ -375,9 +457,9 @@ class Simulator:
     # -- main loop -------------------------------------------------------------------------------------
     def run(self) -> dict:
         duration = self.setup.duration_s
-        handlers = (self._on_arrive, self._on_reply, self._on_timeout, self._on_error)
-        others = (None, None, None, None, self._on_retry, self._on_kill, self._on_rejoin, self._on_ready,
-                  self._on_rebalance)
+        handlers = (self._on_arrive, self._on_reply, self._on_timeout, self._on_error, self._on_send)
+        others = (None, None, None, None, None, self._on_retry, self._on_kill, self._on_rejoin, self._on_ready,
+                  self._on_rebalance, self._on_nic)
         for event in self.setup.failures:
             self._push(event.at_s, _KILL, event)
         if self.rebalancer is not None:
@@ -391,7 +473,7 @@ class Simulator:
             processed += 1
             if kind == _ARRIVE:
                 self._on_arrive(payload)
-            elif kind <= _ERROR:
+            elif kind <= _SEND:
                 call, token = payload
                 if token == call.token:
                     handlers[kind](call)
