@@ -94,6 +94,19 @@ class FailureEvent:
     rejoin_after_s: float | None = None  # None: never comes back
 
 
+JOIN_STAGES = ("random", "most_loaded")
+
+
+@dataclass
+class JoinEvent:
+    """A new peer arriving (simulator only): it becomes peer ``len(peers) + j`` for the j-th join (joins are in
+    time order), picks its stage on arrival, loads that stage's state and declares itself."""
+
+    at_s: float
+    speed: float = 1.0
+    stage: str = "random"  # random | most_loaded (highest (queued calls + 1) / summed speed of its live peers)
+
+
 @dataclass
 class SwarmSetup:
     peers: list[PeerSpec]
@@ -105,6 +118,7 @@ class SwarmSetup:
     activation_bytes: int = 0
     routing: str = "weighted"  # weighted (StageBalancer) | uniform (UniformBalancer) | fixed (chains)
     failures: list[FailureEvent] = field(default_factory=list)
+    joins: list[JoinEvent] = field(default_factory=list)  # new peers arriving (simulator only)
     rebalance_period_s: float | None = None
     forward_timeout_s: float = 1.0
     duration_s: float = 30.0
@@ -131,9 +145,16 @@ class SwarmSetup:
             raise ValueError("latencies must not be negative")
         if any(b is not None and b <= 0 for b in (self.nic_mbit_s, *(p.nic_mbit_s for p in self.peers))):
             raise ValueError("nic_mbit_s must be positive (None: unlimited)")
+        for join in self.joins:
+            if join.stage not in JOIN_STAGES or join.speed <= 0:
+                raise ValueError(f"a join's stage must be one of {', '.join(JOIN_STAGES)} and its speed positive, "
+                                 f"got {join}")
+        if any(a.at_s > b.at_s for a, b in zip(self.joins, self.joins[1:])):
+            raise ValueError("joins must be in time order")
         for event in self.failures:
-            if not 0 <= event.peer < len(self.peers):
-                raise ValueError(f"failure event names peer {event.peer}, but there are {len(self.peers)} peers")
+            if not 0 <= event.peer < len(self.peers) + len(self.joins):
+                raise ValueError(f"failure event names peer {event.peer}, but there are {len(self.peers)} peers "
+                                 f"and {len(self.joins)} joins")
 
 
 class ScaledClock:
@@ -543,6 +564,8 @@ def run(setup: SwarmSetup, *, clock: ScaledClock | None = None, time_scale: floa
     if setup.nic_mbit_s is not None or any(p.nic_mbit_s is not None or p.latency_s is not None for p in setup.peers):
         raise ValueError("shared NICs (nic_mbit_s) and per-peer latencies are modelled by the simulator only "
                          "(cramswarm.swarm.sim); the emulation's links are never shared")
+    if setup.joins or any(event.peer >= len(setup.peers) for event in setup.failures):
+        raise ValueError("new peers joining (joins) are modelled by the simulator only (cramswarm.swarm.sim)")
     clock = clock or ScaledClock(time_scale)
     swarm = _EmulatedSwarm(setup, clock)
     stages = setup.num_stages
