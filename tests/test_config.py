@@ -128,6 +128,13 @@ def mutate(cfg, path, value):
         (("models", "no_pretrain", "trainer"), "swarm", ["models.no_pretrain.trainer", "needs pretrain: true"]),
         (("swarm_study", "compression", "stages"), 4, ["swarm_study.compression.stages", "do not divide"]),
         (("swarm_study", "wiring", "speeds"), [1.5], ["swarm_study.wiring.speeds[0]", "maximum"]),
+        (("swarm_study", "wiring", "sweep_speeds"), ["fast"], ["swarm_study.wiring.sweep_speeds[0]", "mixed, equal"]),
+        (
+            ("swarm_study", "sim_scale", "preemption_models"),
+            ["meteor"],
+            ["swarm_study.sim_scale.preemption_models[0]", "independent, burst, churn_random, churn_most_loaded"],
+        ),
+        (("swarm_study", "sim_scale", "nic_mbit_s"), 0, ["swarm_study.sim_scale.nic_mbit_s"]),
     ],
 )
 def test_invalid_values_name_the_key(repo, default, path, value, expected):
