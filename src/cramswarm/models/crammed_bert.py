@@ -75,6 +75,9 @@ class CrammedBertConfig(PretrainedConfig):
         classifier_pooling: str = "cls",
         pad_token_id: int = 0,
         tie_word_embeddings: bool = True,
+        boundary_kind: str | None = None,
+        boundary_factor: int = 2,
+        boundary_layers: list[int] | None = None,
         **kwargs,
     ):
         if norm_scheme not in ("pre", "post"):
@@ -87,6 +90,12 @@ class CrammedBertConfig(PretrainedConfig):
             raise ValueError(f"classifier_pooling must be 'cls' or 'mean', got {classifier_pooling!r}")
         if hidden_size % num_attention_heads:
             raise ValueError(f"hidden_size {hidden_size} is not divisible by num_attention_heads {num_attention_heads}")
+        if boundary_kind not in (None, "bottleneck", "maxout"):
+            raise ValueError(f"boundary_kind must be bottleneck, maxout or None, got {boundary_kind!r}")
+        if boundary_kind and (boundary_factor < 1 or hidden_size % boundary_factor):
+            raise ValueError(f"boundary_factor {boundary_factor} must divide hidden_size {hidden_size}")
+        if boundary_kind and not all(0 <= i < num_hidden_layers - 1 for i in boundary_layers or []):
+            raise ValueError(f"boundary_layers {boundary_layers} must name layers before the last")
         self.vocab_size = vocab_size
         self.num_hidden_layers = num_hidden_layers
         self.hidden_size = hidden_size
@@ -110,6 +119,11 @@ class CrammedBertConfig(PretrainedConfig):
         self.classifier_dim = classifier_dim or hidden_size
         self.classifier_dropout = classifier_dropout
         self.classifier_pooling = classifier_pooling
+        # SWARM's compression-aware layers (cramswarm.swarm.compression): a bottleneck or maxout layer of this
+        # factor after each of these layers (0-based); they are where a swarm's stage boundaries were
+        self.boundary_kind = boundary_kind
+        self.boundary_factor = boundary_factor
+        self.boundary_layers = sorted(boundary_layers or []) if boundary_kind else []
         super().__init__(pad_token_id=pad_token_id, tie_word_embeddings=tie_word_embeddings, **kwargs)
 
     @classmethod
@@ -269,6 +283,13 @@ class CrammedBertModel(CrammedBertPreTrainedModel):
         self.layers = nn.ModuleList(Layer(config) for _ in range(config.num_hidden_layers))
         final = config.final_norm and config.norm_scheme == "pre"
         self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps) if final else nn.Identity()
+        if config.boundary_layers:   # registered last: the other modules are initialised as without them
+            from cramswarm.swarm.compression import make_narrowing
+
+            kind, factor, eps = config.boundary_kind, config.boundary_factor, config.norm_eps
+            self.boundaries = nn.ModuleDict(
+                {str(i): make_narrowing(kind, config.hidden_size, factor, eps) for i in config.boundary_layers}
+            )
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -294,8 +315,11 @@ class CrammedBertModel(CrammedBertPreTrainedModel):
         if attention_mask is not None and not bool(attention_mask.all()):
             mask = attention_mask[:, None, None, :].bool()  # True = attend; broadcast over heads and queries
         x = self.embeddings(input_ids)
-        for layer in self.layers:
+        boundaries = getattr(self, "boundaries", {})
+        for i, layer in enumerate(self.layers):
             x = layer(x, mask)
+            if str(i) in boundaries:
+                x = boundaries[str(i)](x)
         return BaseModelOutput(last_hidden_state=self.final_norm(x))
 
 

@@ -21,18 +21,19 @@ Two entry points share this machinery:
   wall seconds / ``time_scale``, so a 60 s setup runs in 3 s with ``time_scale=0.05``. The threads really run
   concurrently, so results carry thread-scheduling jitter: compare them with margins, not exactly (the
   discrete-event simulator ``sim`` is the exact, deterministic counterpart).
-* ``train(...)`` - real training of crammed BERT split into stages (``stages.split_model``): each peer holds a
-  replica of its stage's module and AdamW state; activations and gradients cross stage boundaries encoded with
-  ``compression.encode``/``decode``; backward goes to any replica of the stage and recomputes the stage forward
-  (as in SWARM's code). Each stage accumulates gradients across its replicas until the recipe's global batch
-  (``StageSync``), then takes one synchronous step: the gradient average weighted by local samples, the same
-  clipping and the same AdamW step on every live replica, so replicas stay bitwise equal. Stages step
-  independently (bounded staleness across stages, inherent to SWARM). Gradient clipping is therefore per stage,
-  not over the whole model as in single-process pretraining. A stage processes each microbatch's gradient once
-  (a resent request is recognised by its microbatch id). A killed peer's unaveraged gradients are lost, as in
-  SWARM (counted in ``lost_gradient_samples``); the fault injector never kills the last live replica of a stage
-  (its state would be gone); a rejoining peer downloads parameters and optimizer state from a live replica.
-  Emulated speed: a peer of speed s sleeps ``t_compute * (1/s - 1)`` after each computation.
+* ``train(...)`` - real training of crammed BERT split into stages (``stages.split_model``): each peer holds a replica
+  of its stage's module and AdamW state; activations and gradients cross stage boundaries encoded with
+  ``compression.encode``/``decode`` (a narrowing ``swarm.compression``, bottleneck/maxout, puts a trained layer at each
+  boundary, ``stages.build_swarm_model``, and the narrowed tensor travels in fp32); backward goes to any replica of the
+  stage and recomputes the stage forward (as in SWARM's code). Each stage accumulates gradients across its replicas
+  until the recipe's global batch (``StageSync``), then takes one synchronous step: the gradient average weighted by
+  local samples, the same clipping and the same AdamW step on every live replica, so replicas stay bitwise equal. Stages
+  step independently (bounded staleness across stages, inherent to SWARM). Gradient clipping is therefore per stage, not
+  over the whole model as in single-process pretraining. A stage processes each microbatch's gradient once (a resent
+  request is recognised by its microbatch id). A killed peer's unaveraged gradients are lost, as in SWARM (counted in
+  ``lost_gradient_samples``); the fault injector never kills the last live replica of a stage (its state would be gone);
+  a rejoining peer downloads parameters and optimizer state from a live replica. Emulated speed: a peer of speed s
+  sleeps ``t_compute * (1/s - 1)`` after each computation.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from typing import Any, Callable, Iterator
 import torch
 from tqdm.auto import tqdm
 
-from cramswarm.swarm.compression import SCHEMES, decode, encode, payload_bytes
+from cramswarm.swarm.compression import COMPRESSIONS, decode, encode, payload_bytes, wire_scheme
 from cramswarm.swarm.policies import (
     Move,
     NoPeersError,
@@ -62,12 +63,11 @@ from cramswarm.swarm.policies import (
     StageSync,
     UniformBalancer,
 )
-from cramswarm.swarm.stages import split_model
+from cramswarm.swarm.stages import build_swarm_model, split_model
 from cramswarm.training import (
     accumulation_at,
     autocast,
     budget_progress,
-    build_model,
     decay_groups,
     lr_multiplier,
     resolve_precision,
@@ -783,7 +783,7 @@ class _TrainingSwarm(_Swarm):
         super().__init__(specs, clock, swarm_cfg["forward_timeout_s"], 0.0)
         self.recipe, self.scheme, self.precision, self.dispatcher = (
             recipe,
-            swarm_cfg["compression"],
+            wire_scheme(swarm_cfg["compression"]),
             precision,
             dispatcher,
         )
@@ -1057,9 +1057,11 @@ def train(
     used (exactly that many for token or step budgets, which ``train.swarm_pretrain`` computes; a seconds budget
     stops at the first step boundary past the time). Compute runs on the CPU.
     """
-    if swarm["compression"] not in SCHEMES:
-        raise ValueError(f"swarm.compression must be one of {', '.join(SCHEMES)}, got {swarm['compression']!r}")
-    model = build_model(arch, vocab_size, recipe["seed"])
+    if swarm["compression"] not in COMPRESSIONS:
+        raise ValueError(
+            f"swarm.compression must be one of {', '.join(COMPRESSIONS)}, got {swarm['compression']!r}"
+        )
+    model = build_swarm_model(arch, vocab_size, recipe["seed"], swarm["stages"], swarm["compression"])
     stages = split_model(model, swarm["stages"])  # StageCountError before any thread starts
     specs = _peer_specs(swarm, len(stages))
     if swarm["trainers"] < 1:
