@@ -77,6 +77,8 @@ def mutate(cfg, path, value):
         (("pretrain", "nodes"), 3, ["pretrain.micro_batch_sequences", "devices x nodes = 3"]),
         (("models", "crammed", "arch", "heads"), 3, ["models.crammed.arch.heads", "divide"]),
         (("models", "crammed", "arch", "ffn"), "swiglu", ["models.crammed.arch.ffn", "glu, gelu"]),
+        (("models", "crammed", "arch", "sparse_prediction"), "dense", ["models.crammed.arch.sparse_prediction"]),
+        (("models", "crammed", "arch", "sparse_prediction_rate"), 0, ["models.crammed.arch.sparse_prediction_rate"]),
         (("pretrain", "schedule"), "cyclic", ["pretrain.schedule", "allowed values: triangle"]),
         (("pretrain", "mask_mode"), "span", ["pretrain.mask_mode", "fixed, bernoulli"]),
         (("pretrain", "budget"), {"unit": "steps", "value": -5}, ["pretrain.budget.value"]),
