@@ -73,6 +73,7 @@ def mutate(cfg, path, value):
         (("pretrain", "batch_sequences"), 48, ["pretrain.batch_sequences", "multiple"]),
         (("pretrain", "compile_mode"), "fast", ["pretrain.compile_mode", "max-autotune, reduce-overhead"]),
         (("pretrain", "devices"), 0, ["pretrain.devices"]),
+        (("pretrain", "attention_backend"), "cudnn", ["pretrain.attention_backend", "math, flash, efficient"]),
         (("pretrain", "devices"), 3, ["pretrain.micro_batch_sequences", "devices x nodes = 3"]),
         (("pretrain", "nodes"), 3, ["pretrain.micro_batch_sequences", "devices x nodes = 3"]),
         (("models", "crammed", "arch", "heads"), 3, ["models.crammed.arch.heads", "divide"]),

@@ -148,3 +148,34 @@ def test_sparse_prediction_rejects_other_values():
         mlm("dense")
     with pytest.raises(ValueError, match="sparse_prediction_rate"):
         mlm("static", rate=0.0)
+
+
+@pytest.mark.parametrize("backend", ["auto", "math", "flash", "efficient"])
+def test_each_attention_backend_runs_on_cpu_or_is_refused_naming_the_key(tiny_run, backend):
+    folder, tok_path = tiny_run
+    r = recipe(budget={"unit": "steps", "value": 2}, attention_backend=backend, eval_points=1)
+    runs_here = backend != "efficient"  # torch has no memory-efficient attention kernel for CPUs
+    if not runs_here:
+        with pytest.raises(ValueError, match="pretrain.attention_backend: efficient"):
+            pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / backend, progress=False)
+        return
+    summary = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / backend, progress=False)
+    assert summary["steps"] == 2 and np.isfinite(summary["final_loss"])
+
+
+def test_attention_backend_math_is_the_kernel_the_loop_runs(tiny_run, monkeypatch):
+    """Inside the training loop only the chosen kernel is allowed (flash off under math); afterwards torch's
+    choice is back."""
+    seen = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append(torch.backends.cuda.flash_sdp_enabled())  # the global switch sdpa_kernel sets, CPU included
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    folder, tok_path = tiny_run
+    r = recipe(budget={"unit": "steps", "value": 1}, attention_backend="math", eval_blocks=0)
+    pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "math", progress=False)
+    assert seen and not any(seen)
+    assert torch.backends.cuda.flash_sdp_enabled()

@@ -47,7 +47,7 @@ from cramswarm.training import (
 SNAPSHOT_EVERY_STEPS = 50
 MAX_NONFINITE_STEPS = 10
 # recipe keys that change how a run executes but not what it computes: a state saved under other values resumes
-RUN_ONLY_KEYS = ("compile_mode", "devices", "nodes", "prefetch")
+RUN_ONLY_KEYS = ("compile_mode", "devices", "nodes", "prefetch", "attention_backend")
 LOG_COLUMNS = ("step", "tokens", "progress", "loss", "lr", "lr_multiplier", "batch_sequences", "elapsed_s", "eval_loss")
 
 
@@ -151,6 +151,42 @@ def compile_model(model: torch.nn.Module, recipe: dict):
         return model
     mode = recipe.get("compile_mode", "default")
     return torch.compile(model, mode=None if mode == "default" else mode)
+
+
+# pretrain.attention_backend -> the torch.nn.attention.SDPBackend it allows (auto: torch chooses among all)
+ATTENTION_BACKENDS = {"math": "MATH", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
+
+
+def attention_backend(recipe: dict, model: torch.nn.Module, precision: str, device: torch.device):
+    """A context running scaled-dot-product attention with the recipe's ``attention_backend`` kernel only.
+
+    ``auto`` leaves the choice to torch. Another choice is tried once on a short input first (in eval mode, so no
+    dropout draw changes the run), and refused with a message naming the key where this device, dtype or shape
+    has no such kernel (e.g. ``efficient`` on a CPU), rather than failing inside the first step.
+    """
+    name = recipe.get("attention_backend", "auto")
+    if name == "auto":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if name not in ATTENTION_BACKENDS:
+        allowed = ", ".join(["auto", *ATTENTION_BACKENDS])
+        raise ValueError(f"pretrain.attention_backend: unknown {name!r}; allowed: {allowed}")
+    backend = getattr(SDPBackend, ATTENTION_BACKENDS[name])
+    was_training = model.training
+    model.eval()
+    probe = torch.full((2, min(16, model.config.max_position_embeddings)), tokenization.MASK_ID, device=device)
+    try:
+        with sdpa_kernel([backend]), autocast(precision, device):
+            model(probe)
+    except RuntimeError as error:
+        raise ValueError(
+            f"pretrain.attention_backend: {name} attention does not run here ({device.type}, precision "
+            f"{precision}); use auto or math. torch said: {str(error).splitlines()[0]}"
+        ) from error
+    finally:
+        model.train(was_training)
+    return sdpa_kernel([backend])
 
 
 def _slice_loss(forward, inputs, labels, all_labels, precision: str, device: torch.device):
@@ -389,7 +425,11 @@ def _pretrain(
     # the last good weights and optimizer state, in memory: a non-finite loss reloads them (Cramming's reference
     # reloads its last checkpoint), skips the batch that caused it and counts it in the summary
     last_good = None
+    # the loader's thread and the attention kernel choice last as long as the loop
+    running = contextlib.ExitStack()
+    running.enter_context(attention_backend(recipe, model, precision, device))
     loader = MicroBatches(blocks, n_blocks, micro, device, recipe["prefetch"])
+    running.callback(loader.close)
     try:
         while (t := budget_progress(budget, c["tokens"], c["step"], clock())) < 1.0:
             multiplier = lr_multiplier(recipe["schedule"], *schedule_point(recipe, t, c["sequences"]))
@@ -497,7 +537,7 @@ def _pretrain(
                     start = last_save = time.perf_counter()
                     save_state()
     finally:
-        loader.close()
+        running.close()
     bar.close()
     total_s = elapsed()
     if not world.main:  # rank 0 writes the outputs
