@@ -1,14 +1,18 @@
 """The pretraining hot loop (issue 18): masking where the model runs, a prefetching loader, static-count sparse
 prediction, the SDPA backend choice and no host sync inside the micro-step loop."""
 
+import contextlib
 import csv
+import functools
 
 import numpy as np
 import pytest
 import torch
 from conftest import ARCH, recipe
 
+from cramswarm import pretrain as stage_module
 from cramswarm.data import tokenizer as tokenization
+from cramswarm.distributed import World
 from cramswarm.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
 from cramswarm.pretrain import MicroBatches, pretrain
 from cramswarm.training import mask_tokens
@@ -179,3 +183,120 @@ def test_attention_backend_math_is_the_kernel_the_loop_runs(tiny_run, monkeypatc
     pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "math", progress=False)
     assert seen and not any(seen)
     assert torch.backends.cuda.flash_sdp_enabled()
+
+
+# what reads a tensor back to the host (a device sync on an accelerator); bool-tensor indexing runs a nonzero
+HOST_READS = ("item", "tolist", "cpu", "numpy", "nonzero", "__int__", "__float__", "__bool__")
+
+
+@contextlib.contextmanager
+def micro_step_marks(monkeypatch, on_micro=None, on_read=None):
+    """Marks in one event list: ``micro`` when a micro-step starts (the loader's take), ``read`` when the step's
+    loss is read back (World.all_sum), and every host read of a tensor in between or elsewhere."""
+    events = []
+    take, all_sum = stage_module.MicroBatches.take, World.all_sum
+
+    def marked_take(self, cursor):
+        events.append("micro")
+        if on_micro:
+            on_micro()
+        return take(self, cursor)
+
+    def marked_sum(self, tensor):
+        if on_read:
+            on_read()
+        events.append("read")
+        return all_sum(self, tensor)
+
+    monkeypatch.setattr(stage_module.MicroBatches, "take", marked_take)
+    monkeypatch.setattr(World, "all_sum", marked_sum)
+    yield events
+
+
+def counting_host_reads(monkeypatch, events):
+    for name in HOST_READS:
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _real=real, _name=name, **kwargs):
+            events.append(_name)
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    real_nonzero = torch.nonzero
+    monkeypatch.setattr(torch, "nonzero", lambda *a, **k: events.append("nonzero") or real_nonzero(*a, **k))
+    for name in ("__getitem__", "__setitem__"):
+        real = getattr(torch.Tensor, name)
+
+        def indexed(self, index, *args, _real=real, **kwargs):
+            parts = index if isinstance(index, tuple) else (index,)
+            if any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts):
+                events.append("bool-index")
+            return _real(self, index, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, indexed)
+
+
+def reads_inside_micro_steps(events):
+    """Host reads between a micro-step's start and its optimizer step's loss read."""
+    inside, found = False, []
+    for event in events:
+        if event == "micro":
+            inside = True
+        elif event == "read":
+            inside = False
+        elif inside:
+            found.append(event)
+    return found
+
+
+@pytest.mark.parametrize("hot_loop", [True, False])
+def test_no_host_read_inside_the_micro_step_loop(tiny_run, monkeypatch, hot_loop):
+    """With static masks and static sparse prediction nothing in a micro-step reads a tensor back: the optimizer
+    step's loss is the first read. The masks and gather of earlier versions (the CPU default) do read: the
+    check sees them."""
+    folder, tok_path = tiny_run
+    arch = ARCH | {"sparse_prediction": "static" if hot_loop else True}
+    monkeypatch.setattr(stage_module, "mask_tokens", functools.partial(mask_tokens, static=hot_loop))
+    r = recipe(budget={"unit": "steps", "value": 3}, batch_ramp_fraction=0.0, eval_points=1)
+    with micro_step_marks(monkeypatch) as events:
+        counting_host_reads(monkeypatch, events)
+        summary = pretrain(r, arch, folder / "blocks.npy", tok_path, folder / "out", progress=False)
+    assert summary["steps"] == 3 and events.count("micro") == 3 * 2 and events.count("read") == 3
+    found = reads_inside_micro_steps(events)
+    assert events.count("item") >= 3  # the reads are counted: every step's loss is read once, after its micro-steps
+    if hot_loop:
+        assert found == []
+    else:
+        assert "bool-index" in found and "__int__" in found
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_no_device_sync_inside_the_micro_step_loop_on_cuda(tiny_run, monkeypatch):
+    """torch raises on any synchronising CUDA call while the micro-steps run (sync debug mode ``error``)."""
+    folder, tok_path = tiny_run
+    arch = ARCH | {"sparse_prediction": "static"}
+    r = recipe(budget={"unit": "steps", "value": 3}, batch_ramp_fraction=0.0, eval_points=1, device="cuda")
+    with micro_step_marks(monkeypatch, on_micro=lambda: torch.cuda.set_sync_debug_mode("error"),
+                          on_read=lambda: torch.cuda.set_sync_debug_mode("default")) as events:
+        try:
+            summary = pretrain(r, arch, folder / "blocks.npy", tok_path, folder / "out", progress=False)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert summary["steps"] == 3 and events.count("micro") == 6
+
+
+@pytest.mark.parametrize("sparse_prediction", [True, False, "static"])
+def test_a_process_slice_without_masked_tokens_adds_zero_loss_and_zero_gradients(sparse_prediction):
+    """Data parallel: a slice with nothing to predict contributes 0 (not NaN) and reaches every parameter."""
+    ids, labels = masked(0.3)
+    unmasked = torch.full_like(labels[:2], -100)
+    model = mlm(sparse_prediction)
+    loss = stage_module._slice_loss(model, ids[:2], unmasked, labels, "fp32", torch.device("cpu"))
+    loss.backward()
+    assert loss.item() == 0.0
+    assert all(p.grad is not None and torch.all(p.grad == 0) for p in model.parameters() if p.requires_grad)
+    # a slice with masked tokens: its share of the whole micro-batch's mean loss
+    model.zero_grad()
+    share = stage_module._slice_loss(model, ids[:2], labels[:2], labels, "fp32", torch.device("cpu"))
+    predicted, total = int((labels[:2] != -100).sum()), int((labels != -100).sum())
+    assert share.item() == pytest.approx(model(ids[:2], labels=labels[:2]).loss.item() * predicted / total, rel=1e-5)

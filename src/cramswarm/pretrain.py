@@ -192,13 +192,13 @@ def attention_backend(recipe: dict, model: torch.nn.Module, precision: str, devi
 def _slice_loss(forward, inputs, labels, all_labels, precision: str, device: torch.device):
     """This process's share of a micro-batch's mean MLM loss: its rows' mean loss weighted by its share of the
     micro-batch's predicted tokens, so that the shares sum to the loss one process computes on the whole
-    micro-batch (and their gradients to its gradient)."""
-    predicted, total = int((labels != -100).sum()), int((all_labels != -100).sum())  # host tensors: no sync
+    micro-batch (and their gradients to its gradient). The counts stay on the device (no host read)."""
+    predicted, total = (labels != -100).sum(), (all_labels != -100).sum().clamp(min=1)
     with autocast(precision, device):
         out = forward(to_device(inputs, device), labels=to_device(labels, device))
-    if predicted == 0:  # nothing to predict in this slice: a zero loss that still reaches every parameter
-        return out.logits.float().sum() * 0.0
-    return out.loss * (predicted / total)
+    # nothing to predict in this slice: a zero loss (its mean over no tokens is NaN) that still reaches every
+    # parameter, with zero gradients
+    return torch.where(predicted > 0, out.loss, torch.zeros_like(out.loss)) * (predicted / total)
 
 
 def _clone_state(value):
