@@ -21,10 +21,10 @@ each token passes through (2 forward, 4 backward), the decoder only on the posit
 plus the attention score and value matmuls (2 x 2 x seq x hidden per layer per token forward, x3 for
 forward + backward). Embedding lookups, LayerNorms, activations, softmax and the optimizer count zero.
 
-    python benchmarks/pretrain_throughput.py                       # BERT-base shape, ~2 minutes on 2 cores
+    python benchmarks/pretrain_throughput.py                       # BERT-base shape, all five rows
     python benchmarks/pretrain_throughput.py --layers 2 --batch 4 --steps 2 --warmup 1 --json out.json
     python benchmarks/pretrain_throughput.py --device cuda --batch 128 --steps 20 --warmup 3 [--compile]
-    python benchmarks/pretrain_throughput.py --quick             # a tiny shape: checks the script runs
+    python benchmarks/pretrain_throughput.py --quick               # a tiny shape: checks the script runs
 """
 
 from __future__ import annotations
