@@ -8,7 +8,7 @@ import functools
 import numpy as np
 import pytest
 import torch
-from conftest import ARCH, recipe
+from conftest import ARCH, killed_at_save, recipe
 
 from cramswarm import pretrain as stage_module
 from cramswarm.data import tokenizer as tokenization
@@ -300,3 +300,22 @@ def test_a_process_slice_without_masked_tokens_adds_zero_loss_and_zero_gradients
     share = stage_module._slice_loss(model, ids[:2], labels[:2], labels, "fp32", torch.device("cpu"))
     predicted, total = int((labels[:2] != -100).sum()), int((labels != -100).sum())
     assert share.item() == pytest.approx(model(ids[:2], labels=labels[:2]).loss.item() * predicted / total, rel=1e-5)
+
+
+def test_a_state_saved_with_another_devices_generator_resumes_with_fresh_masks(tiny_run, capsys):
+    """A masking generator's state only fits a generator on the same kind of device: a state from a GPU (or from
+    a version that saved no device) resumes on this device with the generator reseeded, and the run says so."""
+    folder, tok_path = tiny_run
+    r = recipe(budget={"unit": "steps", "value": 12}, resume_every_steps=4, eval_points=1)
+    state = folder / "state"
+    with killed_at_save(2) as saves:  # the step-8 write fails: the file keeps step 4
+        pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "out", progress=False, state_dir=state)
+    assert saves == [4, 8]
+    payload = torch.load(state / "state.pt", weights_only=False)
+    assert payload["generator_device"] == "cpu"
+    payload["generator_device"] = "cuda"
+    torch.save(payload, state / "state.pt")
+    capsys.readouterr()
+    resumed = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "out", progress=False, state_dir=state)
+    assert resumed["resumed_from_step"] == 4 and resumed["steps"] == 12
+    assert "drawn afresh (seed + step): the state was saved on cuda" in capsys.readouterr().out

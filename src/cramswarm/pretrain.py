@@ -380,11 +380,12 @@ def _pretrain(
         optimizer.load_state_dict(state["optimizer"])
         scaler.load_state_dict(state["scaler"])
         counters, log_text = {**counters, **state["counters"]}, state["log"]
-        if state.get("generator_device", "cpu") == device.type:
+        saved_on = state.get("generator_device", "cpu")  # states of earlier versions: a CPU generator
+        if saved_on == device.type:
             generator.set_state(state["generator"])
         else:  # a state saved on another kind of device: its generator state does not fit this one's
             generator.manual_seed(recipe["seed"] + counters["step"])
-            say(f"masks after the resume are drawn afresh: the state was saved on {state['generator_device']}")
+            say(f"masks after the resume are drawn afresh (seed + step): the state was saved on {saved_on}", flush=True)
         counters["resumed_from_step"] = counters["step"]
         say(f"resuming from {state_path} at step {counters['step']} ({counters['tokens']:,} tokens)", flush=True)
     if world.size > 1:
