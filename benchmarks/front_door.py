@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="also time the smoke run (about 3 minutes)")
     parser.add_argument("--default", action="store_true", help="also time the default study (as long as it takes)")
     parser.add_argument("--out", help="CSV to write (e.g. results/readme/front_door.csv)")
+    parser.add_argument("--keep", help="copy the smoke run's and the default study's results/ here (per-job benchmark "
+                        "files, tables), as KEEP/smoke and KEEP/default")
     args = parser.parse_args(argv)
 
     commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True)
@@ -109,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
             load = os.getloadavg()[0]
             wall, _ = timed(["snakemake", *run_args], clone, env)
             record(name, ["snakemake", *run_args], wall, target, jobs, load)
+            if args.keep:
+                kept = Path(args.keep) / name.split()[0]
+                shutil.rmtree(kept, ignore_errors=True)
+                shutil.copytree(clone / "results", kept, symlinks=True)
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)

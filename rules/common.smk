@@ -40,6 +40,7 @@ VOCABS = config["tokenizer"]["vocab_sizes"]
 MAIN_VOCAB = config["tokenizer"]["main_vocab_size"]
 TASKS = config["glue"]["tasks"]
 SEEDS = config["glue"]["seeds"]
+GLUE_JOBS = config["glue"]["jobs"]  # per_seed | per_task | per_model: the fine-tuning runs one job holds
 MODELS = config["models"]
 BASELINES = [name for name, spec in MODELS.items() if not spec["pretrain"]]
 NOT_SWEPT = [name for name, spec in MODELS.items() if spec["pretrain"] and not spec["vocab_sweep"]]

@@ -192,26 +192,35 @@ def glue_data_mem_mb(wildcards):
     return mb(2 * PYTHON_MB * 1e6)
 
 
+def finetune_tasks(wildcards):
+    """The GLUE tasks one fine-tuning job runs: its own task, or (rule finetune_model) every task."""
+    return [wildcards.task] if "task" in wildcards.keys() else TASKS
+
+
 def finetune_runtime(wildcards):
-    """Every epoch over the train rows (padded to max_length_tokens) plus a validation pass per epoch."""
+    """Every epoch over the train rows (padded to max_length_tokens) plus a validation pass per epoch, for each
+    task and seed the job runs."""
     protocol, arch = RUNS[wildcards.model]["glue"], RUNS[wildcards.model]["arch"]
-    train, validation = glue_rows(wildcards.task)
     seq, device, vocab = protocol["max_length_tokens"], protocol["device"], int(wildcards.vocab)
     epochs = protocol["epochs"]
-    seconds = training_seconds(arch, vocab, epochs * train * seq, seq, device)
-    seconds += training_seconds(arch, vocab, epochs * validation * seq, seq, device) / 3
-    seeds = 1 if config["glue"]["job_per_seed"] else len(SEEDS)  # a (model, task) job runs every seed
+    seconds = 0.0
+    for task in finetune_tasks(wildcards):
+        train, validation = glue_rows(task)
+        seconds += training_seconds(arch, vocab, epochs * train * seq, seq, device)
+        seconds += training_seconds(arch, vocab, epochs * validation * seq, seq, device) / 3
+    seeds = 1 if GLUE_JOBS == "per_seed" else len(SEEDS)  # per_task and per_model jobs run every seed
     return minutes(TRAINING_MARGIN * seconds * seeds)
 
 
 def finetune_mem_mb(wildcards):
-    """The model in training at the protocol's batch size, plus the task's rows as token ids (8 B per token)."""
+    """The model in training at the protocol's batch size, plus the largest task's rows as token ids (8 B per
+    token; a job holds one task's rows at a time)."""
     protocol = RUNS[wildcards.model]["glue"]
     seq = protocol["max_length_tokens"]
     model = training_mem_mb(
         RUNS[wildcards.model]["arch"], int(wildcards.vocab), protocol["batch_size"], seq, protocol["device"]
     )
-    return model + mb(8 * seq * sum(glue_rows(wildcards.task)))
+    return model + mb(8 * seq * max(sum(glue_rows(task)) for task in finetune_tasks(wildcards)))
 
 
 SWARM_STUDY_RUNS = {"wiring": 6, "failures": 8}  # emulation + simulator x routings (x failures on/off)

@@ -19,7 +19,7 @@ REPORT_RULES = {
     "claims_table", "claims_available",
 }
 HEAVY_RULES = {"corpus", "filter_corpus", "train_tokenizer", "pack_corpus", "order_blocks", "pretrain", "finetune",
-               "swarm_pretrain", "swarm_experiment"}
+               "finetune_model", "swarm_pretrain", "swarm_experiment"}
 
 
 @pytest.fixture(scope="module")

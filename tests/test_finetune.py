@@ -282,3 +282,38 @@ def test_seeds_in_one_process_equal_one_process_per_seed_and_are_cached(checkpoi
         cache_dir=tmp_path / "cache",
     )
     assert len(list((tmp_path / "cache").iterdir())) == 3 and other[0]["seed"] == 1
+
+
+def _cli_finetune(checkpoint, tasks, data, seeds, p, outs, cache=None):
+    cmd = [sys.executable, "-m", "cramswarm", "finetune", "--checkpoint", str(checkpoint), "--task", *tasks,
+           "--data", *map(str, data), "--seed", *map(str, seeds), "--protocol", json.dumps(p), "--model", "m",
+           "--vocab", "256", "--precision", "fp32", "--quiet", "--out", *map(str, outs)]  # fmt: skip
+    if cache is not None:
+        cmd += ["--cache-dir", str(cache)]
+    return subprocess.run(cmd, capture_output=True, text=True)
+
+
+def test_tasks_in_one_process_equal_one_job_per_task(checkpoint, sst2, tmp_path):
+    """glue.jobs per_model runs a model's tasks and seeds in one process: the outputs are task-major (every seed of
+    the first task, then the next) and each equals what a job of that task alone writes."""
+    rte = tmp_path / "rte.parquet"
+    sources.write_glue(SYNTHETIC, "rte", rte)
+    p = protocol("crammed", epochs=1)
+    together = [tmp_path / f"{t}-s{s}.json" for t in ("sst2", "rte") for s in (0, 1)]
+    run = _cli_finetune(checkpoint, ["sst2", "rte"], [sst2, rte], [0, 1], p, together, cache=tmp_path / "cache")
+    assert run.returncode == 0, run.stderr
+    alone = [tmp_path / "rte-alone-s1.json"]
+    assert _cli_finetune(checkpoint, ["rte"], [rte], [1], p, alone).returncode == 0
+    results = [json.loads(path.read_text()) for path in together]
+    assert [(r["task"], r["seed"]) for r in results] == [("sst2", 0), ("sst2", 1), ("rte", 0), ("rte", 1)]
+    assert results[3]["scores"] == json.loads(alone[0].read_text())["scores"]
+    assert results[3]["train_loss_per_epoch"] == json.loads(alone[0].read_text())["train_loss_per_epoch"]
+    assert len(list((tmp_path / "cache").iterdir())) == 4  # one cache entry per (task, seed)
+
+
+def test_task_seed_output_counts_must_agree(checkpoint, sst2, tmp_path):
+    p = protocol("crammed", epochs=1)
+    run = _cli_finetune(checkpoint, ["sst2", "rte"], [sst2], [0], p, [tmp_path / "a.json"])
+    assert run.returncode != 0 and "2 --task values but 1 --data files" in run.stderr
+    run = _cli_finetune(checkpoint, ["sst2"], [sst2], [0, 1], p, [tmp_path / "a.json"])
+    assert run.returncode != 0 and "need 2 --out paths, got 1" in run.stderr

@@ -248,10 +248,10 @@ def test_local_gpu_jobs_hold_the_default_profiles_one_gpu(dry, tmp_path):
     cpu = tmp_path / "cpu.yaml"
     cpu.write_text("pretrain:\n  device: cpu\n")
     assert "gpu=0" in planned_resources(dry, target, *TINY, str(cpu), environ=with_gpu)["pretrain"]
-    finetune = "results/glue/synthetic/no_pretrain/v128/sst2/s0.json"
-    assert "gpu=1" in planned_resources(dry, finetune, *TINY, environ=with_gpu)["finetune"]
+    finetune = "results/glue/synthetic/no_pretrain/v128/sst2/s0.json"  # glue.jobs per_model: rule finetune_model
+    assert "gpu=1" in planned_resources(dry, finetune, *TINY, environ=with_gpu)["finetune_model"]
     cpu.write_text("glue:\n  device: cpu\n")
-    assert "gpu=0" in planned_resources(dry, finetune, *TINY, str(cpu), environ=with_gpu)["finetune"]
+    assert "gpu=0" in planned_resources(dry, finetune, *TINY, str(cpu), environ=with_gpu)["finetune_model"]
 
 
 # SWARM with swarm.placement srun: one SLURM job whose tasks are the stage peers (2 stages x 1 peer, one CPU each

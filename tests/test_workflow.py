@@ -40,7 +40,8 @@ def test_tiny_study_writes_tables_and_figures(workdir):
     # one benchmark file per job, mirroring its log; the study record sums them per rule
     assert (workdir / "results" / "benchmarks" / "pretrain" / "synthetic" / "crammed" / "v128.tsv").is_file()
     rules = pd.read_csv(workdir / "results" / "report" / "synthetic" / "benchmarks.csv").set_index("rule")
-    assert rules.loc["finetune", "jobs"] == 6 * 3  # one job per (model, vocab, task) runs both seeds
+    assert rules.loc["finetune_model", "jobs"] == 6  # glue.jobs per_model: one job per (model, vocab) runs every task
+    assert "finetune" not in rules.index  # (the tiny study has no ablation runs, which keep a job per task)
     assert rules.loc["pretrain", "jobs"] == 4
     assert rules.loc["swarm_pretrain", "jobs"] == 1
     # the swarm-trained model: a crammed-layout checkpoint from 2 stages x 2 replicas, no microbatch lost
@@ -129,7 +130,7 @@ def test_changing_one_vocab_size_reruns_only_its_dependents(workdir):
         "pack_corpus": 1,
         "order_blocks": 1,
         "pretrain": 1,
-        "finetune": 3,  # 3 tasks (each job runs both seeds) for crammed v192; nothing for v128 or no_pretrain
+        "finetune_model": 1,  # crammed v192 (one job runs every task and seed); nothing for v128 or no_pretrain
         "tables": 1,
         "figures": 1,
         "study_record": 1,  # the config changed (and so did the benchmark files it sums)
@@ -142,8 +143,8 @@ def test_changing_a_finetuning_value_reruns_finetuning_only(workdir):
     overlay = workdir / "config" / "test" / "lr.yaml"
     overlay.write_text("glue:\n  protocols:\n    crammed:\n      lr: 1.0e-4\n")
     jobs = planned_jobs(workdir, *TINY, str(overlay.relative_to(workdir)))
-    # 5 (model, vocab) x 3 tasks: every (model, vocab) but izsak, which the reference fine-tunes with the BERT protocol
-    assert jobs == {"finetune": 5 * 3, "tables": 1, "figures": 1, "study_record": 1, "all": 1}
+    # 5 (model, vocab), one job each for its 3 tasks: all but izsak, which the reference tunes with the BERT protocol
+    assert jobs == {"finetune_model": 5, "tables": 1, "figures": 1, "study_record": 1, "all": 1}
 
 
 @pytest.mark.slow
@@ -151,7 +152,7 @@ def test_switching_one_models_protocol_reruns_its_finetuning_only(workdir):
     overlay = workdir / "config" / "test" / "protocol.yaml"
     overlay.write_text("models:\n  no_pretrain:\n    glue_protocol: bert_checkpoint\n")
     jobs = planned_jobs(workdir, *TINY, str(overlay.relative_to(workdir)))
-    assert jobs == {"finetune": 3, "tables": 1, "figures": 1, "study_record": 1, "all": 1}
+    assert jobs == {"finetune_model": 1, "tables": 1, "figures": 1, "study_record": 1, "all": 1}
 
 
 @pytest.mark.slow
@@ -159,7 +160,7 @@ def test_changing_the_glue_data_size_keeps_the_corpus_and_checkpoints(workdir):
     overlay = workdir / "config" / "test" / "rows.yaml"
     overlay.write_text("synthetic:\n  glue_train_examples: 48\n")
     jobs = planned_jobs(workdir, *TINY, str(overlay.relative_to(workdir)))
-    assert jobs == {"glue_data": 3, "finetune": 6 * 3, "tables": 1, "figures": 1, "study_record": 1, "all": 1}
+    assert jobs == {"glue_data": 3, "finetune_model": 6, "tables": 1, "figures": 1, "study_record": 1, "all": 1}
 
 
 @pytest.mark.slow
@@ -220,7 +221,7 @@ def test_changing_the_block_order_reorders_and_retrains_only(workdir):
         "order_blocks": 2,
         "pretrain": 4,
         "swarm_pretrain": 1,
-        "finetune": 5 * 3,
+        "finetune_model": 5,
         "tables": 1,
         "figures": 1,
         "study_record": 1,
