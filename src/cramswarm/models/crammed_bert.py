@@ -17,6 +17,10 @@ switch                      crammed (default)            original BERT
 ``sparse_prediction``       on (only masked positions)   off
 ==========================  ===========================  =====================================
 
+``sparse_prediction: static`` decodes a fixed number of positions per batch (``sparse_prediction_rate`` of them,
+the masked ones first), so the shapes do not depend on the mask: no host sync and no ``torch.compile`` graph
+break at the gather (the public code's approach).
+
 The decoder is always tied to the word embeddings. There are no token-type embeddings: inputs carry
 ``input_ids`` and ``attention_mask`` only (a ``token_type_ids`` argument is accepted and ignored, so
 pipelines built for BERT still run). Attention goes through ``torch.nn.functional.scaled_dot_product_attention``.
@@ -66,7 +70,8 @@ class CrammedBertConfig(PretrainedConfig):
         final_norm: bool = True,
         head_transform: bool = False,
         decoder_bias: bool = False,
-        sparse_prediction: bool = True,
+        sparse_prediction: bool | str = True,
+        sparse_prediction_rate: float = 0.25,
         initializer_range: float = 0.02,
         hidden_dropout_prob: float = 0.1,
         attention_probs_dropout_prob: float = 0.1,
@@ -88,6 +93,10 @@ class CrammedBertConfig(PretrainedConfig):
             raise ValueError(f"pos_embedding must be scaled-sinusoidal, sinusoidal or learned, got {pos_embedding!r}")
         if classifier_pooling not in ("cls", "mean"):
             raise ValueError(f"classifier_pooling must be 'cls' or 'mean', got {classifier_pooling!r}")
+        if sparse_prediction not in (True, False, "static"):
+            raise ValueError(f"sparse_prediction must be true, false or 'static', got {sparse_prediction!r}")
+        if not 0 < sparse_prediction_rate <= 1:
+            raise ValueError(f"sparse_prediction_rate must be in (0, 1], got {sparse_prediction_rate!r}")
         if hidden_size % num_attention_heads:
             raise ValueError(f"hidden_size {hidden_size} is not divisible by num_attention_heads {num_attention_heads}")
         if boundary_kind not in (None, "bottleneck", "maxout"):
@@ -113,6 +122,7 @@ class CrammedBertConfig(PretrainedConfig):
         self.head_transform = head_transform
         self.decoder_bias = decoder_bias
         self.sparse_prediction = sparse_prediction
+        self.sparse_prediction_rate = sparse_prediction_rate
         self.initializer_range = initializer_range
         self.hidden_dropout_prob = hidden_dropout_prob
         self.attention_probs_dropout_prob = attention_probs_dropout_prob
@@ -147,6 +157,7 @@ class CrammedBertConfig(PretrainedConfig):
             head_transform=arch["head_transform"],
             decoder_bias=arch["decoder_bias"],
             sparse_prediction=arch["sparse_prediction"],
+            sparse_prediction_rate=arch.get("sparse_prediction_rate", 0.25),
             initializer_range=arch["init_std"],
             classifier_dim=arch["classifier_dim"],
             classifier_pooling=arch["classifier_pooling"],
@@ -368,9 +379,12 @@ class CrammedBertForMaskedLM(CrammedBertPreTrainedModel):
 
         With ``sparse_prediction`` and labels given, only the masked positions are decoded: the loss is the
         same as dense prediction, and ``logits`` has shape (masked positions, vocab) instead of
-        (batch, length, vocab).
+        (batch, length, vocab). With ``sparse_prediction: static`` the shape is (round(sparse_prediction_rate x
+        batch x length), vocab) whatever the mask: see :meth:`_static_sparse`.
         """
         hidden = self.bert(input_ids, attention_mask=attention_mask).last_hidden_state
+        if labels is not None and self.config.sparse_prediction == "static":
+            return self._static_sparse(hidden.view(-1, hidden.shape[-1]), labels.view(-1))
         if labels is not None and self.config.sparse_prediction:
             selected = labels.view(-1) != -100
             logits = self.head(hidden.view(-1, hidden.shape[-1])[selected])
@@ -380,6 +394,20 @@ class CrammedBertForMaskedLM(CrammedBertPreTrainedModel):
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1), ignore_index=-100)
+        return MaskedLMOutput(loss=loss, logits=logits)
+
+    def _static_sparse(self, hidden: torch.Tensor, labels: torch.Tensor) -> MaskedLMOutput:
+        """Decode a fixed number of positions: the masked ones in position order, then unmasked ones (label -100,
+        no share of the loss) to fill up, or the first masked ones only where more are masked than fit. With at
+        least as many slots as masked positions the loss is the boolean gather's; the count comes from shapes
+        alone, so nothing is read back from the device and ``torch.compile`` sees one static graph."""
+        positions = labels.shape[0]
+        count = min(positions, max(1, round(self.config.sparse_prediction_rate * positions)))
+        order = torch.arange(positions, 0, -1, device=labels.device)  # earlier positions rank higher
+        key = torch.where(labels != -100, order + positions, order)  # masked positions above all others
+        chosen = torch.topk(key, count, sorted=True).indices
+        logits = self.head(hidden[chosen])
+        loss = F.cross_entropy(logits.float(), labels[chosen], ignore_index=-100)
         return MaskedLMOutput(loss=loss, logits=logits)
 
 
