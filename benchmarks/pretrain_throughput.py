@@ -4,7 +4,14 @@ One training step = forward + backward + fused AdamW step under bf16 autocast, o
 (``--device``), masked-LM on random token blocks with a fixed number of masked positions per sequence
 (25 % of 128 = 32 by default). Crammed BERT decodes only the masked positions (sparse prediction); HF
 decodes every position and ignores the rest through ``labels == -100``. Both models see the same inputs and
-masks.
+masks. Variants of crammed (``--models``):
+
+- ``crammed-static``: ``sparse_prediction: static`` (a fixed number of decoded positions: no ``nonzero`` host
+  sync, no graph break under ``--compile``), on the same batches;
+- ``crammed-fed``: static sparse prediction fed the way pretraining feeds it, inside the timed step: the blocks
+  taken from host memory by the pretraining loader (pinned and copied without blocking on CUDA) and masked on
+  the device (:func:`cramswarm.training.mask_tokens`, fixed shapes); ``crammed-fed-prefetch``: the same with
+  the loader gathering the next batch in a background thread (``pretrain.prefetch``).
 
 Step time is the fastest timed step (the median is printed too): on a shared machine other processes only
 ever slow a step down. MFU is model FLOPs / (step time x peak), with the peak measured here, on the same device,
@@ -14,9 +21,10 @@ each token passes through (2 forward, 4 backward), the decoder only on the posit
 plus the attention score and value matmuls (2 x 2 x seq x hidden per layer per token forward, x3 for
 forward + backward). Embedding lookups, LayerNorms, activations, softmax and the optimizer count zero.
 
-    python benchmarks/pretrain_throughput.py                       # BERT-base shape, ~2 minutes on 2 cores
+    python benchmarks/pretrain_throughput.py                       # BERT-base shape, all five rows
     python benchmarks/pretrain_throughput.py --layers 2 --batch 4 --steps 2 --warmup 1 --json out.json
     python benchmarks/pretrain_throughput.py --device cuda --batch 128 --steps 20 --warmup 3 [--compile]
+    python benchmarks/pretrain_throughput.py --quick               # a tiny shape: checks the script runs
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 # Benchmark this checkout's model, whichever checkout the editable install points at.
@@ -37,6 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 
 TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736"
+KINDS = ("crammed", "crammed-static", "crammed-fed", "crammed-fed-prefetch", "hf")
+# --quick: a shape that runs in seconds on a CPU (checks the script, measures nothing worth quoting)
+QUICK = dict(layers=2, hidden=128, heads=2, intermediate=512, vocab=1024, batch=4, steps=2, warmup=1, peak_size=512)
 
 
 def physical_cores() -> int:
@@ -78,10 +90,10 @@ def measure_matmul_peak(size: int, device: torch.device, repeats: int = 5, dtype
 def flops_per_token(kind: str, args: argparse.Namespace) -> float:
     """Training FLOPs per input token (forward + backward = 3 x forward, forward = 2 x MACs)."""
     h, inter, layers, vocab, seq = args.hidden, args.intermediate, args.layers, args.vocab, args.seq
-    if kind == "crammed":  # fused qkv, out proj, gated FFN (h -> inter, inter/2 -> h), no head transform
+    if kind.startswith("crammed"):  # fused qkv, out proj, gated FFN (h -> inter, inter/2 -> h), no head transform
         layer_params = 3 * h * h + h * h + h * inter + (inter // 2) * h
         head_params = 0
-        decoded = args.masked / seq  # sparse prediction: only masked positions reach the decoder
+        decoded = args.masked / seq  # sparse prediction: only masked positions reach the decoder (static: as many)
     else:  # HF BERT: q, k, v, out, FFN (h -> inter -> h); head transform dense h x h; dense decoding
         layer_params = 4 * h * h + 2 * h * inter
         head_params = h * h
@@ -93,7 +105,7 @@ def flops_per_token(kind: str, args: argparse.Namespace) -> float:
 
 
 def build(kind: str, args: argparse.Namespace) -> torch.nn.Module:
-    if kind == "crammed":
+    if kind.startswith("crammed"):
         from cramswarm.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
 
         config = CrammedBertConfig(
@@ -105,6 +117,8 @@ def build(kind: str, args: argparse.Namespace) -> torch.nn.Module:
             max_position_embeddings=args.seq,
             hidden_dropout_prob=0.0,
             attention_probs_dropout_prob=0.0,
+            sparse_prediction=True if kind == "crammed" else "static",
+            sparse_prediction_rate=args.masked / args.seq,
         )
         return CrammedBertForMaskedLM(config)
     from transformers import BertConfig, BertForMaskedLM
@@ -136,6 +150,24 @@ def make_batches(args: argparse.Namespace, count: int, device: torch.device) -> 
     return batches
 
 
+def feeder(kind: str, args: argparse.Namespace, device: torch.device):
+    """(take, loader) for the fed variants: ``take(i)`` gives step i's (inputs, labels) the way pretraining
+    makes them (the loader's micro-batch of host blocks on the device, masked there)."""
+    from cramswarm.pretrain import MicroBatches
+    from cramswarm.training import mask_tokens
+
+    rows = args.batch * (args.warmup + args.steps)
+    blocks = np.random.default_rng(0).integers(5, args.vocab, (rows, args.seq)).astype(np.int32)
+    loader = MicroBatches(blocks, rows, args.batch, device, prefetch=kind.endswith("prefetch"))
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def take(i: int):
+        block = loader.take(i * args.batch % rows)
+        return mask_tokens(block, args.mask_rate, "fixed", args.vocab, generator, static=True)
+
+    return take, loader
+
+
 def run(kind: str, args: argparse.Namespace, batches, device: torch.device) -> dict:
     torch.manual_seed(0)
     model = build(kind, args).to(device).train()
@@ -144,10 +176,12 @@ def run(kind: str, args: argparse.Namespace, batches, device: torch.device) -> d
     step_model = torch.compile(model) if args.compile else model
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    take, loader = feeder(kind, args, device) if kind.startswith("crammed-fed") else (batches.__getitem__, None)
     times = []
-    for i, (inputs, labels) in enumerate(batches):
+    for i in range(len(batches)):
         synchronize(device)
         start = time.perf_counter()
+        inputs, labels = take(i)
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = step_model(input_ids=inputs, labels=labels).loss
         loss.backward()
@@ -160,6 +194,8 @@ def run(kind: str, args: argparse.Namespace, batches, device: torch.device) -> d
         if args.verbose:
             print(f"  {kind} step {i}: {elapsed:.3f} s, loss {loss.item():.3f}", flush=True)
     # The fastest timed step: on a shared machine other processes only ever slow a step down.
+    if loader is not None:
+        loader.close()
     step = min(times)
     peak_memory = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     del model, step_model, optimizer
@@ -209,7 +245,8 @@ def main(argv: list[str] | None = None) -> dict:
         default=None,
         help="square bf16 matmul size for the peak (default: 4096 on CPU, 8192 on CUDA)",
     )
-    parser.add_argument("--models", default="crammed,hf", help="comma-separated subset of crammed,hf")
+    parser.add_argument("--models", default=",".join(KINDS), help=f"comma-separated subset of {','.join(KINDS)}")
+    parser.add_argument("--quick", action="store_true", help="a tiny shape, a few seconds (checks the script runs)")
     parser.add_argument(
         "--no-malloc-trim",
         action="store_true",
@@ -219,6 +256,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--verbose", action="store_true", help="print every step")
     args = parser.parse_args(argv)
+    if args.quick:
+        vars(args).update(QUICK)
+    unknown = set(args.models.split(",")) - set(KINDS)
+    if unknown:
+        parser.error(f"--models: unknown {', '.join(sorted(unknown))}; allowed: {', '.join(KINDS)}")
     args.masked = round(args.mask_rate * args.seq)
     if args.no_malloc_trim and TUNABLES not in os.environ.get("GLIBC_TUNABLES", ""):
         env = dict(os.environ, GLIBC_TUNABLES=TUNABLES)
@@ -250,7 +292,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     by_kind = {r["model"]: r for r in results}
     header = (
-        f"{'model':<8} {'params':>8} {'best s':>7} {'median s':>8} {'tokens/s':>9} {'GFLOP/tok':>9} "
+        f"{'model':<20} {'params':>8} {'best s':>7} {'median s':>8} {'tokens/s':>9} {'GFLOP/tok':>9} "
         f"{'TFLOP/s':>8} {'MFU':>6} {'vs HF':>6}"
     )
     print(header)
@@ -259,7 +301,7 @@ def main(argv: list[str] | None = None) -> dict:
         ratio = r["tokens_per_s"] / by_kind["hf"]["tokens_per_s"] if "hf" in by_kind else float("nan")
         r["ratio_vs_hf"] = ratio
         print(
-            f"{r['model']:<8} {r['parameters'] / 1e6:>7.1f}M {r['step_s_best']:>7.3f} {r['step_s_median']:>8.3f} "
+            f"{r['model']:<20} {r['parameters'] / 1e6:>7.1f}M {r['step_s_best']:>7.3f} {r['step_s_median']:>8.3f} "
             f"{r['tokens_per_s']:>9.0f} "
             f"{r['flops_per_token'] / 1e9:>9.3f} {r['achieved_tflops']:>8.3f} {r['mfu']:>6.1%} {ratio:>6.2f}"
             + (f"  peak mem {r['cuda_peak_memory_bytes'] / 2**30:.1f} GiB" if r["cuda_peak_memory_bytes"] else "")

@@ -228,7 +228,8 @@ SWARM_STUDY_RUNS = {"wiring": 6, "failures": 8}  # emulation + simulator x routi
 
 def swarm_experiment_runtime(wildcards):
     """The emulated experiments: runs x duration_s x time_scale wall seconds; compression trains the SWARM
-    model once per boundary treatment; square_cube and sim_scale take seconds to minutes. Three times that."""
+    model once per boundary treatment; sim_scale grows with peers x simulated seconds x runs; square_cube takes
+    seconds to minutes. Three times that."""
     section = SWARM_EXPERIMENTS[wildcards.name]
     settings = config["swarm_study"][section]
     seconds = 60.0
@@ -236,6 +237,10 @@ def swarm_experiment_runtime(wildcards):
         seconds += SWARM_STUDY_RUNS[section] * settings["duration_s"] * settings["time_scale"]
     elif section == "rebalancing":
         seconds += 2 * len(settings["periods_s"]) * settings["duration_s"] * settings["time_scale"]
+    elif section == "sim_scale":
+        # measured about 1e-5 wall seconds per simulated peer-second (1000 peers x 1800 s: 17 s); twice that
+        runs = len(settings.get("preemption_models", [None])) * len(settings["rebalance_periods_s"])
+        seconds += 2e-5 * sum(settings["peer_counts"]) * settings["duration_s"] * runs
     elif section == "compression":
         tokens = settings["steps"] * settings["micro_batch_sequences"] * config["packing"]["block_tokens"]
         seq = config["packing"]["block_tokens"]

@@ -73,10 +73,13 @@ def mutate(cfg, path, value):
         (("pretrain", "batch_sequences"), 48, ["pretrain.batch_sequences", "multiple"]),
         (("pretrain", "compile_mode"), "fast", ["pretrain.compile_mode", "max-autotune, reduce-overhead"]),
         (("pretrain", "devices"), 0, ["pretrain.devices"]),
+        (("pretrain", "attention_backend"), "cudnn", ["pretrain.attention_backend", "math, flash, efficient"]),
         (("pretrain", "devices"), 3, ["pretrain.micro_batch_sequences", "devices x nodes = 3"]),
         (("pretrain", "nodes"), 3, ["pretrain.micro_batch_sequences", "devices x nodes = 3"]),
         (("models", "crammed", "arch", "heads"), 3, ["models.crammed.arch.heads", "divide"]),
         (("models", "crammed", "arch", "ffn"), "swiglu", ["models.crammed.arch.ffn", "glu, gelu"]),
+        (("models", "crammed", "arch", "sparse_prediction"), "dense", ["models.crammed.arch.sparse_prediction"]),
+        (("models", "crammed", "arch", "sparse_prediction_rate"), 0, ["models.crammed.arch.sparse_prediction_rate"]),
         (("pretrain", "schedule"), "cyclic", ["pretrain.schedule", "allowed values: triangle"]),
         (("pretrain", "mask_mode"), "span", ["pretrain.mask_mode", "fixed, bernoulli"]),
         (("pretrain", "budget"), {"unit": "steps", "value": -5}, ["pretrain.budget.value"]),
@@ -128,6 +131,13 @@ def mutate(cfg, path, value):
         (("models", "no_pretrain", "trainer"), "swarm", ["models.no_pretrain.trainer", "needs pretrain: true"]),
         (("swarm_study", "compression", "stages"), 4, ["swarm_study.compression.stages", "do not divide"]),
         (("swarm_study", "wiring", "speeds"), [1.5], ["swarm_study.wiring.speeds[0]", "maximum"]),
+        (("swarm_study", "wiring", "sweep_speeds"), ["fast"], ["swarm_study.wiring.sweep_speeds[0]", "mixed, equal"]),
+        (
+            ("swarm_study", "sim_scale", "preemption_models"),
+            ["meteor"],
+            ["swarm_study.sim_scale.preemption_models[0]", "independent, burst, churn_random, churn_most_loaded"],
+        ),
+        (("swarm_study", "sim_scale", "nic_mbit_s"), 0, ["swarm_study.sim_scale.nic_mbit_s"]),
     ],
 )
 def test_invalid_values_name_the_key(repo, default, path, value, expected):
@@ -135,6 +145,16 @@ def test_invalid_values_name_the_key(repo, default, path, value, expected):
         check(mutate(default, path, value), repo)
     for text in expected:
         assert text in str(err.value)
+
+
+def test_narrowing_compression_is_emulation_only(repo, default):
+    cfg = mutate(mutate(default, ("swarm", "compression"), "bottleneck4"), ("swarm", "transport"), "hivemind")
+    with pytest.raises(ConfigError, match="config key 'swarm.compression': bottleneck4 .* swarm.transport: emulation"):
+        check(cfg, repo)
+    cfg = mutate(mutate(cfg, ("swarm", "transport"), "emulation"), ("swarm", "stages"), 1)
+    with pytest.raises(ConfigError, match=r"'swarm.compression': bottleneck4 needs swarm.stages >= 2"):
+        check(cfg, repo)
+    check(mutate(cfg, ("swarm", "stages"), 2), repo)   # the emulation trains it
 
 
 def test_missing_mirror_folder_is_rejected(repo, default):

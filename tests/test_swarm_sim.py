@@ -125,3 +125,131 @@ def test_sim_agrees_with_emulation():
     simulated = sim.run(setup)["throughput_mb_s"]
     emulated = emulation.run(setup, time_scale=0.1)["throughput_mb_s"]
     assert emulated == pytest.approx(simulated, rel=0.15)
+
+
+# -- the network: shared NICs and per-link latency --------------------------------------------------------------
+MB = 1_000_000
+
+
+def first_done_s(result: dict) -> list[float]:
+    return [t for t, _ in result["timeline"][1:]]
+
+
+def test_one_call_over_a_nic_takes_bytes_over_bandwidth_plus_latency():
+    # One trainer, one peer: 4 transfers (forward and backward, request and reply) of 1 MB at 100 Mbit/s (0.08 s
+    # each) with 20 ms one-way latency, plus 0.5 s forward and 1 s backward compute.
+    expected = 4 * (MB * 8 / 100e6 + 0.02) + 0.5 * (1 + emulation.BACKWARD_COMPUTE_FACTOR)
+    for network in ({"nic_mbit_s": 100.0}, {"bandwidth_mbit_s": 100.0}):
+        setup = SwarmSetup(peers=[PeerSpec(0)], trainers=1, stage_time_s=0.5, activation_bytes=MB, latency_s=0.02,
+                           duration_s=10.0, **network)
+        assert first_done_s(sim.run(setup))[0] == pytest.approx(expected, rel=1e-9)
+    # the per-peer fields override the setup's
+    setup = SwarmSetup(peers=[PeerSpec(0, nic_mbit_s=100.0, latency_s=0.02)], trainers=1, stage_time_s=0.5,
+                       activation_bytes=MB, nic_mbit_s=1.0, duration_s=10.0)
+    assert first_done_s(sim.run(setup))[0] == pytest.approx(expected, rel=1e-9)
+
+
+def test_two_concurrent_transfers_through_one_nic_each_take_twice_as_long():
+    # Two trainers call one peer at once; compute is negligible, so their requests and replies overlap on its NIC
+    # and each transfer takes 2 x 0.08 s: both microbatches finish after 4 x (0.16 + 0.02) s.
+    common = {"peers": [PeerSpec(0)], "trainers": 2, "stage_time_s": 1e-9, "activation_bytes": MB,
+              "latency_s": 0.02, "duration_s": 1.0}
+    shared = first_done_s(sim.run(SwarmSetup(nic_mbit_s=100.0, **common)))
+    assert shared[:2] == pytest.approx([4 * (2 * 0.08 + 0.02)] * 2, rel=1e-6)
+    # per-link bandwidth alone is never shared: the same two calls take 0.08 s per transfer
+    unshared = first_done_s(sim.run(SwarmSetup(bandwidth_mbit_s=100.0, **common)))
+    assert unshared[:2] == pytest.approx([4 * (0.08 + 0.02)] * 2, rel=1e-6)
+    # a link slower than the NIC's share caps each transfer: 50 Mbit/s links under a 1 Gbit/s NIC
+    capped = first_done_s(sim.run(SwarmSetup(nic_mbit_s=1000.0, bandwidth_mbit_s=50.0, **common)))
+    assert capped[:2] == pytest.approx([4 * (0.16 + 0.02)] * 2, rel=1e-6)
+
+
+def test_a_slow_shared_nic_bounds_throughput_and_the_emulation_refuses_it():
+    # 8 trainers, one fast peer whose 10 Mbit/s NIC carries 4 x 1 MB per microbatch: at most 10e6 / 32e6 mb/s
+    # (without the NIC it would be about 30 mb/s); the trainers move in lockstep, so the run ends mid-round
+    setup = SwarmSetup(peers=[PeerSpec(0)], trainers=8, stage_time_s=0.01, activation_bytes=MB, nic_mbit_s=10.0,
+                       forward_timeout_s=60.0, duration_s=200.0)
+    result = sim.run(setup)
+    bound = 10e6 / (4 * 8 * MB)
+    assert 0.85 * bound < result["throughput_mb_s"] <= bound
+    assert result["lost_microbatches"] == 0 and result["timeouts"] == 0
+    with pytest.raises(ValueError, match="simulator only"):
+        emulation.run(setup, time_scale=0.01)
+    with pytest.raises(ValueError, match="nic_mbit_s"):
+        SwarmSetup(peers=[PeerSpec(0)], trainers=1, stage_time_s=1.0, nic_mbit_s=0.0).validate()
+
+
+def test_a_peer_killed_mid_transfer_times_out_and_the_call_is_resent():
+    peers = [PeerSpec(0), PeerSpec(0)]
+    setup = SwarmSetup(peers=peers, trainers=4, stage_time_s=0.1, activation_bytes=MB, nic_mbit_s=100.0,
+                       latency_s=0.01, forward_timeout_s=2.0, duration_s=60.0,
+                       failures=[FailureEvent(10.0, 0, rejoin_after_s=10.0)])
+    result = sim.run(setup)
+    assert result["peers_killed"] == 1 and result["rejoins"] == 1
+    assert result["lost_microbatches"] == 0 and result["retries"] > 0
+    assert window_rate(result, 40.0, 60.0) > 0.5 * window_rate(result, 0.0, 10.0)
+
+
+# -- preemption models ----------------------------------------------------------------------------------------
+def test_burst_failures_kill_several_up_peers_at_once():
+    events = sim.burst_failures(20, 3600.0, mean_interval_s=300.0, burst_size=4, rejoin_after_s=600.0, seed=3)
+    times = sorted({e.at_s for e in events})
+    assert 5 <= len(times) <= 20                      # about 12 bursts in an hour
+    down_until: dict[int, float] = {}
+    for t in times:
+        hit = [e.peer for e in events if e.at_s == t]
+        assert len(hit) == len(set(hit)) == 4        # never fewer than 4 up out of 20 here
+        for peer in hit:
+            assert down_until.get(peer, -1.0) <= t    # never a peer that is down
+            down_until[peer] = t + 600.0
+    assert events == sim.burst_failures(20, 3600.0, mean_interval_s=300.0, burst_size=4, rejoin_after_s=600.0,
+                                        seed=3)
+
+
+def test_churn_replaces_departed_peers_with_new_ones():
+    failures, joins = sim.churn(10, 3600.0, mean_interval_s=120.0, join_after_s=60.0, stage="most_loaded", seed=1)
+    assert all(e.rejoin_after_s is None for e in failures)
+    assert 15 <= len(failures) <= 45                  # about 30 departures in an hour
+    assert [j.at_s for j in joins] == [e.at_s + 60.0 for e in failures][:len(joins)]
+    assert all(j.stage == "most_loaded" and 0.5 <= j.speed <= 1.0 for j in joins)
+    left: set[int] = set()
+    for event in failures:      # each departure is a peer present at that moment, original or arrived
+        assert event.peer not in left
+        assert event.peer < 10 or joins[event.peer - 10].at_s <= event.at_s
+        left.add(event.peer)
+
+
+def test_preemption_models_share_the_rate_of_preempted_peers():
+    counts = {}
+    for model in sim.PREEMPTION_MODELS:
+        failures, joins = sim.preemptions(model, 100, 7200.0, preemptions_per_peer_hour=1.0, rejoin_after_s=600.0,
+                                          burst_size=4, seed=5)
+        counts[model] = len(failures)
+        # churn: a newcomer for each departure whose newcomer arrives within the run
+        expected_joins = sum(e.at_s + 600.0 < 7200.0 for e in failures) if model.startswith("churn") else 0
+        assert len(joins) == expected_joins
+    for count in counts.values():
+        assert count == pytest.approx(200, rel=0.25)   # 100 peers x 1 per hour x 2 hours
+    with pytest.raises(ValueError, match="unknown preemption model"):
+        sim.preemptions("sunspots", 10, 10.0, preemptions_per_peer_hour=1.0, rejoin_after_s=1.0)
+
+
+def test_a_newcomer_joins_the_most_loaded_stage():
+    # Stage 1 loses two of its three peers for good at 10 s; a peer arriving at 30 s takes the starved stage
+    # (most_loaded) and serves it after its 5 s state download; the optimum counts it from its arrival.
+    peers = [PeerSpec(s) for s in range(2) for _ in range(3)]
+    failures = [FailureEvent(10.0, 3), FailureEvent(10.0, 4)]
+    results = {}
+    for joins in ([emulation.JoinEvent(30.0, speed=1.0, stage="most_loaded")], []):
+        setup = SwarmSetup(peers=peers, trainers=8, stage_time_s=0.5, failures=failures, joins=joins,
+                           forward_timeout_s=5.0, duration_s=120.0, state_download_s=5.0)
+        results[len(joins)] = sim.run(setup)
+        assert results[len(joins)]["lost_microbatches"] == 0
+    assert results[1]["joins"] == 1 and results[0]["joins"] == 0
+    assert results[1]["per_stage_peers"][1] == ["peer005", "peer006"]
+    assert window_rate(results[1], 60.0, 120.0) > 1.6 * window_rate(results[0], 60.0, 120.0)   # 2 peers vs 1
+    setup = SwarmSetup(peers=[PeerSpec(0), PeerSpec(1)], trainers=1, stage_time_s=1.0, duration_s=100.0,
+                       failures=[FailureEvent(50.0, 1)], joins=[emulation.JoinEvent(75.0)])
+    assert sim.optimum_over_time(setup) == pytest.approx((75 / 100) / 3.0)
+    with pytest.raises(ValueError, match="simulator only"):
+        emulation.run(setup, time_scale=0.01)

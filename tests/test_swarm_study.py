@@ -22,7 +22,8 @@ def study_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("study")
     study.square_cube(out / "square_cube.csv", hidden_sizes=(32, 64), bandwidths_mbit_s=(10.0, 100.0),
                       batch=4, seq_len=32, repeats=1, head_dim=16)
-    study.wiring_throughput(out / "wiring_throughput.csv", duration_s=20.0, time_scale=0.05)
+    study.wiring_throughput(out / "wiring_throughput.csv", duration_s=20.0, time_scale=0.05,
+                            sweep_trainers_per_peer=(0.5, 2.0, 8.0))
     study.failures_timeline(out / "failures_timeline.csv", stages=2, peers_per_stage=2, trainers=4,
                             stage_time_s=0.5, kill_every_s=10.0, rejoin_after_s=5.0, duration_s=30.0,
                             forward_timeout_s=3.0, window_s=5.0, transports=("sim",))
@@ -36,7 +37,8 @@ def study_dir(tmp_path_factory):
                            configs=("none", "blockwise8", "bottleneck2", "maxout2"), steps=4, micro_batch=4)
     study.sim_scale(out / "sim_scale.csv", peer_counts=(20,), stages=2, duration_s=120.0,
                     preemptions_per_peer_hour=30.0, rejoin_after_s=30.0, rebalance_periods_s=(None, 20.0),
-                    state_download_s=5.0, trainer_processes=2)
+                    state_download_s=5.0, trainer_processes=2, nic_mbit_s=100.0, latency_ms=20.0,
+                    activation_bytes=100_000)
     return out
 
 
@@ -59,11 +61,23 @@ def test_square_cube_columns_and_payloads(study_dir):
 def test_wiring_columns_and_order(study_dir):
     frame = pd.read_csv(study_dir / "wiring_throughput.csv")
     assert columns(study_dir / "wiring_throughput.csv") == [
-        "transport", "routing", "stages", "peers", "trainers", "throughput_mb_s", "optimum_mb_s",
-        "percent_of_optimum", "microbatches_done", "retries", "duration_s", "wall_s"]
-    assert set(frame["transport"]) == {"emulation", "sim"}
-    simulated = frame[frame["transport"] == "sim"].set_index("routing")["throughput_mb_s"]
+        "run", "speeds", "transport", "routing", "stages", "peers", "trainers", "trainers_per_peer",
+        "throughput_mb_s", "optimum_mb_s", "percent_of_optimum", "microbatches_done", "retries", "duration_s",
+        "wall_s"]
+    base, sweep = frame[frame["run"] == "base"], frame[frame["run"] == "sweep"]
+    assert set(base["transport"]) == {"emulation", "sim"} and set(sweep["transport"]) == {"sim"}
+    simulated = base[base["transport"] == "sim"].set_index("routing")["throughput_mb_s"]
     assert simulated["weighted"] > simulated["uniform"]
+    # the sweep: 3 loads x 2 speed profiles x 3 routings, 6 peers -> 3, 12 and 48 trainers
+    assert len(sweep) == 3 * 2 * 3
+    assert sorted(set(sweep["trainers"])) == [3, 12, 48]
+    assert set(sweep["speeds"]) == {"mixed", "equal"}
+    weighted = sweep[sweep["routing"] == "weighted"].pivot_table(index="trainers_per_peer", columns="speeds",
+                                                                 values="percent_of_optimum")
+    assert (weighted.loc[8.0] > weighted.loc[0.5]).all()   # more in flight per peer: closer to the optimum
+    assert (sweep["percent_of_optimum"] <= 100 + 1e-9).all()
+    with pytest.raises(ValueError, match="sweep_speeds"):
+        study.wiring_throughput(study_dir / "unused.csv", sweep_speeds=("fast",), transports=())
 
 
 def test_failure_and_rebalancing_timelines(study_dir):
@@ -102,10 +116,18 @@ def test_compression_config_names_are_checked(tmp_path):
 def test_sim_scale_rows(study_dir):
     frame = pd.read_csv(study_dir / "sim_scale.csv", na_values=["NaN"])
     assert columns(study_dir / "sim_scale.csv") == [
-        "peers", "stages", "rebalance_period_s", "throughput_mb_s", "optimum_mb_s", "percent_of_optimum",
-        "static_percent", "preemptions", "moves", "retries", "lost_microbatches", "events", "sim_wall_s"]
-    assert len(frame) == 2 and (frame["preemptions"] > 0).all()
+        "peers", "stages", "preemption_model", "rebalance_period_s", "throughput_mb_s", "optimum_mb_s",
+        "percent_of_optimum", "static_percent", "preemptions", "joins", "moves", "retries", "lost_microbatches",
+        "nic_mbit_s", "latency_ms", "activation_bytes", "events", "sim_wall_s"]
+    assert len(frame) == 4 * 2 and (frame["preemptions"] > 0).all()
+    assert list(dict.fromkeys(frame["preemption_model"])) == ["independent", "burst", "churn_random",
+                                                              "churn_most_loaded"]
+    churn = frame["preemption_model"].str.startswith("churn")
+    assert (frame.loc[churn, "joins"] > 0).all() and (frame.loc[~churn, "joins"] == 0).all()
     assert ((frame["percent_of_optimum"] > 0) & (frame["percent_of_optimum"] <= 100)).all()
+    assert (frame["nic_mbit_s"] == 100.0).all() and (frame["latency_ms"] == 20.0).all()
+    with pytest.raises(ValueError, match="preemption_models"):
+        study.sim_scale(study_dir / "unused.csv", preemption_models=("meteor",))
 
 
 def test_report_writes_tables_figures_and_captions(study_dir, tmp_path):
@@ -117,6 +139,8 @@ def test_report_writes_tables_figures_and_captions(study_dir, tmp_path):
         assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
         assert (tmp_path / f"{name}.pdf").read_bytes()[:4] == b"%PDF"
     assert "95.8 %" in (tmp_path / "sim_scale.caption.rst").read_text()
+    assert "churn most loaded" in (tmp_path / "sim_scale.caption.rst").read_text()
+    assert "trainers per peer" in (tmp_path / "wiring_throughput.caption.rst").read_text()
     assert "[secondary" in (tmp_path / "square_cube.caption.rst").read_text()
     table = pd.read_csv(tmp_path / "failures_timeline_table.csv")
     assert np.allclose(table.loc[table["failures"] == "none", "percent_of_failure_free"], 100.0)

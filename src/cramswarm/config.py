@@ -244,9 +244,25 @@ def _semantic_errors(cfg: dict, base_dir: Path, schema: dict) -> list[str]:
             f"processes, which needs swarm.transport: hivemind (not {cfg['swarm']['transport']})"
         )
     stages = cfg["swarm"]["stages"]
+    compression = cfg["swarm"]["compression"]
+    if compression.startswith(("bottleneck", "maxout")):
+        if cfg["swarm"]["transport"] != "emulation":
+            errors.append(
+                f"config key 'swarm.compression': {compression} narrows the stage boundaries with a trained layer, "
+                f"which only swarm.transport: emulation implements (not {cfg['swarm']['transport']}); the hivemind "
+                "transport takes none, fp16 or blockwise8"
+            )
+        if stages < 2:
+            errors.append(f"config key 'swarm.compression': {compression} needs swarm.stages >= 2 (a boundary)")
     for name, model in cfg["models"].items():
         if model["trainer"] != "swarm":
             continue
+        factor = int(compression[-1]) if compression.startswith(("bottleneck", "maxout")) else 1
+        if model["arch"]["hidden_size"] % factor:
+            errors.append(
+                f"config key 'swarm.compression': {compression}'s factor {factor} does not divide "
+                f"models.{name}.arch.hidden_size ({model['arch']['hidden_size']})"
+            )
         if not model["pretrain"]:
             errors.append(
                 f"config key 'models.{name}.trainer': swarm needs pretrain: true (a random-init model is not trained)"

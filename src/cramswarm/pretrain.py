@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -46,7 +47,7 @@ from cramswarm.training import (
 SNAPSHOT_EVERY_STEPS = 50
 MAX_NONFINITE_STEPS = 10
 # recipe keys that change how a run executes but not what it computes: a state saved under other values resumes
-RUN_ONLY_KEYS = ("compile_mode", "devices", "nodes")
+RUN_ONLY_KEYS = ("compile_mode", "devices", "nodes", "prefetch", "attention_backend")
 LOG_COLUMNS = ("step", "tokens", "progress", "loss", "lr", "lr_multiplier", "batch_sequences", "elapsed_s", "eval_loss")
 
 
@@ -102,10 +103,46 @@ class HeldOut:
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device``: on CUDA through pinned memory, copied without blocking the host."""
-    if device.type != "cuda":
+    """A tensor on ``device``: from the host to CUDA through pinned memory, copied without blocking the host."""
+    if device.type != "cuda" or tensor.device.type == "cuda":
         return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
+    return (tensor if tensor.is_pinned() else tensor.pin_memory()).to(device, non_blocking=True)
+
+
+class MicroBatches:
+    """The training blocks of each micro-batch on the device: rows ``[cursor, cursor + micro)`` of the training
+    blocks (wrapping around), in row order.
+
+    With ``prefetch``, a background thread gathers the next micro-batch's rows (and pins them on CUDA) while the
+    current one computes; :meth:`take` then only starts its non-blocking copy. The batch is a function of the
+    cursor alone, which the caller keeps (and saves with the training state): a prefetched batch is used only when
+    it was prepared for the cursor asked for, so prefetching never changes which blocks a step sees.
+    """
+
+    def __init__(self, blocks: np.ndarray, n_blocks: int, micro: int, device: torch.device, prefetch: bool):
+        self.blocks, self.n_blocks, self.micro, self.device = blocks, n_blocks, micro, device
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch") if prefetch else None
+        self._pending: tuple[int, Future] | None = None
+
+    def _host(self, cursor: int) -> torch.Tensor:
+        idx = np.sort(np.arange(cursor, cursor + self.micro) % self.n_blocks)
+        batch = torch.from_numpy(self.blocks[idx].astype(np.int64))
+        return batch.pin_memory() if self.device.type == "cuda" else batch
+
+    def take(self, cursor: int) -> torch.Tensor:
+        """The micro-batch at ``cursor``, on the device; with prefetching, the next one is started."""
+        if self._pending is not None and self._pending[0] == cursor:
+            batch = self._pending[1].result()
+        else:
+            batch = self._host(cursor)
+        if self._pool is not None:
+            following = (cursor + self.micro) % self.n_blocks
+            self._pending = (following, self._pool.submit(self._host, following))
+        return to_device(batch, self.device)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def compile_model(model: torch.nn.Module, recipe: dict):
@@ -116,16 +153,52 @@ def compile_model(model: torch.nn.Module, recipe: dict):
     return torch.compile(model, mode=None if mode == "default" else mode)
 
 
+# pretrain.attention_backend -> the torch.nn.attention.SDPBackend it allows (auto: torch chooses among all)
+ATTENTION_BACKENDS = {"math": "MATH", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
+
+
+def attention_backend(recipe: dict, model: torch.nn.Module, precision: str, device: torch.device):
+    """A context running scaled-dot-product attention with the recipe's ``attention_backend`` kernel only.
+
+    ``auto`` leaves the choice to torch. Another choice is tried once on a short input first (in eval mode, so no
+    dropout draw changes the run), and refused with a message naming the key where this device, dtype or shape
+    has no such kernel (e.g. ``efficient`` on a CPU), rather than failing inside the first step.
+    """
+    name = recipe.get("attention_backend", "auto")
+    if name == "auto":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if name not in ATTENTION_BACKENDS:
+        allowed = ", ".join(["auto", *ATTENTION_BACKENDS])
+        raise ValueError(f"pretrain.attention_backend: unknown {name!r}; allowed: {allowed}")
+    backend = getattr(SDPBackend, ATTENTION_BACKENDS[name])
+    was_training = model.training
+    model.eval()
+    probe = torch.full((2, min(16, model.config.max_position_embeddings)), tokenization.MASK_ID, device=device)
+    try:
+        with sdpa_kernel([backend]), autocast(precision, device):
+            model(probe)
+    except RuntimeError as error:
+        raise ValueError(
+            f"pretrain.attention_backend: {name} attention does not run here ({device.type}, precision "
+            f"{precision}); use auto or math. torch said: {str(error).splitlines()[0]}"
+        ) from error
+    finally:
+        model.train(was_training)
+    return sdpa_kernel([backend])
+
+
 def _slice_loss(forward, inputs, labels, all_labels, precision: str, device: torch.device):
     """This process's share of a micro-batch's mean MLM loss: its rows' mean loss weighted by its share of the
     micro-batch's predicted tokens, so that the shares sum to the loss one process computes on the whole
-    micro-batch (and their gradients to its gradient)."""
-    predicted, total = int((labels != -100).sum()), int((all_labels != -100).sum())  # host tensors: no sync
+    micro-batch (and their gradients to its gradient). The counts stay on the device (no host read)."""
+    predicted, total = (labels != -100).sum(), (all_labels != -100).sum().clamp(min=1)
     with autocast(precision, device):
         out = forward(to_device(inputs, device), labels=to_device(labels, device))
-    if predicted == 0:  # nothing to predict in this slice: a zero loss that still reaches every parameter
-        return out.logits.float().sum() * 0.0
-    return out.loss * (predicted / total)
+    # nothing to predict in this slice: a zero loss (its mean over no tokens is NaN) that still reaches every
+    # parameter, with zero gradients
+    return torch.where(predicted > 0, out.loss, torch.zeros_like(out.loss)) * (predicted / total)
 
 
 def _clone_state(value):
@@ -270,11 +343,20 @@ def _pretrain(
             flush=True,
         )
 
+    if arch["sparse_prediction"] == "static" and recipe["mask_mode"] == "fixed":
+        rate = arch.get("sparse_prediction_rate", 0.25)
+        if max(1, round(recipe["mask_rate"] * block_tokens)) * share > round(rate * share * block_tokens):
+            say(
+                f"warning: sparse_prediction_rate {rate} decodes fewer positions than mask_rate "
+                f"{recipe['mask_rate']} masks; the loss leaves the last masked positions of each micro-batch out",
+                flush=True,
+            )
     model = build_model(arch, vocab_size, recipe["seed"], dropout=recipe.get("dropout", 0.0)).to(device)
     model.train()
     optimizer = make_optimizer(model, recipe, fused=device.type == "cuda")
     scaler = torch.amp.GradScaler(enabled=precision == "fp16")
-    generator = torch.Generator().manual_seed(recipe["seed"])
+    # the training masks are drawn where the model runs (on CPU the same draws as earlier versions)
+    generator = torch.Generator(device=device).manual_seed(recipe["seed"])
 
     counters = dict(
         step=0,
@@ -297,8 +379,13 @@ def _pretrain(
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scaler.load_state_dict(state["scaler"])
-        generator.set_state(state["generator"])
         counters, log_text = {**counters, **state["counters"]}, state["log"]
+        saved_on = state.get("generator_device", "cpu")  # states of earlier versions: a CPU generator
+        if saved_on == device.type:
+            generator.set_state(state["generator"])
+        else:  # a state saved on another kind of device: its generator state does not fit this one's
+            generator.manual_seed(recipe["seed"] + counters["step"])
+            say(f"masks after the resume are drawn afresh (seed + step): the state was saved on {saved_on}", flush=True)
         counters["resumed_from_step"] = counters["step"]
         say(f"resuming from {state_path} at step {counters['step']} ({counters['tokens']:,} tokens)", flush=True)
     if world.size > 1:
@@ -319,6 +406,7 @@ def _pretrain(
                 "optimizer": optimizer.state_dict(),
                 "scaler": scaler.state_dict(),
                 "generator": generator.get_state(),
+                "generator_device": device.type,
                 "counters": dict(counters),
                 "log": log_text,
             },
@@ -338,111 +426,119 @@ def _pretrain(
     # the last good weights and optimizer state, in memory: a non-finite loss reloads them (Cramming's reference
     # reloads its last checkpoint), skips the batch that caused it and counts it in the summary
     last_good = None
-    while (t := budget_progress(budget, c["tokens"], c["step"], clock())) < 1.0:
-        multiplier = lr_multiplier(recipe["schedule"], *schedule_point(recipe, t, c["sequences"]))
-        lr = recipe["lr"] * multiplier
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        if recipe.get("batch_ramp_micro_steps"):
-            accumulate = accumulation_at_micro_step(
-                c["sequences"] // micro, recipe["batch_sequences"], micro, recipe["batch_ramp_micro_steps"]
-            )
-        else:
-            accumulate = accumulation_at(t, final_accumulation, recipe["batch_ramp_fraction"])
-        # the step's loss is summed on the device and read once, after the last micro-batch: no host sync per
-        # micro-step (a .item() there would wait for every forward and backward to finish)
-        step_loss = torch.zeros((), device=device)
-        for micro_step in range(accumulate):
-            idx = np.arange(c["cursor"], c["cursor"] + micro) % n_blocks
-            c["cursor"] = (c["cursor"] + micro) % n_blocks
-            c["epochs_of_data"] += micro / n_blocks
-            batch = torch.from_numpy(blocks[np.sort(idx)].astype(np.int64))
-            # every process masks the whole micro-batch with the shared generator (the same draws as one process)
-            # and keeps its rows
-            inputs, labels = mask_tokens(batch, recipe["mask_rate"], recipe["mask_mode"], vocab_size, generator)
-            # inner micro-steps accumulate gradients locally; the last one all-reduces them
-            inner = world.size > 1 and micro_step < accumulate - 1
-            with trained.no_sync() if inner else contextlib.nullcontext():
-                if world.size == 1:
-                    with autocast(precision, device):
-                        loss = forward(to_device(inputs, device), labels=to_device(labels, device)).loss
-                else:
-                    loss = _slice_loss(forward, inputs[rows], labels[rows], labels, precision, device)
-                loss = loss / accumulate
-                scaler.scale(loss * world.size).backward()  # DDP averages gradients over processes; undo that
-            step_loss += loss.detach().float()
-            c["tokens"] += micro * block_tokens
-            c["sequences"] += micro
-        # the one host read of this optimizer step (every process reads the same sum, so all skip or step alike)
-        step_loss = world.all_sum(step_loss).item()
-        if not math.isfinite(step_loss):
-            c["skipped_nonfinite"] += 1
-            optimizer.zero_grad(set_to_none=True)
-            if last_good is not None:
-                model.load_state_dict(last_good["model"])
-                optimizer.load_state_dict(last_good["optimizer"])
-                c["reloaded"] += 1
-            say(
-                f"non-finite loss {step_loss} at step {c['step'] + 1}: batch skipped"
-                + (", weights reloaded from the last good step" if last_good is not None else ""),
-                flush=True,
-            )
-            if c["skipped_nonfinite"] > MAX_NONFINITE_STEPS:
-                raise FloatingPointError(
-                    f"pretraining loss was non-finite in {c['skipped_nonfinite']} steps "
-                    f"(last at step {c['step'] + 1}); "
-                    "lower pretrain.lr"
+    # the loader's thread and the attention kernel choice last as long as the loop
+    running = contextlib.ExitStack()
+    running.enter_context(attention_backend(recipe, model, precision, device))
+    loader = MicroBatches(blocks, n_blocks, micro, device, recipe["prefetch"])
+    running.callback(loader.close)
+    try:
+        while (t := budget_progress(budget, c["tokens"], c["step"], clock())) < 1.0:
+            multiplier = lr_multiplier(recipe["schedule"], *schedule_point(recipe, t, c["sequences"]))
+            lr = recipe["lr"] * multiplier
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            if recipe.get("batch_ramp_micro_steps"):
+                accumulate = accumulation_at_micro_step(
+                    c["sequences"] // micro, recipe["batch_sequences"], micro, recipe["batch_ramp_micro_steps"]
                 )
-            continue
-        scaler.unscale_(optimizer)
-        if recipe["grad_clip_norm"] is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), recipe["grad_clip_norm"])
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        c["step"] += 1
-        if c["step"] % SNAPSHOT_EVERY_STEPS == 1:
-            last_good = {
-                "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
-                "optimizer": _clone_state(optimizer.state_dict()),
-            }
-        c["window_loss"], c["window_n"] = c["window_loss"] + step_loss, c["window_n"] + 1
-        done = budget_progress(budget, c["tokens"], c["step"], elapsed())
-        eval_loss = ""
-        if heldout is not None and done * recipe["eval_points"] >= c["next_eval"] - 1e-9:
-            eval_loss = f"{heldout.loss(model, precision, device):.5f}"
-            c["next_eval"] = math.floor(done * recipe["eval_points"] + 1e-9) + 1
-        if c["step"] % recipe["log_every_steps"] == 0 or eval_loss or done >= 1.0:
-            mean_loss = c["window_loss"] / c["window_n"]
-            row = (
-                c["step"],
-                c["tokens"],
-                f"{t:.5f}",
-                f"{mean_loss:.5f}",
-                f"{lr:.6g}",
-                f"{multiplier:.5f}",
-                accumulate * micro,
-                f"{elapsed():.2f}",
-                eval_loss,
-            )
-            log_text += ",".join(map(str, row)) + "\n"
-            c["last_loss"] = mean_loss
-            if eval_loss:
-                c["last_eval_loss"] = float(eval_loss)
-            bar.set_postfix(
-                tokens=f"{c['tokens']:,}",
-                loss=f"{mean_loss:.3f}",
-                lr=f"{lr:.2e}",
-                tok_s=f"{c['tokens'] / elapsed():,.0f}",
-            )
-            c["window_loss"], c["window_n"] = 0.0, 0
-        bar.update(min(100, int(100 * done)) - bar.n)
-        if state_path is not None and done < 1.0 and world.main:
-            every = recipe["resume_every_steps"]
-            if (every and c["step"] % every == 0) or time.perf_counter() - last_save >= recipe["resume_every_seconds"]:
-                c["elapsed_s"] = elapsed()
-                start = last_save = time.perf_counter()
-                save_state()
+            else:
+                accumulate = accumulation_at(t, final_accumulation, recipe["batch_ramp_fraction"])
+            # the step's loss is summed on the device and read once, after the last micro-batch: no host sync per
+            # micro-step (a .item() there would wait for every forward and backward to finish)
+            step_loss = torch.zeros((), device=device)
+            for micro_step in range(accumulate):
+                batch = loader.take(c["cursor"])
+                c["cursor"] = (c["cursor"] + micro) % n_blocks
+                c["epochs_of_data"] += micro / n_blocks
+                # every process masks the whole micro-batch with the shared generator (the same draws as one process)
+                # and keeps its rows
+                inputs, labels = mask_tokens(batch, recipe["mask_rate"], recipe["mask_mode"], vocab_size, generator)
+                # inner micro-steps accumulate gradients locally; the last one all-reduces them
+                inner = world.size > 1 and micro_step < accumulate - 1
+                with trained.no_sync() if inner else contextlib.nullcontext():
+                    if world.size == 1:
+                        with autocast(precision, device):
+                            loss = forward(inputs, labels=labels).loss
+                    else:
+                        loss = _slice_loss(forward, inputs[rows], labels[rows], labels, precision, device)
+                    loss = loss / accumulate
+                    scaler.scale(loss * world.size).backward()  # DDP averages gradients over processes; undo that
+                step_loss += loss.detach().float()
+                c["tokens"] += micro * block_tokens
+                c["sequences"] += micro
+            # the one host read of this optimizer step (every process reads the same sum, so all skip or step alike)
+            step_loss = world.all_sum(step_loss).item()
+            if not math.isfinite(step_loss):
+                c["skipped_nonfinite"] += 1
+                optimizer.zero_grad(set_to_none=True)
+                if last_good is not None:
+                    model.load_state_dict(last_good["model"])
+                    optimizer.load_state_dict(last_good["optimizer"])
+                    c["reloaded"] += 1
+                say(
+                    f"non-finite loss {step_loss} at step {c['step'] + 1}: batch skipped"
+                    + (", weights reloaded from the last good step" if last_good is not None else ""),
+                    flush=True,
+                )
+                if c["skipped_nonfinite"] > MAX_NONFINITE_STEPS:
+                    raise FloatingPointError(
+                        f"pretraining loss was non-finite in {c['skipped_nonfinite']} steps "
+                        f"(last at step {c['step'] + 1}); "
+                        "lower pretrain.lr"
+                    )
+                continue
+            scaler.unscale_(optimizer)
+            if recipe["grad_clip_norm"] is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), recipe["grad_clip_norm"])
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            c["step"] += 1
+            if c["step"] % SNAPSHOT_EVERY_STEPS == 1:
+                last_good = {
+                    "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                    "optimizer": _clone_state(optimizer.state_dict()),
+                }
+            c["window_loss"], c["window_n"] = c["window_loss"] + step_loss, c["window_n"] + 1
+            done = budget_progress(budget, c["tokens"], c["step"], elapsed())
+            eval_loss = ""
+            if heldout is not None and done * recipe["eval_points"] >= c["next_eval"] - 1e-9:
+                eval_loss = f"{heldout.loss(model, precision, device):.5f}"
+                c["next_eval"] = math.floor(done * recipe["eval_points"] + 1e-9) + 1
+            if c["step"] % recipe["log_every_steps"] == 0 or eval_loss or done >= 1.0:
+                mean_loss = c["window_loss"] / c["window_n"]
+                row = (
+                    c["step"],
+                    c["tokens"],
+                    f"{t:.5f}",
+                    f"{mean_loss:.5f}",
+                    f"{lr:.6g}",
+                    f"{multiplier:.5f}",
+                    accumulate * micro,
+                    f"{elapsed():.2f}",
+                    eval_loss,
+                )
+                log_text += ",".join(map(str, row)) + "\n"
+                c["last_loss"] = mean_loss
+                if eval_loss:
+                    c["last_eval_loss"] = float(eval_loss)
+                bar.set_postfix(
+                    tokens=f"{c['tokens']:,}",
+                    loss=f"{mean_loss:.3f}",
+                    lr=f"{lr:.2e}",
+                    tok_s=f"{c['tokens'] / elapsed():,.0f}",
+                )
+                c["window_loss"], c["window_n"] = 0.0, 0
+            bar.update(min(100, int(100 * done)) - bar.n)
+            if state_path is not None and done < 1.0 and world.main:
+                every = recipe["resume_every_steps"]
+                due = time.perf_counter() - last_save >= recipe["resume_every_seconds"]
+                if (every and c["step"] % every == 0) or due:
+                    c["elapsed_s"] = elapsed()
+                    start = last_save = time.perf_counter()
+                    save_state()
+    finally:
+        running.close()
     bar.close()
     total_s = elapsed()
     if not world.main:  # rank 0 writes the outputs

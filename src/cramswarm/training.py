@@ -47,29 +47,46 @@ def budget_progress(budget: dict, tokens: int, steps: int, elapsed_s: float) -> 
     return used / budget["value"]
 
 
-def mask_tokens(block: torch.Tensor, rate: float, mode: str, vocab_size: int, generator: torch.Generator):
+def mask_tokens(
+    block: torch.Tensor, rate: float, mode: str, vocab_size: int, generator: torch.Generator, static: bool | None = None
+):
     """BERT masking with the 80/10/10 rule. Returns (inputs, labels); labels are -100 where not predicted.
 
     ``fixed``: exactly round(rate x length) positions per sequence (ICML recipe; any position may be chosen).
     ``bernoulli``: each non-[SEP] token independently with probability ``rate`` (v1 recipe).
     Random replacements are drawn from the non-special vocabulary.
+
+    The masks are drawn on ``block``'s device from ``generator`` (which must live there). ``static`` picks how:
+    with fixed shapes only (one replacement token drawn for every position, kept where replaced: no count read
+    back, so no host sync on an accelerator), or with a replacement drawn only per replaced position (the draws
+    of every earlier version, kept byte for byte on the CPU). By default it is static unless the generator is
+    a CPU one, where reading a count is free and the masks stay those of earlier runs.
     """
+    if static is None:
+        static = generator.device.type != "cpu"
     batch, length = block.shape
+    device = block.device
     if mode == "fixed":
         count = max(1, round(rate * length))
-        chosen_pos = torch.rand(batch, length, generator=generator).argsort(dim=1)[:, :count]
-        selected = torch.zeros(batch, length, dtype=torch.bool).scatter_(1, chosen_pos, True)
+        chosen_pos = torch.rand(batch, length, generator=generator, device=device).argsort(dim=1)[:, :count]
+        selected = torch.zeros(batch, length, dtype=torch.bool, device=device).scatter_(1, chosen_pos, True)
     elif mode == "bernoulli":
-        selected = (torch.rand(batch, length, generator=generator) < rate) & (block != tokenization.SEP_ID)
+        draw = torch.rand(batch, length, generator=generator, device=device)
+        selected = (draw < rate) & (block != tokenization.SEP_ID)
     else:
         raise ValueError(f"unknown mask_mode {mode!r}; allowed: fixed, bernoulli")
     labels = torch.where(selected, block, torch.full_like(block, -100))
-    roll = torch.rand(batch, length, generator=generator)
-    inputs = block.clone()
-    inputs[selected & (roll < 0.8)] = tokenization.MASK_ID
+    roll = torch.rand(batch, length, generator=generator, device=device)
     replace = selected & (roll >= 0.8) & (roll < 0.9)
     first_regular = len(tokenization.SPECIAL_TOKENS)
-    inputs[replace] = torch.randint(first_regular, vocab_size, (int(replace.sum()),), generator=generator)
+    if static:
+        random_ids = torch.randint(first_regular, vocab_size, (batch, length), generator=generator, device=device)
+        inputs = torch.where(selected & (roll < 0.8), torch.full_like(block, tokenization.MASK_ID), block)
+        return torch.where(replace, random_ids, inputs), labels
+    inputs = block.clone()
+    inputs[selected & (roll < 0.8)] = tokenization.MASK_ID
+    random_ids = torch.randint(first_regular, vocab_size, (int(replace.sum()),), generator=generator, device=device)
+    inputs[replace] = random_ids
     return inputs, labels
 
 

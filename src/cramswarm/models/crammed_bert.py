@@ -17,6 +17,10 @@ switch                      crammed (default)            original BERT
 ``sparse_prediction``       on (only masked positions)   off
 ==========================  ===========================  =====================================
 
+``sparse_prediction: static`` decodes a fixed number of positions per batch (``sparse_prediction_rate`` of them,
+the masked ones first), so the shapes do not depend on the mask: no host sync and no ``torch.compile`` graph
+break at the gather (the public code's approach).
+
 The decoder is always tied to the word embeddings. There are no token-type embeddings: inputs carry
 ``input_ids`` and ``attention_mask`` only (a ``token_type_ids`` argument is accepted and ignored, so
 pipelines built for BERT still run). Attention goes through ``torch.nn.functional.scaled_dot_product_attention``.
@@ -66,7 +70,8 @@ class CrammedBertConfig(PretrainedConfig):
         final_norm: bool = True,
         head_transform: bool = False,
         decoder_bias: bool = False,
-        sparse_prediction: bool = True,
+        sparse_prediction: bool | str = True,
+        sparse_prediction_rate: float = 0.25,
         initializer_range: float = 0.02,
         hidden_dropout_prob: float = 0.1,
         attention_probs_dropout_prob: float = 0.1,
@@ -75,6 +80,9 @@ class CrammedBertConfig(PretrainedConfig):
         classifier_pooling: str = "cls",
         pad_token_id: int = 0,
         tie_word_embeddings: bool = True,
+        boundary_kind: str | None = None,
+        boundary_factor: int = 2,
+        boundary_layers: list[int] | None = None,
         **kwargs,
     ):
         if norm_scheme not in ("pre", "post"):
@@ -85,8 +93,18 @@ class CrammedBertConfig(PretrainedConfig):
             raise ValueError(f"pos_embedding must be scaled-sinusoidal, sinusoidal or learned, got {pos_embedding!r}")
         if classifier_pooling not in ("cls", "mean"):
             raise ValueError(f"classifier_pooling must be 'cls' or 'mean', got {classifier_pooling!r}")
+        if sparse_prediction not in (True, False, "static"):
+            raise ValueError(f"sparse_prediction must be true, false or 'static', got {sparse_prediction!r}")
+        if not 0 < sparse_prediction_rate <= 1:
+            raise ValueError(f"sparse_prediction_rate must be in (0, 1], got {sparse_prediction_rate!r}")
         if hidden_size % num_attention_heads:
             raise ValueError(f"hidden_size {hidden_size} is not divisible by num_attention_heads {num_attention_heads}")
+        if boundary_kind not in (None, "bottleneck", "maxout"):
+            raise ValueError(f"boundary_kind must be bottleneck, maxout or None, got {boundary_kind!r}")
+        if boundary_kind and (boundary_factor < 1 or hidden_size % boundary_factor):
+            raise ValueError(f"boundary_factor {boundary_factor} must divide hidden_size {hidden_size}")
+        if boundary_kind and not all(0 <= i < num_hidden_layers - 1 for i in boundary_layers or []):
+            raise ValueError(f"boundary_layers {boundary_layers} must name layers before the last")
         self.vocab_size = vocab_size
         self.num_hidden_layers = num_hidden_layers
         self.hidden_size = hidden_size
@@ -104,12 +122,18 @@ class CrammedBertConfig(PretrainedConfig):
         self.head_transform = head_transform
         self.decoder_bias = decoder_bias
         self.sparse_prediction = sparse_prediction
+        self.sparse_prediction_rate = sparse_prediction_rate
         self.initializer_range = initializer_range
         self.hidden_dropout_prob = hidden_dropout_prob
         self.attention_probs_dropout_prob = attention_probs_dropout_prob
         self.classifier_dim = classifier_dim or hidden_size
         self.classifier_dropout = classifier_dropout
         self.classifier_pooling = classifier_pooling
+        # SWARM's compression-aware layers (cramswarm.swarm.compression): a bottleneck or maxout layer of this
+        # factor after each of these layers (0-based); they are where a swarm's stage boundaries were
+        self.boundary_kind = boundary_kind
+        self.boundary_factor = boundary_factor
+        self.boundary_layers = sorted(boundary_layers or []) if boundary_kind else []
         super().__init__(pad_token_id=pad_token_id, tie_word_embeddings=tie_word_embeddings, **kwargs)
 
     @classmethod
@@ -133,6 +157,7 @@ class CrammedBertConfig(PretrainedConfig):
             head_transform=arch["head_transform"],
             decoder_bias=arch["decoder_bias"],
             sparse_prediction=arch["sparse_prediction"],
+            sparse_prediction_rate=arch.get("sparse_prediction_rate", 0.25),
             initializer_range=arch["init_std"],
             classifier_dim=arch["classifier_dim"],
             classifier_pooling=arch["classifier_pooling"],
@@ -269,6 +294,13 @@ class CrammedBertModel(CrammedBertPreTrainedModel):
         self.layers = nn.ModuleList(Layer(config) for _ in range(config.num_hidden_layers))
         final = config.final_norm and config.norm_scheme == "pre"
         self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps) if final else nn.Identity()
+        if config.boundary_layers:   # registered last: the other modules are initialised as without them
+            from cramswarm.swarm.compression import make_narrowing
+
+            kind, factor, eps = config.boundary_kind, config.boundary_factor, config.norm_eps
+            self.boundaries = nn.ModuleDict(
+                {str(i): make_narrowing(kind, config.hidden_size, factor, eps) for i in config.boundary_layers}
+            )
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -294,8 +326,11 @@ class CrammedBertModel(CrammedBertPreTrainedModel):
         if attention_mask is not None and not bool(attention_mask.all()):
             mask = attention_mask[:, None, None, :].bool()  # True = attend; broadcast over heads and queries
         x = self.embeddings(input_ids)
-        for layer in self.layers:
+        boundaries = getattr(self, "boundaries", {})
+        for i, layer in enumerate(self.layers):
             x = layer(x, mask)
+            if str(i) in boundaries:
+                x = boundaries[str(i)](x)
         return BaseModelOutput(last_hidden_state=self.final_norm(x))
 
 
@@ -344,9 +379,12 @@ class CrammedBertForMaskedLM(CrammedBertPreTrainedModel):
 
         With ``sparse_prediction`` and labels given, only the masked positions are decoded: the loss is the
         same as dense prediction, and ``logits`` has shape (masked positions, vocab) instead of
-        (batch, length, vocab).
+        (batch, length, vocab). With ``sparse_prediction: static`` the shape is (round(sparse_prediction_rate x
+        batch x length), vocab) whatever the mask: see :meth:`_static_sparse`.
         """
         hidden = self.bert(input_ids, attention_mask=attention_mask).last_hidden_state
+        if labels is not None and self.config.sparse_prediction == "static":
+            return self._static_sparse(hidden.view(-1, hidden.shape[-1]), labels.view(-1))
         if labels is not None and self.config.sparse_prediction:
             selected = labels.view(-1) != -100
             logits = self.head(hidden.view(-1, hidden.shape[-1])[selected])
@@ -356,6 +394,20 @@ class CrammedBertForMaskedLM(CrammedBertPreTrainedModel):
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1), ignore_index=-100)
+        return MaskedLMOutput(loss=loss, logits=logits)
+
+    def _static_sparse(self, hidden: torch.Tensor, labels: torch.Tensor) -> MaskedLMOutput:
+        """Decode a fixed number of positions: the masked ones in position order, then unmasked ones (label -100,
+        no share of the loss) to fill up, or the first masked ones only where more are masked than fit. With at
+        least as many slots as masked positions the loss is the boolean gather's; the count comes from shapes
+        alone, so nothing is read back from the device and ``torch.compile`` sees one static graph."""
+        positions = labels.shape[0]
+        count = min(positions, max(1, round(self.config.sparse_prediction_rate * positions)))
+        order = torch.arange(positions, 0, -1, device=labels.device)  # earlier positions rank higher
+        key = torch.where(labels != -100, order + positions, order)  # masked positions above all others
+        chosen = torch.topk(key, count, sorted=True).indices
+        logits = self.head(hidden[chosen])
+        loss = F.cross_entropy(logits.float(), labels[chosen], ignore_index=-100)
         return MaskedLMOutput(loss=loss, logits=logits)
 
 

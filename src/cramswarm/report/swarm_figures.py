@@ -61,6 +61,14 @@ TABLE_LABELS: dict[str, str] = {
     "peers": "Peers",
     "static_percent": "Initial assignment % of optimum",
     "preemptions": "Preemptions",
+    "preemption_model": "Preemption model",
+    "joins": "Joins",
+    "run": "Run",
+    "speeds": "Peer speeds",
+    "trainers": "Trainers",
+    "trainers_per_peer": "Trainers per peer",
+    "nic_mbit_s": "NIC (Mbit/s)",
+    "latency_ms": "Latency (ms)",
     "events": "Events",
     "sim_wall_s": "Sim wall time (s)",
 }
@@ -197,34 +205,74 @@ swarm.md 1.7 [derived].
 
 # --------------------------------------------------------------------------------------------------- wiring
 
+def _wiring_winners(sweep: pd.DataFrame) -> str:
+    """Per speed profile: which routing had the highest throughput at each load of the simulated sweep."""
+    parts = []
+    for profile, rows in sweep.groupby("speeds", sort=False):
+        best: dict[str, list[str]] = {}
+        for load, at_load in rows.groupby("trainers_per_peer"):
+            top = at_load.loc[at_load["throughput_mb_s"].idxmax()]
+            best.setdefault(top["routing"], []).append(f"{load:g} ({top['percent_of_optimum']:.0f} %)")
+        wins = "; ".join(f"{routing} at {', '.join(loads)}" for routing, loads in best.items())
+        parts.append(f"{profile} speeds: {wins}")
+    return ". ".join(parts)
+
+
 def wiring_figure(csv: str | os.PathLike, out_dir: str | os.PathLike) -> list[Path]:
-    """M2: throughput per routing policy and transport, with the optimum as a line."""
+    """M2: throughput per routing policy and transport, with the optimum as a line; beside it the simulated
+    sweep over trainers per peer (share of the optimum per routing, mixed and equal peer speeds)."""
     data = _read(csv, ("transport", "routing", "throughput_mb_s", "optimum_mb_s", "percent_of_optimum"))
+    if "run" not in data.columns:
+        data = data.assign(run="base", speeds="mixed")
+    if "trainers_per_peer" not in data.columns:
+        data = data.assign(trainers_per_peer=data["trainers"] / data["peers"])
+    base, sweep = data[data["run"] == "base"], data[data["run"] == "sweep"]
     out = Path(out_dir)
-    columns = ["transport", "routing", "throughput_mb_s", "optimum_mb_s", "percent_of_optimum", "retries"]
+    columns = ["run", "speeds", "transport", "routing", "trainers", "trainers_per_peer", "throughput_mb_s",
+               "optimum_mb_s", "percent_of_optimum", "retries"]
     paths = list(write_swarm_table(data[[c for c in columns if c in data.columns]], out / "wiring_throughput_table"))
     with _style():
-        fig = _new_figure(6.5, 4.0)
-        ax = fig.subplots()
-        sns.barplot(data=data, x="routing", y="throughput_mb_s", hue="transport", ax=ax)
-        ax.axhline(data["optimum_mb_s"].iloc[0], color="0.3", linestyle="--", linewidth=1,
+        fig = _new_figure(12.0 if len(sweep) else 6.5, 4.0)
+        axes = np.atleast_1d(fig.subplots(1, 2 if len(sweep) else 1))
+        ax = axes[0]
+        sns.barplot(data=base, x="routing", y="throughput_mb_s", hue="transport", ax=ax)
+        ax.axhline(base["optimum_mb_s"].iloc[0], color="0.3", linestyle="--", linewidth=1,
                    label="optimum (every peer busy)")
         for container in ax.containers:
             ax.bar_label(container, fmt="%.2f", fontsize=7, padding=2)
         ax.set_xlabel("routing policy")
         ax.set_ylabel("throughput (microbatches/s)")
-        ax.set_title("Stochastic wiring on heterogeneous peers")
-        ax.set_ylim(0, data["optimum_mb_s"].iloc[0] * 1.15)
+        ax.set_title(f"Mixed speeds, {int(base['trainers'].iloc[0])} trainers")
+        ax.set_ylim(0, base["optimum_mb_s"].iloc[0] * 1.15)
         _legend_outside(ax)
-    first = data.iloc[0]
-    ratio = _ratio(data, "weighted", "uniform")
+        if len(sweep):
+            ax = axes[1]
+            sns.lineplot(data=sweep, x="trainers_per_peer", y="percent_of_optimum", hue="routing", style="speeds",
+                         markers=True, ax=ax)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("trainers per peer (microbatches in flight per peer)")
+            ax.set_ylabel("throughput (% of optimum)")
+            ax.set_ylim(0, 105)
+            ax.set_title("Simulator: routing vs load")
+            _legend_outside(ax)
+    first = base.iloc[0]
+    ratio = _ratio(base, "weighted", "uniform")
+    sweep_text = ""
+    if len(sweep):
+        loads = ", ".join(f"{v:g}" for v in sorted(sweep["trainers_per_peer"].unique()))
+        sweep_text = f"""
+Right: the simulator alone, the same stages at {loads} trainers per peer (trainers = that x peers, rounded up),
+on the mixed-speed peers and on as many peers of speed 1 (equal); share of each setup's optimum. Highest
+throughput at each load (trainers per peer, its % of optimum): {_wiring_winners(sweep)}. Which routing wins
+depends on the load and the speeds: read each result with its setup."""
     caption = f"""
 **Stochastic wiring (M2).** Throughput (completed forward + backward microbatches per second) of SWARM's weighted
 routing (interleaved weighted round-robin on measured peer throughput), uniform random routing and fixed chains
-(the c-th peer of every stage), on {int(first['stages'])} stages of peers with speeds 1, 0.5 and 0.25 (rotated per
-stage so that fixed chains mix fast and slow peers), {int(first['trainers'])} concurrent trainers, no failures,
-{first['duration_s']:g} emulated seconds; thread emulation and discrete-event simulator side by side. Dashed: the
-optimum, every stage's summed peer rate (all peers busy). Weighted / uniform throughput: {ratio}.
+(the c-th peer of every stage). Left: {int(first['stages'])} stages of peers with speeds 1, 0.5 and 0.25 (rotated
+per stage so that fixed chains mix fast and slow peers), {int(first['trainers'])} concurrent trainers
+({first['trainers_per_peer']:.2g} per peer), no failures, {first['duration_s']:g} emulated seconds; thread
+emulation and discrete-event simulator side by side. Dashed: the optimum, every stage's summed peer rate (all
+peers busy). Weighted / uniform throughput: {ratio}.{sweep_text}
 Expected shape (swarm.md 6.2 M2 [proposal]): weighted approaches the sum of the rates, uniform tends to
 3 x the slowest peer, up to ~2.3x apart. swarm.md gives no published number for this experiment.
 """
@@ -393,37 +441,69 @@ essentially nothing, maxout degrades less than bottleneck at the same factor, 2x
 
 # ------------------------------------------------------------------------------------------------ sim scale
 
+def _rebalancing_gains(data: pd.DataFrame) -> str:
+    """Per preemption model: the change of % of optimum that rebalancing brings, over the swarm sizes."""
+    parts = []
+    for model, rows in data.groupby("preemption_model", sort=False):
+        off = rows[rows["rebalance_period_s"].isna()].set_index("peers")["percent_of_optimum"]
+        for period, on_rows in rows[rows["rebalance_period_s"].notna()].groupby("rebalance_period_s"):
+            gain = (on_rows.set_index("peers")["percent_of_optimum"] - off).dropna()
+            if len(gain):
+                cells = ", ".join(f"{g:+.1f} at {int(n)}" for n, g in gain.items())
+                parts.append(f"{model}, T = {period:g} s: {cells} (points at peers)")
+    return "; ".join(parts) or "no run with rebalancing off and on"
+
+
 def sim_scale_figure(csv: str | os.PathLike, out_dir: str | os.PathLike) -> list[Path]:
-    """Simulator at scale: throughput as % of optimum vs swarm size, rebalancing off vs on."""
+    """Simulator at scale: throughput as % of optimum vs swarm size, rebalancing off vs on, one panel per
+    preemption model."""
     data = _read(csv, ("peers", "rebalance_period_s", "throughput_mb_s", "optimum_mb_s", "percent_of_optimum"))
+    if "preemption_model" not in data.columns:
+        data = data.assign(preemption_model="independent")
     out = Path(out_dir)
-    columns = ["peers", "rebalance_period_s", "throughput_mb_s", "optimum_mb_s", "percent_of_optimum",
-               "static_percent", "preemptions", "moves", "retries", "lost_microbatches", "events", "sim_wall_s"]
+    columns = ["peers", "preemption_model", "rebalance_period_s", "throughput_mb_s", "optimum_mb_s",
+               "percent_of_optimum", "static_percent", "preemptions", "joins", "moves", "retries",
+               "lost_microbatches", "nic_mbit_s", "latency_ms", "events", "sim_wall_s"]
     paths = list(write_swarm_table(data[[c for c in columns if c in data.columns]], out / "sim_scale_table"))
     plot = data.assign(rebalancing=data["rebalance_period_s"].map(_period_label), peers=data["peers"].astype(str))
+    models = list(dict.fromkeys(data["preemption_model"]))
     with _style():
-        fig = _new_figure(9.0, 4.0)
-        ax = fig.subplots()
-        sns.barplot(data=plot, x="peers", y="percent_of_optimum", hue="rebalancing", ax=ax)
-        for container in ax.containers:
-            ax.bar_label(container, fmt="%.1f", fontsize=7, padding=2)
-        ax.axhline(95.8, color="0.25", linestyle="--", linewidth=1, label="paper, T = 300 s: 95.8 % [secondary]")
-        ax.axhline(82.7, color="0.55", linestyle=":", linewidth=1, label="paper, no rebalancing: 82.7 % [secondary]")
-        ax.set_ylim(0, 110)
-        ax.set_xlabel("swarm size (peers)")
-        ax.set_ylabel("throughput (% of optimal assignment)")
-        ax.set_title("Simulated swarms with preemptions: throughput vs optimum")
-        _legend_outside(ax, "rebalancing")
+        fig = _new_figure(3.6 * len(models) + 2.4, 4.0)
+        axes = np.atleast_1d(fig.subplots(1, len(models), sharey=True))
+        for ax, model in zip(axes, models):
+            sns.barplot(data=plot[plot["preemption_model"] == model], x="peers", y="percent_of_optimum",
+                        hue="rebalancing", ax=ax)
+            for container in ax.containers:
+                ax.bar_label(container, fmt="%.1f", fontsize=6, padding=2)
+            ax.axhline(95.8, color="0.25", linestyle="--", linewidth=1, label="paper, T = 300 s: 95.8 % [secondary]")
+            ax.axhline(82.7, color="0.55", linestyle=":", linewidth=1,
+                       label="paper, no rebalancing: 82.7 % [secondary]")
+            ax.set_ylim(0, 110)
+            ax.set_xlabel("swarm size (peers)")
+            ax.set_title(model.replace("_", " "))
+            if ax is axes[-1]:
+                _legend_outside(ax, "rebalancing")
+            elif ax.get_legend() is not None:
+                ax.get_legend().remove()
+        axes[0].set_ylabel("throughput (% of optimal assignment)")
     first = data.iloc[0]
     sizes = ", ".join(map(str, sorted(data["peers"].unique())))
+    network = "no network (transfers take no time)"
+    if "nic_mbit_s" in data.columns and pd.notna(first["nic_mbit_s"]):
+        network = (f"every peer's NIC {first['nic_mbit_s']:g} Mbit/s shared by its transfers, "
+                   f"{first['latency_ms']:g} ms one-way latency, {int(first['activation_bytes']):,} bytes per transfer")
     caption = f"""
 **Simulated swarms at scale (E4 shape).** Discrete-event simulation of swarms of {sizes}
-peers on {int(first['stages'])} stages (random initial stage per peer, heterogeneous speeds), with Poisson
-preemptions and rejoins; throughput as a percentage of the optimum, the time average of the best assignment of the
-live peers to stages (max over assignments of the slowest stage's summed rate). Bars: rebalancing off vs on (one
-move per period at most). The table adds the initial assignment's bottleneck as a percentage of the optimum (what a
-swarm that never moves peers is capped at), preemptions, moves, retries, lost microbatches and simulator cost.
-{PAPER_E4} The paper's swarm size and preemption trace differ from this simulation.
+peers on {int(first['stages'])} stages (random initial stage per peer, heterogeneous speeds), {network}, under
+each preemption model at the same rate of preempted peers: independent (Poisson, the peer back on its own stage),
+burst (several peers at once), churn random / churn most loaded (preempted peers never return; newcomers arrive
+on a random / the most loaded stage). Throughput as a percentage of the optimum, the time average of the best
+assignment of the live peers to stages (max over assignments of the slowest stage's summed rate). Bars:
+rebalancing off vs on (one move per period at most). Change that rebalancing brings, in points of the optimum:
+{_rebalancing_gains(data)}. The table adds the initial assignment's bottleneck as a percentage of the optimum
+(what a swarm that never moves peers is capped at), preemptions, joins, moves, retries, lost microbatches and
+simulator cost. {PAPER_E4} The paper's swarm size and preemption trace (recorded T4 preemptions) differ from
+these synthetic models.
 """
     return paths + _save_all(fig, out / "sim_scale", caption)
 

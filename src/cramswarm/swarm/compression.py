@@ -14,6 +14,13 @@ Schemes (``SCHEMES``):
 ``Boundary`` quantises in the forward pass and quantises the incoming gradient in the backward pass, i.e. it
 simulates a stage boundary inside one process. ``Bottleneck`` and ``Maxout`` are SWARM's compression-aware
 layers (swarm.md 2.2): only a narrower tensor crosses the boundary.
+
+Swarm training (``swarm.compression``) takes a scheme or a narrowing layer, ``bottleneck2``/``bottleneck4``/
+``maxout2``/``maxout4`` (``COMPRESSIONS``; the digit is the factor): the model then holds one such layer at
+the end of every stage but the last (``CrammedBertConfig.boundary_*``), split in two halves
+(:func:`split_narrowing`): the sending stage ends with the narrowing half (:class:`NarrowingSend`) and the next
+stage starts with the widening ``up`` projection, so the narrowed tensor (and its gradient) is what travels,
+in fp32 (:func:`wire_scheme`).
 """
 
 from __future__ import annotations
@@ -24,6 +31,9 @@ import torch
 from torch import nn
 
 SCHEMES = ("none", "fp16", "blockwise8")
+NARROWING = {"bottleneck2": ("bottleneck", 2), "bottleneck4": ("bottleneck", 4), "maxout2": ("maxout", 2),
+             "maxout4": ("maxout", 4)}
+COMPRESSIONS = SCHEMES + tuple(NARROWING)  # what swarm.compression accepts
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
 
 
@@ -97,11 +107,56 @@ def boundary(x: torch.Tensor, scheme: str) -> torch.Tensor:
     return x if scheme == "none" else Boundary.apply(x, scheme)
 
 
+def narrowing(compression: str) -> tuple[str, int] | None:
+    """(kind, factor) of a narrowing ``swarm.compression`` (``bottleneck2`` -> ("bottleneck", 2)); None for a
+    scheme; ValueError for anything else."""
+    if compression in NARROWING:
+        return NARROWING[compression]
+    if compression in SCHEMES:
+        return None
+    raise ValueError(f"unknown compression {compression!r}; allowed: {', '.join(COMPRESSIONS)}")
+
+
+def wire_scheme(compression: str) -> str:
+    """The scheme the boundary tensors travel in: the scheme itself, fp32 (``none``) for a narrowing layer."""
+    return "none" if narrowing(compression) else compression
+
+
+def make_narrowing(kind: str, hidden: int, factor: int, eps: float = 1e-12) -> nn.Module:
+    if kind == "bottleneck":
+        return Bottleneck(hidden, factor, eps=eps)
+    if kind == "maxout":
+        return Maxout(hidden, factor, eps=eps)
+    raise ValueError(f"unknown narrowing layer {kind!r}; allowed: bottleneck, maxout")
+
+
+class NarrowingSend(nn.Module):
+    """The sending half of a ``Bottleneck`` or ``Maxout``: everything before the boundary (its modules are the
+    layer's own, under the same names); its output is the narrowed tensor."""
+
+    def __init__(self, layer: Bottleneck | Maxout):
+        super().__init__()
+        self.kind = type(layer).__name__
+        for name in layer.SEND:
+            self.add_module(name, getattr(layer, name))
+        self.k = getattr(layer, "k", 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (Bottleneck.send if self.kind == "Bottleneck" else Maxout.send)(self, x)
+
+
+def split_narrowing(layer: Bottleneck | Maxout) -> tuple[NarrowingSend, nn.Linear]:
+    """(sending half, widening ``up`` projection) sharing the layer's modules; copy them to separate them."""
+    return NarrowingSend(layer), layer.up
+
+
 class Bottleneck(nn.Module):
     """LayerNorm(d) -> Linear(d, d/f) -> LayerNorm(d/f) -> [boundary] -> Linear(d/f, d).
 
     Replaces the residual stream at a stage's end; only the d/f-wide tensor crosses the boundary.
     """
+
+    SEND = ("norm_in", "down", "norm_mid")   # the modules before the boundary
 
     def __init__(self, hidden: int, factor: int, scheme: str = "none", eps: float = 1e-12):
         super().__init__()
@@ -114,8 +169,11 @@ class Bottleneck(nn.Module):
         self.norm_mid = nn.LayerNorm(hidden // factor, eps=eps)
         self.up = nn.Linear(hidden // factor, hidden)
 
+    def send(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm_mid(self.down(self.norm_in(x)))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.up(boundary(self.norm_mid(self.down(self.norm_in(x))), self.scheme))
+        return self.up(boundary(self.send(x), self.scheme))
 
 
 class Maxout(nn.Module):
@@ -123,6 +181,8 @@ class Maxout(nn.Module):
 
     The sender side has no parameters besides the norms; only the d/k-wide tensor crosses the boundary.
     """
+
+    SEND = ("norm_in", "norm_mid")   # the modules before the boundary
 
     def __init__(self, hidden: int, k: int, scheme: str = "none", eps: float = 1e-12):
         super().__init__()
@@ -134,7 +194,9 @@ class Maxout(nn.Module):
         self.norm_mid = nn.LayerNorm(hidden // k, eps=eps)
         self.up = nn.Linear(hidden // k, hidden)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def send(self, x: torch.Tensor) -> torch.Tensor:
         x = self.norm_in(x)
-        pooled = x.view(*x.shape[:-1], x.shape[-1] // self.k, self.k).amax(dim=-1)
-        return self.up(boundary(self.norm_mid(pooled), self.scheme))
+        return self.norm_mid(x.view(*x.shape[:-1], x.shape[-1] // self.k, self.k).amax(dim=-1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.up(boundary(self.send(x), self.scheme))

@@ -21,18 +21,19 @@ Two entry points share this machinery:
   wall seconds / ``time_scale``, so a 60 s setup runs in 3 s with ``time_scale=0.05``. The threads really run
   concurrently, so results carry thread-scheduling jitter: compare them with margins, not exactly (the
   discrete-event simulator ``sim`` is the exact, deterministic counterpart).
-* ``train(...)`` - real training of crammed BERT split into stages (``stages.split_model``): each peer holds a
-  replica of its stage's module and AdamW state; activations and gradients cross stage boundaries encoded with
-  ``compression.encode``/``decode``; backward goes to any replica of the stage and recomputes the stage forward
-  (as in SWARM's code). Each stage accumulates gradients across its replicas until the recipe's global batch
-  (``StageSync``), then takes one synchronous step: the gradient average weighted by local samples, the same
-  clipping and the same AdamW step on every live replica, so replicas stay bitwise equal. Stages step
-  independently (bounded staleness across stages, inherent to SWARM). Gradient clipping is therefore per stage,
-  not over the whole model as in single-process pretraining. A stage processes each microbatch's gradient once
-  (a resent request is recognised by its microbatch id). A killed peer's unaveraged gradients are lost, as in
-  SWARM (counted in ``lost_gradient_samples``); the fault injector never kills the last live replica of a stage
-  (its state would be gone); a rejoining peer downloads parameters and optimizer state from a live replica.
-  Emulated speed: a peer of speed s sleeps ``t_compute * (1/s - 1)`` after each computation.
+* ``train(...)`` - real training of crammed BERT split into stages (``stages.split_model``): each peer holds a replica
+  of its stage's module and AdamW state; activations and gradients cross stage boundaries encoded with
+  ``compression.encode``/``decode`` (a narrowing ``swarm.compression``, bottleneck/maxout, puts a trained layer at each
+  boundary, ``stages.build_swarm_model``, and the narrowed tensor travels in fp32); backward goes to any replica of the
+  stage and recomputes the stage forward (as in SWARM's code). Each stage accumulates gradients across its replicas
+  until the recipe's global batch (``StageSync``), then takes one synchronous step: the gradient average weighted by
+  local samples, the same clipping and the same AdamW step on every live replica, so replicas stay bitwise equal. Stages
+  step independently (bounded staleness across stages, inherent to SWARM). Gradient clipping is therefore per stage, not
+  over the whole model as in single-process pretraining. A stage processes each microbatch's gradient once (a resent
+  request is recognised by its microbatch id). A killed peer's unaveraged gradients are lost, as in SWARM (counted in
+  ``lost_gradient_samples``); the fault injector never kills the last live replica of a stage (its state would be gone);
+  a rejoining peer downloads parameters and optimizer state from a live replica. Emulated speed: a peer of speed s
+  sleeps ``t_compute * (1/s - 1)`` after each computation.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from typing import Any, Callable, Iterator
 import torch
 from tqdm.auto import tqdm
 
-from cramswarm.swarm.compression import SCHEMES, decode, encode, payload_bytes
+from cramswarm.swarm.compression import COMPRESSIONS, decode, encode, payload_bytes, wire_scheme
 from cramswarm.swarm.policies import (
     Move,
     NoPeersError,
@@ -62,12 +63,11 @@ from cramswarm.swarm.policies import (
     StageSync,
     UniformBalancer,
 )
-from cramswarm.swarm.stages import split_model
+from cramswarm.swarm.stages import build_swarm_model, split_model
 from cramswarm.training import (
     accumulation_at,
     autocast,
     budget_progress,
-    build_model,
     decay_groups,
     lr_multiplier,
     resolve_precision,
@@ -83,6 +83,8 @@ RECORD_TTL_TIMEOUTS = 3.0  # directory records live this many forward timeouts; 
 class PeerSpec:
     stage: int
     speed: float = 1.0  # 0.5 = twice as slow
+    nic_mbit_s: float | None = None  # this peer's NIC (simulator only); None: the setup's ``nic_mbit_s``
+    latency_s: float | None = None  # one-way latency of this peer's links (simulator only); None: the setup's
 
 
 @dataclass
@@ -92,16 +94,31 @@ class FailureEvent:
     rejoin_after_s: float | None = None  # None: never comes back
 
 
+JOIN_STAGES = ("random", "most_loaded")
+
+
+@dataclass
+class JoinEvent:
+    """A new peer arriving (simulator only): it becomes peer ``len(peers) + j`` for the j-th join (joins are in
+    time order), picks its stage on arrival, loads that stage's state and declares itself."""
+
+    at_s: float
+    speed: float = 1.0
+    stage: str = "random"  # random | most_loaded (highest (queued calls + 1) / summed speed of its live peers)
+
+
 @dataclass
 class SwarmSetup:
     peers: list[PeerSpec]
     trainers: int
     stage_time_s: float  # emulated compute seconds per forward call at speed 1
-    bandwidth_mbit_s: float | None = None  # None: no transfer time
-    latency_s: float = 0.0
+    bandwidth_mbit_s: float | None = None  # per-link rate of one transfer; None: no transfer time
+    latency_s: float = 0.0  # one-way latency of every transfer
+    nic_mbit_s: float | None = None  # every peer's NIC, shared by its concurrent transfers (simulator only)
     activation_bytes: int = 0
     routing: str = "weighted"  # weighted (StageBalancer) | uniform (UniformBalancer) | fixed (chains)
     failures: list[FailureEvent] = field(default_factory=list)
+    joins: list[JoinEvent] = field(default_factory=list)  # new peers arriving (simulator only)
     rebalance_period_s: float | None = None
     forward_timeout_s: float = 1.0
     duration_s: float = 30.0
@@ -124,9 +141,20 @@ class SwarmSetup:
             raise ValueError("trainers, stage_time_s, duration_s and forward_timeout_s must be positive")
         if any(p.speed <= 0 for p in self.peers):
             raise ValueError("peer speeds must be positive")
+        if self.latency_s < 0 or any(p.latency_s is not None and p.latency_s < 0 for p in self.peers):
+            raise ValueError("latencies must not be negative")
+        if any(b is not None and b <= 0 for b in (self.nic_mbit_s, *(p.nic_mbit_s for p in self.peers))):
+            raise ValueError("nic_mbit_s must be positive (None: unlimited)")
+        for join in self.joins:
+            if join.stage not in JOIN_STAGES or join.speed <= 0:
+                raise ValueError(f"a join's stage must be one of {', '.join(JOIN_STAGES)} and its speed positive, "
+                                 f"got {join}")
+        if any(a.at_s > b.at_s for a, b in zip(self.joins, self.joins[1:])):
+            raise ValueError("joins must be in time order")
         for event in self.failures:
-            if not 0 <= event.peer < len(self.peers):
-                raise ValueError(f"failure event names peer {event.peer}, but there are {len(self.peers)} peers")
+            if not 0 <= event.peer < len(self.peers) + len(self.joins):
+                raise ValueError(f"failure event names peer {event.peer}, but there are {len(self.peers)} peers "
+                                 f"and {len(self.joins)} joins")
 
 
 class ScaledClock:
@@ -533,6 +561,11 @@ def run(setup: SwarmSetup, *, clock: ScaledClock | None = None, time_scale: floa
     served), ``per_stage_peers`` (live at the end), ``wall_s``.
     """
     setup.validate()
+    if setup.nic_mbit_s is not None or any(p.nic_mbit_s is not None or p.latency_s is not None for p in setup.peers):
+        raise ValueError("shared NICs (nic_mbit_s) and per-peer latencies are modelled by the simulator only "
+                         "(cramswarm.swarm.sim); the emulation's links are never shared")
+    if setup.joins or any(event.peer >= len(setup.peers) for event in setup.failures):
+        raise ValueError("new peers joining (joins) are modelled by the simulator only (cramswarm.swarm.sim)")
     clock = clock or ScaledClock(time_scale)
     swarm = _EmulatedSwarm(setup, clock)
     stages = setup.num_stages
@@ -750,7 +783,7 @@ class _TrainingSwarm(_Swarm):
         super().__init__(specs, clock, swarm_cfg["forward_timeout_s"], 0.0)
         self.recipe, self.scheme, self.precision, self.dispatcher = (
             recipe,
-            swarm_cfg["compression"],
+            wire_scheme(swarm_cfg["compression"]),
             precision,
             dispatcher,
         )
@@ -1024,9 +1057,11 @@ def train(
     used (exactly that many for token or step budgets, which ``train.swarm_pretrain`` computes; a seconds budget
     stops at the first step boundary past the time). Compute runs on the CPU.
     """
-    if swarm["compression"] not in SCHEMES:
-        raise ValueError(f"swarm.compression must be one of {', '.join(SCHEMES)}, got {swarm['compression']!r}")
-    model = build_model(arch, vocab_size, recipe["seed"])
+    if swarm["compression"] not in COMPRESSIONS:
+        raise ValueError(
+            f"swarm.compression must be one of {', '.join(COMPRESSIONS)}, got {swarm['compression']!r}"
+        )
+    model = build_swarm_model(arch, vocab_size, recipe["seed"], swarm["stages"], swarm["compression"])
     stages = split_model(model, swarm["stages"])  # StageCountError before any thread starts
     specs = _peer_specs(swarm, len(stages))
     if swarm["trainers"] < 1:

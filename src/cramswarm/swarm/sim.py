@@ -16,6 +16,14 @@ The model is the emulation's, so the two transports can be compared run for run:
   the reply travels back (same size). The timeout (``RetryPolicy.timeout``) runs from the request's arrival to
   the end of its computation; a computation that would end later times out (the peer still spends the time on
   it). The balancer of the stage receives the whole call duration on success (task size 1, as the emulation).
+* The network (off by default: links are never shared, as in the emulation): with ``nic_mbit_s`` set (for the
+  setup or per ``PeerSpec``) every byte a peer receives (requests) or sends (replies) goes through its NIC,
+  shared equally by all its transfers in flight, in and out alike (processor sharing); a transfer's rate is
+  ``min(bandwidth_mbit_s, nic_mbit_s / transfers in flight)`` and it arrives the link's one-way latency
+  (``PeerSpec.latency_s``, else ``SwarmSetup.latency_s``) after its last bit left the NIC. One call of B bytes
+  alone on a NIC of b Mbit/s takes ``B * 8 / b`` seconds plus the latency each way; two at once take twice as
+  long. Trainers' NICs are not modelled (each trainer has one call in flight). A killed peer's NIC finishes
+  the transfers it had started; requests so delivered to a dead peer time out as any other.
 * Each trainer has one balancer per stage (``weighted``: ``StageBalancer``, ``uniform``: ``UniformBalancer``)
   and re-reads the stage's directory records every ``forward_timeout_s``; with no usable peer it waits
   ``0.1 x forward_timeout_s`` and re-reads at once, and after ``give_up_after_s`` without any the microbatch is
@@ -32,6 +40,10 @@ The model is the emulation's, so the two transports can be compared run for run:
   no rebalancing.
 * Failures: a ``FailureEvent`` kills a peer (its queued calls are dropped); with ``rejoin_after_s`` it restarts
   after that long, loads its stage's state for ``state_download_s`` and declares itself again.
+* Joins (``SwarmSetup.joins``, churn): a new peer arrives, picks a stage (``random``, or ``most_loaded``: the
+  highest (queued + computing calls + 1) / summed nominal speed of the stage's live peers, as a newcomer
+  reading published queue sizes would), loads its state for ``state_download_s`` and declares itself. It is
+  peer ``len(peers) + j`` for failure events; a kill of a peer that has not arrived yet is ignored.
 * Rebalancing (``rebalance_period_s``): every period the serving peers' loads (queued + computing calls,
   throughput measured by the peer itself in forward-call units) go to a ``Rebalancer``; the mover withdraws
   at once, fails its queued calls (their trainers re-send them), finishes the call it is computing, loads the
@@ -39,7 +51,9 @@ The model is the emulation's, so the two transports can be compared run for run:
   a peer that has not measured itself yet (just joined) reports its nominal rate instead of stalling the
   rebalancer for that period, which in large swarms with frequent preemptions would stall it for good.
 
-``run(setup)`` simulates one setup; ``heterogeneous_setup`` and ``poisson_failures`` build large ones and
+``run(setup)`` simulates one setup; ``heterogeneous_setup`` builds large ones, and the preemption models
+``poisson_failures`` (independent), ``burst_failures`` (correlated: several peers at once) and ``churn``
+(peers leave for good and new ones arrive) give their failure and join events;
 ``optimal_throughput`` / ``optimum_over_time`` give the throughput of the best assignment of the live peers to
 stages (the yardstick of the paper's rebalancing experiment, E4).
 """
@@ -55,8 +69,10 @@ from dataclasses import dataclass, field
 
 from cramswarm.swarm.emulation import (
     BACKWARD_COMPUTE_FACTOR,
+    JOIN_STAGES,
     RECORD_TTL_TIMEOUTS,
     FailureEvent,
+    JoinEvent,
     PeerSpec,
     SwarmSetup,
 )
@@ -70,8 +86,33 @@ from cramswarm.swarm.policies import (
     UniformBalancer,
 )
 
-# Event kinds; the heap holds (time, sequence number, kind, payload).
-_ARRIVE, _REPLY, _TIMEOUT, _ERROR, _RETRY, _KILL, _REJOIN, _READY, _REBALANCE = range(9)
+# Event kinds; the heap holds (time, sequence number, kind, payload). Kinds up to _SEND carry (call, token).
+_ARRIVE, _REPLY, _TIMEOUT, _ERROR, _SEND, _RETRY, _KILL, _REJOIN, _READY, _REBALANCE, _NIC, _JOIN = range(12)
+
+
+@dataclass(slots=True)
+class _Nic:
+    """A peer's NIC under processor sharing: every transfer in flight gets ``rate()`` bits/s.
+
+    ``virtual`` counts the bits each transfer in flight has received since the NIC was made (they all receive
+    the same), so a transfer of B bits added at virtual v is done when ``virtual`` reaches v + B: ``flows``
+    is a heap of those finish tags and the next completion is one event, whatever the number in flight.
+    """
+
+    bps: float                       # capacity, bits/s
+    link_bps: float                  # one transfer's most, bits/s (math.inf: only the NIC limits)
+    virtual: float = 0.0
+    updated: float = 0.0
+    flows: list = field(default_factory=list)   # heap of (finish tag, sequence number, delivery)
+    token: int = 0                   # bumped at every reschedule; stale completion events are ignored
+
+    def rate(self) -> float:
+        return min(self.link_bps, self.bps / len(self.flows)) if self.flows else 0.0
+
+    def advance(self, now: float) -> None:
+        if self.flows:
+            self.virtual += (now - self.updated) * self.rate()
+        self.updated = now
 
 
 @dataclass(slots=True)
@@ -116,6 +157,9 @@ class _Peer:
     served: int = 0                  # forward calls answered
     work: float = 0.0                # compute in forward-call units (backward = BACKWARD_COMPUTE_FACTOR) answered
     ema: PerformanceEMA = field(default_factory=PerformanceEMA)
+    latency_s: float = 0.0           # one-way latency of its links
+    transfer_s: float = 0.0          # one transfer's time without a NIC (bytes / link bandwidth + latency)
+    nic: _Nic | None = None          # None: transfers take ``transfer_s``, never shared
 
     def queue_len(self, now: float) -> int:
         pending = self.pending
@@ -137,16 +181,17 @@ class Simulator:
         self.retry = RetryPolicy(forward_timeout_s=setup.forward_timeout_s)
         self.declare_period_s = setup.forward_timeout_s
         self.ttl_s = RECORD_TTL_TIMEOUTS * setup.forward_timeout_s
-        self.transfer_s = self._transfer_s(setup.activation_bytes)
+        self.bits = setup.activation_bytes * 8
         rng = random.Random(setup.seed)
-        self.peers = [_Peer(f"peer{i:03d}", spec.stage, spec.speed, record_stage=spec.stage)
-                      for i, spec in enumerate(setup.peers)]
+        self.peers = [self._new_peer(f"peer{i:03d}", spec) for i, spec in enumerate(setup.peers)]
         self.by_uid = {p.uid: p for p in self.peers}
         self.now = 0.0
         self._events: list[tuple] = []
         self._seq = 0
         self.done = 0
-        self.counters = {"lost": 0, "retries": 0, "timeouts": 0, "errors": 0, "peers_killed": 0, "rejoins": 0}
+        self.counters = {"lost": 0, "retries": 0, "timeouts": 0, "errors": 0, "peers_killed": 0, "rejoins": 0,
+                         "joins": 0}
+        self.join_rng = random.Random(f"joins-{setup.seed}")   # its own stream: the balancers' seeds stay as they were
         self.moves: list[dict] = []
         self.timeline: list[tuple[float, int]] = [(0.0, 0)]
         self.chains = self._chains() if setup.routing == "fixed" else []
@@ -165,10 +210,50 @@ class Simulator:
         count = min(len(members) for members in by_stage)
         return [[by_stage[s][c] for s in range(self.num_stages)] for c in range(count)]
 
-    def _transfer_s(self, nbytes: int) -> float:
-        if not self.setup.bandwidth_mbit_s:
-            return self.setup.latency_s
-        return nbytes * 8 / (self.setup.bandwidth_mbit_s * 1e6) + self.setup.latency_s
+    def _new_peer(self, uid: str, spec: PeerSpec) -> _Peer:
+        setup = self.setup
+        latency = setup.latency_s if spec.latency_s is None else spec.latency_s
+        link = setup.bandwidth_mbit_s
+        transfer = latency if not link else self.bits / (link * 1e6) + latency
+        nic_mbit_s = spec.nic_mbit_s if spec.nic_mbit_s is not None else setup.nic_mbit_s
+        nic = _Nic(nic_mbit_s * 1e6, link * 1e6 if link else math.inf) if nic_mbit_s is not None else None
+        return _Peer(uid, spec.stage, spec.speed, record_stage=spec.stage, latency_s=latency, transfer_s=transfer,
+                     nic=nic)
+
+    # -- network ---------------------------------------------------------------------------------------
+    def _transmit(self, peer: _Peer, delivery: tuple) -> None:
+        """Put ``delivery`` = (kind, call, token) through ``peer``'s NIC; it happens the latency after."""
+        nic, now = peer.nic, self.now
+        nic.advance(now)
+        self._seq += 1
+        heapq.heappush(nic.flows, (nic.virtual + self.bits, self._seq, delivery))
+        self._reschedule_nic(nic)
+
+    def _reschedule_nic(self, nic: _Nic) -> None:
+        nic.token += 1
+        if nic.flows:
+            self._push(self.now + max(nic.flows[0][0] - nic.virtual, 0.0) / nic.rate(), _NIC, (nic, nic.token))
+
+    def _on_nic(self, payload: tuple[_Nic, int]) -> None:
+        nic, token = payload
+        if token != nic.token:
+            return
+        nic.advance(self.now)
+        nic.virtual = max(nic.virtual, nic.flows[0][0])   # the event was due now: absorb rounding
+        finished = []
+        while nic.flows and nic.flows[0][0] <= nic.virtual * (1 + 1e-12):
+            finished.append(heapq.heappop(nic.flows)[2])
+        self._reschedule_nic(nic)
+        for kind, call, token in finished:
+            arrival = self.now + call.peer.latency_s
+            if kind == _ARRIVE:
+                self._push(arrival, _ARRIVE, call)
+            elif token == call.token:   # a reply: delivered unless its call was settled otherwise meanwhile
+                self._schedule(call, arrival, _REPLY)
+
+    def _on_send(self, call: _Call) -> None:
+        """The peer finished computing ``call``: its reply enters the NIC."""
+        self._transmit(call.peer, (_REPLY, call, call.token))
 
     def _push(self, time: float, kind: int, payload: object = None) -> None:
         self._seq += 1
@@ -176,7 +261,7 @@ class Simulator:
 
     def _schedule(self, call: _Call, time: float, kind: int) -> None:
         call.token += 1
-        call.answered = kind == _REPLY
+        call.answered = kind in (_REPLY, _SEND)
         self._push(time, kind, (call, call.token))
 
     def _service_s(self, peer: _Peer, backward: bool) -> float:
@@ -227,7 +312,11 @@ class Simulator:
                 self.counters["errors"] += 1   # connection refused: ban it and ask again at once
                 self.counters["retries"] += 1
                 balancer.report_error(uid, now)
-        self._push(now + self.transfer_s, _ARRIVE, _Call(trainer, stage, backward, peer, now))
+        call = _Call(trainer, stage, backward, peer, now)
+        if peer.nic is None:
+            self._push(now + peer.transfer_s, _ARRIVE, call)
+        else:
+            self._transmit(peer, (_ARRIVE, call, 0))
 
     def _stranded(self, trainer: _Trainer) -> None:
         now = self.now
@@ -276,7 +365,10 @@ class Simulator:
         peer.pending.append(call)
         peer.ema.update(service, BACKWARD_COMPUTE_FACTOR if call.backward else 1.0)
         if call.finish <= call.deadline:
-            self._schedule(call, call.finish + self.transfer_s, _REPLY)
+            if peer.nic is None:
+                self._schedule(call, call.finish + peer.transfer_s, _REPLY)
+            else:
+                self._schedule(call, call.finish, _SEND)
         else:
             self._schedule(call, call.deadline, _TIMEOUT)
 
@@ -314,6 +406,8 @@ class Simulator:
 
     # -- peers dying, rejoining and moving -------------------------------------------------------------
     def _on_kill(self, event: FailureEvent) -> None:
+        if event.peer >= len(self.peers):   # a peer that has not joined yet
+            return
         peer, now = self.peers[event.peer], self.now
         if peer.status == "down":
             return
@@ -334,6 +428,29 @@ class Simulator:
         self.counters["rejoins"] += 1
         peer.status = "joining"
         peer.free_at = self.now + self.setup.state_download_s
+        self._push(peer.free_at, _READY, (peer, peer.epoch))
+
+    def stage_loads(self) -> list[float]:
+        """Per stage: (queued + computing calls + 1) / summed nominal speed of its live peers (inf: none)."""
+        queued, speed = [0] * self.num_stages, [0.0] * self.num_stages
+        for peer in self.peers:
+            if peer.status == "up":
+                queued[peer.stage] += peer.queue_len(self.now)
+                speed[peer.stage] += peer.speed
+        return [(q + 1) / v if v else math.inf for q, v in zip(queued, speed)]
+
+    def _on_join(self, join: JoinEvent) -> None:
+        if join.stage == "random":
+            stage = self.join_rng.randrange(self.num_stages)
+        else:
+            loads = self.stage_loads()
+            stage = max(range(self.num_stages), key=loads.__getitem__)
+        peer = self._new_peer(f"peer{len(self.peers):03d}", PeerSpec(stage=stage, speed=join.speed))
+        peer.status, peer.declared_at = "joining", math.inf   # no record before its state is loaded
+        peer.free_at = self.now + self.setup.state_download_s
+        self.peers.append(peer)
+        self.by_uid[peer.uid] = peer
+        self.counters["joins"] += 1
         self._push(peer.free_at, _READY, (peer, peer.epoch))
 
     def _on_ready(self, payload: tuple[_Peer, int]) -> None:
@@ -375,11 +492,13 @@ class Simulator:
     # -- main loop -------------------------------------------------------------------------------------
     def run(self) -> dict:
         duration = self.setup.duration_s
-        handlers = (self._on_arrive, self._on_reply, self._on_timeout, self._on_error)
-        others = (None, None, None, None, self._on_retry, self._on_kill, self._on_rejoin, self._on_ready,
-                  self._on_rebalance)
+        handlers = (self._on_arrive, self._on_reply, self._on_timeout, self._on_error, self._on_send)
+        others = (None, None, None, None, None, self._on_retry, self._on_kill, self._on_rejoin, self._on_ready,
+                  self._on_rebalance, self._on_nic, self._on_join)
         for event in self.setup.failures:
             self._push(event.at_s, _KILL, event)
+        for join in self.setup.joins:
+            self._push(join.at_s, _JOIN, join)
         if self.rebalancer is not None:
             self._push(self.rebalancer.period_s, _REBALANCE)
         for trainer in self.trainers:
@@ -391,7 +510,7 @@ class Simulator:
             processed += 1
             if kind == _ARRIVE:
                 self._on_arrive(payload)
-            elif kind <= _ERROR:
+            elif kind <= _SEND:
                 call, token = payload
                 if token == call.token:
                     handlers[kind](call)
@@ -409,6 +528,7 @@ class Simulator:
             "errors": self.counters["errors"],
             "peers_killed": self.counters["peers_killed"],
             "rejoins": self.counters["rejoins"],
+            "joins": self.counters["joins"],
             "moves": self.moves,
             "served": {p.uid: p.served for p in self.peers},
             "work_units": {p.uid: p.work for p in self.peers},
@@ -425,10 +545,11 @@ def run(setup: SwarmSetup, *, trainers_per_process: int = 1, rebalancer_options:
     second over the run), ``timeline`` [(t_s, completed_total) at every completion, from (0, 0)],
     ``lost_microbatches`` (given up: no usable peer for ``give_up_after_s``), ``retries`` (re-sent calls),
     ``moves`` (list of {t_s, uid, from_stage, to_stage}), ``timeouts``, ``errors``, ``peers_killed``,
-    ``rejoins``, ``served`` (uid -> forward calls answered), ``work_units`` (uid -> compute of its answered
-    calls in forward-call units, backward = ``BACKWARD_COMPUTE_FACTOR``), ``per_stage_peers`` (stage -> serving uids at
-    the end), ``events`` (events processed). ``trainers_per_process`` trainers share one set of balancers;
-    ``rebalancer_options`` go to ``Rebalancer`` (e.g. ``min_gain`` for large swarms).
+    ``rejoins``, ``joins`` (new peers arrived), ``served`` (uid -> forward calls answered), ``work_units``
+    (uid -> compute of its answered calls in forward-call units, backward = ``BACKWARD_COMPUTE_FACTOR``),
+    ``per_stage_peers`` (stage -> serving uids at the end), ``events`` (events processed).
+    ``trainers_per_process`` trainers share one set of balancers; ``rebalancer_options`` go to ``Rebalancer``
+    (e.g. ``min_gain`` for large swarms).
     """
     return Simulator(setup, trainers_per_process=trainers_per_process, rebalancer_options=rebalancer_options).run()
 
@@ -491,6 +612,95 @@ def poisson_failures(num_peers: int, duration_s: float, *, mean_interval_s: floa
     return kill_schedule(arrivals(), num_peers, rejoin_after_s, rng)
 
 
+def _poisson_times(duration_s: float, mean_interval_s: float, rng: random.Random) -> Iterator[float]:
+    if mean_interval_s <= 0:
+        raise ValueError(f"mean_interval_s must be positive, got {mean_interval_s}")
+    t = rng.expovariate(1.0 / mean_interval_s)
+    while t < duration_s:
+        yield t
+        t += rng.expovariate(1.0 / mean_interval_s)
+
+
+def burst_failures(num_peers: int, duration_s: float, *, mean_interval_s: float, burst_size: int,
+                   rejoin_after_s: float | None, seed: int = 0) -> list[FailureEvent]:
+    """Correlated preemptions: bursts arrive as a Poisson process (mean ``mean_interval_s`` between two), each
+    killing ``burst_size`` distinct peers that are up at that moment (all of them if fewer are up) at the same
+    instant; each rejoins its stage after ``rejoin_after_s`` (None: never). With ``burst_size`` = 1 this is
+    :func:`poisson_failures`' model."""
+    if burst_size < 1:
+        raise ValueError(f"burst_size must be at least 1, got {burst_size}")
+    rng = random.Random(seed)
+    back_at = [0.0] * num_peers
+    events = []
+    for t in _poisson_times(duration_s, mean_interval_s, rng):
+        up = [i for i in range(num_peers) if back_at[i] <= t]
+        for peer in rng.sample(up, min(burst_size, len(up))):
+            events.append(FailureEvent(at_s=t, peer=peer, rejoin_after_s=rejoin_after_s))
+            back_at[peer] = math.inf if rejoin_after_s is None else t + rejoin_after_s
+    return events
+
+
+def churn(num_peers: int, duration_s: float, *, mean_interval_s: float, join_after_s: float, stage: str = "random",
+          speed_range: tuple[float, float] = (0.5, 1.0), seed: int = 0) -> tuple[list[FailureEvent], list[JoinEvent]]:
+    """Churn: peers leave for good (a Poisson process over the swarm, mean ``mean_interval_s`` between two
+    departures, each a uniformly random present peer, original or newly joined) and a new peer, of a speed
+    drawn log-uniformly from ``speed_range``, arrives ``join_after_s`` after each departure and picks its stage
+    by ``stage`` (``random`` | ``most_loaded``, see :class:`JoinEvent`). Returns (failures, joins); the j-th
+    join is peer ``num_peers + j`` in the failure events."""
+    if stage not in JOIN_STAGES:
+        raise ValueError(f"stage must be one of {', '.join(JOIN_STAGES)}, got {stage!r}")
+    if join_after_s < 0:
+        raise ValueError(f"join_after_s must not be negative, got {join_after_s}")
+    rng = random.Random(seed)
+    low, high = speed_range
+    arrives_at = [0.0] * num_peers   # per peer index; math.inf once it has left
+    failures: list[FailureEvent] = []
+    joins: list[JoinEvent] = []
+    for t in _poisson_times(duration_s, mean_interval_s, rng):
+        present = [i for i, at in enumerate(arrives_at) if at <= t]
+        if present:
+            peer = rng.choice(present)
+            arrives_at[peer] = math.inf
+            failures.append(FailureEvent(at_s=t, peer=peer, rejoin_after_s=None))
+        if t + join_after_s < duration_s:
+            speed = math.exp(rng.uniform(math.log(low), math.log(high)))
+            joins.append(JoinEvent(at_s=t + join_after_s, speed=speed, stage=stage))
+            arrives_at.append(t + join_after_s)
+    return failures, joins
+
+
+PREEMPTION_MODELS = ("independent", "burst", "churn_random", "churn_most_loaded")
+
+
+def preemptions(model: str, num_peers: int, duration_s: float, *, preemptions_per_peer_hour: float,
+                rejoin_after_s: float | None, burst_size: int = 4, join_after_s: float | None = None,
+                speed_range: tuple[float, float] = (0.5, 1.0),
+                seed: int = 0) -> tuple[list[FailureEvent], list[JoinEvent]]:
+    """(failures, joins) of one preemption model at the same mean rate of preempted peers:
+
+    * ``independent``: :func:`poisson_failures`, the peer back on its stage after ``rejoin_after_s``;
+    * ``burst``: :func:`burst_failures` of ``burst_size`` peers at once, bursts ``burst_size`` times rarer;
+    * ``churn_random`` / ``churn_most_loaded``: :func:`churn`, a new peer arriving ``join_after_s`` (default
+      ``rejoin_after_s``) after each departure, on a random or on the most loaded stage.
+    """
+    if preemptions_per_peer_hour <= 0:
+        raise ValueError(f"preemptions_per_peer_hour must be positive, got {preemptions_per_peer_hour}")
+    interval = 3600.0 / (preemptions_per_peer_hour * num_peers)
+    if model == "independent":
+        return poisson_failures(num_peers, duration_s, mean_interval_s=interval, rejoin_after_s=rejoin_after_s,
+                                seed=seed), []
+    if model == "burst":
+        return burst_failures(num_peers, duration_s, mean_interval_s=interval * burst_size, burst_size=burst_size,
+                              rejoin_after_s=rejoin_after_s, seed=seed), []
+    if model in ("churn_random", "churn_most_loaded"):
+        delay = rejoin_after_s if join_after_s is None else join_after_s
+        if delay is None:
+            raise ValueError("churn needs join_after_s (or rejoin_after_s)")
+        return churn(num_peers, duration_s, mean_interval_s=interval, join_after_s=delay,
+                     stage=model.removeprefix("churn_"), speed_range=speed_range, seed=seed)
+    raise ValueError(f"unknown preemption model {model!r}; allowed: {', '.join(PREEMPTION_MODELS)}")
+
+
 def _greedy_assignment(speeds: Sequence[float], num_stages: int) -> list[int]:
     """Longest-processing-time greedy: fastest peer first, each to the stage with the least capacity so far."""
     capacity = [0.0] * num_stages
@@ -520,14 +730,16 @@ def optimal_throughput(speeds: Sequence[float], num_stages: int, stage_time_s: f
 
 def optimum_over_time(setup: SwarmSetup) -> float:
     """Time average over the run of :func:`optimal_throughput` for the peers alive at each moment (a killed
-    peer counts again from its rejoin; state downloads are ignored)."""
-    alive = [True] * len(setup.peers)
-    # (time, order, peer, rejoin delay); order 0 = rejoin before 1 = kill at the same moment.
+    peer counts again from its rejoin, a new peer from its arrival; state downloads are ignored)."""
+    all_speeds = [p.speed for p in setup.peers] + [j.speed for j in setup.joins]
+    alive = [True] * len(setup.peers) + [False] * len(setup.joins)
+    # (time, order, peer, rejoin delay); order 0 = (re)join before 1 = kill at the same moment.
     changes = [(e.at_s, 1, e.peer, e.rejoin_after_s) for e in setup.failures]
+    changes += [(j.at_s, 0, len(setup.peers) + k, None) for k, j in enumerate(setup.joins)]
     heapq.heapify(changes)
 
     def optimum() -> float:
-        speeds = [p.speed for p, up in zip(setup.peers, alive) if up]
+        speeds = [v for v, up in zip(all_speeds, alive) if up]
         return optimal_throughput(speeds, setup.num_stages, setup.stage_time_s)
 
     total, last, current = 0.0, 0.0, optimum()

@@ -7,15 +7,19 @@ two on a 2-core CPU; tests pass tiny sizes) that writes one CSV atomically, with
                             autocast on CPU) vs the time to send its boundary tensors over a link, per width,
                             bandwidth and compression scheme (payload bytes measured from ``compression.encode``).
 * ``wiring_throughput``     M2: throughput of stochastic wiring (IWRR), uniform routing and fixed chains on
-                            peers of speeds 1, 0.5, 0.25 per stage, in the emulation and the simulator.
+                            peers of speeds 1, 0.5, 0.25 per stage, in the emulation and the simulator; then,
+                            simulated, the same swept over trainers per peer (the load) on those and on equal
+                            peers.
 * ``failures_timeline``     M3: throughput over time with one peer killed every ``kill_every_s`` (rejoining
                             after ``rejoin_after_s``) and without failures, swarm vs fixed chains.
 * ``rebalancing_recovery``  M4: a stage starved by killing peers for good; rebalancing off vs several periods.
 * ``compression_loss``      M5: MLM loss vs step of the tiny crammed model trained in one process with the
                             stage boundaries compressed (fp16, blockwise 8-bit) or narrowed (bottleneck,
                             maxout), same seed and data.
-* ``sim_scale``             6.3 / E4: the simulator at 100-1000 peers with Poisson preemptions, rebalancing off
-                            vs on, throughput as a percentage of the optimal assignment of live peers to stages.
+* ``sim_scale``             6.3 / E4: the simulator at 100-1000 peers under each preemption model (independent,
+                            correlated bursts, churn with newcomers on a random or the most loaded stage),
+                            rebalancing off vs on, throughput as a percentage of the optimal assignment of live
+                            peers to stages; optionally with shared NICs and link latency.
 """
 
 from __future__ import annotations
@@ -187,26 +191,45 @@ def heterogeneous_stages(speeds: Sequence[float], stages: int) -> list[PeerSpec]
     return peers
 
 
+SPEED_PROFILES = ("mixed", "equal")
+
+
 def wiring_throughput(out_csv: str | os.PathLike, *, speeds: Sequence[float] = (1.0, 0.5, 0.25), stages: int = 2,
                       trainers: int = 16, stage_time_s: float = 0.1, duration_s: float = 40.0,
                       forward_timeout_s: float = 5.0, routings: Sequence[str] = ("weighted", "uniform", "fixed"),
-                      transports: Sequence[str] = TRANSPORTS, time_scale: float = 0.1, seed: int = 0) -> Path:
+                      transports: Sequence[str] = TRANSPORTS, time_scale: float = 0.1,
+                      sweep_trainers_per_peer: Sequence[float] = (0.5, 1.0, 2.0, 4.0, 8.0),
+                      sweep_speeds: Sequence[str] = SPEED_PROFILES, seed: int = 0) -> Path:
     """M2. Throughput of each routing on ``stages`` stages of peers with ``speeds`` (see
-    :func:`heterogeneous_stages`), ``trainers`` concurrent trainers, no failures.
+    :func:`heterogeneous_stages`), ``trainers`` concurrent trainers, no failures, on each transport (run
+    ``base``); then the simulator alone (run ``sweep``) at ``trainers_per_peer x peers`` trainers (rounded up)
+    for each of ``sweep_trainers_per_peer``, on peers of those speeds (``mixed``) and on as many peers of
+    speed 1 (``equal``), as ``sweep_speeds`` asks: which routing wins depends on how many microbatches are in
+    flight per peer.
 
-    Columns: transport, routing, stages, peers, trainers, throughput_mb_s, optimum_mb_s (best assignment of the
-    peers, :func:`sim.optimal_throughput`), percent_of_optimum, microbatches_done, retries, duration_s, wall_s.
+    Columns: run (base | sweep), speeds (mixed | equal), transport, routing, stages, peers, trainers,
+    trainers_per_peer, throughput_mb_s, optimum_mb_s (best assignment of the peers,
+    :func:`sim.optimal_throughput`), percent_of_optimum, microbatches_done, retries, duration_s, wall_s.
     """
-    peers = heterogeneous_stages(speeds, stages)
-    optimum = sim.optimal_throughput([p.speed for p in peers], stages, stage_time_s)
+    unknown = sorted(set(sweep_speeds) - set(SPEED_PROFILES))
+    if unknown:
+        raise ValueError(f"sweep_speeds: unknown profile(s) {unknown}; allowed: {', '.join(SPEED_PROFILES)}")
+    profiles = {"mixed": heterogeneous_stages(speeds, stages),
+                "equal": [PeerSpec(stage=s) for s in range(stages) for _ in speeds]}
+    runs = [("base", "mixed", transport, trainers) for transport in transports]
+    runs += [("sweep", profile, "sim", math.ceil(load * len(profiles[profile])))
+             for profile in sweep_speeds for load in sweep_trainers_per_peer]
     rows = []
-    for transport in transports:
+    for run, profile, transport, count in runs:
+        peers = profiles[profile]
+        optimum = sim.optimal_throughput([p.speed for p in peers], stages, stage_time_s)
         for routing in routings:
-            setup = SwarmSetup(peers=peers, trainers=trainers, stage_time_s=stage_time_s, routing=routing,
+            setup = SwarmSetup(peers=peers, trainers=count, stage_time_s=stage_time_s, routing=routing,
                                forward_timeout_s=forward_timeout_s, duration_s=duration_s, seed=seed)
             result, wall = _run(setup, transport, time_scale)
-            rows.append({"transport": transport, "routing": routing, "stages": stages, "peers": len(peers),
-                         "trainers": trainers, "throughput_mb_s": result["throughput_mb_s"],
+            rows.append({"run": run, "speeds": profile, "transport": transport, "routing": routing,
+                         "stages": stages, "peers": len(peers), "trainers": count,
+                         "trainers_per_peer": count / len(peers), "throughput_mb_s": result["throughput_mb_s"],
                          "optimum_mb_s": optimum, "percent_of_optimum": 100 * result["throughput_mb_s"] / optimum,
                          "microbatches_done": result["microbatches_done"], "retries": result["retries"],
                          "duration_s": duration_s, "wall_s": wall})
@@ -381,47 +404,64 @@ def _train_compressed(config: str, blocks: torch.Tensor, order: torch.Tensor, *,
 
 def sim_scale(out_csv: str | os.PathLike, *, peer_counts: Sequence[int] = (100, 300, 1000), stages: int = 4,
               duration_s: float = 1800.0, stage_time_s: float = 1.0, speed_range: tuple[float, float] = (0.5, 1.0),
-              preemptions_per_peer_hour: float = 1.0, rejoin_after_s: float = 600.0,
+              preemption_models: Sequence[str] = sim.PREEMPTION_MODELS, preemptions_per_peer_hour: float = 1.0,
+              rejoin_after_s: float = 600.0, burst_size: int = 4,
               rebalance_periods_s: Sequence[float | None] = (None, 60.0), state_download_s: float = 30.0,
               forward_timeout_s: float = 30.0, trainers_per_peer: float = 2.0, trainer_processes: int = 8,
+              nic_mbit_s: float | None = None, latency_ms: float = 0.0, activation_bytes: int = 0,
               seed: int = 0) -> Path:
     """Simulated swarms of ``peer_counts`` peers (speeds log-uniform in ``speed_range``, each put on a random
-    stage), each preempted ``preemptions_per_peer_hour`` times per hour on average (Poisson) and rejoining its
-    stage after ``rejoin_after_s``; rebalancing off (None) vs each period in ``rebalance_periods_s`` (Rebalancer
-    with ``min_gain=0``: one peer cannot move a large swarm's bottleneck by the default 5 %). The
-    ``trainers_per_peer x peers`` trainers run in ``trainer_processes`` processes whose trainers share balancers
-    (a balancer needs enough calls to measure every peer of its stage: one balancer per trainer, or per few,
-    routes almost uniformly in a swarm of hundreds of peers).
+    stage), preempted at ``preemptions_per_peer_hour`` per peer and hour on average under each of
+    ``preemption_models`` (:func:`sim.preemptions`: ``independent`` Poisson preemptions, the peer back on its
+    stage after ``rejoin_after_s``; ``burst`` the same rate in bursts of ``burst_size`` peers at once;
+    ``churn_random`` / ``churn_most_loaded``: preempted peers never return, a new peer of a random speed
+    arrives ``rejoin_after_s`` after each departure on a random / the most loaded stage); rebalancing off
+    (None) vs each period in ``rebalance_periods_s`` (Rebalancer with ``min_gain=0``: one peer cannot move a
+    large swarm's bottleneck by the default 5 %). The ``trainers_per_peer x peers`` trainers run in
+    ``trainer_processes`` processes whose trainers share balancers (a balancer needs enough calls to measure
+    every peer of its stage: one balancer per trainer, or per few, routes almost uniformly in a swarm of
+    hundreds of peers). The network is off unless ``nic_mbit_s`` (every peer's NIC, shared by its transfers),
+    ``latency_ms`` (one way) and ``activation_bytes`` (per transfer) are set.
 
-    Columns: peers, stages, rebalance_period_s (NaN = off), throughput_mb_s, optimum_mb_s (time average of the
-    best assignment of the live peers, :func:`sim.optimum_over_time`), percent_of_optimum, static_percent
-    (the initial assignment's slowest stage as a percentage of the optimum of all peers), preemptions, moves, retries,
-    lost_microbatches, events, sim_wall_s.
+    Columns: peers, stages, preemption_model, rebalance_period_s (NaN = off), throughput_mb_s, optimum_mb_s
+    (time average of the best assignment of the live peers, :func:`sim.optimum_over_time`), percent_of_optimum,
+    static_percent (the initial assignment's slowest stage as a percentage of the optimum of all peers),
+    preemptions, joins, moves, retries, lost_microbatches, nic_mbit_s (NaN = unlimited), latency_ms,
+    activation_bytes, events, sim_wall_s.
     """
+    unknown = sorted(set(preemption_models) - set(sim.PREEMPTION_MODELS))
+    if unknown:
+        raise ValueError(f"preemption_models: unknown model(s) {unknown}; allowed: {', '.join(sim.PREEMPTION_MODELS)}")
     rows = []
     for n in peer_counts:
         trainers = math.ceil(trainers_per_peer * n)
         base = sim.heterogeneous_setup(n, stages, speed_range=speed_range, seed=seed, trainers=trainers,
                                        stage_time_s=stage_time_s,
                                        forward_timeout_s=forward_timeout_s, duration_s=duration_s,
-                                       state_download_s=state_download_s)
-        base.failures = sim.poisson_failures(n, duration_s, mean_interval_s=3600.0 / (preemptions_per_peer_hour * n),
-                                             rejoin_after_s=rejoin_after_s, seed=seed + 1)
-        optimum = sim.optimum_over_time(base)
+                                       state_download_s=state_download_s, nic_mbit_s=nic_mbit_s,
+                                       latency_s=latency_ms / 1000.0, activation_bytes=activation_bytes)
         capacity = [sum(p.speed for p in base.peers if p.stage == s) for s in range(stages)]
         best = sim.optimal_throughput([p.speed for p in base.peers], stages, stage_time_s)
         static = 100 * min(capacity) / (stage_time_s * (1 + emulation.BACKWARD_COMPUTE_FACTOR)) / best
-        for period in rebalance_periods_s:
-            setup = SwarmSetup(**{**base.__dict__, "rebalance_period_s": period})
-            start = time.perf_counter()
-            result = sim.run(setup, trainers_per_process=math.ceil(trainers / trainer_processes),
-                             rebalancer_options={"min_gain": 0.0})
-            rows.append({"peers": n, "stages": stages,
-                         "rebalance_period_s": math.nan if period is None else float(period),
-                         "throughput_mb_s": result["throughput_mb_s"], "optimum_mb_s": optimum,
-                         "percent_of_optimum": 100 * result["throughput_mb_s"] / optimum,
-                         "static_percent": static, "preemptions": result["peers_killed"],
-                         "moves": len(result["moves"]), "retries": result["retries"],
-                         "lost_microbatches": result["lost_microbatches"], "events": result["events"],
-                         "sim_wall_s": time.perf_counter() - start})
+        for model in preemption_models:
+            failures, joins = sim.preemptions(model, n, duration_s, preemptions_per_peer_hour=preemptions_per_peer_hour,
+                                              rejoin_after_s=rejoin_after_s, burst_size=burst_size,
+                                              speed_range=speed_range, seed=seed + 1)
+            modelled = SwarmSetup(**{**base.__dict__, "failures": failures, "joins": joins})
+            optimum = sim.optimum_over_time(modelled)
+            for period in rebalance_periods_s:
+                setup = SwarmSetup(**{**modelled.__dict__, "rebalance_period_s": period})
+                start = time.perf_counter()
+                result = sim.run(setup, trainers_per_process=math.ceil(trainers / trainer_processes),
+                                 rebalancer_options={"min_gain": 0.0})
+                rows.append({"peers": n, "stages": stages, "preemption_model": model,
+                             "rebalance_period_s": math.nan if period is None else float(period),
+                             "throughput_mb_s": result["throughput_mb_s"], "optimum_mb_s": optimum,
+                             "percent_of_optimum": 100 * result["throughput_mb_s"] / optimum,
+                             "static_percent": static, "preemptions": result["peers_killed"],
+                             "joins": result["joins"], "moves": len(result["moves"]), "retries": result["retries"],
+                             "lost_microbatches": result["lost_microbatches"],
+                             "nic_mbit_s": math.nan if nic_mbit_s is None else float(nic_mbit_s),
+                             "latency_ms": float(latency_ms), "activation_bytes": int(activation_bytes),
+                             "events": result["events"], "sim_wall_s": time.perf_counter() - start})
     return _write_csv(pd.DataFrame(rows), out_csv)

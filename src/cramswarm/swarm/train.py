@@ -24,14 +24,13 @@ import numpy as np
 import torch
 
 from cramswarm.io import atomic_path, write_json
-from cramswarm.models.crammed_bert import CrammedBertConfig
 from cramswarm.pretrain import LOG_COLUMNS, HeldOut, load_training_data
 from cramswarm.provenance import provenance
-from cramswarm.swarm.stages import assemble_model, check_stage_count, split_model
+from cramswarm.swarm.compression import narrowing
+from cramswarm.swarm.stages import assemble_model, build_swarm_model, check_stage_count, split_model
 from cramswarm.training import (
     accumulation_at,
     budget_progress,
-    build_model,
     mask_tokens,
     resolve_precision,
     save_checkpoint,
@@ -75,6 +74,11 @@ def validate(arch: dict, swarm: dict) -> None:
     if swarm["transport"] not in TRANSPORTS:
         raise ValueError(f"swarm.transport must be one of {', '.join(TRANSPORTS)}, got {swarm['transport']!r}")
     check_stage_count(arch["layers"], swarm["stages"])
+    if narrowing(swarm["compression"]) and swarm["transport"] != "emulation":
+        raise ValueError(
+            f"swarm.compression={swarm['compression']} narrows the stage boundaries with a trained layer, which only "
+            f"swarm.transport: emulation implements (got {swarm['transport']})"
+        )
     if swarm["peers_per_stage"] < 1:
         raise ValueError(
             f"swarm.peers_per_stage={swarm['peers_per_stage']}: every stage needs at least one peer to serve it"
@@ -152,12 +156,12 @@ def swarm_pretrain(
     )
     stats = result.stats
 
-    stages = split_model(build_model(arch, vocab_size, recipe["seed"]), swarm["stages"])
+    # the model the transport split (with a narrowing compression's boundary layers), without dropout
+    shape = build_swarm_model(arch, vocab_size, recipe["seed"], swarm["stages"], swarm["compression"])
+    stages = split_model(shape, swarm["stages"])
     for stage, state in zip(stages, result.stage_states):
         stage.load_state_dict(state)
-    model = assemble_model(
-        stages, CrammedBertConfig.from_arch(arch, vocab_size, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    )
+    model = assemble_model(stages, shape.config)
     device = torch.device("cpu")
     precision = resolve_precision(recipe["precision"], device)
     eval_loss = None
