@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -147,6 +148,7 @@ def test_peers_and_trainers_exit_when_the_launcher_is_sigkilled(tmp_path):
             "t.ht.run_swarm(t.plan(decentralised=True), t.batches(), 2000, progress=False)")
     launcher = subprocess.Popen([sys.executable, "-c", code.format(tests=str(TESTS))], start_new_session=True,
                                 stdout=open(tmp_path / "launcher.log", "w"), stderr=subprocess.STDOUT)
+    workdir = None
     try:
         deadline, trainers = time.monotonic() + 180, []
         while time.monotonic() < deadline and len(trainers) < 2:  # up to the trainers' start
@@ -155,6 +157,8 @@ def test_peers_and_trainers_exit_when_the_launcher_is_sigkilled(tmp_path):
             trainers = [c for c in children if "cramswarm.swarm.trainer" in " ".join(safe_cmdline(c))]
             time.sleep(0.5)
         assert len(trainers) == 2, (tmp_path / "launcher.log").read_text()[-3000:]
+        cmdline = safe_cmdline(trainers[0])
+        workdir = Path(cmdline[cmdline.index("--config") + 1]).parent  # the launcher's run folder
         time.sleep(3.0)
         started = psutil.Process(launcher.pid).children(recursive=True)
         started = [c for c in started if c.ppid() != launcher.pid or c.name() != "p2pd"]  # not the launcher's own
@@ -167,6 +171,8 @@ def test_peers_and_trainers_exit_when_the_launcher_is_sigkilled(tmp_path):
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(launcher.pid, signal.SIGKILL)
+        if workdir is not None:  # a SIGKILLed launcher cannot remove it
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 def safe_cmdline(proc: psutil.Process) -> list[str]:
