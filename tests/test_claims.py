@@ -301,6 +301,13 @@ def test_readme_block_renders_the_committed_claims_csv(manifest, tmp_path):
     assert f"Verdicts: holds {len(c.CLAIMS)}" in body and "claims_synthetic.csv sha256" in body
     with pytest.raises(docs.DocsError, match="source name"):
         docs.render_block("claims:../x", readme, tmp_path, tmp_path)
+    # the README's summary: the count and the ids under each verdict, in a few lines
+    summary = docs.render_block("claims-summary:synthetic", readme, tmp_path, tmp_path)
+    ids = ", ".join(claim.id for claim in c.CLAIMS)
+    assert f"**holds** {len(c.CLAIMS)} ({ids})" in summary and "**does not hold** 0;" in summary
+    assert len(summary.splitlines()) == 3 and "claims_synthetic.csv sha256" in summary
+    with pytest.raises(docs.DocsError, match="source name"):
+        docs.render_block("claims-summary:../x", readme, tmp_path, tmp_path)
 
 
 def test_identical_pairs_at_the_margin_are_inconclusive():

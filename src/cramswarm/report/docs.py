@@ -17,6 +17,7 @@ Blocks:
 - ``figures``: the README's two figures (``readme`` target), each with its checksum;
 - ``glue``: the study's GLUE table (``glue_paper.csv``) in the paper's columns, the published rows below ours;
 - ``claims:SOURCE``: the papers' claims checked on one source (``claims_<source>.csv``, `claims` target);
+- ``claims-summary:SOURCE``: the same claims' verdict counts and ids in a few lines (the README's);
 - ``table:FILE``: any committed CSV, Markdown table or JSON file (benchmark output) under the results folder.
 
 ``tests/test_docs.py`` regenerates every block from the committed files and fails if a committed block differs;
@@ -224,6 +225,28 @@ def render_claims(results_dir: Path, doc_dir: Path, repo: Path, source: str) -> 
                                                           extra=extra)
 
 
+def render_claims_summary(results_dir: Path, doc_dir: Path, repo: Path, source: str) -> str:
+    """The verdicts of one source's claims in a few lines (for the README; the full table is ``claims:SOURCE``):
+    the count per verdict, then the claim ids under each verdict, and the file's checksum."""
+    import pandas as pd
+
+    from cramswarm.report.claims import VERDICTS
+
+    if not re.fullmatch(r"[a-z0-9_]+", source):
+        raise DocsError(f"generated:claims-summary:{source}: a source name is lowercase letters, digits and _")
+    path = results_dir / f"claims_{source}.csv"
+    if not path.is_file():
+        return _missing(path, results_dir, "snakemake --cores 8 claims")
+    df = pd.read_csv(path, dtype=str, keep_default_na=False)
+    parts = []
+    for verdict in VERDICTS:
+        ids = list(df.loc[df["verdict"] == verdict, "id"])
+        parts.append(f"**{verdict}** {len(ids)}" + (f" ({', '.join(ids)})" if ids else ""))
+    extra = f"{path.name} sha256 `{sha256(path)[:12]}`"
+    return "; ".join(parts) + ".\n\n" + provenance_line([path], results_dir, writer="snakemake --cores 8 claims",
+                                                           extra=extra)
+
+
 RENDERERS: dict[str, Callable[..., str]] = {"figures": render_figures, "glue": render_glue}
 
 
@@ -234,8 +257,10 @@ def render_block(name: str, results_dir: str | os.PathLike, doc_dir: str | os.Pa
         return render_table(results_dir, doc_dir, repo, name.removeprefix("table:"))
     if name.startswith("claims:"):
         return render_claims(results_dir, doc_dir, repo, name.removeprefix("claims:"))
+    if name.startswith("claims-summary:"):
+        return render_claims_summary(results_dir, doc_dir, repo, name.removeprefix("claims-summary:"))
     if name not in RENDERERS:
-        known = ", ".join([*RENDERERS, "table:FILE", "claims:SOURCE"])
+        known = ", ".join([*RENDERERS, "table:FILE", "claims:SOURCE", "claims-summary:SOURCE"])
         raise DocsError(f"unknown generated block {name!r}; known: {known}")
     return RENDERERS[name](results_dir, doc_dir, repo)
 
