@@ -83,9 +83,9 @@ if GLUE_JOBS == "per_model":
         output:
             expand(FINETUNE, task=TASKS, seed=SEEDS, allow_missing=True),
         log:
-            "logs/finetune/{source}/{model}/v{vocab}/tasks.log",
+            "logs/finetune_model/{source}/{model}/v{vocab}.log",
         benchmark:
-            "results/benchmarks/finetune/{source}/{model}/v{vocab}/tasks.tsv"
+            "results/benchmarks/finetune_model/{source}/{model}/v{vocab}.tsv"
         wildcard_constraints:
             model="|".join(MODELS),
         conda:

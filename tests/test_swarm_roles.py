@@ -61,6 +61,19 @@ def launch(total: int, **kw):
     return result, stats
 
 
+def test_each_peer_class_calls_its_own_handlers_whichever_built_its_stub_first():
+    """A launcher that ran a coordinator before (StagePeer's stub built first, as in one pytest process) must still
+    reach SyncingStagePeer's handlers: hivemind caches handlers per class, and a subclass must not inherit them."""
+    from cramswarm.swarm.hivemind_peer import EmulatedStagePeer, StagePeer
+    from cramswarm.swarm.peer_sync import SyncingStagePeer
+
+    StagePeer._collect_rpc_handlers()
+    for cls in (SyncingStagePeer, EmulatedStagePeer):
+        cls._collect_rpc_handlers()
+        assert cls._stub_type is not StagePeer._stub_type and cls._stub_type.__name__ == f"{cls.__name__}Stub"
+        assert cls._get_handle_name("ns", "rpc_state") == f"ns::{cls.__name__}.rpc_state"
+
+
 def test_shards_partition_the_microbatches_and_step_targets_follow_the_ramp():
     total, trainers = 103, 4
     owned = sorted(i for rank in range(trainers) for i in shard(total, rank, trainers))

@@ -323,6 +323,15 @@ class StagePeer(ServicerBase):
     all-reduce on the asyncio loop. The coordinator imports this class only for ``StagePeer.get_stub``.
     """
 
+    def __init_subclass__(cls, **kwargs):
+        # hivemind 1.1.12 caches a servicer's RPC handlers and stub type on the class (ServicerBase._rpc_handlers,
+        # _stub_type) and returns early when the cache is set: a subclass created after its parent built them
+        # inherits the parent's, and its stubs then call the parent's handle names ("StagePeer.rpc_state"), which
+        # the subclass's servers (registered as "SyncingStagePeer.rpc_state") do not answer. Each class its own.
+        super().__init_subclass__(**kwargs)
+        cls._rpc_handlers = None
+        cls._stub_type = None
+
     def __init__(self, cfg: dict, stage: int, uid: str, speed: float, node: DHTNode):
         recipe = cfg["recipe"]
         self.cfg, self.stage, self.uid, self.speed, self.node = cfg, stage, uid, speed, node
