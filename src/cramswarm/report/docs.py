@@ -202,49 +202,48 @@ def render_table(results_dir: Path, doc_dir: Path, repo: Path, file: str) -> str
 CLAIMS_COLUMNS = ("id", "claim", "where", "paper_number", "measurement", "test", "verdict", "setup")
 
 
-def render_claims(results_dir: Path, doc_dir: Path, repo: Path, source: str) -> str:
-    """The claims table of one source (``claims_<source>.csv``, written by the `claims` target), verdict counts
-    and the file's checksum."""
+def _claims_block(results_dir: Path, source: str, block: str, body: Callable) -> str:
+    """A block read from ``claims_<source>.csv`` (written by the `claims` target): ``body(frame)`` as its text,
+    then the provenance line with the file's checksum; the missing-file note where it is not committed."""
     import pandas as pd
 
-    from cramswarm.report.claims import LABELS, VERDICTS
-
     if not re.fullmatch(r"[a-z0-9_]+", source):
-        raise DocsError(f"generated:claims:{source}: a source name is lowercase letters, digits and _")
+        raise DocsError(f"generated:{block}:{source}: a source name is lowercase letters, digits and _")
     path = results_dir / f"claims_{source}.csv"
     if not path.is_file():
         return _missing(path, results_dir, "snakemake --cores 8 claims")
-    df = pd.read_csv(path, dtype=str, keep_default_na=False)
-    rows = [[_cell(row[c]) for c in CLAIMS_COLUMNS] for _, row in df.iterrows()]
-    lines = ["| " + " | ".join(LABELS[c] for c in CLAIMS_COLUMNS) + " |", "|" + "---|" * len(CLAIMS_COLUMNS)]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    counts = df["verdict"].value_counts()
-    lines += ["", "Verdicts: " + ", ".join(f"{v} {int(counts.get(v, 0))}" for v in VERDICTS) + "."]
+    text = body(pd.read_csv(path, dtype=str, keep_default_na=False))
     extra = f"{path.name} sha256 `{sha256(path)[:12]}`"
-    return "\n".join(lines) + "\n\n" + provenance_line([path], results_dir, writer="snakemake --cores 8 claims",
-                                                          extra=extra)
+    return text + "\n\n" + provenance_line([path], results_dir, writer="snakemake --cores 8 claims", extra=extra)
+
+
+def render_claims(results_dir: Path, doc_dir: Path, repo: Path, source: str) -> str:
+    """The claims table of one source, with the count per verdict."""
+    from cramswarm.report.claims import LABELS, VERDICTS
+
+    def table(df) -> str:
+        lines = ["| " + " | ".join(LABELS[c] for c in CLAIMS_COLUMNS) + " |", "|" + "---|" * len(CLAIMS_COLUMNS)]
+        lines += ["| " + " | ".join(_cell(row[c]) for c in CLAIMS_COLUMNS) + " |" for _, row in df.iterrows()]
+        counts = df["verdict"].value_counts()
+        lines += ["", "Verdicts: " + ", ".join(f"{v} {int(counts.get(v, 0))}" for v in VERDICTS) + "."]
+        return "\n".join(lines)
+
+    return _claims_block(results_dir, source, "claims", table)
 
 
 def render_claims_summary(results_dir: Path, doc_dir: Path, repo: Path, source: str) -> str:
     """The verdicts of one source's claims in a few lines (for the README; the full table is ``claims:SOURCE``):
-    the count per verdict, then the claim ids under each verdict, and the file's checksum."""
-    import pandas as pd
-
+    the count per verdict and the claim ids under each."""
     from cramswarm.report.claims import VERDICTS
 
-    if not re.fullmatch(r"[a-z0-9_]+", source):
-        raise DocsError(f"generated:claims-summary:{source}: a source name is lowercase letters, digits and _")
-    path = results_dir / f"claims_{source}.csv"
-    if not path.is_file():
-        return _missing(path, results_dir, "snakemake --cores 8 claims")
-    df = pd.read_csv(path, dtype=str, keep_default_na=False)
-    parts = []
-    for verdict in VERDICTS:
-        ids = list(df.loc[df["verdict"] == verdict, "id"])
-        parts.append(f"**{verdict}** {len(ids)}" + (f" ({', '.join(ids)})" if ids else ""))
-    extra = f"{path.name} sha256 `{sha256(path)[:12]}`"
-    return "; ".join(parts) + ".\n\n" + provenance_line([path], results_dir, writer="snakemake --cores 8 claims",
-                                                           extra=extra)
+    def summary(df) -> str:
+        parts = []
+        for verdict in VERDICTS:
+            ids = list(df.loc[df["verdict"] == verdict, "id"])
+            parts.append(f"**{verdict}** {len(ids)}" + (f" ({', '.join(ids)})" if ids else ""))
+        return "; ".join(parts) + "."
+
+    return _claims_block(results_dir, source, "claims-summary", summary)
 
 
 RENDERERS: dict[str, Callable[..., str]] = {"figures": render_figures, "glue": render_glue}
