@@ -142,17 +142,18 @@ def test_random_peer_kills_under_the_launcher_lose_no_microbatch():
 
 def test_train_runs_under_the_launcher_only_where_the_launcher_supports_the_plan():
     assert ht.decentralised_supported(plan(), 96) is None
+    # rebalancing runs under the launcher: the stage peers decide the moves (peer_rebalance)
+    assert ht.decentralised_supported(plan(rebalance_period_s=3.0), 96) is None
     seconds = plan().recipe | {"budget": {"unit": "seconds", "value": 60}}
     reasons = {
-        "rebalance_period_s": ht.decentralised_supported(plan(rebalance_period_s=3.0), 96),
         "placement=attach": ht.decentralised_supported(plan(placement="attach"), 96),
         "seconds budget": ht.decentralised_supported(plan(recipe=seconds), 1 << 62),
         "peers_per_stage": ht.decentralised_supported(plan(peers_per_stage=[1, 0]), 96),
         "GiB in the trainers' shard files": ht.decentralised_supported(plan(), 10**7),
     }
     assert all(reason and key in reason for key, reason in reasons.items()), reasons
-    with pytest.raises(ValueError, match="the launcher cannot run this swarm: swarm.rebalance_period_s"):
-        ht.run_swarm(plan(rebalance_period_s=3.0, decentralised=True), batches(), 8, progress=False)
+    with pytest.raises(ValueError, match="the launcher cannot run this swarm: a seconds budget"):
+        ht.run_swarm(plan(recipe=seconds, decentralised=True), batches(), 8, progress=False)
 
 
 @pytest.mark.slow

@@ -692,28 +692,39 @@ async def serve_stage(args: argparse.Namespace) -> None:
         maddrs = read_addr_file(args.addr_file, cfg["join_timeout_s"])
         node = await join_dht(maddrs, client_mode=False, host=listen_host(cfg), timeout_s=cfg["join_timeout_s"])
     peer = peer_cls(cfg, args.stage, args.uid, args.speed, node)
-    peer.migrate_to = asyncio.get_running_loop().create_future()
-    await peer.add_p2p_handlers(node.p2p, namespace=peer.namespace)
-    with contextlib.suppress(Exception):  # joining a running swarm: take the stage's state first
-        args.load_state = args.load_state or await coordinator_phase(node, peer.run_id) == "training"
-    if args.load_state:
-        await peer.load_from_replica(cfg["give_up_after_s"])
-    print(f"[{args.uid}] serving stage {args.stage} (speed {args.speed}) as {node.p2p.peer_id}", flush=True)
-    declare = asyncio.create_task(peer.declare_forever())
-    background = peer.background_tasks()
-    coordinator = asyncio.create_task(watch_coordinator(node, peer.run_id, cfg.get("coordinator_grace_s",
-                                                                                    COORDINATOR_GRACE_S)))
-    done, _ = await asyncio.wait([declare, watchdog, coordinator, peer.migrate_to, *background],
-                                 return_when=asyncio.FIRST_COMPLETED)
+    while True:
+        peer.migrate_to = asyncio.get_running_loop().create_future()
+        await peer.add_p2p_handlers(node.p2p, namespace=peer.namespace)
+        with contextlib.suppress(Exception):  # joining a running swarm: take the stage's state first
+            args.load_state = args.load_state or await coordinator_phase(node, peer.run_id) == "training"
+        if args.load_state:
+            await peer.load_from_replica(cfg["give_up_after_s"])
+        print(f"[{peer.uid}] serving stage {peer.stage} (speed {args.speed}) as {node.p2p.peer_id}", flush=True)
+        declare = asyncio.create_task(peer.declare_forever())
+        background = peer.background_tasks()
+        coordinator = asyncio.create_task(watch_coordinator(node, peer.run_id, cfg.get("coordinator_grace_s",
+                                                                                        COORDINATOR_GRACE_S)))
+        done, _ = await asyncio.wait([declare, watchdog, coordinator, peer.migrate_to, *background],
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if peer.migrate_to in done and isinstance(peer.migrate_to.result(), tuple):  # it moves itself (peer_rebalance)
+            for task in (declare, coordinator, *background):
+                task.cancel()
+            await asyncio.gather(declare, coordinator, *background, return_exceptions=True)
+            from cramswarm.swarm.peer_rebalance import move_peer
+
+            peer = await move_peer(peer, *peer.migrate_to.result())
+            args.load_state = True
+            continue
+        break
     if peer.migrate_to in done:  # its DHT record expires; the coordinator stops routing to it at once
         code = MIGRATE_EXIT + peer.migrate_to.result()
     elif coordinator in done and coordinator.exception() is not None:
-        print(f"[{args.uid}] {coordinator.exception()}; exiting", flush=True)
+        print(f"[{peer.uid}] {coordinator.exception()}; exiting", flush=True)
         code = COORDINATOR_GONE
     else:
         for task in done:
             task.result()  # a failed declaration or watchdog raises here
-        print(f"[{args.uid}] the coordinator is done; exiting", flush=True)
+        print(f"[{peer.uid}] the coordinator is done; exiting", flush=True)
         code = 0
     # Leave at once: an all-reduce or compute call in flight would hold up an orderly shutdown for many seconds.
     for daemon in psutil.Process().children():

@@ -2,8 +2,9 @@
 
 Two ways to run a swarm: ``run_swarm`` hands a plan with ``decentralised`` set to the launcher (``launcher``:
 independent trainer processes, in-stage steps decided by the stage peers, no process whose state training needs;
-``train`` sets it wherever ``decentralised_supported`` allows), and runs every other plan - rebalancing, the
-attach / srun placements, a seconds budget, the throughput emulation of ``run`` - with the coordinator below.
+``train`` sets it wherever ``decentralised_supported`` allows; there the stage peers also decide rebalancing,
+``peer_rebalance``), and runs every other plan - the attach / srun placements, a seconds budget, the throughput
+emulation of ``run`` - with the coordinator below.
 The trainers' call and microbatch code is ``trainer.StageClient`` in both; the coordinator adds its window
 through StageClient's hooks.
 
@@ -901,11 +902,10 @@ _own_daemons = own_daemons  # the tests' name for it
 
 def decentralised_supported(plan: SwarmPlan, total_microbatches: int) -> str | None:
     """Why the launcher (independent trainer processes, steps decided by the stage peers) cannot run ``plan``
-    yet, or None. Rebalancing, the attach/srun placements and a seconds budget still need the coordinator."""
+    yet, or None. The attach/srun placements and a seconds budget still need the coordinator (rebalancing under
+    the launcher is decided by the stage peers: ``peer_rebalance``)."""
     if plan.placement != "local":
         return f"swarm.placement={plan.placement} (the launcher starts its peers itself: local only)"
-    if plan.rebalance_period_s:
-        return "swarm.rebalance_period_s is set (rebalancing is still decided by the coordinator)"
     if plan.emulate is not None:
         return "throughput emulation (hivemind_transport.run) uses the coordinator"
     if plan.recipe["budget"]["unit"] == "seconds" or total_microbatches >= 1 << 40:

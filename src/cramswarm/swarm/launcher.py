@@ -1,14 +1,15 @@
 """The launcher of a hivemind swarm: starts the processes, restarts the dead, gathers the result - no training.
 
 ``hivemind_transport.run_swarm`` uses it for plans with ``decentralised`` set (``train`` sets it for the local
-placement without rebalancing and a token or step budget; see ``hivemind_transport.decentralised_supported``).
+placement and a token or step budget; see ``hivemind_transport.decentralised_supported``).
 Processes (each its own process-group leader, ``processes.ProcessGroups``):
 
 * ``bootstrap`` - the process that starts the DHT (``hivemind_peer bootstrap``) and writes the address file;
   every later process - stage peer or trainer - joins through any live entry of that file and appends its own
   addresses (``hivemind_peer.join_swarm``), so the bootstrap may die without stopping newcomers or training;
-* stage peers - ``hivemind_peer stage`` with ``peer_sync.SyncingStagePeer``: they serve their stage and decide
-  their stage's synchronous steps among themselves (``peer_sync``);
+* stage peers - ``hivemind_peer stage`` with ``peer_sync.SyncingStagePeer``: they serve their stage, decide
+  their stage's synchronous steps among themselves (``peer_sync``) and, with ``rebalance_period_s``, which of them
+  moves to a starved stage; the mover moves itself, in its process (``peer_rebalance``);
 * trainers - ``python -m cramswarm.swarm.trainer``, one per ``trainers``, each owning a shard of the
   microbatches (``trainer``), which this process writes to the run folder before it starts anything.
 
@@ -23,6 +24,10 @@ training state; once every trainer reports its shard done it asks the peers for 
 and stops everything. If it dies, the peers and trainers exit: at once where they see their parent gone, else
 once its heartbeat record has been missing ``coordinator_grace_s`` (resuming from the trainers' progress files
 and the stages' state is not implemented).
+
+Rebalancing (``rebalance_period_s``) is the peers' own (``peer_rebalance``): the launcher decides and tells no move;
+it reads the peers' ``moves.jsonl`` to restart a moved peer, should it die, on its new stage, and for the result's
+``moves``.
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ from cramswarm.swarm.hivemind_peer import (
     stage_records,
     unpack,
 )
+from cramswarm.swarm.peer_rebalance import MOVES_FILE
 from cramswarm.swarm.peer_sync import SyncingStagePeer, flush_key, progress_records
 from cramswarm.swarm.policies import NoPeersError
 from cramswarm.swarm.processes import PeerProcess, ProcessGroups, own_daemons
@@ -95,6 +101,7 @@ class Launcher:
         self.trainers: dict[int, object] = {}     # rank -> Popen
         self.finished: set[int] = set()
         self.next_uid = 0
+        self.moves_seen = 0                        # lines of the peers' moves file read so far
         self.bootstrap = None
         self.tasks: set[asyncio.Task] = set()
         self.stats = {"peers_killed": 0, "rejoins": 0, "trainer_restarts": 0, "killed": [], "bootstrap_killed": 0}
@@ -127,7 +134,7 @@ class Launcher:
                "join_timeout_s": p.join_timeout_s, "give_up_after_s": p.retry.give_up_after_s, "host": p.host,
                "interface": p.interface, "coordinator_grace_s": p.coordinator_grace_s, "peer_sync": True,
                "seq_len": seq_len, "workdir": str(self.workdir), "retry": dataclasses.asdict(p.retry),
-               "seed": p.seed}
+               "seed": p.seed, "rebalance_period_s": p.rebalance_period_s}
         path = self.workdir / CONFIG_FILE
         tmp = self.workdir / f".{CONFIG_FILE}.tmp"
         tmp.write_text(json.dumps(cfg))
@@ -209,6 +216,32 @@ class Launcher:
         await asyncio.sleep(self.plan.rejoin_after_s)
         self._start_trainer(rank)
         self.stats["trainer_restarts"] += 1
+
+    def _move_events(self) -> list[dict]:
+        """The complete lines of the moves file the peers append to (``peer_rebalance``)."""
+        path = self.workdir / MOVES_FILE
+        events = []
+        for line in path.read_text().splitlines() if path.exists() else []:
+            try:
+                events.append(json.loads(line))
+            except ValueError:  # a line being written: read it next time
+                break
+        return events
+
+    def _follow_moves(self) -> None:
+        """Follow the moves the peers made themselves: a moved process is restarted, should it die, on the stage
+        it moved to, and is known by its new uid once it arrived (the launcher decides and tells nothing)."""
+        events = self._move_events()
+        for event in events[self.moves_seen:]:
+            peer = self.peers.get(event["uid"])
+            if peer is None:
+                continue
+            peer.stage = event["to_stage"]
+            if event["event"] == "arrived":
+                del self.peers[event["uid"]]
+                peer.uid = event["new_uid"]
+                self.peers[peer.uid] = peer
+        self.moves_seen = len(events)
 
     def _trainer_failed(self, rank: int, code: int) -> Exception:
         log = (self.workdir / f"trainer{rank}.log").read_text(errors="replace")[-3000:]
@@ -294,6 +327,7 @@ class Launcher:
                     if uid not in self.retired and not peer.alive:  # died by itself: replace it
                         self.retired.add(uid)
                         self._spawn(self._restart_peer(peer))
+                self._follow_moves()
                 bar.n = self._done_microbatches()
                 bar.refresh()
                 await asyncio.sleep(SUPERVISE_PERIOD_S)
@@ -368,6 +402,33 @@ class Launcher:
                     losses[row["mb"]] = row["loss"]
         return losses
 
+    def _done_times(self) -> list[float]:
+        """Seconds into training at which each microbatch was done (a resumed one: its last time), sorted."""
+        times = {}
+        for rank in range(self.plan.trainers):
+            path = losses_path(self.workdir, rank)
+            for line in path.read_text().splitlines() if path.exists() else []:
+                with contextlib.suppress(ValueError):
+                    row = json.loads(line)
+                    times[row["mb"]] = round(row["time"] - self.start_wall, 3)
+        return sorted(times.values())
+
+    def _moves(self) -> list[dict]:
+        """Each move the peers decided: when (seconds into training), who, from where to where, and once it
+        arrived, when and under which uid, how long its drain took and the gradient samples it dropped."""
+        moves, open_moves = [], {}
+        for event in self._move_events():
+            if event["event"] == "decided":
+                open_moves[event["uid"]] = move = {
+                    "t_s": round(event["time"] - self.start_wall, 3), "uid": event["uid"],
+                    "from_stage": event["from_stage"], "to_stage": event["to_stage"], "period": event["period"]}
+                moves.append(move)
+            elif event["uid"] in open_moves:
+                open_moves.pop(event["uid"]).update(
+                    arrived_s=round(event["time"] - self.start_wall, 3), new_uid=event["new_uid"],
+                    drain_s=event["drain_s"], lost_gradient_samples=event["lost_gradient_samples"])
+        return moves
+
     def _trainer_stats(self) -> dict:
         """The trainers' call counters (retries, timeouts, errors), summed; restarts start them again at 0."""
         total: dict = {"retries": 0, "timeouts": 0, "errors": 0}
@@ -431,6 +492,7 @@ class Launcher:
         param_steps = [sum(c["averaging_param_steps"] for c in counters if c["stage"] == s)
                        for s in range(self.plan.stages)]
         log = self._log()
+        moves = self._moves()
         self.stats.update(self._trainer_stats())
         self.stats.update(
             transport="hivemind", placement="local", roles="launcher", microbatches_done=done,
@@ -447,6 +509,8 @@ class Launcher:
             stage_parameters=self.stage_params, averaging_compression=self.plan.averaging_compression,
             averaging_bytes_per_param=[round(b / n, 4) if n else None for b, n in zip(sent, param_steps)],
             averaging_bytes_per_value=[round(b / n, 4) if n else None for b, n in zip(sent, values)],
+            moves=moves, moves_completed=sum("arrived_s" in m for m in moves), microbatch_done_s=self._done_times(),
+            incomplete_load_views=sum(c.get("incomplete_views", 0) for c in counters),
         )
         return TrainResult(stage_states=stage_states, log=log, stats=self.stats)
 

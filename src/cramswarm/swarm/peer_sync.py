@@ -53,7 +53,8 @@ from hivemind.utils import get_dht_time
 
 from cramswarm.io import write_json
 from cramswarm.swarm.averaging import averaging_timeout_s
-from cramswarm.swarm.hivemind_peer import StagePeer, respond, unpack
+from cramswarm.swarm.hivemind_peer import DECLARE_PERIOD_S, RECORD_TTL_S, StagePeer, respond, stage_key, unpack
+from cramswarm.swarm.peer_rebalance import LoadMeter, PeerRebalancer, call_units
 from cramswarm.training import accumulation_at, budget_progress, lr_multiplier
 
 PROGRESS_PERIOD_S = 0.25  # a peer publishes its progress record and reads its stage's this often ...
@@ -95,6 +96,8 @@ class SyncingStagePeer(StagePeer):
 
     def __init__(self, cfg: dict, stage: int, uid: str, speed: float, node):
         super().__init__(cfg, stage, uid, speed, node)
+        self.meter = LoadMeter(time.monotonic())  # its own queue and service rate (peer_rebalance)
+        self.leaving = False       # moving to another stage (peer_rebalance): new calls are refused
         self.seq_len = cfg["seq_len"]
         self.workdir = Path(cfg["workdir"])
         self.peer_id = node.p2p.peer_id.to_base58()
@@ -112,8 +115,17 @@ class SyncingStagePeer(StagePeer):
                          "averaging_param_steps": 0, "group_sizes": [], "failed_rounds": 0}
 
     # -- compute thread ---------------------------------------------------------------------------------------
+    def _forward(self, tensors: dict[str, torch.Tensor], meta: dict) -> tuple[dict, dict]:
+        start = time.perf_counter()
+        result, out_meta = super()._forward(tensors, meta)
+        samples = out_meta["payloads"]["y"]["shape"][0]
+        self.meter.served(call_units("forward", samples, self.is_last), time.perf_counter() - start)
+        return result, out_meta
+
     def _backward(self, tensors: dict[str, torch.Tensor], meta: dict) -> tuple[dict, dict]:
+        start = time.perf_counter()
         result, out_meta = super()._backward(tensors, meta)
+        self.meter.served(call_units("backward", out_meta["samples"], self.is_last), time.perf_counter() - start)
         if "loss" in out_meta:
             self.local_loss += out_meta["loss"] * out_meta["samples"]
         return result, out_meta
@@ -146,21 +158,44 @@ class SyncingStagePeer(StagePeer):
     def _target(self) -> int:
         return step_target(self.cfg["recipe"], self.seq_len, self.stepped_samples, self.step)[1]
 
+    def _refuse_if_leaving(self) -> None:
+        if self.leaving:  # the trainer re-sends the call to another replica of this stage
+            raise RuntimeError(f"{self.uid} is leaving stage {self.stage} (rebalancing)")
+
+    async def _metered(self, fn, *args):
+        """``_run`` of a forward or backward call, counted in this peer's queue while it waits and computes."""
+        self.meter.enter(time.monotonic())
+        try:
+            return await self._run(fn, *args)
+        finally:
+            self.meter.exit(time.monotonic())
+
+    async def rpc_forward(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
+                          context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        tensors, meta = await unpack(requests)
+        self._refuse_if_leaving()
+        result, out_meta = await self._metered(self._forward, tensors, meta)
+        for message in respond(result, out_meta):
+            yield message
+
     async def rpc_backward(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
                            context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """Admission toward the stage's global batch, as the coordinator's window did: a backward call waits
         while this peer is averaging or the stage's samples (others' as last read, plus this peer's) would pass
-        the batch, at most ``sync_timeout_s`` (then it counts toward the next step); the rest is ``StagePeer``'s."""
+        the batch, at most ``sync_timeout_s`` (then it counts toward the next step); the rest is ``StagePeer``'s.
+        A peer leaving its stage refuses it, before and after the wait."""
         tensors, meta = await unpack(requests)
+        self._refuse_if_leaving()
         samples = int(meta.get("samples", 0))
         deadline = time.monotonic() + self.sync_timeout_s
         while time.monotonic() < deadline and (self.closing or self.ready is not None or (
                 self._held_samples() > 0 and self.others_pending + self._held_samples() + samples > self._target())):
             self.nudge.set()
             await asyncio.sleep(0.02)
+        self._refuse_if_leaving()
         self.admitted += samples
         try:
-            result, out_meta = await self._run(self._backward, tensors, meta)
+            result, out_meta = await self._metered(self._backward, tensors, meta)
         finally:
             self.admitted -= samples
         if self.others_pending + self._held_samples() >= self._target():
@@ -182,7 +217,19 @@ class SyncingStagePeer(StagePeer):
                    {**self.counters, "step": self.step, "stepped_samples": self.stepped_samples})
 
     def background_tasks(self) -> list[asyncio.Task]:
-        return [asyncio.create_task(self.sync_forever())]
+        tasks = [asyncio.create_task(self.sync_forever())]
+        if self.cfg.get("rebalance_period_s"):  # this peer decides moves with its stage's and the others' peers
+            tasks.append(asyncio.create_task(PeerRebalancer(self, self.cfg["rebalance_period_s"]).run()))
+        return tasks
+
+    async def declare_forever(self) -> None:
+        """``StagePeer``'s declaration, paused once this peer is leaving its stage (its record is withdrawn)."""
+        key = stage_key(self.run_id, self.stage)
+        while True:
+            if not self.leaving:
+                await self.node.store(key, subkey=self.uid, value=self.peer_id,
+                                      expiration_time=get_dht_time() + RECORD_TTL_S)
+            await asyncio.sleep(DECLARE_PERIOD_S)
 
     async def sync_forever(self) -> None:
         self.digest = await self._run(self._digest)

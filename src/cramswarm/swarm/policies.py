@@ -288,31 +288,45 @@ class Rebalancer:
 
     def decide(self, loads: dict[int, list[PeerLoad]], now: float) -> Move | None:
         """``loads``: stage -> its live peers' loads (a stage with no peer: empty list)."""
-        if now < self._quiet_until or len(loads) < 2:
+        if now < self._quiet_until:
             return None
-        peer_rates = self.rates(loads)
-        if peer_rates is None:
-            return None
-        rates = {s: sum(r) for s, r in peer_rates.items()}
-        load = {s: self.stage_load(sum(p.queue_len for p in peers), rates[s]) for s, peers in loads.items()}
-        donors = [s for s, peers in loads.items() if len(peers) >= 2]
-        if not donors:
-            return None
-        donor = min(donors, key=lambda s: (load[s], s))
-        recipient = max(loads, key=lambda s: (load[s], -s))
-        if donor == recipient:
-            return None
-        ratio = math.inf if load[donor] == 0 else load[recipient] / load[donor]
-        if not ratio > self.hysteresis:
-            return None
-        index, mover = min(enumerate(loads[donor]), key=lambda ip: _uid_hash(ip[1].uid))
-        projected = dict(rates)
-        projected[donor] -= peer_rates[donor][index]
-        projected[recipient] += peer_rates[donor][index]
-        if not min(projected.values()) > min(rates.values()) * (1.0 + self.min_gain):
-            return None
-        self._quiet_until = now + self.cooldown_s
-        return Move(mover.uid, donor, recipient)
+        move = choose_move(loads, hysteresis=self.hysteresis, min_gain=self.min_gain)
+        if move is not None:
+            self._quiet_until = now + self.cooldown_s
+        return move
+
+
+def choose_move(loads: dict[int, list[PeerLoad]], *, hysteresis: float = 1.5, min_gain: float = 0.05) -> Move | None:
+    """``Rebalancer``'s rule without its clock: the one move (or None) that ``loads`` call for.
+
+    A pure function of the loads (the order of the stages and of the peers within a stage does not matter), so every
+    stage peer that reads the same records computes the same move: the hivemind peers (``peer_rebalance``) each
+    evaluate it and only the named peer acts."""
+    if len(loads) < 2:
+        return None
+    loads = {s: sorted(peers, key=lambda p: p.uid) for s, peers in loads.items()}
+    peer_rates = Rebalancer.rates(loads)
+    if peer_rates is None:
+        return None
+    rates = {s: math.fsum(r) for s, r in peer_rates.items()}
+    load = {s: Rebalancer.stage_load(math.fsum(p.queue_len for p in peers), rates[s]) for s, peers in loads.items()}
+    donors = [s for s, peers in loads.items() if len(peers) >= 2]
+    if not donors:
+        return None
+    donor = min(donors, key=lambda s: (load[s], s))
+    recipient = max(loads, key=lambda s: (load[s], -s))
+    if donor == recipient:
+        return None
+    ratio = math.inf if load[donor] == 0 else load[recipient] / load[donor]
+    if not ratio > hysteresis:
+        return None
+    index, mover = min(enumerate(loads[donor]), key=lambda ip: _uid_hash(ip[1].uid))
+    projected = dict(rates)
+    projected[donor] -= peer_rates[donor][index]
+    projected[recipient] += peer_rates[donor][index]
+    if not min(projected.values()) > min(rates.values()) * (1.0 + min_gain):
+        return None
+    return Move(mover.uid, donor, recipient)
 
 
 class StageSync:

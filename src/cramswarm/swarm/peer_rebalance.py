@@ -1,0 +1,265 @@
+"""Rebalancing decided by the stage peers of the launcher's swarm (``launcher``): no process tells a peer to move.
+
+Every ``swarm.rebalance_period_s`` (T) each ``peer_sync.SyncingStagePeer`` closes its ``LoadMeter`` window and
+stores what it measured itself under its stage's load key (``load_key``; sub-key = its uid; the period's index
+``k = dht_time // T`` in the value, expiring two periods later): the time-averaged number of calls in its compute
+queue (waiting or computing: ``queue``) and the work units it served per second of its own compute time over the
+period (``rate``; forward 1, backward 2, the last stage's fused call 3 per sample, as the trainers and the
+emulation count them; None until it has served ``SETTLED_UPDATES`` calls at its stage: a fresh peer's first calls
+pay a cold start). The caller-side latency, which includes queueing and the network, is not used.
+
+At ``k T + DECIDE_DELAY`` every peer reads the period-``k`` records of every stage and evaluates the same pure
+function, ``policies.choose_move`` (load = (queue + 1) / summed rate; from the least to the most loaded stage when
+the ratio exceeds the hysteresis and the bottleneck's projected rate grows by more than ``min_gain``; the mover is
+the donor peer with the smallest SHA-1 of its uid). A view is used only when it is complete (every peer declared
+under a stage published a record for period ``k``), so the peers that decide all decide on the same records; the
+peer the move names acts, the others only watch. Before it acts it stores a claim for period ``k`` and reads the
+claims back ``DECIDE_DELAY`` later: if two peers read different views and both believed themselves the mover, only
+the claim with the smallest uid hash moves - at most one move per period. Nothing is decided while the last move
+(the ``last_move_key`` record) is in transit, nor in the ``cooldown_periods`` periods after it arrived.
+
+The mover (``PeerRebalancer.leave``): stops admitting calls (``peer.leaving``: new forward and backward calls are
+refused, the trainers re-send them to another replica and ban this peer until its record is gone), replaces its
+stage record with a tombstone (trainers drop it at their next read), lets the calls it admitted finish and stays in
+its stage's synchronisation until the gradients it holds went into a step (bounded by ``drain_timeout_s``; what
+it still holds then is dropped and counted in ``lost_gradient_samples``). ``move_peer`` then builds the new stage
+in the same process under a new uid (``moved_uid``), and ``hivemind_peer.serve_stage`` serves it: state download
+from a live replica of the new stage (the joining peers' path), declaration, synchronisation. Each move is
+appended to ``moves.jsonl`` in the run's folder (decided, arrived); the launcher reads it for its result and to
+restart a dead peer on the stage it last served, and decides nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+import threading
+import time
+from pathlib import Path
+
+from hivemind.utils import get_dht_time
+
+from cramswarm.swarm.emulation import WORK_UNITS
+from cramswarm.swarm.hivemind_peer import RECORD_TTL_S, stage_key, stage_records
+from cramswarm.swarm.policies import SETTLED_UPDATES, PeerLoad, _uid_hash, choose_move
+
+MOVES_FILE = "moves.jsonl"  # in the run's folder: one line per move event, appended by the moving peer
+
+
+def load_key(run_id: str, stage: int) -> str:
+    """DHT key of a stage's load records (sub-key: peer uid)."""
+    return f"{run_id}_load{stage}"
+
+
+def claims_key(run_id: str, period: int) -> str:
+    """DHT key of the move claims of one period (sub-key: the claiming peer's uid)."""
+    return f"{run_id}_claims{period}"
+
+
+def last_move_key(run_id: str) -> str:
+    """DHT key of the swarm's latest move (decided, then arrived): the cool-down every peer reads."""
+    return f"{run_id}_lastmove"
+
+
+def decide_delay_s(period_s: float) -> float:
+    """How long after a period's end the peers read its records (and, once more, the claims)."""
+    return min(0.3 * period_s, 2.0)
+
+
+def moved_uid(uid: str, to_stage: int, moves: int) -> str:
+    """The uid of a peer after its ``moves``-th move: the launcher's ``s<stage>p<n>`` keeps its ``p<n>`` (the
+    process) and names the new stage and the move (``s1p2m1``); any other uid gets the suffix."""
+    match = re.fullmatch(r"s\d+(p\d+)(m\d+)?", uid)
+    return f"s{to_stage}{match.group(1)}m{moves}" if match else f"{uid}-s{to_stage}m{moves}"
+
+
+class LoadMeter:
+    """A stage peer's own load over one window: the time-average of the calls in its compute queue (waiting or
+    computing; ``enter`` / ``exit`` from the event loop) and the work units it served per second of compute
+    (``served`` from the compute thread). Times are arguments; the counters are guarded by a lock."""
+
+    def __init__(self, now: float):
+        self._lock = threading.Lock()
+        self.queue = 0
+        self._since = self._start = now
+        self._area = 0.0
+        self._units = self._busy_s = 0.0
+        self._calls = 0
+        self.total_calls = 0
+        self.rate: float | None = None  # the last settled window's rate (kept through windows without calls)
+
+    def _advance(self, now: float) -> None:
+        self._area += self.queue * max(now - self._since, 0.0)
+        self._since = max(now, self._since)
+
+    def enter(self, now: float) -> None:
+        with self._lock:
+            self._advance(now)
+            self.queue += 1
+
+    def exit(self, now: float) -> None:
+        with self._lock:
+            self._advance(now)
+            self.queue -= 1
+
+    def served(self, units: float, seconds: float) -> None:
+        with self._lock:
+            self._units += units
+            self._busy_s += max(seconds, 0.0)
+            self._calls += 1
+            self.total_calls += 1
+
+    def window(self, now: float) -> dict:
+        """Close the window at ``now`` and start the next: its mean queue, served units, compute seconds, calls
+        and the rate (units per compute second; the previous one without calls, None until settled)."""
+        with self._lock:
+            self._advance(now)
+            span = now - self._start
+            mean_queue = self._area / span if span > 0 else float(self.queue)
+            if self._calls and self._busy_s > 0 and self.total_calls >= SETTLED_UPDATES:
+                self.rate = self._units / self._busy_s
+            out = {"queue": mean_queue, "units": self._units, "busy_s": self._busy_s, "calls": self._calls,
+                   "span_s": span, "rate": self.rate if self.total_calls >= SETTLED_UPDATES else None}
+            self._start = self._since = now
+            self._area = self._units = self._busy_s = 0.0
+            self._calls = 0
+            return out
+
+
+def call_units(method: str, samples: int, last_stage: bool) -> float:
+    """Work units of one served call (``emulation.WORK_UNITS``)."""
+    return samples * WORK_UNITS["last" if method == "backward" and last_stage else method]
+
+
+class PeerRebalancer:
+    """One stage peer's rebalancing loop (a background task of ``SyncingStagePeer``; see the module docstring)."""
+
+    def __init__(self, peer, period_s: float, *, hysteresis: float = 1.5, min_gain: float = 0.05,
+                 cooldown_periods: int = 1, drain_timeout_s: float | None = None):
+        self.peer, self.period_s = peer, period_s
+        self.hysteresis, self.min_gain, self.cooldown_periods = hysteresis, min_gain, cooldown_periods
+        self.delay_s = decide_delay_s(period_s)
+        self.drain_timeout_s = drain_timeout_s if drain_timeout_s is not None else 4 * peer.sync_timeout_s
+        self.transit_s = 2 * peer.cfg["give_up_after_s"]  # a move record older than this no longer holds decisions
+        self.run_id, self.node = peer.run_id, peer.node
+
+    # -- records ----------------------------------------------------------------------------------------------
+    async def publish(self, period: int, window: dict) -> None:
+        value = {"period": period, **{k: window[k] for k in ("queue", "rate", "units", "busy_s", "calls", "span_s")}}
+        await self.node.store(load_key(self.run_id, self.peer.stage), subkey=self.peer.uid, value=value,
+                              expiration_time=(period + 2) * self.period_s)
+
+    async def view(self, period: int) -> dict[int, list[PeerLoad]] | None:
+        """Every stage's period-``period`` loads; None unless every declared peer published one."""
+        loads = {}
+        for stage in range(self.peer.num_stages):
+            found = await self.node.get(load_key(self.run_id, stage), latest=True)
+            entries = found.value if found is not None and isinstance(found.value, dict) else {}
+            records = {uid: e.value for uid, e in entries.items()
+                       if isinstance(e.value, dict) and e.value.get("period") == period}
+            declared = set(await stage_records(self.node, self.run_id, stage))
+            if not declared <= set(records):
+                return None
+            loads[stage] = [PeerLoad(uid, float(r["queue"]), r["rate"]) for uid, r in sorted(records.items())
+                            if uid in declared]
+        return loads
+
+    async def quiet(self, period: int) -> bool:
+        """Whether the last move holds decisions back: in transit, or arrived within ``cooldown_periods``."""
+        found = await self.node.get(last_move_key(self.run_id), latest=True)
+        last = found.value if found is not None and isinstance(found.value, dict) else None
+        if last is None:
+            return False
+        if last.get("arrived") is None:
+            return get_dht_time() - last["t"] < self.transit_s
+        return period - last["arrived"] <= self.cooldown_periods
+
+    async def claim(self, period: int, move) -> bool:
+        """Claim period ``period``'s move; True if this peer's claim has the smallest uid hash once all are read."""
+        key = claims_key(self.run_id, period)
+        await self.node.store(key, subkey=self.peer.uid, value={"to": move.to_stage},
+                              expiration_time=(period + 4) * self.period_s)
+        await asyncio.sleep(self.delay_s)
+        found = await self.node.get(key, latest=True)
+        claimants = list(found.value) if found is not None and isinstance(found.value, dict) else []
+        return min(claimants + [self.peer.uid], key=_uid_hash) == self.peer.uid
+
+    def log_move(self, event: dict) -> None:
+        with open(Path(self.peer.workdir) / MOVES_FILE, "a") as out:
+            out.write(json.dumps(event) + "\n")
+
+    # -- the loop ---------------------------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Publish, read, decide every period; returns (with ``peer.migrate_to`` set) once this peer moves."""
+        peer = self.peer
+        arrival = getattr(peer, "arrived_from", None)
+        if arrival is not None:  # this peer just moved here: the move is over, the cool-down starts
+            period = math.floor(get_dht_time() / self.period_s)
+            record = {**arrival, "arrived": period, "t": get_dht_time()}
+            await self.node.store(last_move_key(self.run_id), record, get_dht_time() + 3600)
+            self.log_move({"event": "arrived", "time": time.time(), "new_uid": peer.uid, **arrival})
+        while True:
+            period = math.floor(get_dht_time() / self.period_s) + 1
+            await asyncio.sleep(max(period * self.period_s - get_dht_time(), 0.0))
+            try:
+                await self.publish(period, peer.meter.window(time.monotonic()))
+                await asyncio.sleep(self.delay_s)
+                move = await self.decide(period)
+            except Exception as e:  # a DHT hiccup: this period is skipped
+                print(f"[{peer.uid}] rebalancing round {period} failed: {e!r}", flush=True)
+                continue
+            if move is None or move.uid != peer.uid or not await self.claim(period, move):
+                continue
+            record = {"uid": peer.uid, "from_stage": move.from_stage, "to_stage": move.to_stage, "period": period}
+            await self.node.store(last_move_key(self.run_id), {**record, "arrived": None, "t": get_dht_time()},
+                                  get_dht_time() + 3600)
+            self.log_move({"event": "decided", "time": time.time(), **record})
+            print(f"[{peer.uid}] moving from stage {move.from_stage} to {move.to_stage} (period {period})", flush=True)
+            record["drain_s"], record["lost_gradient_samples"] = await self.leave()
+            peer.migrate_to.set_result((move.to_stage, record))
+            return
+
+    async def decide(self, period: int):
+        if await self.quiet(period):
+            return None
+        loads = await self.view(period)
+        if loads is None:
+            self.peer.counters["incomplete_views"] = self.peer.counters.get("incomplete_views", 0) + 1
+            return None
+        return choose_move(loads, hysteresis=self.hysteresis, min_gain=self.min_gain)
+
+    async def leave(self) -> tuple[float, int]:
+        """Stop serving this stage: refuse new calls, withdraw the stage record, let the admitted calls finish and
+        the held gradients go into a step. Returns (seconds it took, gradient samples dropped)."""
+        peer, started = self.peer, time.monotonic()
+        peer.leaving = True
+        await self.node.store(stage_key(self.run_id, peer.stage), subkey=peer.uid, value=False,
+                              expiration_time=get_dht_time() + RECORD_TTL_S + 1.0)
+        deadline = started + self.drain_timeout_s
+        while time.monotonic() < deadline and (peer.meter.queue or peer.admitted or peer.closing
+                                               or peer.ready is not None or peer._held_samples()):
+            await asyncio.sleep(0.05)
+        lost = peer._held_samples()
+        peer.counters["lost_gradient_samples"] += lost
+        return round(time.monotonic() - started, 3), lost
+
+
+async def move_peer(peer, to_stage: int, record: dict):
+    """The peer that left its stage (``PeerRebalancer.leave``; its tasks are cancelled) becomes a new peer of
+    ``to_stage`` in the same process: its progress record is withdrawn, its handlers removed, the new stage built
+    under ``moved_uid``. The caller (``serve_stage``) downloads the new stage's state and serves it."""
+    from cramswarm.swarm.peer_sync import PROGRESS_TTL_S, progress_key
+
+    await peer.node.store(progress_key(peer.run_id, peer.stage), subkey=peer.uid, value={"left": True},
+                          expiration_time=get_dht_time() + PROGRESS_TTL_S + 1.0)
+    await peer.remove_p2p_handlers(peer.node.p2p, namespace=peer.namespace)
+    peer.compute.shutdown(wait=False)
+    moves = getattr(peer, "moves", 0) + 1
+    fresh = type(peer)(peer.cfg, to_stage, moved_uid(peer.uid, to_stage, moves), peer.speed, peer.node)
+    fresh.moves = moves
+    fresh.arrived_from = record
+    fresh.counters["moved_from"] = peer.uid
+    peer._write_counters()
+    return fresh
