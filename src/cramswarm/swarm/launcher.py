@@ -511,6 +511,7 @@ class Launcher:
             averaging_bytes_per_value=[round(b / n, 4) if n else None for b, n in zip(sent, values)],
             moves=moves, moves_completed=sum("arrived_s" in m for m in moves), microbatch_done_s=self._done_times(),
             incomplete_load_views=sum(c.get("incomplete_views", 0) for c in counters),
+            peer_loads={c["uid"]: c["load"] for c in counters if "load" in c},
         )
         return TrainResult(stage_states=stage_states, log=log, stats=self.stats)
 

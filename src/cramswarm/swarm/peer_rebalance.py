@@ -204,17 +204,20 @@ class PeerRebalancer:
             period = math.floor(get_dht_time() / self.period_s) + 1
             await asyncio.sleep(max(period * self.period_s - get_dht_time(), 0.0))
             try:
-                await self.publish(period, peer.meter.window(time.monotonic()))
+                window = peer.meter.window(time.monotonic())
+                peer.counters["load"] = {"period": period, **window}
+                await self.publish(period, window)
                 await asyncio.sleep(self.delay_s)
                 move = await self.decide(period)
+                if move is None or move.uid != peer.uid or not await self.claim(period, move):
+                    continue
+                record = {"uid": peer.uid, "from_stage": move.from_stage, "to_stage": move.to_stage,
+                          "period": period}
+                await self.node.store(last_move_key(self.run_id), {**record, "arrived": None, "t": get_dht_time()},
+                                      get_dht_time() + 3600)
             except Exception as e:  # a DHT hiccup: this period is skipped
                 print(f"[{peer.uid}] rebalancing round {period} failed: {e!r}", flush=True)
                 continue
-            if move is None or move.uid != peer.uid or not await self.claim(period, move):
-                continue
-            record = {"uid": peer.uid, "from_stage": move.from_stage, "to_stage": move.to_stage, "period": period}
-            await self.node.store(last_move_key(self.run_id), {**record, "arrived": None, "t": get_dht_time()},
-                                  get_dht_time() + 3600)
             self.log_move({"event": "decided", "time": time.time(), **record})
             print(f"[{peer.uid}] moving from stage {move.from_stage} to {move.to_stage} (period {period})", flush=True)
             record["drain_s"], record["lost_gradient_samples"] = await self.leave()
@@ -222,7 +225,9 @@ class PeerRebalancer:
             return
 
     async def decide(self, period: int):
-        if await self.quiet(period):
+        """The period's move, or None: also while the last move holds decisions back and once the launcher asked
+        for the last, partial batch (training is over)."""
+        if await self.quiet(period) or await self.peer._flushing():
             return None
         loads = await self.view(period)
         if loads is None:
@@ -235,8 +240,11 @@ class PeerRebalancer:
         the held gradients go into a step. Returns (seconds it took, gradient samples dropped)."""
         peer, started = self.peer, time.monotonic()
         peer.leaving = True
-        await self.node.store(stage_key(self.run_id, peer.stage), subkey=peer.uid, value=False,
-                              expiration_time=get_dht_time() + RECORD_TTL_S + 1.0)
+        try:  # else its record expires (RECORD_TTL_S); until then the trainers' calls are refused and re-sent
+            await self.node.store(stage_key(self.run_id, peer.stage), subkey=peer.uid, value=False,
+                                  expiration_time=get_dht_time() + RECORD_TTL_S + 1.0)
+        except Exception as e:
+            print(f"[{peer.uid}] could not withdraw its stage record: {e!r}", flush=True)
         deadline = started + self.drain_timeout_s
         while time.monotonic() < deadline and (peer.meter.queue or peer.admitted or peer.closing
                                                or peer.ready is not None or peer._held_samples()):

@@ -1,0 +1,127 @@
+"""A starved stage on the hivemind launcher (the peers decide the move) vs the emulation and the simulator.
+
+Setup: 2 stages, 3 stage peers placed 2 + 1, speeds 0.25, 0.25 | 0.025 (the one-peer stage is the bottleneck), 3
+trainers, rebalancing every ``--period`` seconds. The hivemind run trains a tiny crammed BERT under the launcher
+(``hivemind_transport.run_swarm`` with ``decentralised``; ``peer_rebalance`` decides the move). The emulation
+(threads, ``emulation.run``) and the simulator (``sim.run``) run an ``emulation.SwarmSetup`` of the same peers,
+trainers and period for as long as the hivemind run trained, with ``--stage-time`` seconds of emulated compute per
+forward call at speed 1 (default: calibrated so that the starved stage's capacity, one peer of speed 0.025 doing 3
+units per microbatch, equals the hivemind run's throughput before its first move). Prints, per transport, the moves
+(seconds into the run, from -> to), the throughput before the first move and after it (microbatches per second;
+hivemind: from the trainers' logs, between the first microbatch and the decision and after the mover arrived;
+emulation and simulator: before the decision and from one period after it) and their ratio. The hivemind run's
+absolute throughput is bound by its per-call and per-step overheads (p2pd, serialisation, the in-stage averaging
+every global batch), which the emulation and the simulator do not have: compare the moves and the gains, not the
+absolute rates across transports. The compute per work unit that the hivemind peers measured themselves (speed /
+their published rate) is printed for reference.
+
+    python benchmarks/swarm_peer_rebalance.py [--microbatches 160] [--period 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from cramswarm.config import load_config
+from cramswarm.swarm import emulation, hivemind_transport, sim
+from cramswarm.swarm.emulation import PeerSpec, SwarmSetup
+from cramswarm.swarm.policies import RetryPolicy
+
+REPO = Path(__file__).resolve().parents[1]
+SPEEDS, PLACEMENT, TRAINERS = [0.25, 0.25, 0.025], [2, 1], 3
+MICRO, SEQ, VOCAB = 4, 32, 128
+
+
+def batches(seed: int = 0):
+    """Masked microbatches of a learnable language: each sequence counts upward through 16 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        start = torch.randint(0, 16, (MICRO, 1), generator=g)
+        tokens = 5 + (start + torch.arange(SEQ)) % 16
+        masked = torch.rand(MICRO, SEQ, generator=g) < 0.15
+        masked[:, 0] = True
+        labels = torch.where(masked, tokens, torch.full_like(tokens, -100))
+        yield torch.where(masked, torch.full_like(tokens, 4), tokens), labels
+
+
+def window_rates(times: list[float], decided_s: float, arrived_s: float) -> tuple[float, float]:
+    """Microbatches per second from the first completion to the decision, and from the arrival to the last."""
+    before = [t for t in times if t <= decided_s]
+    after = [t for t in times if t > arrived_s]
+    rate = lambda ts: (len(ts) - 1) / (ts[-1] - ts[0]) if len(ts) > 1 and ts[-1] > ts[0] else float("nan")  # noqa: E731
+    return rate(before), rate(after)
+
+
+def hivemind_run(microbatches: int, period_s: float) -> dict:
+    cfg = load_config([REPO / "config" / "config.yaml"])
+    arch = cfg["models"]["crammed"]["arch"] | dict(layers=2, hidden_size=64, heads=2, intermediate_size=128,
+                                                    max_positions=SEQ)
+    recipe = cfg["pretrain"] | dict(budget={"unit": "steps", "value": 1000}, micro_batch_sequences=MICRO,
+                                    batch_sequences=4 * MICRO, lr=3e-3, batch_ramp_fraction=0.0, warmup_fraction=0.0,
+                                    precision="bf16", device="cpu")
+    plan = hivemind_transport.SwarmPlan(arch=arch, vocab_size=VOCAB, recipe=recipe, peers_per_stage=PLACEMENT,
+                                        peer_speeds=SPEEDS, trainers=TRAINERS, rebalance_period_s=period_s,
+                                        retry=RetryPolicy(forward_timeout_s=5.0, give_up_after_s=30.0),
+                                        startup_timeout_s=120.0, decentralised=True)
+    return hivemind_transport.run_swarm(plan, batches(), microbatches, progress=False).stats
+
+
+def unit_seconds(stats: dict) -> float:
+    """Compute seconds per work unit at speed 1: the median over the peers of speed / the last rate it published
+    (units per second of its own compute). Peer ``s<stage>p<n>[m<moves>]`` is the launcher's n-th start, of speed
+    ``SPEEDS[n - 1]``, wherever it moved."""
+    estimates = [SPEEDS[int(re.match(r"s\d+p(\d+)", uid).group(1)) - 1] / load["rate"]
+                 for uid, load in stats["peer_loads"].items() if load.get("rate")]
+    return statistics.median(estimates)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--microbatches", type=int, default=160, help="microbatches of the hivemind run")
+    parser.add_argument("--period", type=float, default=3.0, help="rebalance_period_s (seconds)")
+    parser.add_argument("--stage-time", type=float, default=None,
+                        help="emulation and simulator: compute seconds per forward call at speed 1 (default: "
+                             "calibrated on the hivemind run's throughput before its move)")
+    args = parser.parse_args()
+    started = time.time()
+    stats = hivemind_run(args.microbatches, args.period)
+    moves = stats["moves"]
+    times = stats["microbatch_done_s"]
+    rows = []
+    if moves:
+        rows.append(("hivemind (launcher)", [(m["t_s"], m["from_stage"], m["to_stage"]) for m in moves],
+                     *window_rates(times, moves[0]["t_s"], moves[0]["arrived_s"])))
+    else:
+        rows.append(("hivemind (launcher)", [], float("nan"), float("nan")))
+    t_unit = unit_seconds(stats)
+    stage_time = args.stage_time or SPEEDS[2] / (3 * rows[0][2])  # 3 units per microbatch on the starved peer
+    first = times[0]
+    duration = times[-1]
+    setup = SwarmSetup(peers=[PeerSpec(s, v) for s, v in zip([0, 0, 1], SPEEDS)], trainers=TRAINERS,
+                       stage_time_s=stage_time, rebalance_period_s=args.period, forward_timeout_s=5.0,
+                       duration_s=duration - first)
+    for name, result in (("emulation", emulation.run(setup)), ("simulator", sim.run(setup))):
+        timeline = [t for t, _ in result["timeline"][1:]]
+        result_moves = result["moves"]
+        decided = result_moves[0]["t_s"] if result_moves else float("inf")
+        rows.append((name, [(m["t_s"], m["from_stage"], m["to_stage"]) for m in result_moves],
+                     *window_rates(timeline, decided, decided + args.period)))
+    print(f"measured {time.strftime('%Y-%m-%d', time.gmtime(started))}: {args.microbatches} microbatches, "
+          f"period {args.period} s; hivemind peers' own compute per work unit at speed 1: {t_unit * 1e3:.2f} ms; "
+          f"emulation and simulator: {stage_time * 1e3:.1f} ms per forward call at speed 1")
+    print(f"{'transport':22s} {'moves (t_s, from, to)':44s} {'mb/s before':>12s} {'mb/s after':>11s} {'gain':>6s}")
+    for name, move_list, before, after in rows:
+        shown = ", ".join(f"({t:.1f}, {a}->{b})" for t, a, b in move_list) or "none"
+        print(f"{name:22s} {shown:44s} {before:12.2f} {after:11.2f} {after / before:6.2f}")
+    print(f"hivemind: lost microbatches {stats['lost_microbatches']}, {stats['wall_s']} s of training, "
+          f"{stats['retries']} calls re-sent, lost gradient samples per stage {stats['lost_gradient_samples']}")
+
+
+if __name__ == "__main__":
+    main()
