@@ -1,75 +1,29 @@
-"""Rebalancing decided by the stage peers (``peer_rebalance``): the pure decision every peer evaluates, the peer's
-own load measurement, and a starved stage recovered on real hivemind processes under the launcher."""
+"""Rebalancing decided by the stage peers (``peer_rebalance``): the peer's own load measurement, the DHT-facing
+driver on a fake DHT, and a starved stage recovered on real hivemind processes under the launcher (the decision
+rule itself, ``policies.choose_move``, is tested in test_swarm_policies)."""
 
 from __future__ import annotations
 
-import itertools
-import random
+import asyncio
 
 import pytest
 
-from cramswarm.swarm.policies import PeerLoad, Rebalancer, _uid_hash, choose_move
+from cramswarm.swarm.policies import _uid_hash
 
 pytest.importorskip("hivemind", reason="hivemind is not installed: the peers' rebalancing is untested")
 
+from hivemind.utils import ValueWithExpiration, get_dht_time  # noqa: E402
 from test_swarm_hivemind import MICRO  # noqa: E402
 from test_swarm_roles import brief, launch  # noqa: E402
 
-from cramswarm.swarm.peer_rebalance import LoadMeter, call_units, moved_uid  # noqa: E402
-
-
-def starved(queue_s1: float = 2.0) -> dict[int, list[PeerLoad]]:
-    """Stage 0: three peers of rate 1; stage 1: one peer of rate 0.25 with a queue."""
-    return {0: [PeerLoad(f"s0p{i}", 0.0, 1.0) for i in range(3)], 1: [PeerLoad("s1p9", queue_s1, 0.25)]}
-
-
-def test_every_peer_computes_the_same_single_mover_whatever_order_it_read_the_records_in():
-    loads = starved()
-    moves = set()
-    for stage_order in itertools.permutations(loads):
-        for seed in range(5):
-            shuffled = {}
-            for s in stage_order:
-                peers = list(loads[s])
-                random.Random(seed).shuffle(peers)
-                shuffled[s] = peers
-            moves.add(choose_move(shuffled))
-    assert len(moves) == 1
-    (move,) = moves
-    # from the over-provisioned stage to the starved one; the mover is the donor with the smallest uid hash
-    assert (move.from_stage, move.to_stage) == (0, 1)
-    assert move.uid == min((p.uid for p in loads[0]), key=_uid_hash)
-
-
-def test_hysteresis_and_the_projected_gain_hold_a_move_back():
-    balanced = {0: [PeerLoad("a", 1.0, 1.0), PeerLoad("b", 1.0, 1.0)], 1: [PeerLoad("c", 1.0, 1.6)]}
-    assert choose_move(balanced) is None  # load ratio (3/2) / (2/1.6) = 1.2 < 1.5
-    assert choose_move(balanced, hysteresis=1.1) is None  # ratio passes, but moving 1.0 makes 1.0 vs 2.6: no gain
-    # a real imbalance moves; above the hysteresis only
-    skewed = {0: [PeerLoad("a", 0.0, 1.0), PeerLoad("b", 0.0, 1.0)], 1: [PeerLoad("c", 0.0, 0.5)]}
-    assert choose_move(skewed) is not None  # ratio (1/0.5) / (1/2) = 4
-    assert choose_move(skewed, hysteresis=4.0) is None
-    # the gain margin: 2 peers of rate 1 vs one of 0.9 -> moving gives 1 vs 1.9, gain 11 %
-    close = {0: [PeerLoad("a", 0.0, 1.0), PeerLoad("b", 0.0, 1.0)], 1: [PeerLoad("c", 2.0, 0.9)]}
-    assert choose_move(close, min_gain=0.05) is not None
-    assert choose_move(close, min_gain=0.2) is None
-
-
-def test_after_the_move_of_the_slow_test_nothing_moves_back():
-    # the hivemind test's swarm after its move: stage 0 keeps one peer, stage 1 the slow peer and the mover
-    # (measured, or not yet: counted at its stage's mean). A one-peer stage never gives its peer away, and moving
-    # either stage-1 peer to stage 0 does not raise the bottleneck's rate by the margin
-    for mover_rate in (1.0, None):
-        after = {0: [PeerLoad("s0p1", 3.0, 1.0)], 1: [PeerLoad("s1p3", 0.0, 0.1), PeerLoad("s1p2m1", 0.0, mover_rate)]}
-        assert choose_move(after) is None
-        assert choose_move(after, hysteresis=1.0, min_gain=0.0) is None
-
-
-def test_the_rebalancer_keeps_its_cooldown_around_the_same_rule():
-    rebalancer = Rebalancer(period_s=3.0)
-    assert rebalancer.decide(starved(), now=0.0) == choose_move(starved())
-    assert rebalancer.decide(starved(), now=1.0) is None  # cooling down
-    assert rebalancer.decide(starved(), now=3.0) == choose_move(starved())
+from cramswarm.swarm.hivemind_peer import stage_key  # noqa: E402
+from cramswarm.swarm.peer_rebalance import (  # noqa: E402
+    LoadMeter,
+    PeerRebalancer,
+    call_units,
+    last_move_key,
+    moved_uid,
+)
 
 
 def test_the_load_meter_averages_the_queue_over_time_and_rates_served_units_per_compute_second():
@@ -129,3 +83,96 @@ def test_peers_move_one_of_their_own_to_a_starved_stage_and_throughput_recovers(
     batch = 4 * MICRO
     assert all(-stats["retries"] * MICRO <= n <= stats["resyncs"] * batch for n in stats["lost_gradient_samples"]), \
         brief(stats)
+
+
+class FakeDHT:
+    """A DHT node's store/get as the peers use them: per key, a value or sub-key -> value; of two stores under
+    one (key, sub-key) the later expiration wins; expired entries are not returned."""
+
+    def __init__(self):
+        self.data: dict = {}
+
+    async def store(self, key, value, expiration_time, subkey=None):
+        slot = self.data.setdefault(key, {})
+        old = slot.get(subkey)
+        if old is not None and old.expiration_time > expiration_time:
+            return False
+        slot[subkey] = ValueWithExpiration(value, expiration_time)
+        return True
+
+    async def get(self, key, latest=True):
+        now = get_dht_time()
+        slot = {k: v for k, v in self.data.get(key, {}).items() if v.expiration_time >= now}
+        if not slot:
+            return None
+        if None in slot:
+            return slot[None]
+        return ValueWithExpiration(slot, max(v.expiration_time for v in slot.values()))
+
+
+class FakePeer:
+    """What ``PeerRebalancer`` reads of a ``SyncingStagePeer``."""
+
+    def __init__(self, node, uid: str, stage: int, tmp_path):
+        self.node, self.uid, self.stage, self.run_id, self.num_stages = node, uid, stage, "run", 2
+        self.cfg, self.sync_timeout_s, self.workdir = {"give_up_after_s": 30.0}, 5.0, tmp_path
+        self.counters = {"lost_gradient_samples": 0}
+        self.leaving = self.closing = False
+        self.admitted, self.ready = 0, None
+
+    def _held_samples(self) -> int:
+        return 0
+
+    async def _flushing(self) -> bool:
+        return False
+
+
+async def declare(node, stage: int, uid: str) -> None:
+    await node.store(stage_key("run", stage), "peer-id", get_dht_time() + 60, subkey=uid)
+
+
+def test_the_driver_decides_only_on_a_complete_view_and_one_claim_wins(tmp_path):
+    async def scenario():
+        node = FakeDHT()
+        uids = {"s0p1": 0, "s0p2": 0, "s0p3": 0, "s1p4": 1}
+        peers = {uid: PeerRebalancer(FakePeer(node, uid, stage, tmp_path), period_s=1.0) for uid, stage in
+                 uids.items()}
+        for uid, stage in uids.items():
+            await declare(node, stage, uid)
+        period = int(get_dht_time()) + 1
+        window = {"queue": 0.0, "units": 0.0, "busy_s": 0.0, "calls": 0, "span_s": 1.0}
+        for uid in ("s0p1", "s0p2", "s0p3"):
+            await peers[uid].publish(period, window | {"rate": 1.0})
+        assert await peers["s0p1"].view(period) is None  # s1p4 has not published this period yet
+        assert await peers["s0p1"].decide(period) is None
+        await peers["s1p4"].publish(period, window | {"rate": 0.25, "queue": 2.0})
+        moves = {uid: await p.decide(period) for uid, p in peers.items()}
+        assert len(set(moves.values())) == 1  # every peer computes the same move
+        move = moves["s1p4"]
+        assert (move.from_stage, move.to_stage) == (0, 1) and move.uid in ("s0p1", "s0p2", "s0p3")
+        # a peer with another view believes itself the mover too: both claim, one wins
+        other = next(uid for uid in ("s0p1", "s0p2", "s0p3") if uid != move.uid)
+        claims = await asyncio.gather(peers[move.uid].claim(period, move), peers[other].claim(period, move))
+        winner = min((move.uid, other), key=_uid_hash)
+        assert claims == [winner == move.uid, winner == other]
+        # a withdrawn stage record (the mover's tombstone) drops the peer from the view
+        await node.store(stage_key("run", 0), False, get_dht_time() + 61, subkey=move.uid)
+        view = await peers["s1p4"].view(period)
+        assert sorted(p.uid for p in view[0]) == sorted(set(uids) - {move.uid, "s1p4"})
+
+    asyncio.run(scenario())
+
+
+def test_the_last_move_holds_decisions_back_in_transit_and_one_period_after_arrival(tmp_path):
+    async def scenario():
+        node = FakeDHT()
+        driver = PeerRebalancer(FakePeer(node, "s0p1", 0, tmp_path), period_s=1.0)
+        assert not await driver.quiet(10)
+        await node.store(last_move_key("run"), {"uid": "s0p2", "arrived": None, "t": get_dht_time()},
+                         get_dht_time() + 3600)
+        assert await driver.quiet(10)  # in transit
+        await node.store(last_move_key("run"), {"uid": "s0p2", "arrived": 10, "t": get_dht_time()},
+                         get_dht_time() + 3601)
+        assert await driver.quiet(11) and not await driver.quiet(12)
+
+    asyncio.run(scenario())

@@ -1,6 +1,7 @@
 """SWARM's pure policy objects (routing, retries, rebalancing, in-stage accounting) and inter-stage compression."""
 
 import hashlib
+import itertools
 import random
 
 import pytest
@@ -26,6 +27,8 @@ from cramswarm.swarm.policies import (
     StageBalancer,
     StageSync,
     UniformBalancer,
+    _uid_hash,
+    choose_move,
 )
 
 SPEEDS = {"fast": 1.0, "half": 0.5, "quarter": 0.25}
@@ -317,3 +320,59 @@ def test_bottleneck_and_maxout_shapes_and_gradients(layer):
     assert all(p.grad is not None for p in layer.parameters())
     with pytest.raises(ValueError, match="divisor"):
         type(layer)(64, 3)
+
+
+# -- choose_move: the rule the launcher's stage peers each evaluate (peer_rebalance) --------------------------
+def starved(queue_s1: float = 2.0) -> dict[int, list[PeerLoad]]:
+    """Stage 0: three peers of rate 1; stage 1: one peer of rate 0.25 with a queue."""
+    return {0: [PeerLoad(f"s0p{i}", 0.0, 1.0) for i in range(3)], 1: [PeerLoad("s1p9", queue_s1, 0.25)]}
+
+
+def test_every_peer_computes_the_same_single_mover_whatever_order_it_read_the_records_in():
+    loads = starved()
+    moves = set()
+    for stage_order in itertools.permutations(loads):
+        for seed in range(5):
+            shuffled = {}
+            for s in stage_order:
+                peers = list(loads[s])
+                random.Random(seed).shuffle(peers)
+                shuffled[s] = peers
+            moves.add(choose_move(shuffled))
+    assert len(moves) == 1
+    (move,) = moves
+    # from the over-provisioned stage to the starved one; the mover is the donor with the smallest uid hash
+    assert (move.from_stage, move.to_stage) == (0, 1)
+    assert move.uid == min((p.uid for p in loads[0]), key=_uid_hash)
+
+
+def test_hysteresis_and_the_projected_gain_hold_a_move_back():
+    balanced = {0: [PeerLoad("a", 1.0, 1.0), PeerLoad("b", 1.0, 1.0)], 1: [PeerLoad("c", 1.0, 1.6)]}
+    assert choose_move(balanced) is None  # load ratio (3/2) / (2/1.6) = 1.2 < 1.5
+    assert choose_move(balanced, hysteresis=1.1) is None  # ratio passes, but moving 1.0 makes 1.0 vs 2.6: no gain
+    # a real imbalance moves; above the hysteresis only
+    skewed = {0: [PeerLoad("a", 0.0, 1.0), PeerLoad("b", 0.0, 1.0)], 1: [PeerLoad("c", 0.0, 0.5)]}
+    assert choose_move(skewed) is not None  # ratio (1/0.5) / (1/2) = 4
+    assert choose_move(skewed, hysteresis=4.0) is None
+    # the gain margin: 2 peers of rate 1 vs one of 0.9 -> moving gives 1 vs 1.9, gain 11 %
+    close = {0: [PeerLoad("a", 0.0, 1.0), PeerLoad("b", 0.0, 1.0)], 1: [PeerLoad("c", 2.0, 0.9)]}
+    assert choose_move(close, min_gain=0.05) is not None
+    assert choose_move(close, min_gain=0.2) is None
+
+
+def test_after_the_move_of_the_slow_test_nothing_moves_back():
+    # the hivemind test's swarm after its move: stage 0 keeps one peer, stage 1 the slow peer and the mover
+    # (measured, or not yet: counted at its stage's mean). A one-peer stage never gives its peer away, and moving
+    # either stage-1 peer to stage 0 does not raise the bottleneck's rate by the margin
+    for mover_rate in (1.0, None):
+        after = {0: [PeerLoad("s0p1", 3.0, 1.0)],
+                 1: [PeerLoad("s1p3", 0.0, 0.1), PeerLoad("s1p2m1", 0.0, mover_rate)]}
+        assert choose_move(after) is None
+        assert choose_move(after, hysteresis=1.0, min_gain=0.0) is None
+
+
+def test_the_rebalancer_keeps_its_cooldown_around_the_same_rule():
+    rebalancer = Rebalancer(period_s=3.0)
+    assert rebalancer.decide(starved(), now=0.0) == choose_move(starved())
+    assert rebalancer.decide(starved(), now=1.0) is None  # cooling down
+    assert rebalancer.decide(starved(), now=3.0) == choose_move(starved())
