@@ -16,7 +16,9 @@ under a stage published a record for period ``k``), so the peers that decide all
 peer the move names acts, the others only watch. Before it acts it stores a claim for period ``k`` and reads the
 claims back ``DECIDE_DELAY`` later: if two peers read different views and both believed themselves the mover, only
 the claim with the smallest uid hash moves - at most one move per period. Nothing is decided while the last move
-(the ``last_move_key`` record) is in transit, nor in the ``cooldown_periods`` periods after it arrived.
+(the ``last_move_key`` record) is in transit (for at most 2 x ``give_up_after_s``: a mover that died on its way),
+nor in the ``cooldown_periods`` periods after it arrived, nor once the launcher asked for the last batch. A dead
+peer's stage record lingers up to ``RECORD_TTL_S``, so no decision is taken in the periods right after a death.
 
 The mover (``PeerRebalancer.leave``): stops admitting calls (``peer.leaving``: new forward and backward calls are
 refused, the trainers re-send them to another replica and ban this peer until its record is gone), replaces its
