@@ -15,8 +15,10 @@ named in its progress file), a stage whose peers keep failing with ``EXIT_FAILED
 
 Progress: after each microbatch the trainer appends its loss to ``trainer<R>.losses.jsonl`` and rewrites
 ``trainer<R>.json`` atomically (microbatches of its shard done). A trainer killed and restarted with the same rank
-resumes its shard where that file says: a microbatch whose calls were under way when it died is sent again (its
-gradient may then count twice on the stages it had reached, as a re-sent call does in SWARM). The trainer exits
+resumes its shard where that file says: a microbatch whose calls were under way when it died is sent again (the
+backward calls carry its index, ``mb``: a stage peer that stepped or holds it does not accumulate it twice; one
+that does not hold it while another replica does counts it again, as a re-sent call does in SWARM). A launcher
+resuming a killed run from the stage shards rewrites the progress files first (``launcher``). The trainer exits
 0 once its shard is done, and like a stage peer once the launcher's heartbeat record has been missing for
 ``coordinator_grace_s`` or the launcher that started it is gone.
 """
