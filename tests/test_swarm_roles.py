@@ -238,12 +238,19 @@ def test_a_rerun_resumes_each_trainer_at_the_first_microbatch_not_every_stage_st
     (state / "dht_addrs.txt").write_text("/ip4/127.0.0.1/tcp/1/p2p/dead\n")
     (state / "s1p4.log").write_text("")
     (state / "log-s1p3.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 9)))
+    # trainer 0 had reported 7 microbatches done (0 .. 12), the last loss record cut short; trainer 1 only 4
+    (state / "trainer0.losses.jsonl").write_text("".join(json.dumps({"mb": i, "loss": 2.0}) + "\n"
+                                                         for i in range(0, 12, 2)) + '{"mb": 12, "lo')
+    for rank, done in ((0, 7), (1, 4)):
+        (state / f"trainer{rank}.json").write_text(json.dumps({"rank": rank, "done": done}))
     again = _prepared(state, total)
     resumed = again.stats["resumed"]
-    assert resumed["shard_steps"] == [4, 6]
-    # trainer 0 (0, 2, .., 10, 12): first not stepped by both is 10 (position 5); trainer 1: 11 (position 5)
-    assert resumed["trainer_done"] == [5, 5]
-    assert [json.loads((state / f"trainer{r}.json").read_text())["done"] for r in (0, 1)] == [5, 5]
+    assert resumed["shard_steps"] == [4, 6] and resumed["trainer_done_before"] == [7, 4]
+    # trainer 0 (0, 2, .., 10, 12): first not stepped by both stages is 10 (position 5); trainer 1 (1, 3, ..):
+    # 11 (position 5), but it had done only 4 (microbatch 9's loss was never recorded): it redoes 9
+    assert resumed["trainer_done"] == [5, 4]
+    assert [json.loads((state / f"trainer{r}.json").read_text())["done"] for r in (0, 1)] == [5, 4]
+    assert (state / "trainer0.losses.jsonl").read_text().splitlines()[-1] == json.dumps({"mb": 10, "loss": 2.0})
     assert not (state / "dht_addrs.txt").exists()  # the dead swarm's addresses
     assert [json.loads(line)["step"] for line in (state / "log-s1p3.jsonl").read_text().splitlines()] == \
         list(range(1, 7))  # the last stage's log keeps the steps its shard holds
@@ -323,3 +330,25 @@ def test_sigkill_of_all_peers_of_a_stage_but_one_at_once_loses_no_microbatch():
     assert stats["per_stage_peers"] == [3, 2], stats["replica_steps"]
     # the killed peers' unaveraged gradients are lost (as in SWARM): at most a global batch each
     assert all(0 <= n <= 2 * 4 * MICRO for n in stats["lost_gradient_samples"]), brief(stats)
+
+
+def test_swarm_pretrain_gives_the_launcher_the_rules_state_folder(monkeypatch, tmp_path):
+    """Rule swarm_pretrain's --rendezvous folder holds the launcher's resumable state (launcher/); without one, or
+    where the coordinator runs the swarm, no state folder."""
+    import yaml
+
+    from cramswarm.config import DEFAULT_SCHEMA
+
+    keys = yaml.safe_load(Path(DEFAULT_SCHEMA).read_text())["properties"]["swarm"]["properties"]
+    swarm = {key: spec["default"] for key, spec in keys.items()} | {"transport": "hivemind", "checkpoint_every_s": 7.0}
+    seen = []
+    monkeypatch.setattr(ht, "run_swarm", lambda p, *args, **kw: seen.append(p))
+    base = plan()
+    common = dict(arch=base.arch, vocab_size=base.vocab_size, recipe=base.recipe, batches=batches(),
+                  total_microbatches=96, progress=False)
+    ht.train(swarm=swarm, rendezvous=tmp_path, **common)
+    ht.train(swarm=swarm, **common)
+    ht.train(swarm=swarm | {"rebalance_period_s": 5.0}, rendezvous=tmp_path, **common)
+    assert [(p.decentralised, p.state_dir) for p in seen] == [(True, tmp_path / "launcher"), (True, None),
+                                                              (False, None)]
+    assert seen[0].checkpoint_every_s == 7.0

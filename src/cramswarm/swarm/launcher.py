@@ -206,9 +206,16 @@ class Launcher:
         before, after = [], []
         for rank in range(self.plan.trainers):
             mine = shard(self.total, rank, self.plan.trainers)
-            with contextlib.suppress(Exception):
-                before.append(read_json(progress_path(self.workdir, rank))["done"])
-            done = next((j for j, i in enumerate(mine) if i not in stepped), len(mine))
+            try:
+                before.append(int(read_json(progress_path(self.workdir, rank))["done"]))
+            except Exception:  # no progress file yet: the trainer had not started
+                before.append(0)
+            # not past the trainer's own count either: a microbatch stepped everywhere may lack its loss record
+            done = min(next((j for j, i in enumerate(mine) if i not in stepped), len(mine)), before[-1])
+            losses = losses_path(self.workdir, rank)
+            if losses.exists():  # whole records only (a write cut short would run into the next one)
+                write_text(losses, "".join(f"{line}\n" for line in losses.read_text().splitlines()
+                                           if _mb_of(line) is not None))
             write_json(progress_path(self.workdir, rank), {"rank": rank, "done": done, "shard": len(mine),
                                                             "stats": {"retries": 0, "timeouts": 0, "errors": 0}})
             after.append(done)
@@ -640,6 +647,15 @@ def _step_of(line: str) -> int:
         return int(json.loads(line)["step"])
     except (ValueError, KeyError, TypeError):
         return -1
+
+
+def _mb_of(line: str) -> int | None:
+    """The microbatch of a trainer's loss record (None for a record cut short)."""
+    try:
+        row = json.loads(line)
+        return int(row["mb"]) if "loss" in row else None
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _exit_on_sigterm(signum: int, frame) -> None:
