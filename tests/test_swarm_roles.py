@@ -225,6 +225,8 @@ def test_shard_files_keep_the_newest_step_of_each_stage(tmp_path):
     write_shard(tmp_path, 0, "s0p3", 5, b"d")  # same step by another replica: both kept, lowest uid first
     assert newest_shard(tmp_path, 0) == (5, tmp_path / "stage0.step00000005.s0p1.pt")
     assert newest_shard(tmp_path, 1)[0] == 4 and newest_shard(tmp_path, 2) is None
+    write_shard(tmp_path, 2, "s2r1.0", 7, b"e")  # a task's uid (s<stage>r<rank>.<incarnation>)
+    assert shard_files(tmp_path, 2) == [(7, "s2r1.0", tmp_path / "stage2.step00000007.s2r1.0.pt")]
     assert not list(tmp_path.glob(".*"))  # no temporary file left
 
 
@@ -255,6 +257,21 @@ def test_a_rerun_resumes_each_trainer_at_the_first_microbatch_not_every_stage_st
     assert [json.loads(line)["step"] for line in (state / "log-s1p3.jsonl").read_text().splitlines()] == \
         list(range(1, 7))  # the last stage's log keeps the steps its shard holds
     assert again.next_uid == 4  # new peers take fresh uids
+
+
+def test_a_rerun_waits_for_the_interrupted_runs_processes_and_names_them(tmp_path, monkeypatch):
+    total, state = 16, tmp_path / "state"
+    _prepared(state, total)
+    leftover = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--config",
+                                 str(state / "config.json")])
+    try:
+        monkeypatch.setattr(launcher_mod, "STALE_WAIT_S", 1.0)
+        with pytest.raises(RuntimeError, match=rf"processes \[{leftover.pid}\] of the interrupted swarm run"):
+            _prepared(state, total)
+    finally:
+        leftover.kill()
+        leftover.wait()
+    assert _prepared(state, total).stats["resumed"]["shard_steps"] == [0, 0]
 
 
 def test_a_rerun_with_other_settings_or_data_is_refused_naming_what_differs(tmp_path):

@@ -56,6 +56,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import psutil
 import torch
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
@@ -88,6 +89,7 @@ SUPERVISE_PERIOD_S = 0.5  # the launcher checks its processes this often
 IDLE_READS = 3            # a stage is idle once this many reads in a row show no held samples and one step
 RESUME_FILE = "resume.json"  # in a state folder: what the run was started with (a rerun resumes only the same)
 LOCK_FILE = "launcher.lock"
+STALE_WAIT_S = 45.0       # a resuming launcher waits this long for the killed run's processes to be gone
 
 
 class ResumeMismatch(ValueError):
@@ -197,6 +199,7 @@ class Launcher:
     def _resume(self) -> None:
         """Set up the folder of an interrupted run: the trainers restart at the first microbatch of their shard
         that not every stage's newest shard has stepped; the last stage's log keeps the shard's steps."""
+        self._wait_for_stale_processes()
         (self.workdir / ADDR_FILE).unlink(missing_ok=True)  # the dead swarm's addresses
         for tmp in [*self.workdir.glob(".*.tmp"), *self.shard_dir.glob(".*")]:  # writes cut short
             tmp.unlink(missing_ok=True)
@@ -229,6 +232,26 @@ class Launcher:
                                  "trainer_done_before": before, "trainer_done": after}
         print(f"resuming the swarm run in {self.workdir}: stage shards at steps {self.stats['resumed']['shard_steps']}"
               f", trainers at microbatch {after} of their shards (they had done {before})", flush=True)
+
+    def _stale_processes(self) -> list[int]:
+        """PIDs of live processes of an earlier launcher of this folder (their command line names its config or its
+        DHT address file)."""
+        markers, found = {str(self.workdir / CONFIG_FILE), str(self.workdir / ADDR_FILE)}, []
+        for proc in psutil.process_iter(["cmdline", "status"]):
+            with contextlib.suppress(psutil.Error):
+                if markers & set(proc.info["cmdline"] or []) and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                    found.append(proc.pid)
+        return found
+
+    def _wait_for_stale_processes(self) -> None:
+        """The killed run's peers and trainers exit by themselves (their parent is gone, or its heartbeat): wait
+        for them, so that none writes a shard or a progress file under the resumed run."""
+        deadline = time.monotonic() + STALE_WAIT_S
+        while stale := self._stale_processes():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"processes {stale} of the interrupted swarm run in {self.workdir} are still "
+                                   f"running after {STALE_WAIT_S:.0f} s; end them before resuming")
+            time.sleep(0.5)
 
     def _write_data(self) -> tuple[int, str]:
         """The microbatches, memory-mapped for the trainers; returns the tokens per sequence and their SHA-1."""

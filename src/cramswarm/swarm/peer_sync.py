@@ -99,8 +99,8 @@ def shard_files(shard_dir: Path, stage: int) -> list[tuple[int, str, Path]]:
     """(step, uid, path) of the stage's shard files, newest first (highest step, then lowest uid)."""
     found = []
     for path in Path(shard_dir).glob(SHARD_GLOB.format(stage=stage)):
-        parts = path.name.split(".")  # stage<S> . step<N> . <uid> . pt
-        if len(parts) == 4 and parts[1].startswith("step") and parts[1][4:].isdigit():
+        parts = path.name[:-len(".pt")].split(".", 2)  # stage<S> . step<N> . <uid> (which may hold dots)
+        if len(parts) == 3 and parts[1].startswith("step") and parts[1][4:].isdigit():
             found.append((int(parts[1][4:]), parts[2], path))
     return sorted(found, key=lambda f: (-f[0], f[1]))
 
