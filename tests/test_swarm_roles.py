@@ -329,6 +329,9 @@ def test_a_rerun_after_the_launcher_is_sigkilled_resumes_from_the_stage_shards(t
     assert all(step >= 3 for step in resumed["shard_steps"]), resumed
     assert stats["first_logged_step"] == resumed["shard_steps"][1] + 1, (stats["first_logged_step"], resumed)
     assert all(done <= before for done, before in zip(resumed["trainer_done"], resumed["trainer_done_before"]))
+    # its training time counts both lives (not the gap between them); the log's times run from the first start
+    assert 0 < resumed["wall_s_before"] < stats["wall_s"], (resumed, stats["wall_s"])
+    assert 0 <= result.log[0]["elapsed_s"] <= result.log[-1]["elapsed_s"]
     # the same end as an uninterrupted run: every microbatch stepped exactly once on every stage (those stepped
     # before the kill are skipped when the resumed trainers send them again), the checkpoint from the final shards
     assert stats["stepped_microbatches"] == [total, total], brief(stats)

@@ -89,6 +89,7 @@ SUPERVISE_PERIOD_S = 0.5  # the launcher checks its processes this often
 IDLE_READS = 3            # a stage is idle once this many reads in a row show no held samples and one step
 RESUME_FILE = "resume.json"  # in a state folder: what the run was started with (a rerun resumes only the same)
 LOCK_FILE = "launcher.lock"
+TIME_FILE = "launcher.json"  # in a state folder: training seconds so far, first start (wall clock)
 STALE_WAIT_S = 45.0       # a resuming launcher waits this long for the killed run's processes to be gone
 
 
@@ -141,6 +142,7 @@ class Launcher:
         self.stats = {"peers_killed": 0, "rejoins": 0, "trainer_restarts": 0, "killed": [], "bootstrap_killed": 0}
         self.start = time.perf_counter()
         self.start_wall = time.time()
+        self.wall_before, self.first_start_wall = 0.0, None  # training time of earlier lives (a resumed run)
 
     # -- files ----------------------------------------------------------------------------------------------
     def _lock(self) -> None:
@@ -228,7 +230,11 @@ class Launcher:
             write_text(path, "".join(f"{line}\n" for line in kept))
         used = [int(p.stem.split("p")[-1]) for p in self.workdir.glob("s*p*.log") if p.stem.split("p")[-1].isdigit()]
         self.next_uid = max(used, default=0)  # fresh uids: the dead peers' logs and counters stay
-        self.stats["resumed"] = {"shard_steps": [found[0] if found else 0 for found in shards],
+        with contextlib.suppress(Exception):  # a run killed before its training started has none
+            times = read_json(self.workdir / TIME_FILE)
+            self.wall_before, self.first_start_wall = float(times["wall_s"]), float(times["start_wall"])
+        self.stats["resumed"] = {"wall_s_before": round(self.wall_before, 3),
+                                 "shard_steps": [found[0] if found else 0 for found in shards],
                                  "trainer_done_before": before, "trainer_done": after}
         print(f"resuming the swarm run in {self.workdir}: stage shards at steps {self.stats['resumed']['shard_steps']}"
               f", trainers at microbatch {after} of their shards (they had done {before})", flush=True)
@@ -252,6 +258,12 @@ class Launcher:
                 raise RuntimeError(f"processes {stale} of the interrupted swarm run in {self.workdir} are still "
                                    f"running after {STALE_WAIT_S:.0f} s; end them before resuming")
             time.sleep(0.5)
+
+    def _record_time(self) -> None:
+        """In a state folder: the training time so far (all lives) and the first life's start, for a resume."""
+        if self.state_dir is not None:
+            write_json(self.workdir / TIME_FILE, {"wall_s": self.wall_before + self.elapsed(),
+                                                  "start_wall": self.first_start_wall})
 
     def _write_data(self) -> tuple[int, str]:
         """The microbatches, memory-mapped for the trainers; returns the tokens per sequence and their SHA-1."""
@@ -460,6 +472,7 @@ class Launcher:
                         self._spawn(self._restart_peer(peer))
                 bar.n = self._done_microbatches()
                 bar.refresh()
+                self._record_time()
                 await asyncio.sleep(SUPERVISE_PERIOD_S)
         finally:
             bar.close()
@@ -541,7 +554,7 @@ class Launcher:
                     row = json.loads(line)
                     rows.setdefault(row["step"], row)
         return [{k: v for k, v in row.items() if k not in ("time", "group")}
-                | {"elapsed_s": round(row["time"] - self.start_wall, 3)} for _, row in sorted(rows.items())]
+                | {"elapsed_s": round(row["time"] - self.first_start_wall, 3)} for _, row in sorted(rows.items())]
 
     def _first_logged_step(self) -> int | None:
         """The first step the last stage's peers of this launcher logged (1 unless it resumed from shards)."""
@@ -595,6 +608,7 @@ class Launcher:
             self.phase = "training"
             await self._beat()
             self.start, self.start_wall = time.perf_counter(), time.time()
+            self.first_start_wall = self.first_start_wall or self.start_wall
             for rank in range(self.plan.trainers):
                 self._start_trainer(rank)
             if self.plan.kill_every_s:
@@ -602,7 +616,7 @@ class Launcher:
             for at_s, target in self.plan.faults:
                 self._spawn(self._fault(at_s, target))
             await self._supervise()
-            wall_s = self.elapsed()
+            wall_s = self.wall_before + self.elapsed()
             for task in list(self.tasks):  # no more kills or restarts once the trainers are done
                 if task.get_coro().__name__ in ("_kill_forever", "_fault"):
                     task.cancel()
