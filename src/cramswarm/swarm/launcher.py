@@ -118,7 +118,7 @@ class Launcher:
 
         self.plan, self.batches, self.total, self.progress = plan, batches, total_microbatches, progress
         self.rng = random.Random(plan.seed)
-        self.state_dir = Path(plan.state_dir) if plan.state_dir is not None else None
+        self.state_dir = Path(plan.state_dir).resolve() if plan.state_dir is not None else None
         if self.state_dir is not None:  # resumable: the run's files stay where a rerun finds them
             self.state_dir.mkdir(parents=True, exist_ok=True)
             self.workdir = self.state_dir
@@ -177,6 +177,8 @@ class Launcher:
         """Write the microbatches and config; in a state folder holding an interrupted run, check that this run
         is the same and set it up to resume from the shards. Returns the tokens per sequence."""
         record_path = self.workdir / RESUME_FILE
+        if self.state_dir is not None:
+            self._wait_for_stale_processes()
         previous = read_json(record_path) if self.state_dir is not None and record_path.exists() else None
         fingerprint = self._fingerprint()
         if previous is not None:
@@ -201,7 +203,6 @@ class Launcher:
     def _resume(self) -> None:
         """Set up the folder of an interrupted run: the trainers restart at the first microbatch of their shard
         that not every stage's newest shard has stepped; the last stage's log keeps the shard's steps."""
-        self._wait_for_stale_processes()
         (self.workdir / ADDR_FILE).unlink(missing_ok=True)  # the dead swarm's addresses
         for tmp in [*self.workdir.glob(".*.tmp"), *self.shard_dir.glob(".*")]:  # writes cut short
             tmp.unlink(missing_ok=True)
