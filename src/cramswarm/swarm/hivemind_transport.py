@@ -157,7 +157,10 @@ class SwarmPlan:
     decentralised: bool = False     # run under the launcher (independent trainers, peer-driven steps), not the
                                     # coordinator; train() sets it where decentralised_supported() allows
     faults: list[tuple[float, str]] = field(default_factory=list)  # launcher: SIGKILL (seconds into training,
-                                    # "bootstrap" | "trainer<R>" | "peer") - the kill tests' fault injection
+                                    # "bootstrap" | "trainer<R>" | "peer") - the kill tests' fault injection;
+                                    # other targets go to ``hosts.fault`` (e.g. "cut:<host>": a testbed link cut)
+    hosts: object | None = None     # launcher: where each process runs (``ProcessGroups.place``; None: here);
+                                    # ``cramswarm.testbed.swarm.HostPlacement`` puts each on a testbed host
 
     @property
     def stages(self) -> int:

@@ -85,7 +85,7 @@ class Launcher:
         self.rng = random.Random(plan.seed)
         self.workdir = Path(tempfile.mkdtemp(prefix="cramswarm-swarm-"))
         self.run_id = f"cs{os.getpid()}x{self.rng.getrandbits(32):08x}"
-        self.groups = ProcessGroups(self.workdir)
+        self.groups = ProcessGroups(self.workdir, place=plan.hosts)
         self.host = listen_host({"host": plan.host, "interface": plan.interface})
         self.node = None
         self.phase = "starting"
@@ -244,7 +244,12 @@ class Launcher:
                 self._kill_peer(self.rng.choice(candidates))
 
     async def _fault(self, at_s: float, target: str) -> None:
-        """``faults``: SIGKILL ``bootstrap``, ``trainer<R>`` or ``peer`` (a killable stage peer) at ``at_s``."""
+        """``faults``: SIGKILL ``bootstrap``, ``trainer<R>`` or ``peer`` (a killable stage peer) at ``at_s``; any
+        other target goes to the placement (``plan.hosts.fault``) ``at_s`` after the first finished microbatch
+        (trainer processes take seconds to start: a link cut must fall into the training)."""
+        host_fault = target not in ("bootstrap", "peer") and not target.startswith("trainer")
+        while host_fault and self._done_microbatches() < 1:
+            await asyncio.sleep(0.1)
         await asyncio.sleep(at_s)
         if target == "bootstrap":
             ProcessGroups.kill(self.bootstrap)
@@ -258,6 +263,9 @@ class Launcher:
             candidates = await self._killable()
             if candidates:
                 self._kill_peer(self.rng.choice(candidates))
+        elif self.plan.hosts is not None:  # the placement's own faults (a testbed link cut)
+            await asyncio.to_thread(self.plan.hosts.fault, target)
+            self.stats.setdefault("host_faults", []).append({"target": target, "t_s": round(self.elapsed(), 2)})
         else:
             raise ValueError(f"unknown fault target {target!r}")
 
