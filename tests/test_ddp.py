@@ -103,12 +103,14 @@ def test_killed_two_process_run_resumes_as_one_process_to_the_same_end(tiny_run)
     run(folder, tok_path, folder / "full", r)
 
     out, state = folder / "killed", folder / "state"
-    proc = subprocess.Popen(command(folder, tok_path, out, r | {"devices": 2}, state), env=env(), cwd=folder,
-                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    killed_log = folder / "killed.log"  # what the killed run printed, for the messages below
+    with open(killed_log, "w") as log:
+        proc = subprocess.Popen(command(folder, tok_path, out, r | {"devices": 2}, state), env=env(), cwd=folder,
+                                start_new_session=True, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
     deadline = time.monotonic() + 300
     while not (state / "state.pt").exists():  # the first saved state, then kill torchrun and its processes
-        assert proc.poll() is None, "the 2-process run ended before it saved any state"
-        assert time.monotonic() < deadline, "no training state appeared within 300 s"
+        assert proc.poll() is None, f"the 2-process run ended before it saved any state:\n{killed_log.read_text()}"
+        assert time.monotonic() < deadline, f"no training state appeared within 300 s:\n{killed_log.read_text()}"
         time.sleep(0.02)
     time.sleep(0.3)
     os.killpg(proc.pid, signal.SIGKILL)
@@ -116,7 +118,7 @@ def test_killed_two_process_run_resumes_as_one_process_to_the_same_end(tiny_run)
     assert not (out / "summary.json").exists(), "the run finished before it was killed; raise the budget"
 
     resumed_run = run(folder, tok_path, out, r | {"devices": 1}, state)
-    assert "resuming from" in resumed_run.stdout
+    assert "resuming from" in resumed_run.stdout, resumed_run.stdout[-3000:] + killed_log.read_text()[-3000:]
     resumed = json.loads((out / "summary.json").read_text())
     full = json.loads((folder / "full" / "summary.json").read_text())
     assert 0 < resumed["resumed_from_step"] < full["steps"] == 60

@@ -124,6 +124,19 @@ SPECS: list[Spec] = [
             ([16, 768, 12, 3072], "cramming/config/arch/crammed-bert.yaml"),
         ),
     ),
+    (
+        "arch",
+        "sparse prediction (positions the decoder sees)",
+        "sparse.crammed",
+        _each(
+            ("the masked ones (boolean gather)", "cramming/architectures/scriptable_bert.py _forward_dynamic"),
+            (
+                "a fixed 0.25 of them, masked first",
+                "cramming/config/arch/crammed-bert.yaml sparse_prediction: ${train.objective.mlm_probability}; "
+                "cramming/architectures/crammed_bert.py _forward_sparse",
+            ),
+        ),
+    ),
     ("crammed", "budget", "budget.crammed", _both("one A6000-day (24 h x 154.8 TFLOP/s)", "paper Table 1")),
     (
         "crammed",
@@ -301,6 +314,12 @@ def _view(cfg: dict) -> dict:
             if horizon
             else f"{r['schedule']} over the budget, warmup {_g(r['warmup_fraction'])}"
         )
+    crammed_arch = cfg["models"]["crammed"]["arch"]
+    view["sparse.crammed"] = {
+        True: "the masked ones (boolean gather)",
+        False: "all",
+        "static": f"a fixed {_g(crammed_arch.get('sparse_prediction_rate', 0.25))} of them, masked first",
+    }[crammed_arch.get("sparse_prediction", True)]
     izsak_arch = cfg["models"]["izsak"]["arch"]
     view["izsak_arch.final_norm"] = izsak_arch.get("final_norm", True)
     view["izsak_arch.norm_eps"] = izsak_arch.get("norm_eps", 1e-12)
