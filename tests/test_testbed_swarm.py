@@ -59,6 +59,8 @@ def test_each_process_gets_its_own_host_and_port():
         place.fault("unplug:s0a")
     assert tbswarm.host_address("10.77.0.3:4100") and not tbswarm.host_address("10.77.1.3:4100")
     assert not tbswarm.host_address("10.77.255.254:51234")
+    with pytest.raises(ValueError, match="a delay needs the relay"):
+        tbswarm.run(plan(), batches(), 8, latency_ms=20.0, relay=False)
 
 
 @pytest.mark.slow

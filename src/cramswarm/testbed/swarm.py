@@ -140,19 +140,23 @@ def entered(netns: str):
 
 
 def run(plan, batches: Iterator, total_microbatches: int, *, bandwidth_mbit: float | None = None,
-        latency_ms: float = 0.0, jitter_ms: float = 0.0, progress: bool = False, seed: int = 0):
+        latency_ms: float = 0.0, jitter_ms: float = 0.0, progress: bool = False, seed: int = 0,
+        relay: bool | None = None):
     """Run ``plan`` under the launcher with each process on its own testbed host; returns its ``TrainResult``
     with ``stats["testbed"]`` (the setup, each process's host and port, the ``connections`` snapshots).
     ``bandwidth_mbit``: each host's link, both ways (None: unshaped); ``latency_ms`` / ``jitter_ms``: the relay's
-    one-way delay and its spread (0: no relay, hosts dial each other directly)."""
+    one-way delay and its spread; ``relay``: route through the relay (None: where a delay is set; True with no
+    delay measures what the relay itself costs; without it hosts dial each other directly)."""
     from cramswarm.swarm import hivemind_transport as ht
 
+    if relay is False and (latency_ms or jitter_ms):
+        raise ValueError(f"latency_ms={latency_ms}, jitter_ms={jitter_ms}: a delay needs the relay (relay=False)")
     with Testbed(host_names(plan.peers_per_stage, plan.trainers), bandwidth_mbit=bandwidth_mbit) as tb:
-        relay = None
-        if latency_ms or jitter_ms:
+        proxy = None
+        if relay or latency_ms or jitter_ms:
             routes = [(h.name, PORT_BASE + i) for h in tb.hosts for i in range(PORTS_PER_HOST)]
-            relay = relays.start(tb, tcp=routes, latency_ms=latency_ms, jitter_ms=jitter_ms, seed=seed)
-        hosts = HostPlacement(tb, plan.peers_per_stage, plan.trainers, relay)
+            proxy = relays.start(tb, tcp=routes, latency_ms=latency_ms, jitter_ms=jitter_ms, seed=seed)
+        hosts = HostPlacement(tb, plan.peers_per_stage, plan.trainers, proxy)
         control = tb.host(CONTROL)
         # the calls' timeouts allow for the relay's round trip (a cut peer is noticed by them alone)
         retry = dataclasses.replace(plan.retry, rtt_s=plan.retry.rtt_s + 2 * (latency_ms + jitter_ms) / 1000)
@@ -162,7 +166,7 @@ def run(plan, batches: Iterator, total_microbatches: int, *, bandwidth_mbit: flo
             result = ht.run_swarm(plan, batches, total_microbatches, progress=progress)
         result.stats["testbed"] = {
             "hosts": len(tb.hosts), "bandwidth_mbit": bandwidth_mbit, "latency_ms": latency_ms,
-            "jitter_ms": jitter_ms, "relay": relay is not None, "run_id": tb.run_id,
+            "jitter_ms": jitter_ms, "relay": proxy is not None, "run_id": tb.run_id,
             "call_timeout_s": [retry.timeout(backward=False), retry.timeout(backward=True)],
             "placement": {name: list(where) for name, where in hosts.where.items()},
             "cut_hosts": sorted(tb.cut_hosts), "connections": hosts.snapshots,
