@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 
+import psutil
 import pytest
 
 pytest.importorskip("hivemind", reason="hivemind is not installed: transport 1 (real hivemind processes) is untested")
@@ -115,3 +116,14 @@ def test_swarm_on_the_testbed_survives_a_silently_cut_stage_peer(can_build):
     assert own_p2p_daemons() == daemons_before
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
     assert "csw-" not in links
+
+
+@pytest.mark.netns
+def test_a_swarm_that_fails_on_the_testbed_leaves_nothing_and_the_caller_in_its_own_namespace(can_build):
+    before, own = set(namespaces()), os.readlink("/proc/thread-self/ns/net")
+    with pytest.raises(ValueError, match="the launcher cannot run this swarm"):  # raised inside the ctl namespace
+        tbswarm.run(plan(rebalance_period_s=3.0), batches(), 8, bandwidth_mbit=100.0, latency_ms=20.0)
+    assert os.readlink("/proc/thread-self/ns/net") == own
+    assert set(namespaces()) == before
+    assert [child.pid for child in psutil.Process().children(recursive=True)  # the relay was this process's
+            if "cramswarm.testbed.relay" in " ".join(child.cmdline())] == []
