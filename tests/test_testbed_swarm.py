@@ -126,4 +126,11 @@ def test_a_swarm_that_fails_on_the_testbed_leaves_nothing_and_the_caller_in_its_
     assert os.readlink("/proc/thread-self/ns/net") == own
     assert set(namespaces()) == before
     assert [child.pid for child in psutil.Process().children(recursive=True)  # the relay was this process's
-            if "cramswarm.testbed.relay" in " ".join(child.cmdline())] == []
+            if "cramswarm.testbed.relay" in " ".join(cmdline(child))] == []
+
+
+def cmdline(proc: psutil.Process) -> list[str]:
+    try:
+        return proc.cmdline()
+    except psutil.Error:  # exited meanwhile, or a zombie
+        return []
