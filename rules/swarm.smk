@@ -6,7 +6,8 @@
 
 rule swarm_pretrain:
     """SWARM pretraining of one run: a pipeline of stages served by replicas (emulated or over hivemind),
-    to the same budget and data as a single-process run; with swarm.placement srun one multi-task SLURM job."""
+    to the same budget and data as a single-process run; with swarm.placement srun one multi-task SLURM job.
+    Under the launcher a rerun after this job was killed resumes from the stage shards (docs/swarm.md)."""
     input:
         unpack(run_data),  # the same blocks and tokenizer as a single-process run of the same data recipe
     output:
@@ -30,7 +31,8 @@ rule swarm_pretrain:
         arch=arch_json,
         swarm=swarm_json,
         out_dir=subpath(output.model, parent=True),
-        # where attach/srun peers meet the coordinator (config.json + DHT address file); outside the outputs
+        # where attach/srun peers meet the coordinator (config.json + DHT address file), and the launcher's
+        # resumable state (stage shards, trainer progress: a rerun after this job was killed resumes); not an output
         rendezvous="results/.state/swarm/{source}/{model}/v{vocab}",
     shell:
         "python -m cramswarm swarm-pretrain --recipe {params.recipe:q} --arch {params.arch:q} --swarm {params.swarm:q} "

@@ -4,6 +4,7 @@ decide their steps among themselves, a DHT joinable through any live member - an
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import shutil
@@ -15,18 +16,21 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 pytest.importorskip("hivemind", reason="hivemind is not installed: transport 1 (real hivemind processes) is untested")
 
 from test_swarm_hivemind import MICRO, batches, own_p2p_daemons, plan  # noqa: E402
 
 from cramswarm.swarm import hivemind_transport as ht  # noqa: E402
-from cramswarm.swarm.peer_sync import step_target  # noqa: E402
+from cramswarm.swarm import launcher as launcher_mod  # noqa: E402
+from cramswarm.swarm.peer_sync import newest_shard, shard_files, step_target, write_shard  # noqa: E402
 from cramswarm.swarm.trainer import shard  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
 
-KEYS = ("stepped_samples", "stage_steps", "retries", "timeouts", "errors", "last_error", "trainer_restarts",
+KEYS = ("stepped_samples", "stepped_microbatches", "resumed",
+        "stage_steps", "retries", "timeouts", "errors", "last_error", "trainer_restarts",
         "killed", "peers_killed", "rejoins", "resyncs", "digest_mismatches", "lost_gradient_samples", "replica_steps")
 
 
@@ -192,3 +196,179 @@ def safe_cmdline(proc: psutil.Process) -> list[str]:
     with contextlib.suppress(psutil.Error):
         return proc.cmdline()
     return []
+
+
+# -- checkpoint and resume from stage shards ------------------------------------------------------------------
+def _shard_blob(step: int, stepped_mbs: list[int]) -> bytes:
+    buffer = io.BytesIO()
+    torch.save({"module": {}, "optimizer": {}, "step": step, "stepped_samples": len(stepped_mbs) * MICRO,
+                "stepped_mbs": stepped_mbs}, buffer)
+    return buffer.getvalue()
+
+
+def _prepared(state: Path, total: int, **kw) -> launcher_mod.Launcher:
+    """A launcher that prepared its state folder (data, resume.json, resume set-up) and let go of its lock."""
+    data = kw.pop("data", None) or batches()
+    launcher = launcher_mod.Launcher(plan(decentralised=True, state_dir=state, **kw), data, total, progress=False)
+    try:
+        launcher._prepare()
+    finally:
+        os.close(launcher.lock_fd)
+    return launcher
+
+
+def test_shard_files_keep_the_newest_step_of_each_stage(tmp_path):
+    write_shard(tmp_path, 0, "s0p2", 3, b"a")
+    write_shard(tmp_path, 0, "s0p1", 5, b"b")
+    write_shard(tmp_path, 1, "s1p3", 4, b"c")
+    assert [(step, uid) for step, uid, _ in shard_files(tmp_path, 0)] == [(5, "s0p1")]  # step 3 pruned
+    write_shard(tmp_path, 0, "s0p3", 5, b"d")  # same step by another replica: both kept, lowest uid first
+    assert newest_shard(tmp_path, 0) == (5, tmp_path / "stage0.step00000005.s0p1.pt")
+    assert newest_shard(tmp_path, 1)[0] == 4 and newest_shard(tmp_path, 2) is None
+    write_shard(tmp_path, 2, "s2r1.0", 7, b"e")  # a task's uid (s<stage>r<rank>.<incarnation>)
+    assert shard_files(tmp_path, 2) == [(7, "s2r1.0", tmp_path / "stage2.step00000007.s2r1.0.pt")]
+    assert not list(tmp_path.glob(".*"))  # no temporary file left
+
+
+def test_a_rerun_resumes_each_trainer_at_the_first_microbatch_not_every_stage_stepped(tmp_path):
+    total, state = 40, tmp_path / "state"
+    first = _prepared(state, total)
+    assert first.stats.get("resumed") is None and (state / "resume.json").exists()
+    # the killed run: stage 0 stepped microbatches 0..9 and 12, stage 1 0..13; trainer 0 owns the even ones
+    write_shard(state / "shards", 0, "s0p1", 4, _shard_blob(4, list(range(10)) + [12]))
+    write_shard(state / "shards", 1, "s1p3", 6, _shard_blob(6, list(range(14))))
+    (state / "dht_addrs.txt").write_text("/ip4/127.0.0.1/tcp/1/p2p/dead\n")
+    (state / "s1p4.log").write_text("")
+    (state / "log-s1p3.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 9)))
+    # trainer 0 had reported 7 microbatches done (0 .. 12), the last loss record cut short; trainer 1 only 4
+    (state / "trainer0.losses.jsonl").write_text("".join(json.dumps({"mb": i, "loss": 2.0}) + "\n"
+                                                         for i in range(0, 12, 2)) + '{"mb": 12, "lo')
+    for rank, done in ((0, 7), (1, 4)):
+        (state / f"trainer{rank}.json").write_text(json.dumps({"rank": rank, "done": done}))
+    again = _prepared(state, total)
+    resumed = again.stats["resumed"]
+    assert resumed["shard_steps"] == [4, 6] and resumed["trainer_done_before"] == [7, 4]
+    # trainer 0 (0, 2, .., 10, 12): first not stepped by both stages is 10 (position 5); trainer 1 (1, 3, ..):
+    # 11 (position 5), but it had done only 4 (microbatch 9's loss was never recorded): it redoes 9
+    assert resumed["trainer_done"] == [5, 4]
+    assert [json.loads((state / f"trainer{r}.json").read_text())["done"] for r in (0, 1)] == [5, 4]
+    assert (state / "trainer0.losses.jsonl").read_text().splitlines()[-1] == json.dumps({"mb": 10, "loss": 2.0})
+    assert not (state / "dht_addrs.txt").exists()  # the dead swarm's addresses
+    assert [json.loads(line)["step"] for line in (state / "log-s1p3.jsonl").read_text().splitlines()] == \
+        list(range(1, 7))  # the last stage's log keeps the steps its shard holds
+    assert again.next_uid == 4  # new peers take fresh uids
+
+
+def test_a_rerun_waits_for_the_interrupted_runs_processes_and_names_them(tmp_path, monkeypatch):
+    total, state = 16, tmp_path / "state"
+    _prepared(state, total)
+    leftover = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--config",
+                                 str(state / "config.json")])
+    try:
+        monkeypatch.setattr(launcher_mod, "STALE_WAIT_S", 1.0)
+        with pytest.raises(RuntimeError, match=rf"processes \[{leftover.pid}\] of the interrupted swarm run"):
+            _prepared(state, total)
+    finally:
+        leftover.kill()
+        leftover.wait()
+    assert _prepared(state, total).stats["resumed"]["shard_steps"] == [0, 0]
+
+
+def test_a_rerun_with_other_settings_or_data_is_refused_naming_what_differs(tmp_path):
+    total, state = 24, tmp_path / "state"
+    _prepared(state, total)
+    changed = plan().recipe | {"lr": 1e-4}
+    with pytest.raises(launcher_mod.ResumeMismatch, match=r"recipe\.lr: 0\.003 -> 0\.0001.*remove"):
+        _prepared(state, total, recipe=changed)
+    with pytest.raises(launcher_mod.ResumeMismatch, match=r"microbatches: 24 -> 30; trainers: 2 -> 3"):
+        _prepared(state, 30, trainers=3)
+    with pytest.raises(launcher_mod.ResumeMismatch, match="training microbatches differ"):
+        _prepared(state, total, data=batches(seed=1))
+    _prepared(state, total, kill_every_s=9.0, link_mbit_s=10.0)  # operational settings may change
+    # a second launcher on the same folder at once is refused
+    holder = launcher_mod.Launcher(plan(decentralised=True, state_dir=state), batches(), total, progress=False)
+    try:
+        with pytest.raises(RuntimeError, match="another launcher is running"):
+            launcher_mod.Launcher(plan(decentralised=True, state_dir=state), batches(), total, progress=False)
+    finally:
+        os.close(holder.lock_fd)
+
+
+@pytest.mark.slow
+def test_a_rerun_after_the_launcher_is_sigkilled_resumes_from_the_stage_shards(tmp_path):
+    """(d): SIGKILL of the launcher's process group mid-run (every process dies), then the same command again."""
+    total, state = 160, tmp_path / "state"
+    code = ("import sys; sys.path.insert(0, {tests!r}); import test_swarm_roles as t; from pathlib import Path; "
+            "t.ht.run_swarm(t.plan(decentralised=True, state_dir=Path({state!r}), checkpoint_every_s=1.0), "
+            "t.batches(), {total}, progress=False)")
+    log = tmp_path / "launcher.log"
+    first = subprocess.Popen([sys.executable, "-c", code.format(tests=str(TESTS), state=str(state), total=total)],
+                             start_new_session=True, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while True:  # until both stages wrote a shard a few steps in
+            assert first.poll() is None, log.read_text()[-3000:]
+            found = [newest_shard(state / "shards", s) for s in (0, 1)]
+            if all(f is not None and f[0] >= 3 for f in found):
+                break
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        started = psutil.Process(first.pid).children(recursive=True)
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+        gone, alive = psutil.wait_procs(started, timeout=30)
+        assert alive == [], [safe_cmdline(p) for p in alive]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(first.pid, signal.SIGKILL)
+    done_before = sum(json.loads((state / f"trainer{r}.json").read_text())["done"] for r in (0, 1))
+    assert 0 < done_before < total
+    result, stats = launch(total, state_dir=state, checkpoint_every_s=1.0)
+    resumed = stats["resumed"]
+    # it resumed from the shards: the stages started at their shards' steps, the log goes on after them
+    assert all(step >= 3 for step in resumed["shard_steps"]), resumed
+    assert stats["first_logged_step"] == resumed["shard_steps"][1] + 1, (stats["first_logged_step"], resumed)
+    assert all(done <= before for done, before in zip(resumed["trainer_done"], resumed["trainer_done_before"]))
+    # its training time counts both lives (not the gap between them); the log's times run from the first start
+    assert 0 < resumed["wall_s_before"] < stats["wall_s"], (resumed, stats["wall_s"])
+    assert 0 <= result.log[0]["elapsed_s"] <= result.log[-1]["elapsed_s"]
+    # the same end as an uninterrupted run: every microbatch stepped exactly once on every stage (those stepped
+    # before the kill are skipped when the resumed trainers send them again), the checkpoint from the final shards
+    assert stats["stepped_microbatches"] == [total, total], brief(stats)
+    assert all(total * MICRO <= n <= (total + stats["retries"]) * MICRO for n in stats["stepped_samples"]), \
+        brief(stats)
+    assert stats["assembled_from"] == ["shard", "shard"] and stats["shard_steps"] == stats["stage_steps"]
+    assert not state.exists()  # the state folder goes once the run succeeded
+
+
+@pytest.mark.slow
+def test_sigkill_of_all_peers_of_a_stage_but_one_at_once_loses_no_microbatch():
+    """(e): two of stage 0's three peers SIGKILLed at once; the survivor serves alone until they rejoin."""
+    total = 160
+    result, stats = launch(total, peers_per_stage=[3, 2], faults=[(5.0, "stage0")], rejoin_after_s=0.5)
+    assert [k["stage"] for k in stats["killed"]] == [0, 0] and stats["rejoins"] == 2, brief(stats)
+    assert stats["per_stage_peers"] == [3, 2], stats["replica_steps"]
+    # the killed peers' unaveraged gradients are lost (as in SWARM): at most a global batch each
+    assert all(0 <= n <= 2 * 4 * MICRO for n in stats["lost_gradient_samples"]), brief(stats)
+
+
+def test_swarm_pretrain_gives_the_launcher_the_rules_state_folder(monkeypatch, tmp_path):
+    """Rule swarm_pretrain's --rendezvous folder holds the launcher's resumable state (launcher/); without one, or
+    where the coordinator runs the swarm, no state folder."""
+    import yaml
+
+    from cramswarm.config import DEFAULT_SCHEMA
+
+    keys = yaml.safe_load(Path(DEFAULT_SCHEMA).read_text())["properties"]["swarm"]["properties"]
+    swarm = {key: spec["default"] for key, spec in keys.items()} | {"transport": "hivemind", "checkpoint_every_s": 7.0}
+    seen = []
+    monkeypatch.setattr(ht, "run_swarm", lambda p, *args, **kw: seen.append(p))
+    base = plan()
+    common = dict(arch=base.arch, vocab_size=base.vocab_size, recipe=base.recipe, batches=batches(),
+                  total_microbatches=96, progress=False)
+    ht.train(swarm=swarm, rendezvous=tmp_path, **common)
+    ht.train(swarm=swarm, **common)
+    ht.train(swarm=swarm | {"rebalance_period_s": 5.0}, rendezvous=tmp_path, **common)
+    assert [(p.decentralised, p.state_dir) for p in seen] == [(True, tmp_path / "launcher"), (True, None),
+                                                              (False, None)]
+    assert seen[0].checkpoint_every_s == 7.0

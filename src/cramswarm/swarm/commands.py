@@ -30,7 +30,8 @@ EXPERIMENTS = {
     arg(
         "--rendezvous",
         help="swarm.placement attach/srun: folder (shared filesystem) where the peers find config.json and the DHT "
-        "address file",
+        "address file; under the launcher: its launcher/ subfolder holds the resumable state (stage shards), so a "
+        "rerun after a kill resumes",
     ),
     arg("--threads", type=int, default=1),
     arg("--quiet", action="store_true", help="no progress bar"),

@@ -157,8 +157,10 @@ class SwarmPlan:
     decentralised: bool = False     # run under the launcher (independent trainers, peer-driven steps), not the
                                     # coordinator; train() sets it where decentralised_supported() allows
     faults: list[tuple[float, str]] = field(default_factory=list)  # launcher: SIGKILL (seconds into training,
-                                    # "bootstrap" | "trainer<R>" | "peer") - the kill tests' fault injection;
+                                    # "bootstrap" | "trainer<R>" | "peer" | "stage<S>") - the kill tests' faults;
                                     # other targets go to ``hosts.fault`` (e.g. "cut:<host>": a testbed link cut)
+    state_dir: Path | None = None   # launcher: resumable run folder (stage shards, trainer progress); None: temporary
+    checkpoint_every_s: float = 60.0  # launcher: seconds between a stage's shard writes (and one at the end)
     hosts: object | None = None     # launcher: where each process runs (``ProcessGroups.place``; None: here);
                                     # ``cramswarm.testbed.swarm.HostPlacement`` puts each on a testbed host
 
@@ -998,5 +1000,8 @@ def train(*, arch: dict, vocab_size: int, recipe: dict, swarm: dict,
         placement=swarm["placement"], rendezvous=Path(rendezvous) if rendezvous else None, host=swarm["host"],
         interface=swarm["interface"], srun_args=list(swarm["srun_args"]), startup_timeout_s=swarm["startup_timeout_s"],
     )
+    plan.checkpoint_every_s = swarm["checkpoint_every_s"]
     plan.decentralised = decentralised_supported(plan, total_microbatches) is None
+    if plan.decentralised and rendezvous:  # the rule's state folder: a rerun after the rule's process died resumes
+        plan.state_dir = Path(rendezvous) / "launcher"
     return run_swarm(plan, batches, total_microbatches, progress)

@@ -21,8 +21,18 @@ latest step; ``faults``: SIGKILL of named processes at given times) - it only ki
 training state; once every trainer reports its shard done it asks the peers for the last, partial global batch
 (``peer_sync.flush_key``), waits until every stage is idle, downloads the stages' parameters from live replicas
 and stops everything. If it dies, the peers and trainers exit: at once where they see their parent gone, else
-once its heartbeat record has been missing ``coordinator_grace_s`` (resuming from the trainers' progress files
-and the stages' state is not implemented).
+once its heartbeat record has been missing ``coordinator_grace_s``.
+
+Checkpoint and resume: with ``state_dir`` (the swarm_pretrain rule's resumable state folder, under
+``results/.state``) the run's folder is that folder, not a temporary one. The stage peers write their stages'
+shards to its ``shards/`` folder (``peer_sync``: every ``checkpoint_every_s`` and once more at the end) and the
+checkpoint is assembled from the final shards. ``resume.json`` records what the run was started with (model,
+recipe, stages, trainers, compressions, seed, microbatches and a SHA-1 of the microbatches). A launcher that
+finds it - the previous one was killed with everything it started - resumes: the stage peers load their stage's
+newest shard, and each trainer resumes its shard at its first microbatch that not every stage's shard has
+stepped (the stages skip the ones they already stepped: ``peer_sync``'s duplicate backward calls), so no
+microbatch is lost or stepped twice. A launcher whose settings or data differ from ``resume.json``'s refuses,
+naming what differs. The folder is removed once the run succeeds; it is kept when the run fails.
 """
 
 from __future__ import annotations
@@ -30,6 +40,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import fcntl
+import hashlib
 import io
 import json
 import os
@@ -44,12 +56,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import psutil
 import torch
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from tqdm.auto import tqdm
 
-from cramswarm.io import read_json
+from cramswarm.io import read_json, write_json, write_text
 from cramswarm.swarm import averaging
 from cramswarm.swarm.emulation import TrainResult
 from cramswarm.swarm.hivemind_peer import (
@@ -66,7 +79,7 @@ from cramswarm.swarm.hivemind_peer import (
     stage_records,
     unpack,
 )
-from cramswarm.swarm.peer_sync import SyncingStagePeer, flush_key, progress_records
+from cramswarm.swarm.peer_sync import SyncingStagePeer, flush_key, load_shard, newest_shard, progress_records
 from cramswarm.swarm.policies import NoPeersError
 from cramswarm.swarm.processes import PeerProcess, ProcessGroups, own_daemons
 from cramswarm.swarm.trainer import EXIT_NO_PEERS, losses_path, progress_path, shard
@@ -74,6 +87,28 @@ from cramswarm.swarm.trainer import EXIT_NO_PEERS, losses_path, progress_path, s
 TRAINER_MODULE = [sys.executable, "-m", "cramswarm.swarm.trainer"]
 SUPERVISE_PERIOD_S = 0.5  # the launcher checks its processes this often
 IDLE_READS = 3            # a stage is idle once this many reads in a row show no held samples and one step
+RESUME_FILE = "resume.json"  # in a state folder: what the run was started with (a rerun resumes only the same)
+LOCK_FILE = "launcher.lock"
+TIME_FILE = "launcher.json"  # in a state folder: training seconds so far, first start (wall clock)
+STALE_WAIT_S = 45.0       # a resuming launcher waits this long for the killed run's processes to be gone
+
+
+class ResumeMismatch(ValueError):
+    """A state folder holds an interrupted run whose settings or data differ from this one's."""
+
+
+def differences(old, new, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two JSON-like values, with both values (``key: old -> new``)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        found = []
+        for key in sorted(set(old) | set(new), key=str):
+            name = f"{prefix}.{key}" if prefix else str(key)
+            if key not in old or key not in new:
+                found.append(f"{name}: {old.get(key, '(absent)')!r} -> {new.get(key, '(absent)')!r}")
+            else:
+                found.extend(differences(old[key], new[key], name))
+        return found
+    return [] if old == new else [f"{prefix or 'value'}: {old!r} -> {new!r}"]
 
 
 class Launcher:
@@ -83,7 +118,14 @@ class Launcher:
 
         self.plan, self.batches, self.total, self.progress = plan, batches, total_microbatches, progress
         self.rng = random.Random(plan.seed)
-        self.workdir = Path(tempfile.mkdtemp(prefix="cramswarm-swarm-"))
+        self.state_dir = Path(plan.state_dir).resolve() if plan.state_dir is not None else None
+        if self.state_dir is not None:  # resumable: the run's files stay where a rerun finds them
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            self.workdir = self.state_dir
+            self._lock()
+        else:
+            self.workdir = Path(tempfile.mkdtemp(prefix="cramswarm-swarm-"))
+        self.shard_dir = self.workdir / "shards"
         self.run_id = f"cs{os.getpid()}x{self.rng.getrandbits(32):08x}"
         self.groups = ProcessGroups(self.workdir, place=plan.hosts)
         self.host = listen_host({"host": plan.host, "interface": plan.interface})
@@ -100,11 +142,134 @@ class Launcher:
         self.stats = {"peers_killed": 0, "rejoins": 0, "trainer_restarts": 0, "killed": [], "bootstrap_killed": 0}
         self.start = time.perf_counter()
         self.start_wall = time.time()
+        self.wall_before, self.first_start_wall = 0.0, None  # training time of earlier lives (a resumed run)
 
     # -- files ----------------------------------------------------------------------------------------------
-    def _write_data(self) -> int:
-        """The microbatches, memory-mapped for the trainers; returns the tokens per sequence."""
+    def _lock(self) -> None:
+        """Hold ``launcher.lock`` in the state folder for this process's life: two launchers on one folder
+        would resume the same run twice."""
+        self.lock_fd = os.open(self.workdir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.lock_fd)
+            raise RuntimeError(f"another launcher is running on the swarm state folder {self.workdir}") from None
+
+    def _fingerprint(self) -> dict:
+        """What a resumed run must share with the interrupted one (timeouts, faults, hosts may change)."""
+        p = self.plan
+        return json.loads(json.dumps({
+            "arch": p.arch, "vocab_size": p.vocab_size, "recipe": p.recipe, "stages": p.stages,
+            "trainers": p.trainers, "compression": p.compression, "averaging_compression": p.averaging_compression,
+            "seed": p.seed, "microbatches": self.total}))
+
+    def _clear(self) -> None:
+        """A fresh start in a state folder: remove an earlier run's files (all but the lock)."""
+        for path in self.workdir.iterdir():
+            if path.name == LOCK_FILE:
+                continue
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+
+    def _prepare(self) -> int:
+        """Write the microbatches and config; in a state folder holding an interrupted run, check that this run
+        is the same and set it up to resume from the shards. Returns the tokens per sequence."""
+        record_path = self.workdir / RESUME_FILE
+        if self.state_dir is not None:
+            self._wait_for_stale_processes()
+        previous = read_json(record_path) if self.state_dir is not None and record_path.exists() else None
+        fingerprint = self._fingerprint()
+        if previous is not None:
+            diff = differences(previous["fingerprint"], fingerprint)
+            if diff:
+                raise ResumeMismatch(f"cannot resume the interrupted swarm run in {self.workdir}: its settings differ "
+                                     f"from this run's ({'; '.join(diff)}); rerun with the interrupted run's "
+                                     f"settings, or remove {self.workdir} to start from step 0")
+        elif self.state_dir is not None:
+            self._clear()
+        seq_len, digest = self._write_data()
+        if previous is not None:
+            if previous["data_sha1"] != digest:
+                raise ResumeMismatch(f"cannot resume the interrupted swarm run in {self.workdir}: its training "
+                                     f"microbatches differ from this run's (SHA-1 {previous['data_sha1']} -> "
+                                     f"{digest}: other blocks or masking); remove {self.workdir} to start from step 0")
+            self._resume()
+        elif self.state_dir is not None:
+            write_json(record_path, {"fingerprint": fingerprint, "data_sha1": digest, "seq_len": seq_len})
+        return seq_len
+
+    def _resume(self) -> None:
+        """Set up the folder of an interrupted run: the trainers restart at the first microbatch of their shard
+        that not every stage's newest shard has stepped; the last stage's log keeps the shard's steps."""
+        (self.workdir / ADDR_FILE).unlink(missing_ok=True)  # the dead swarm's addresses
+        for tmp in [*self.workdir.glob(".*.tmp"), *self.shard_dir.glob(".*")]:  # writes cut short
+            tmp.unlink(missing_ok=True)
+        shards = [newest_shard(self.shard_dir, s) for s in range(self.plan.stages)]
+        states = [load_shard(found[1]) if found else None for found in shards]
+        stepped = set.intersection(*[set(state.get("stepped_mbs", [])) if state else set() for state in states])
+        before, after = [], []
+        for rank in range(self.plan.trainers):
+            mine = shard(self.total, rank, self.plan.trainers)
+            try:
+                before.append(int(read_json(progress_path(self.workdir, rank))["done"]))
+            except Exception:  # no progress file yet: the trainer had not started
+                before.append(0)
+            # not past the trainer's own count either: a microbatch stepped everywhere may lack its loss record
+            done = min(next((j for j, i in enumerate(mine) if i not in stepped), len(mine)), before[-1])
+            losses = losses_path(self.workdir, rank)
+            if losses.exists():  # whole records only (a write cut short would run into the next one)
+                write_text(losses, "".join(f"{line}\n" for line in losses.read_text().splitlines()
+                                           if _mb_of(line) is not None))
+            write_json(progress_path(self.workdir, rank), {"rank": rank, "done": done, "shard": len(mine),
+                                                            "stats": {"retries": 0, "timeouts": 0, "errors": 0}})
+            after.append(done)
+        last_step = shards[-1][0] if shards[-1] else 0
+        for path in self.workdir.glob(f"log-s{self.plan.stages - 1}p*.jsonl"):  # steps the shard holds
+            kept = [line for line in path.read_text().splitlines() if _step_of(line) <= last_step]
+            write_text(path, "".join(f"{line}\n" for line in kept))
+        used = [int(p.stem.split("p")[-1]) for p in self.workdir.glob("s*p*.log") if p.stem.split("p")[-1].isdigit()]
+        self.next_uid = max(used, default=0)  # fresh uids: the dead peers' logs and counters stay
+        with contextlib.suppress(Exception):  # a run killed before its training started has none
+            times = read_json(self.workdir / TIME_FILE)
+            self.wall_before, self.first_start_wall = float(times["wall_s"]), float(times["start_wall"])
+        self.stats["resumed"] = {"wall_s_before": round(self.wall_before, 3),
+                                 "shard_steps": [found[0] if found else 0 for found in shards],
+                                 "trainer_done_before": before, "trainer_done": after}
+        print(f"resuming the swarm run in {self.workdir}: stage shards at steps {self.stats['resumed']['shard_steps']}"
+              f", trainers at microbatch {after} of their shards (they had done {before})", flush=True)
+
+    def _stale_processes(self) -> list[int]:
+        """PIDs of live processes of an earlier launcher of this folder (their command line names its config or its
+        DHT address file)."""
+        markers, found = {str(self.workdir / CONFIG_FILE), str(self.workdir / ADDR_FILE)}, []
+        for proc in psutil.process_iter(["cmdline", "status"]):
+            with contextlib.suppress(psutil.Error):
+                if markers & set(proc.info["cmdline"] or []) and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                    found.append(proc.pid)
+        return found
+
+    def _wait_for_stale_processes(self) -> None:
+        """The killed run's peers and trainers exit by themselves (their parent is gone, or its heartbeat): wait
+        for them, so that none writes a shard or a progress file under the resumed run."""
+        deadline = time.monotonic() + STALE_WAIT_S
+        while stale := self._stale_processes():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"processes {stale} of the interrupted swarm run in {self.workdir} are still "
+                                   f"running after {STALE_WAIT_S:.0f} s; end them before resuming")
+            time.sleep(0.5)
+
+    def _record_time(self) -> None:
+        """In a state folder: the training time so far (all lives) and the first life's start, for a resume."""
+        if self.state_dir is not None:
+            write_json(self.workdir / TIME_FILE, {"wall_s": self.wall_before + self.elapsed(),
+                                                  "start_wall": self.first_start_wall})
+
+    def _write_data(self) -> tuple[int, str]:
+        """The microbatches, memory-mapped for the trainers; returns the tokens per sequence and their SHA-1."""
         inputs = labels = None
+        digest = hashlib.sha1()
         for i in range(self.total):
             try:
                 x, y = next(self.batches)
@@ -115,9 +280,11 @@ class Launcher:
                 inputs = np.lib.format.open_memmap(self.workdir / "inputs.npy", "w+", np.int32, shape)
                 labels = np.lib.format.open_memmap(self.workdir / "labels.npy", "w+", np.int32, shape)
             inputs[i], labels[i] = x.numpy(), y.numpy()
+            digest.update(inputs[i].tobytes())
+            digest.update(labels[i].tobytes())
         inputs.flush()
         labels.flush()
-        return int(inputs.shape[2])
+        return int(inputs.shape[2]), digest.hexdigest()
 
     def _write_config(self, seq_len: int) -> Path:
         p = self.plan
@@ -127,7 +294,7 @@ class Launcher:
                "join_timeout_s": p.join_timeout_s, "give_up_after_s": p.retry.give_up_after_s, "host": p.host,
                "interface": p.interface, "coordinator_grace_s": p.coordinator_grace_s, "peer_sync": True,
                "seq_len": seq_len, "workdir": str(self.workdir), "retry": dataclasses.asdict(p.retry),
-               "seed": p.seed}
+               "seed": p.seed, "shard_dir": str(self.shard_dir), "checkpoint_every_s": p.checkpoint_every_s}
         path = self.workdir / CONFIG_FILE
         tmp = self.workdir / f".{CONFIG_FILE}.tmp"
         tmp.write_text(json.dumps(cfg))
@@ -244,10 +411,11 @@ class Launcher:
                 self._kill_peer(self.rng.choice(candidates))
 
     async def _fault(self, at_s: float, target: str) -> None:
-        """``faults``: SIGKILL ``bootstrap``, ``trainer<R>`` or ``peer`` (a killable stage peer) at ``at_s``; any
-        other target goes to the placement (``plan.hosts.fault``) ``at_s`` after the first finished microbatch
-        (trainer processes take seconds to start: a link cut must fall into the training)."""
-        host_fault = target not in ("bootstrap", "peer") and not target.startswith("trainer")
+        """``faults``: SIGKILL ``bootstrap``, ``trainer<R>``, ``peer`` (a killable stage peer) or ``stage<S>`` (every
+        live peer of stage S but one at its latest step, at once) at ``at_s``; any other target goes to the
+        placement (``plan.hosts.fault``) ``at_s`` after the first finished microbatch (trainer processes take
+        seconds to start: a link cut must fall into the training)."""
+        host_fault = target not in ("bootstrap", "peer") and not target.startswith(("trainer", "stage"))
         while host_fault and self._done_microbatches() < 1:
             await asyncio.sleep(0.1)
         await asyncio.sleep(at_s)
@@ -263,6 +431,15 @@ class Launcher:
             candidates = await self._killable()
             if candidates:
                 self._kill_peer(self.rng.choice(candidates))
+        elif target.startswith("stage"):
+            stage = int(target[len("stage"):])
+            records = await progress_records(self.node, self.run_id, stage)
+            latest = max((r["step"] for r in records.values()), default=0)
+            keep = min((u for u, r in records.items() if r["step"] == latest and u in self.peers
+                        and self.peers[u].alive and u not in self.retired), default=None)
+            for uid, peer in list(self.peers.items()):
+                if peer.stage == stage and peer.alive and uid not in self.retired and uid != keep and keep:
+                    self._kill_peer(peer)
         elif self.plan.hosts is not None:  # the placement's own faults (a testbed link cut)
             await asyncio.to_thread(self.plan.hosts.fault, target)
             self.stats.setdefault("host_faults", []).append({"target": target, "t_s": round(self.elapsed(), 2)})
@@ -304,6 +481,7 @@ class Launcher:
                         self._spawn(self._restart_peer(peer))
                 bar.n = self._done_microbatches()
                 bar.refresh()
+                self._record_time()
                 await asyncio.sleep(SUPERVISE_PERIOD_S)
         finally:
             bar.close()
@@ -327,6 +505,27 @@ class Launcher:
                                                                         for r in records.values())
             idle = idle + 1 if quiet else 0
             await asyncio.sleep(SUPERVISE_PERIOD_S)
+
+    async def _final_shards(self, replica_steps: dict[int, dict[str, int]]) -> tuple[list[dict | None], list[int]]:
+        """The stages' final shards (module state dicts; None for a stage that never stepped), once each stage's
+        newest shard is at the step its live replicas reached."""
+        bound = max(self.plan.retry.give_up_after_s, 3 * max(
+            averaging.state_timeout_s(n, self.plan.link_mbit_s, 2 * self.plan.sync_timeout_s)
+            for n in self.stage_params))
+        deadline = time.monotonic() + bound
+        while True:
+            found = [newest_shard(self.shard_dir, s) for s in range(self.plan.stages)]
+            lacking = [s for s in range(self.plan.stages) if max(replica_steps[s].values()) > 0 and
+                       (found[s] is None or found[s][0] < max(replica_steps[s].values()))]
+            if not lacking:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"stages {lacking} wrote no shard of their last step within {bound:.0f} s "
+                                   f"(newest: {[f[2].name if f else None for f in found]}; logs in {self.workdir})")
+            await asyncio.sleep(SUPERVISE_PERIOD_S)
+        states = [load_shard(f[1]) if f else None for f in found]
+        self.stats["stepped_microbatches"] = [len(s.get("stepped_mbs", [])) if s else 0 for s in states]
+        return [s["module"] if s else None for s in states], [f[0] if f else 0 for f in found]
 
     async def _collect_states(self) -> tuple[list[dict], dict[int, dict[str, int]], list[float]]:
         states, steps, spread = [], {}, []
@@ -364,7 +563,16 @@ class Launcher:
                     row = json.loads(line)
                     rows.setdefault(row["step"], row)
         return [{k: v for k, v in row.items() if k not in ("time", "group")}
-                | {"elapsed_s": round(row["time"] - self.start_wall, 3)} for _, row in sorted(rows.items())]
+                | {"elapsed_s": round(row["time"] - self.first_start_wall, 3)} for _, row in sorted(rows.items())]
+
+    def _first_logged_step(self) -> int | None:
+        """The first step the last stage's peers of this launcher logged (1 unless it resumed from shards)."""
+        steps = []
+        for uid, peer in self.peers.items():
+            path = self.workdir / f"log-{uid}.jsonl"
+            if peer.stage == self.plan.stages - 1 and path.exists():
+                steps.extend(_step_of(line) for line in path.read_text().splitlines())
+        return min((s for s in steps if s >= 0), default=None)
 
     def _trainer_losses(self) -> dict[int, float]:
         losses = {}
@@ -398,7 +606,7 @@ class Launcher:
     async def main(self) -> TrainResult:
         self.failed = asyncio.get_running_loop().create_future()
         try:
-            seq_len = self._write_data()
+            seq_len = self._prepare()
             self.config = self._write_config(seq_len)
             await self._start_dht()
             self._spawn(self._heartbeat_forever())
@@ -409,6 +617,7 @@ class Launcher:
             self.phase = "training"
             await self._beat()
             self.start, self.start_wall = time.perf_counter(), time.time()
+            self.first_start_wall = self.first_start_wall or self.start_wall
             for rank in range(self.plan.trainers):
                 self._start_trainer(rank)
             if self.plan.kill_every_s:
@@ -416,12 +625,17 @@ class Launcher:
             for at_s, target in self.plan.faults:
                 self._spawn(self._fault(at_s, target))
             await self._supervise()
-            wall_s = self.elapsed()
+            wall_s = self.wall_before + self.elapsed()
             for task in list(self.tasks):  # no more kills or restarts once the trainers are done
                 if task.get_coro().__name__ in ("_kill_forever", "_fault"):
                     task.cancel()
             await self._finish_steps()
-            stage_states, replica_steps, spread = await self._collect_states()
+            live_states, replica_steps, spread = await self._collect_states()
+            # the checkpoint is assembled from the stages' final shards (a stage that never stepped: a replica's)
+            shard_states, shard_steps = await self._final_shards(replica_steps)
+            stage_states = [s if s is not None else live for s, live in zip(shard_states, live_states)]
+            self.stats.update(assembled_from=["shard" if s is not None else "replica" for s in shard_states],
+                              shard_steps=shard_steps)
         finally:
             await self._shutdown()
         return self._result(stage_states, replica_steps, spread, wall_s)
@@ -440,6 +654,7 @@ class Launcher:
                        for s in range(self.plan.stages)]
         log = self._log()
         self.stats.update(self._trainer_stats())
+        self.stats["first_logged_step"] = self._first_logged_step()
         self.stats.update(
             transport="hivemind", placement="local", roles="launcher", microbatches_done=done,
             microbatches_requested=self.total, lost_microbatches=self.total - done,
@@ -472,6 +687,23 @@ class Launcher:
                 await asyncio.wait_for(self.node.shutdown(), timeout=10.0)
 
 
+def _step_of(line: str) -> int:
+    """The step of a log line (-1 for a line cut short)."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return -1
+
+
+def _mb_of(line: str) -> int | None:
+    """The microbatch of a trainer's loss record (None for a record cut short)."""
+    try:
+        row = json.loads(line)
+        return int(row["mb"]) if "loss" in row else None
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def _exit_on_sigterm(signum: int, frame) -> None:
     raise SystemExit(128 + signum)
 
@@ -489,7 +721,7 @@ def run(plan, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], total_microb
         keep_logs = False
         return result
     except NoPeersError:
-        keep_logs = False
+        keep_logs = launcher.state_dir is not None  # a state folder is kept for a rerun to resume
         raise
     finally:
         if previous is not None:
@@ -499,6 +731,8 @@ def run(plan, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], total_microb
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         if keep_logs:
-            print(f"hivemind swarm failed; logs kept in {launcher.workdir}", file=sys.stderr, flush=True)
+            print(f"hivemind swarm failed; logs kept in {launcher.workdir}"
+                  + (" (a rerun with the same settings resumes from its stage shards)" if launcher.state_dir else ""),
+                  file=sys.stderr, flush=True)
         else:
             shutil.rmtree(launcher.workdir, ignore_errors=True)

@@ -33,6 +33,18 @@ and
 
 Each peer writes its counters to ``peer-<uid>.json`` in the run's folder (atomically) and, on the last stage,
 one line per step (step, progress, mean loss of the group's samples, LR, samples) to ``log-<uid>.jsonl``.
+
+**Stage shards** (checkpoint and resume): a stage's state - parameters, AdamW state, step, stepped samples (what
+the LR schedule and the batch ramp are computed from) and the indices of the microbatches whose gradients it
+has stepped - is written to the run's shard folder (``shard_dir``) as ``stage<S>.step<N>.<uid>.pt``
+(``write_shard``: atomic, older files of the stage removed after). Only the lowest uid among the records at the
+stage's latest step writes (the replicas there are bitwise equal), every ``checkpoint_every_s`` and once more
+when the launcher asked for the last batch and the stage is idle, so the last shard holds the stage's final
+state. A peer starts from its stage's newest shard when there is one (``newest_shard``: highest step, then
+lowest uid): the peers of a rerun of a killed launcher resume where the shards end. Backward calls carry their
+microbatch index (``mb``); a call for a microbatch this stage has already stepped, or holds, is computed (its
+input gradient is needed upstream) but its parameter gradients are not accumulated again (``duplicate_samples``),
+so trainers that resume from the shards' microbatches do not count one twice.
 """
 
 from __future__ import annotations
@@ -51,7 +63,7 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
-from cramswarm.io import write_json
+from cramswarm.io import atomic_path, write_json
 from cramswarm.swarm.averaging import averaging_timeout_s
 from cramswarm.swarm.hivemind_peer import StagePeer, respond, unpack
 from cramswarm.training import accumulation_at, budget_progress, lr_multiplier
@@ -61,6 +73,8 @@ PROGRESS_TTL_S = 2.0      # ... with this expiration: a dead peer drops out of i
 GATHER_S = 2.0            # a ready peer waits at most this long for the other peers at its step to be ready
 MIN_GATHER_S = 0.3        # ... and at least this long (records of peers that became ready at once)
 ZERO_WEIGHT = 1e-6        # all-reduce weight of a member without samples (see _step)
+FLUSH_CHECK_S = 1.0       # a peer reads the launcher's flush record at most this often
+SHARD_GLOB = "stage{stage}.step*.pt"
 
 
 def progress_key(run_id: str, stage: int) -> str:
@@ -79,6 +93,38 @@ async def progress_records(node, run_id: str, stage: int) -> dict[str, dict]:
         return {}
     return {uid: entry.value for uid, entry in found.value.items()
             if isinstance(uid, str) and isinstance(entry.value, dict) and "step" in entry.value}
+
+
+def shard_files(shard_dir: Path, stage: int) -> list[tuple[int, str, Path]]:
+    """(step, uid, path) of the stage's shard files, newest first (highest step, then lowest uid)."""
+    found = []
+    for path in Path(shard_dir).glob(SHARD_GLOB.format(stage=stage)):
+        parts = path.name[:-len(".pt")].split(".", 2)  # stage<S> . step<N> . <uid> (which may hold dots)
+        if len(parts) == 3 and parts[1].startswith("step") and parts[1][4:].isdigit():
+            found.append((int(parts[1][4:]), parts[2], path))
+    return sorted(found, key=lambda f: (-f[0], f[1]))
+
+
+def newest_shard(shard_dir: Path, stage: int) -> tuple[int, Path] | None:
+    """(step, path) of the stage's newest shard, or None."""
+    found = shard_files(shard_dir, stage)
+    return (found[0][0], found[0][2]) if found else None
+
+
+def write_shard(shard_dir: Path, stage: int, uid: str, step: int, blob: bytes) -> Path:
+    """Write one stage shard atomically (``io.atomic_path``), then remove the stage's shards of older steps."""
+    path = Path(shard_dir) / f"stage{stage}.step{step:08d}.{uid}.pt"
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(blob)
+    for old_step, _, old in shard_files(shard_dir, stage):
+        if old_step < step:
+            old.unlink(missing_ok=True)
+    return path
+
+
+def load_shard(path: Path) -> dict:
+    """A shard's contents: module and optimizer state dicts, step, stepped_samples, stepped_mbs."""
+    return torch.load(path, weights_only=True, map_location="cpu")
 
 
 def step_target(recipe: dict, seq_len: int, stepped_samples: int, step: int) -> tuple[float, int]:
@@ -109,25 +155,71 @@ class SyncingStagePeer(StagePeer):
         self.nudge = asyncio.Event()  # wakes the synchronisation loop early (this peer's count reached the batch)
         self.counters = {"uid": uid, "stage": stage, "steps_taken": 0, "resyncs": 0, "digest_mismatches": 0,
                          "lost_gradient_samples": 0, "averaging_bytes_sent": 0, "averaging_values_sent": 0,
-                         "averaging_param_steps": 0, "group_sizes": [], "failed_rounds": 0}
+                         "averaging_param_steps": 0, "group_sizes": [], "failed_rounds": 0, "shards_written": 0,
+                         "duplicate_samples": 0, "loaded_shard_step": None}
+        self.stepped_mbs: set[int] = set()   # microbatches whose gradients the stage has stepped
+        self.local_mbs: set[int] = set()     # ... accumulated here since the snapshot
+        self.snapshot_mbs: set[int] = set()  # ... in the snapshot
+        self.shard_dir = Path(cfg.get("shard_dir") or self.workdir / "shards")
+        self.checkpoint_every_s = float(cfg.get("checkpoint_every_s", 60.0))
+        self.shard_step, self.last_write, self.writing = 0, time.monotonic(), False
+        self.flush_seen, self.flush_checked = False, 0.0
+        newest = newest_shard(self.shard_dir, stage)
+        if newest is not None:  # a rerun of a killed launcher (or a restart): start from the stage's last shard
+            self._load_blob(newest[1].read_bytes())
+            self.shard_step = self.counters["loaded_shard_step"] = self.step
+            print(f"[{uid}] loaded stage {stage} shard {newest[1].name} (step {self.step})", flush=True)
 
     # -- compute thread ---------------------------------------------------------------------------------------
     def _backward(self, tensors: dict[str, torch.Tensor], meta: dict) -> tuple[dict, dict]:
+        mb = meta.get("mb")
+        if mb is not None and (mb in self.stepped_mbs or mb in self.local_mbs or mb in self.snapshot_mbs):
+            return self._duplicate_backward(tensors, meta)
         result, out_meta = super()._backward(tensors, meta)
         if "loss" in out_meta:
             self.local_loss += out_meta["loss"] * out_meta["samples"]
+        if mb is not None:
+            self.local_mbs.add(int(mb))
+        return result, out_meta
+
+    def _duplicate_backward(self, tensors: dict[str, torch.Tensor], meta: dict) -> tuple[dict, dict]:
+        """A microbatch this stage already stepped or holds: the input gradient (and loss) for the trainer, the
+        accumulated parameter gradients and sample count left as they were."""
+        held, samples = [p.grad for p in self.params], self.local_samples
+        for p in self.params:
+            p.grad = None
+        try:
+            result, out_meta = super()._backward(tensors, meta)
+        finally:
+            for p, g in zip(self.params, held):
+                p.grad = g
+            self.local_samples = samples
+        self.counters["duplicate_samples"] += int(out_meta.get("samples", 0))
         return result, out_meta
 
     def _take_snapshot(self, step: int) -> tuple[torch.Tensor, int]:
         if self.snapshot is None or self.snapshot[0] != step:
             self.snapshot_loss, self.local_loss = self.local_loss, 0.0
+            self.snapshot_mbs, self.local_mbs = self.local_mbs, set()
         return super()._take_snapshot(step)
 
+    def _apply_counted(self, group_id: bytes, lr: float, samples: int, mbs: set[int]) -> dict:
+        """``_apply`` and, in the same compute-thread call, the stage's stepped samples and microbatches, so that a
+        state taken for a download or a shard never holds a step without its counts."""
+        reply = self._apply(group_id, lr)
+        if reply.get("status") == "ok":
+            self.stepped_samples += samples
+            self.stepped_mbs |= mbs
+            self.snapshot_mbs = set()
+        return reply
+
     def _extra_state(self) -> dict:
-        return {"stepped_samples": self.stepped_samples}
+        return {"stepped_samples": self.stepped_samples, "stepped_mbs": sorted(self.stepped_mbs)}
 
     def _load_extra_state(self, state: dict) -> None:
         self.stepped_samples = int(state.get("stepped_samples", 0))
+        self.stepped_mbs = {int(i) for i in state.get("stepped_mbs", [])}
+        self.local_mbs, self.snapshot_mbs = set(), set()
         self.local_loss = self.snapshot_loss = 0.0
         self.ready = None
         self.digest = self._digest()
@@ -173,13 +265,14 @@ class SyncingStagePeer(StagePeer):
         value = {"peer": self.peer_id, "step": self.step, "samples": self._held_samples(),
                  "stepped": self.stepped_samples, "digest": self.digest, "ready": False}
         if self.ready is not None and self.ready[0] == self.step:
-            value.update(ready=True, snap=self.ready[1], loss=self.ready[2])
+            value.update(ready=True, snap=self.ready[1], loss=self.ready[2], mbs=sorted(self.snapshot_mbs))
         await self.node.store(progress_key(self.run_id, self.stage), subkey=self.uid, value=value,
                               expiration_time=get_dht_time() + PROGRESS_TTL_S)
 
     def _write_counters(self) -> None:
         write_json(self.workdir / f"peer-{self.uid}.json",
-                   {**self.counters, "step": self.step, "stepped_samples": self.stepped_samples})
+                   {**self.counters, "step": self.step, "stepped_samples": self.stepped_samples,
+                    "stepped_microbatches": len(self.stepped_mbs)})
 
     def background_tasks(self) -> list[asyncio.Task]:
         return [asyncio.create_task(self.sync_forever())]
@@ -209,10 +302,44 @@ class SyncingStagePeer(StagePeer):
             await self._step()
         elif pending > 0 and await self._flushing():
             await self._step()
+        elif self.step > self.shard_step and not self.writing:
+            await self._flushing()  # the final shard waits for the launcher's flush record
+            if self._writes_shard(records, at_step):
+                self.writing = True
+                self.write_task = asyncio.create_task(self._write_shard())
 
     async def _flushing(self) -> bool:
-        found = await self.node.get(flush_key(self.run_id), latest=True)
-        return found is not None and found.value is True
+        if not self.flush_seen and time.monotonic() - self.flush_checked >= FLUSH_CHECK_S:
+            self.flush_checked = time.monotonic()
+            found = await self.node.get(flush_key(self.run_id), latest=True)
+            self.flush_seen = found is not None and found.value is True
+        return self.flush_seen
+
+    def _writes_shard(self, records: dict[str, dict], at_step: list[dict]) -> bool:
+        """Whether this peer writes its stage's shard now: it is the lowest uid at the stage's latest step, its
+        step has no shard yet, and ``checkpoint_every_s`` passed since its last write - or the launcher asked for
+        the last batch and the stage holds no samples (the final shard)."""
+        if self.step <= self.shard_step or self.step == 0:
+            return False
+        if min([uid for uid, r in records.items() if r["step"] == self.step] + [self.uid]) != self.uid:
+            return False
+        if time.monotonic() - self.last_write >= self.checkpoint_every_s:
+            return True
+        idle = self._held_samples() == 0 and not any(r["samples"] or r.get("ready") for r in at_step)
+        return idle and self.flush_seen
+
+    async def _write_shard(self) -> None:
+        try:
+            blob, step = await self._run(self._state_blob)
+            path = await asyncio.to_thread(write_shard, self.shard_dir, self.stage, self.uid, step, blob)
+            self.shard_step, self.last_write = step, time.monotonic()
+            self.counters["shards_written"] += 1
+            print(f"[{self.uid}] wrote {path.name}", flush=True)
+        except Exception as e:  # a full disk or a removed folder: training goes on, the next period tries again
+            print(f"[{self.uid}] writing the stage shard failed: {e!r}", flush=True)
+            self.last_write = time.monotonic()
+        finally:
+            self.writing = False
 
     async def _catch_up(self, records: dict[str, dict]) -> bool:
         """Download the state of a replica that is ahead, or of the reference replica (lowest uid) at this step
@@ -251,7 +378,8 @@ class SyncingStagePeer(StagePeer):
             ready = {uid: r for uid, r in at_step.items() if r.get("ready")}
             waited = time.monotonic() - started
             if waited >= GATHER_S and self.uid not in ready:  # this peer's own record not read back yet
-                ready[self.uid] = {"peer": self.peer_id, "snap": self.ready[1], "loss": self.ready[2]}
+                ready[self.uid] = {"peer": self.peer_id, "snap": self.ready[1], "loss": self.ready[2],
+                                   "mbs": sorted(self.snapshot_mbs)}
             if self.uid in ready and ((len(ready) == len(at_step) and waited >= MIN_GATHER_S) or waited >= GATHER_S):
                 return ready
             await asyncio.sleep(0.1)
@@ -298,10 +426,10 @@ class SyncingStagePeer(StagePeer):
             recipe = self.cfg["recipe"]
             multiplier = lr_multiplier(recipe["schedule"], t, recipe["warmup_fraction"])
             self.averaged = (group_id, averaged)
-            reply = await self._run(self._apply, group_id, recipe["lr"] * multiplier)
+            mbs = {int(i) for uid in uids for i in group[uid].get("mbs", ())}
+            reply = await self._run(self._apply_counted, group_id, recipe["lr"] * multiplier, total, mbs)
             if reply.get("status") != "ok":
                 raise RuntimeError(f"step {step}: {reply}")
-            self.stepped_samples += total
             self.digest, self.ready, self.others_pending = reply["digest"], None, 0
             self.counters["steps_taken"] += 1
             self.counters["group_sizes"].append(len(uids))

@@ -15,8 +15,10 @@ named in its progress file), a stage whose peers keep failing with ``EXIT_FAILED
 
 Progress: after each microbatch the trainer appends its loss to ``trainer<R>.losses.jsonl`` and rewrites
 ``trainer<R>.json`` atomically (microbatches of its shard done). A trainer killed and restarted with the same rank
-resumes its shard where that file says: a microbatch whose calls were under way when it died is sent again (its
-gradient may then count twice on the stages it had reached, as a re-sent call does in SWARM). The trainer exits
+resumes its shard where that file says: a microbatch whose calls were under way when it died is sent again (the
+backward calls carry its index, ``mb``: a stage peer that stepped or holds it does not accumulate it twice; one
+that does not hold it while another replica does counts it again, as a re-sent call does in SWARM). A launcher
+resuming a killed run from the stage shards rewrites the progress files first (``launcher``). The trainer exits
 0 once its shard is done, and like a stage peer once the launcher's heartbeat record has been missing for
 ``coordinator_grace_s`` or the launcher that started it is gone.
 """
@@ -186,26 +188,28 @@ class StageClient:
         renamed = {f"{new}.{k[len(old) + 1:]}": t for k, t in tensors.items() if k.startswith(f"{old}.")}
         return renamed, {"payloads": {new: meta["payloads"][old]}}
 
-    async def microbatch(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
+    async def microbatch(self, input_ids: torch.Tensor, labels: torch.Tensor, mb: int | None = None) -> float:
         """Forward through the stages, backward back; returns the loss. Activations travel trainer -> peer ->
         trainer (the trainer is the hub, as in SWARM's code); the trainer keeps each stage's input payload and
         sends it again with the output gradient, so any replica can take the backward call (it recomputes the
         stage forward). The backward calls carry their sample count (``samples``: the launcher's peers admit
-        them toward the stage's global batch)."""
+        them toward the stage's global batch) and, given ``mb``, the microbatch's index (the launcher's peers do not
+        accumulate a microbatch they already stepped or hold twice: a trainer resumed from the stage shards)."""
         samples, last = int(input_ids.shape[0]), self.stages - 1
+        index = {} if mb is None else {"mb": int(mb)}
         inputs = [({"input_ids": input_ids}, {})]
         for stage in range(last):
             out, out_meta = await self._call(stage, "forward", *inputs[stage], samples)
             inputs.append(self._rename(out, out_meta, "y", "x"))
         tensors, meta = inputs[last]
         grad, grad_meta = await self._call(last, "backward", {**tensors, "labels": labels},
-                                           {**meta, "samples": samples}, samples, fused=True)
+                                           {**meta, "samples": samples, **index}, samples, fused=True)
         loss = grad_meta["loss"]
         for stage in range(last - 1, -1, -1):
             tensors, meta = inputs[stage]
             payloads = {**meta.get("payloads", {}), "g": grad_meta["payloads"]["g"]}
             grad, grad_meta = await self._call(stage, "backward", {**tensors, **grad},
-                                               {"payloads": payloads, "samples": samples}, samples)
+                                               {"payloads": payloads, "samples": samples, **index}, samples)
         return loss
 
 
@@ -229,7 +233,7 @@ async def train_shard(cfg: dict, rank: int, trainers: int) -> None:
         write_json(state_file, {"rank": rank, "done": done, "shard": len(mine), "stats": client.stats})
         for i in mine[done:]:
             loss = await client.microbatch(torch.from_numpy(np.asarray(inputs[i], dtype=np.int64)),
-                                           torch.from_numpy(np.asarray(labels[i], dtype=np.int64)))
+                                           torch.from_numpy(np.asarray(labels[i], dtype=np.int64)), mb=i)
             if not math.isfinite(loss):
                 raise FloatingPointError(f"swarm loss became {loss} at microbatch {i}; lower pretrain.lr")
             with open(losses_path(workdir, rank), "a") as out:
