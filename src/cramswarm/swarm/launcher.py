@@ -91,6 +91,7 @@ RESUME_FILE = "resume.json"  # in a state folder: what the run was started with 
 LOCK_FILE = "launcher.lock"
 TIME_FILE = "launcher.json"  # in a state folder: training seconds so far, first start (wall clock)
 STALE_WAIT_S = 45.0       # a resuming launcher waits this long for the killed run's processes to be gone
+PEER_MEMORY_KEYS = ("uid", "stage", "stage_parameter_count", "parameter_bytes", "optimizer_bytes", "peak_rss_bytes")
 
 
 class ResumeMismatch(ValueError):
@@ -660,6 +661,7 @@ class Launcher:
             resyncs=sum(c["resyncs"] for c in counters), digest_mismatches=sum(c["digest_mismatches"]
                                                                               for c in counters),
             stage_parameters=self.stage_params, averaging_compression=self.plan.averaging_compression,
+            peer_memory=[{key: c.get(key) for key in PEER_MEMORY_KEYS} for c in counters],
             averaging_bytes_per_param=[round(b / n, 4) if n else None for b, n in zip(sent, param_steps)],
             averaging_bytes_per_value=[round(b / n, 4) if n else None for b, n in zip(sent, values)],
         )

@@ -228,6 +228,21 @@ def build_stage(arch: dict, vocab_size: int, seed: int, stage: int, num_stages: 
     return result
 
 
+def stage_memory(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
+    """What this process holds for its stage, for a peer's counters: its parameters' and the optimizer state's
+    bytes, its parameter count, and the process's peak resident set size so far (``ru_maxrss``), all in bytes."""
+    import resource
+
+    params = list(module.parameters())
+    state = [t for s in (optimizer.state.values() if optimizer else []) for t in s.values() if torch.is_tensor(t)]
+    return {
+        "stage_parameter_count": sum(p.numel() for p in params),
+        "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
+        "optimizer_bytes": sum(t.numel() * t.element_size() for t in state),
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,   # Linux: KiB
+    }
+
+
 def _stage_parts(model: CrammedBertForMaskedLM, num_stages: int) -> list[tuple]:
     """Per stage, the model's own modules it is made of: (embeddings, layers, final norm, head, receive, send)."""
     config = model.config
