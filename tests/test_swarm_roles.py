@@ -112,6 +112,14 @@ def test_launcher_swarm_steps_every_sample_once_with_compressed_averaging():
     assert sum(batch) == stats["stepped_samples"][1] and max(batch) <= 2 * 4 * MICRO, batch
     assert len(batch) >= 0.75 * total / 4, batch
     assert all(1.99 <= b <= 2.0 * 1.01 for b in stats["averaging_bytes_per_param"]), stats
+    # each peer holds its own stage only: its parameter count is its stage's, its AdamW state two moments of it
+    memory = stats["peer_memory"]
+    assert sorted(m["stage"] for m in memory) == [0, 0, 1, 1], memory
+    for m in memory:
+        assert m["stage_parameter_count"] == stats["stage_parameters"][m["stage"]], (m, stats["stage_parameters"])
+        assert m["parameter_bytes"] == 4 * m["stage_parameter_count"], m
+        assert 2 * m["parameter_bytes"] <= m["optimizer_bytes"] <= 2 * m["parameter_bytes"] + 4096, m
+        assert m["peak_rss_bytes"] > m["parameter_bytes"] + m["optimizer_bytes"], m
 
 
 @pytest.mark.slow
