@@ -5,7 +5,15 @@ import torch
 from conftest import ARCH
 from torch.profiler import ProfilerActivity, profile
 
-from cramswarm.swarm.stages import build_stage, build_swarm_model, split_model, stage_memory
+from cramswarm.swarm.stages import (
+    STATE_BYTES_PER_PARAMETER,
+    build_stage,
+    build_swarm_model,
+    check_memory_cap,
+    split_model,
+    stage_memory,
+    stage_state_bytes,
+)
 
 VOCAB = 120
 
@@ -112,3 +120,30 @@ def test_stage_memory_counts_each_stages_own_parameters_and_optimizer_state():
     # the stages partition the model, the last one holding its own copy of the (tied) decoder weight
     assert sum(counts) == whole_count + VOCAB * arch["hidden_size"]
     assert counts[1] == counts[2] < counts[0] and counts[1] < counts[3]
+
+
+def test_memory_cap_refuses_a_stage_over_it_before_allocating():
+    arch = ARCH | {"layers": 4}
+    state = stage_state_bytes(arch, VOCAB, 4)
+    for index, stage_bytes in enumerate(state):
+        stage = build_stage(arch, VOCAB, 0, index, 4, memory_cap_mb=stage_bytes / 2**20)   # exactly at the cap
+        assert stage_bytes == STATE_BYTES_PER_PARAMETER * sum(p.numel() for p in stage.parameters())
+        with pytest.raises(ValueError, match=rf"swarm.peer_memory_cap_mb=.*stage {index} of 4"):
+            build_stage(arch, VOCAB, 0, index, 4, memory_cap_mb=0.99 * stage_bytes / 2**20)
+    peak, _ = _peak_cpu_bytes(lambda: pytest.raises(ValueError, build_stage, arch, VOCAB, 0, 1, 4,
+                                                    memory_cap_mb=1e-6))
+    assert peak < 64 * 1024   # refused on the meta layout: no parameter was allocated
+    check_memory_cap(state, max(state) / 2**20)
+    with pytest.raises(ValueError, match="swarm.peer_memory_cap_mb"):
+        check_memory_cap(state, min(state) / 2**20)
+
+
+def test_hivemind_run_refuses_a_cap_below_a_stage_at_its_start():
+    pytest.importorskip("hivemind", reason="hivemind is not installed")
+    from cramswarm.swarm import hivemind_transport as ht
+
+    arch = ARCH | {"layers": 2}
+    plan = ht.SwarmPlan(arch=arch, vocab_size=VOCAB, recipe={}, peers_per_stage=[1, 1],
+                        peer_memory_cap_mb=min(stage_state_bytes(arch, VOCAB, 2)) / 2 / 2**20)
+    with pytest.raises(ValueError, match="swarm.peer_memory_cap_mb"):
+        ht.run_swarm(plan, iter([]), 1, progress=False)

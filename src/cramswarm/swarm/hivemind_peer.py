@@ -344,7 +344,7 @@ class StagePeer(ServicerBase):
                              "(set the model's recipe precision to bf16 or fp32)")
         # only this stage's parameters, with the whole model's initial values (the same on every replica)
         self.module = build_stage(cfg["arch"], cfg["vocab_size"], recipe["seed"], stage, self.num_stages,
-                                  cfg["compression"]).to(self.device)
+                                  cfg["compression"], cfg.get("peer_memory_cap_mb")).to(self.device)
         self.module.train()
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(decay_groups(self.module, recipe["weight_decay"]), lr=recipe["lr"],

@@ -144,7 +144,7 @@ def _place(module: nn.Module, device: torch.device) -> None:
 
 
 def build_stage(arch: dict, vocab_size: int, seed: int, stage: int, num_stages: int,
-                compression: str = "none") -> Stage:
+                compression: str = "none", memory_cap_mb: float | None = None) -> Stage:
     """Stage ``stage`` of the swarm model, holding only that stage's parameters, bitwise equal to
     ``split_model(build_swarm_model(arch, vocab_size, seed, num_stages, compression), num_stages)[stage]``;
     the global RNG is left as ``build_swarm_model`` leaves it.
@@ -158,6 +158,9 @@ def build_stage(arch: dict, vocab_size: int, seed: int, stage: int, num_stages: 
     of another stage (the word embeddings, for stages but the first). The untied last stage's decoder weight
     is the word embeddings' initial value: the RNG is rewound to where the embeddings were initialised and
     the same draw made into the decoder weight, so the embeddings are never held there.
+
+    ``memory_cap_mb`` (``swarm.peer_memory_cap_mb``): refuse, before allocating anything, a stage whose model
+    state (:func:`stage_state_bytes`) is over this many MiB.
     """
     from cramswarm.models.crammed_bert import Embeddings
 
@@ -166,12 +169,17 @@ def build_stage(arch: dict, vocab_size: int, seed: int, stage: int, num_stages: 
         raise ValueError(f"stage {stage} does not exist in a swarm of {num_stages} stages")
     with torch.device("meta"):
         model = CrammedBertForMaskedLM(config)
+    tied = config.tie_word_embeddings
     embeddings, layers, final_norm, head, receive, send = _stage_parts(model, num_stages)[stage]
     parts = [part for part in (embeddings, *layers, final_norm, head, receive, send) if part is not None]
+    if memory_cap_mb is not None:
+        own = {id(p): p.numel() for part in parts for p in part.parameters()}   # a tied weight once
+        state = [0] * num_stages
+        state[stage] = STATE_BYTES_PER_PARAMETER * sum(own.values())
+        check_memory_cap(state, memory_cap_mb)
     keep = {id(module) for part in parts for module in part.modules()}
     cpu, meta = torch.device("cpu"), torch.device("meta")
     words = model.bert.embeddings.word_embeddings
-    tied = config.tie_word_embeddings
     rewind: list[torch.Tensor] = []   # RNG state just before the word embeddings' post_init draw
 
     def construct(root: nn.Module) -> None:   # what the constructors draw, in construction order
@@ -226,6 +234,32 @@ def build_stage(arch: dict, vocab_size: int, seed: int, stage: int, num_stages: 
     if left:
         raise RuntimeError(f"build_stage left {left} uninitialised")
     return result
+
+
+STATE_BYTES_PER_PARAMETER = 16   # what a training peer holds per fp32 parameter: weight, gradient, AdamW's 2 moments
+
+
+def stage_state_bytes(arch: dict, vocab_size: int, num_stages: int, compression: str = "none") -> list[int]:
+    """Bytes of model state (:data:`STATE_BYTES_PER_PARAMETER` per parameter) each stage's peer holds, counted
+    on the ``meta`` device (no memory; the global RNG untouched). The last of several stages counts its own
+    decoder copy."""
+    with torch.device("meta"):
+        model = CrammedBertForMaskedLM(swarm_config(arch, vocab_size, num_stages, compression))
+    return [STATE_BYTES_PER_PARAMETER * sum(p.numel() for p in stage.parameters())
+            for stage in split_model(model, num_stages)]
+
+
+def check_memory_cap(state_bytes: list[int], cap_mb: float | None) -> None:
+    """ValueError naming ``swarm.peer_memory_cap_mb`` if a stage's state (``stage_state_bytes``) is over the cap
+    (MiB); nothing when the cap is None."""
+    if cap_mb is None:
+        return
+    over = [(i, b) for i, b in enumerate(state_bytes) if b > cap_mb * 2**20]
+    if over:
+        i, b = over[0]
+        raise ValueError(f"swarm.peer_memory_cap_mb={cap_mb}: stage {i} of {len(state_bytes)} needs {b / 2**20:.2f} "
+                         f"MiB of model state ({STATE_BYTES_PER_PARAMETER} bytes per parameter: weight, gradient, "
+                         "AdamW moments); use more stages or a higher cap")
 
 
 def stage_memory(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
