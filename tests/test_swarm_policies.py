@@ -17,6 +17,7 @@ from cramswarm.swarm.compression import (
     roundtrip,
 )
 from cramswarm.swarm.policies import (
+    CALL_ROUND_TRIPS,
     Move,
     NoPeersError,
     PeerLoad,
@@ -151,6 +152,11 @@ def test_retry_policy_timeouts():
     retry = RetryPolicy(forward_timeout_s=30.0)
     assert retry.timeout(backward=False) == 30.0
     assert retry.timeout(backward=True) == 75.0
+    # a silent peer is noticed by the timeout alone; on slower links (longer round trips) it allows more
+    far = RetryPolicy(forward_timeout_s=30.0, rtt_s=0.5)
+    assert far.timeout(backward=False) == 30.0 + CALL_ROUND_TRIPS * 0.5
+    assert far.timeout(backward=True) == 75.0 + CALL_ROUND_TRIPS * 0.5
+    assert RetryPolicy(rtt_s=0.04).timeout(False) < far.timeout(False)
 
 
 def loads(*stages, queue=0.0, rate=1.0):

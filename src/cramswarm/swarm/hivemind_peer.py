@@ -106,6 +106,9 @@ MIGRATE_EXIT = 64          # exit code MIGRATE_EXIT + s: restart this peer on st
 ADDR_FILE, CONFIG_FILE = "dht_addrs.txt", "config.json"  # in a rendezvous folder, written in the order config, addrs
 JOIN_THROUGH = 32          # a joining process tries this many of the address file's newest entries
 DONE_FILE = "done"         # in a rendezvous folder: the run id of a coordinator that has finished
+# Set by a placement that puts a process on a host of its own (``cramswarm.testbed.swarm``): the multiaddrs its
+# DHT node listens on and those it announces (space-separated; e.g. a relay's address that other hosts must dial).
+LISTEN_ENV, ANNOUNCE_ENV = "CRAMSWARM_P2P_LISTEN", "CRAMSWARM_P2P_ANNOUNCE"
 
 
 class BootstrapError(RuntimeError):
@@ -190,12 +193,15 @@ async def join_dht(initial_peers: list[str] | None, *, client_mode: bool, host: 
     """A DHT node in this process (its P2P daemon is a child process), joined through ``initial_peers``.
 
     Any failure to reach the bootstrap peers - unreachable, refusing, garbage - raises ``BootstrapError``
-    within ``timeout_s``.
+    within ``timeout_s``. It listens on ``host`` (a free port) unless ``LISTEN_ENV`` names multiaddrs, and
+    announces the multiaddrs in ``ANNOUNCE_ENV`` instead of those it listens on where that is set.
     """
+    listen = os.environ.get(LISTEN_ENV, "").split() or [f"/ip4/{host}/tcp/0"]
+    announce = os.environ.get(ANNOUNCE_ENV, "").split() or None
     try:
         return await asyncio.wait_for(
             DHTNode.create(initial_peers=initial_peers or None, client_mode=client_mode,
-                           host_maddrs=[f"/ip4/{host}/tcp/0"], startup_timeout=timeout_s,
+                           host_maddrs=listen, announce_maddrs=announce, startup_timeout=timeout_s,
                            bootstrap_timeout=min(timeout_s, 3.0) if initial_peers and len(initial_peers) > 1
                            else timeout_s, ensure_bootstrap_success=True),
             timeout=timeout_s,

@@ -157,9 +157,12 @@ class SwarmPlan:
     decentralised: bool = False     # run under the launcher (independent trainers, peer-driven steps), not the
                                     # coordinator; train() sets it where decentralised_supported() allows
     faults: list[tuple[float, str]] = field(default_factory=list)  # launcher: SIGKILL (seconds into training,
-                                    # "bootstrap" | "trainer<R>" | "peer" | "stage<S>") - the kill tests' faults
+                                    # "bootstrap" | "trainer<R>" | "peer" | "stage<S>") - the kill tests' faults;
+                                    # other targets go to ``hosts.fault`` (e.g. "cut:<host>": a testbed link cut)
     state_dir: Path | None = None   # launcher: resumable run folder (stage shards, trainer progress); None: temporary
     checkpoint_every_s: float = 60.0  # launcher: seconds between a stage's shard writes (and one at the end)
+    hosts: object | None = None     # launcher: where each process runs (``ProcessGroups.place``; None: here);
+                                    # ``cramswarm.testbed.swarm.HostPlacement`` puts each on a testbed host
     peer_memory_cap_mb: float | None = None  # most MiB of model state a stage peer may hold (None: no cap)
 
     @property

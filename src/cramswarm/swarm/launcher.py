@@ -128,7 +128,7 @@ class Launcher:
             self.workdir = Path(tempfile.mkdtemp(prefix="cramswarm-swarm-"))
         self.shard_dir = self.workdir / "shards"
         self.run_id = f"cs{os.getpid()}x{self.rng.getrandbits(32):08x}"
-        self.groups = ProcessGroups(self.workdir)
+        self.groups = ProcessGroups(self.workdir, place=plan.hosts)
         self.host = listen_host({"host": plan.host, "interface": plan.interface})
         self.node = None
         self.phase = "starting"
@@ -414,7 +414,12 @@ class Launcher:
 
     async def _fault(self, at_s: float, target: str) -> None:
         """``faults``: SIGKILL ``bootstrap``, ``trainer<R>``, ``peer`` (a killable stage peer) or ``stage<S>`` (every
-        live peer of stage S but one at its latest step, at once) at ``at_s``."""
+        live peer of stage S but one at its latest step, at once) at ``at_s``; any other target goes to the
+        placement (``plan.hosts.fault``) ``at_s`` after the first finished microbatch (trainer processes take
+        seconds to start: a link cut must fall into the training)."""
+        host_fault = target not in ("bootstrap", "peer") and not target.startswith(("trainer", "stage"))
+        while host_fault and self._done_microbatches() < 1:
+            await asyncio.sleep(0.1)
         await asyncio.sleep(at_s)
         if target == "bootstrap":
             ProcessGroups.kill(self.bootstrap)
@@ -437,6 +442,9 @@ class Launcher:
             for uid, peer in list(self.peers.items()):
                 if peer.stage == stage and peer.alive and uid not in self.retired and uid != keep and keep:
                     self._kill_peer(peer)
+        elif self.plan.hosts is not None:  # the placement's own faults (a testbed link cut)
+            await asyncio.to_thread(self.plan.hosts.fault, target)
+            self.stats.setdefault("host_faults", []).append({"target": target, "t_s": round(self.elapsed(), 2)})
         else:
             raise ValueError(f"unknown fault target {target!r}")
 

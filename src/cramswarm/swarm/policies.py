@@ -200,14 +200,23 @@ class UniformBalancer(StageBalancer):
         return self._record_choice(self.rng.choice(usable))
 
 
+CALL_ROUND_TRIPS = 10  # round trips a call's timeout allows on top of its compute budget (RetryPolicy.rtt_s)
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
+    """Bounds of one stage call. A silent peer (a cut link: no reset, no ICMP) is noticed only by the timeout, so
+    every call has one; it grows with the links' round-trip time ``rtt_s`` (the testbed sets it from its relay's
+    delay): a call opens a stream and moves its request and reply in a few round trips (the allowance of
+    ``CALL_ROUND_TRIPS`` also covers TCP's slow start on a fresh connection)."""
+
     forward_timeout_s: float = 30.0
     backward_multiplier: float = 2.5   # backward timeout = forward * this
     give_up_after_s: float = 120.0     # a microbatch with no live peer for this long -> NoPeersError
+    rtt_s: float = 0.0                 # round-trip time between hosts (seconds); 0: loopback / not known
 
     def timeout(self, backward: bool) -> float:
-        return self.forward_timeout_s * (self.backward_multiplier if backward else 1.0)
+        return self.forward_timeout_s * (self.backward_multiplier if backward else 1.0) + CALL_ROUND_TRIPS * self.rtt_s
 
     def exhausted(self, failing_for_s: float, attempts: int) -> bool:
         """Give up a call that has timed out or failed ``attempts`` times in a row for ``failing_for_s`` seconds:

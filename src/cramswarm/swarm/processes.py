@@ -54,8 +54,11 @@ class PeerProcess:
 class ProcessGroups:
     """The run's OS processes; each is a process-group leader and is killed with its whole group."""
 
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, place=None):
         self.workdir = workdir
+        # place(name) -> (command prefix, extra environment) of the process called ``name`` (e.g.
+        # ``cramswarm.testbed.swarm.HostPlacement``: run it in a testbed host's namespace); None: here, as is
+        self.place = place
         self.peers: list[PeerProcess] = []
         self.pgids: list[int] = []  # every group ever started (for the leftover check)
         self.procs: list[subprocess.Popen] = []
@@ -69,8 +72,12 @@ class ProcessGroups:
                "CRAMSWARM_COORDINATOR_PID": str(os.getpid())}
         if gpu is not None:  # one of this host's GPUs (local placement spreads its peers over them)
             env["CUDA_VISIBLE_DEVICES"] = gpu
+        prefix: list[str] = []
+        if self.place is not None:
+            prefix, extra = self.place(name)
+            env.update(extra)
         with open(log, "wb") as out:
-            proc = subprocess.Popen([*launcher, *args], stdout=out,
+            proc = subprocess.Popen([*prefix, *launcher, *args], stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                     start_new_session=True)
         _LIVE_GROUPS.add(proc.pid)
