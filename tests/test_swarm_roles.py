@@ -25,6 +25,7 @@ from test_swarm_hivemind import MICRO, batches, own_p2p_daemons, plan  # noqa: E
 from cramswarm.swarm import hivemind_transport as ht  # noqa: E402
 from cramswarm.swarm import launcher as launcher_mod  # noqa: E402
 from cramswarm.swarm.peer_sync import newest_shard, shard_files, step_target, write_shard  # noqa: E402
+from cramswarm.swarm.stages import STATE_BYTES_PER_PARAMETER, build_swarm_model, stage_state_bytes  # noqa: E402
 from cramswarm.swarm.trainer import shard  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
@@ -100,7 +101,13 @@ def test_a_trainer_refuses_a_rank_outside_the_trainers(tmp_path):
 @pytest.mark.slow
 def test_launcher_swarm_steps_every_sample_once_with_compressed_averaging():
     total = 96
-    result, stats = launch(total)
+    # a cap each stage's state fits under while the whole model's does not: the peers build their stage only
+    state = stage_state_bytes(plan().arch, plan().vocab_size, 2)
+    whole = STATE_BYTES_PER_PARAMETER * sum(p.numel() for p in build_swarm_model(plan().arch, plan().vocab_size, 0,
+                                                                                 1, "none").parameters())
+    cap_mb = (max(state) + whole) / 2 / 2**20
+    assert max(state) < cap_mb * 2**20 < whole
+    result, stats = launch(total, peer_memory_cap_mb=cap_mb)
     # no failure: every sample stepped once on each stage
     # (a backward call re-sent after a timeout on a loaded machine counts twice on its stage, as in SWARM)
     assert stats["trainer_restarts"] == 0 and stats["peers_killed"] == 0, brief(stats)
@@ -112,6 +119,15 @@ def test_launcher_swarm_steps_every_sample_once_with_compressed_averaging():
     assert sum(batch) == stats["stepped_samples"][1] and max(batch) <= 2 * 4 * MICRO, batch
     assert len(batch) >= 0.75 * total / 4, batch
     assert all(1.99 <= b <= 2.0 * 1.01 for b in stats["averaging_bytes_per_param"]), stats
+    # each peer holds its own stage only: its parameter count is its stage's, its AdamW state two moments of it
+    memory = stats["peer_memory"]
+    assert sorted(m["stage"] for m in memory) == [0, 0, 1, 1], memory
+    for m in memory:
+        assert m["stage_parameter_count"] == stats["stage_parameters"][m["stage"]], (m, stats["stage_parameters"])
+        assert m["parameter_bytes"] == 4 * m["stage_parameter_count"], m
+        assert 2 * m["parameter_bytes"] <= m["optimizer_bytes"] <= 2 * m["parameter_bytes"] + 4096, m
+        assert m["peak_rss_bytes"] > m["parameter_bytes"] + m["optimizer_bytes"], m
+        assert 2 * m["parameter_bytes"] + m["optimizer_bytes"] <= cap_mb * 2**20, (m, cap_mb)   # + gradients
 
 
 @pytest.mark.slow

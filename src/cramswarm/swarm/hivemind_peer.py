@@ -11,7 +11,7 @@ process-group leader, so killing the group also kills the peer's ``p2pd`` daemon
 every other process joins the swarm through that file, as the tasks of a multi-node job would on a shared
 filesystem. In the launcher's swarm (``"peer_sync"`` in the config) every peer and trainer also appends its own
 multiaddrs and joins through the file's newest entries (``join_swarm``), so the bootstrap is not needed after the
-start; its peers are ``peer_sync.SyncingStagePeer``s. ``stage`` serves one pipeline stage (``stages.split_model`` of
+start; its peers are ``peer_sync.SyncingStagePeer``s. ``stage`` serves one pipeline stage (``stages.build_stage`` of
 the crammed-BERT MLM) over hivemind P2P streams and declares itself under the stage's DHT key. ``task`` is one peer
 of a swarm whose coordinator did not start it (placements ``attach`` and ``srun``): it reads the coordinator's
 rendezvous folder (``config.json``, then the address file ``dht_addrs.txt``), takes the stage and speed of its rank
@@ -94,8 +94,8 @@ from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from cramswarm.swarm.averaging import StageAllReduce, average, chunk_timeout_s, codec, state_timeout_s
 from cramswarm.swarm.compression import decode, encode
-from cramswarm.swarm.stages import split_model
-from cramswarm.training import autocast, build_model, decay_groups, resolve_device, resolve_precision
+from cramswarm.swarm.stages import build_stage
+from cramswarm.training import autocast, decay_groups, resolve_device, resolve_precision
 
 CHUNK_BYTES = 2**20        # streamed message chunk (well below p2pd's 4 MiB message limit)
 DECLARE_PERIOD_S = 2.0     # a peer re-declares its DHT record this often ...
@@ -348,9 +348,9 @@ class StagePeer(ServicerBase):
         if self.precision == "fp16":
             raise ValueError("swarm peers train in bf16 or fp32: fp16 would need loss scaling across stages "
                              "(set the model's recipe precision to bf16 or fp32)")
-        model = build_model(cfg["arch"], cfg["vocab_size"], recipe["seed"])  # same init on every replica
-        self.module = split_model(model, self.num_stages)[stage].to(self.device)
-        del model
+        # only this stage's parameters, with the whole model's initial values (the same on every replica)
+        self.module = build_stage(cfg["arch"], cfg["vocab_size"], recipe["seed"], stage, self.num_stages,
+                                  cfg["compression"], cfg.get("peer_memory_cap_mb")).to(self.device)
         self.module.train()
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(decay_groups(self.module, recipe["weight_decay"]), lr=recipe["lr"],

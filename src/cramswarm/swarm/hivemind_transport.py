@@ -117,7 +117,7 @@ from cramswarm.swarm.processes import (  # noqa: F401 (leftover_processes, _LIVE
     leftover_processes,
     own_daemons,
 )
-from cramswarm.swarm.stages import check_stage_count, split_model
+from cramswarm.swarm.stages import check_memory_cap, check_stage_count, split_model, stage_state_bytes
 from cramswarm.swarm.trainer import StageClient
 from cramswarm.training import build_model, lr_multiplier
 
@@ -164,6 +164,7 @@ class SwarmPlan:
     checkpoint_every_s: float = 60.0  # launcher: seconds between a stage's shard writes (and one at the end)
     hosts: object | None = None     # launcher: where each process runs (``ProcessGroups.place``; None: here);
                                     # ``cramswarm.testbed.swarm.HostPlacement`` puts each on a testbed host
+    peer_memory_cap_mb: float | None = None  # most MiB of model state a stage peer may hold (None: no cap)
 
     @property
     def stages(self) -> int:
@@ -291,7 +292,8 @@ class Coordinator(StageClient):
                "averaging_compression": p.averaging_compression, "link_mbit_s": p.link_mbit_s,
                "join_timeout_s": p.join_timeout_s, "give_up_after_s": p.retry.give_up_after_s, "host": p.host,
                "interface": p.interface, "placement_specs": [list(spec) for spec in self._initial_specs()],
-               "rejoin_after_s": p.rejoin_after_s, "coordinator_grace_s": p.coordinator_grace_s}
+               "rejoin_after_s": p.rejoin_after_s, "coordinator_grace_s": p.coordinator_grace_s,
+               "peer_memory_cap_mb": p.peer_memory_cap_mb}
         if p.emulate is not None:
             cfg["emulate"] = p.emulate
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -929,6 +931,7 @@ def run_swarm(plan: SwarmPlan, batches: Iterator[tuple[torch.Tensor, torch.Tenso
     """Run one hivemind swarm; every process it started (and this process's p2pd) is gone when it returns."""
     check_stage_count(plan.arch["layers"], plan.stages)
     plan.validate()
+    check_memory_cap(stage_state_bytes(plan.arch, plan.vocab_size, plan.stages), plan.peer_memory_cap_mb)
     if plan.compression not in SCHEMES:
         raise ValueError(f"swarm.compression={plan.compression!r}; allowed: {', '.join(SCHEMES)}")
     if plan.averaging_compression not in averaging.SCHEMES:
@@ -1001,6 +1004,7 @@ def train(*, arch: dict, vocab_size: int, recipe: dict, swarm: dict,
         interface=swarm["interface"], srun_args=list(swarm["srun_args"]), startup_timeout_s=swarm["startup_timeout_s"],
     )
     plan.checkpoint_every_s = swarm["checkpoint_every_s"]
+    plan.peer_memory_cap_mb = swarm.get("peer_memory_cap_mb")
     plan.decentralised = decentralised_supported(plan, total_microbatches) is None
     if plan.decentralised and rendezvous:  # the rule's state folder: a rerun after the rule's process died resumes
         plan.state_dir = Path(rendezvous) / "launcher"

@@ -97,6 +97,7 @@ RESUME_FILE = "resume.json"  # in a state folder: what the run was started with 
 LOCK_FILE = "launcher.lock"
 TIME_FILE = "launcher.json"  # in a state folder: training seconds so far, first start (wall clock)
 STALE_WAIT_S = 45.0       # a resuming launcher waits this long for the killed run's processes to be gone
+PEER_MEMORY_KEYS = ("uid", "stage", "stage_parameter_count", "parameter_bytes", "optimizer_bytes", "peak_rss_bytes")
 
 
 class ResumeMismatch(ValueError):
@@ -302,7 +303,7 @@ class Launcher:
                "interface": p.interface, "coordinator_grace_s": p.coordinator_grace_s, "peer_sync": True,
                "seq_len": seq_len, "workdir": str(self.workdir), "retry": dataclasses.asdict(p.retry),
                "seed": p.seed, "shard_dir": str(self.shard_dir), "checkpoint_every_s": p.checkpoint_every_s,
-               "rebalance_period_s": p.rebalance_period_s}
+               "rebalance_period_s": p.rebalance_period_s, "peer_memory_cap_mb": p.peer_memory_cap_mb}
         path = self.workdir / CONFIG_FILE
         tmp = self.workdir / f".{CONFIG_FILE}.tmp"
         tmp.write_text(json.dumps(cfg))
@@ -732,6 +733,7 @@ class Launcher:
             resyncs=sum(c["resyncs"] for c in counters), digest_mismatches=sum(c["digest_mismatches"]
                                                                               for c in counters),
             stage_parameters=self.stage_params, averaging_compression=self.plan.averaging_compression,
+            peer_memory=[{key: c.get(key) for key in PEER_MEMORY_KEYS} for c in counters],
             averaging_bytes_per_param=[round(b / n, 4) if n else None for b, n in zip(sent, param_steps)],
             averaging_bytes_per_value=[round(b / n, 4) if n else None for b, n in zip(sent, values)],
             moves=moves, moves_completed=sum("arrived_s" in m for m in moves), microbatch_done_s=self._done_times(),

@@ -31,7 +31,8 @@ and
   same step does too (counted: ``digest_mismatches``). The gradients it held are lost and counted
   (``lost_gradient_samples``), as in SWARM.
 
-Each peer writes its counters to ``peer-<uid>.json`` in the run's folder (atomically) and, on the last stage,
+Each peer writes its counters to ``peer-<uid>.json`` in the run's folder (atomically; with what it holds:
+``stages.stage_memory``, its stage's parameter and optimizer bytes and its peak RSS) and, on the last stage,
 one line per step (step, progress, mean loss of the group's samples, LR, samples) to ``log-<uid>.jsonl``.
 
 **Stage shards** (checkpoint and resume): a stage's state - parameters, AdamW state, step, stepped samples (what
@@ -67,6 +68,7 @@ from cramswarm.io import atomic_path, write_json
 from cramswarm.swarm.averaging import averaging_timeout_s
 from cramswarm.swarm.hivemind_peer import DECLARE_PERIOD_S, RECORD_TTL_S, StagePeer, respond, stage_key, unpack
 from cramswarm.swarm.peer_rebalance import LoadMeter, PeerRebalancer, call_units
+from cramswarm.swarm.stages import stage_memory
 from cramswarm.training import accumulation_at, budget_progress, lr_multiplier
 
 PROGRESS_PERIOD_S = 0.25  # a peer publishes its progress record and reads its stage's this often ...
@@ -307,7 +309,7 @@ class SyncingStagePeer(StagePeer):
     def _write_counters(self) -> None:
         write_json(self.workdir / f"peer-{self.uid}.json",
                    {**self.counters, "step": self.step, "stepped_samples": self.stepped_samples,
-                    "stepped_microbatches": len(self.stepped_mbs)})
+                    "stepped_microbatches": len(self.stepped_mbs), **stage_memory(self.module, self.optimizer)})
 
     def background_tasks(self) -> list[asyncio.Task]:
         tasks = [asyncio.create_task(self.sync_forever())]

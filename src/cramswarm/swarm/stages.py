@@ -98,16 +98,13 @@ def stage_ends(num_layers: int, num_stages: int) -> list[int]:
     return [(index + 1) * per_stage - 1 for index in range(num_stages - 1)]
 
 
-def build_swarm_model(arch: dict, vocab_size: int, seed: int, num_stages: int,
-                      compression: str) -> CrammedBertForMaskedLM:
-    """The model a swarm trains: ``training.build_model`` (dropout 0), plus for a narrowing ``compression`` a
-    bottleneck or maxout layer at every stage boundary (ValueError naming ``swarm.compression`` if that needs
-    two stages or a width the factor divides)."""
-    from cramswarm.training import build_model
-
+def swarm_config(arch: dict, vocab_size: int, num_stages: int, compression: str) -> CrammedBertConfig:
+    """The config of the model a swarm trains: ``training.build_model``'s (dropout 0), plus for a narrowing
+    ``compression`` a bottleneck or maxout layer at every stage boundary (ValueError naming ``swarm.compression``
+    if that needs two stages or a width the factor divides)."""
     narrow = narrowing(compression)
     if narrow is None:
-        return build_model(arch, vocab_size, seed)
+        return CrammedBertConfig.from_arch(arch, vocab_size, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     kind, factor = narrow
     if num_stages < 2:
         raise ValueError(f"swarm.compression={compression} narrows the stage boundaries: it needs swarm.stages >= 2 "
@@ -115,16 +112,173 @@ def build_swarm_model(arch: dict, vocab_size: int, seed: int, num_stages: int,
     if arch["hidden_size"] % factor:
         raise ValueError(f"swarm.compression={compression}: the factor {factor} does not divide the hidden size "
                          f"{arch['hidden_size']}")
-    torch.manual_seed(seed)
-    config = CrammedBertConfig.from_arch(
+    return CrammedBertConfig.from_arch(
         arch, vocab_size, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, boundary_kind=kind,
         boundary_factor=factor, boundary_layers=stage_ends(arch["layers"], num_stages),
     )  # fmt: skip
+
+
+def build_swarm_model(arch: dict, vocab_size: int, seed: int, num_stages: int,
+                      compression: str) -> CrammedBertForMaskedLM:
+    """The whole model a swarm trains (:func:`swarm_config`), initialised from ``seed`` as
+    ``training.build_model`` does. A stage peer builds only its stage: :func:`build_stage`."""
+    config = swarm_config(arch, vocab_size, num_stages, compression)
+    torch.manual_seed(seed)
     return CrammedBertForMaskedLM(config)
 
 
-def split_model(model: CrammedBertForMaskedLM, num_stages: int) -> list[nn.Module]:
-    """Deep copies of the model's slices, one ``Stage`` per pipeline stage (see the module docstring)."""
+def _own_tensors(module: nn.Module) -> bool:
+    return any(t is not None for t in (*module._parameters.values(), *module._buffers.values()))
+
+
+def _place(module: nn.Module, device: torch.device) -> None:
+    """Give this module's OWN parameters and buffers (not its children's) fresh storage on ``device`` (contents
+    undefined). New tensors, never in place: a parameter tied to another module's stays where it is."""
+    for name, param in list(module._parameters.items()):
+        if param is not None and param.device != device:
+            module._parameters[name] = nn.Parameter(torch.empty_like(param, device=device),
+                                                    requires_grad=param.requires_grad)
+    for name, buffer in list(module._buffers.items()):
+        if buffer is not None and buffer.device != device:
+            module._buffers[name] = torch.empty_like(buffer, device=device)
+
+
+def build_stage(arch: dict, vocab_size: int, seed: int, stage: int, num_stages: int,
+                compression: str = "none", memory_cap_mb: float | None = None) -> Stage:
+    """Stage ``stage`` of the swarm model, holding only that stage's parameters, bitwise equal to
+    ``split_model(build_swarm_model(arch, vocab_size, seed, num_stages, compression), num_stages)[stage]``;
+    the global RNG is left as ``build_swarm_model`` leaves it.
+
+    How: the whole model is built on the ``meta`` device (shapes only), then its initialisation is replayed
+    from ``torch.manual_seed(seed)`` in the order the real construction draws from the RNG: the constructors'
+    ``reset_parameters`` of the encoder's modules (in construction order), the encoder's ``post_init``
+    (``_init_weights`` children first), then the same for the MLM head, built after the encoder's
+    ``post_init``. A module of another stage gets storage only while it is initialised (its draws must still
+    be made), then goes back to ``meta``; so the peak is this stage's parameters plus the largest one module
+    of another stage (the word embeddings, for stages but the first). The untied last stage's decoder weight
+    is the word embeddings' initial value: the RNG is rewound to where the embeddings were initialised and
+    the same draw made into the decoder weight, so the embeddings are never held there.
+
+    ``memory_cap_mb`` (``swarm.peer_memory_cap_mb``): refuse, before allocating anything, a stage whose model
+    state (:func:`stage_state_bytes`) is over this many MiB.
+    """
+    from cramswarm.models.crammed_bert import Embeddings
+
+    config = swarm_config(arch, vocab_size, num_stages, compression)
+    if not 0 <= stage < num_stages:
+        raise ValueError(f"stage {stage} does not exist in a swarm of {num_stages} stages")
+    with torch.device("meta"):
+        model = CrammedBertForMaskedLM(config)
+    tied = config.tie_word_embeddings
+    embeddings, layers, final_norm, head, receive, send = _stage_parts(model, num_stages)[stage]
+    parts = [part for part in (embeddings, *layers, final_norm, head, receive, send) if part is not None]
+    if memory_cap_mb is not None:
+        own = {id(p): p.numel() for part in parts for p in part.parameters()}   # a tied weight once
+        state = [0] * num_stages
+        state[stage] = STATE_BYTES_PER_PARAMETER * sum(own.values())
+        check_memory_cap(state, memory_cap_mb)
+    keep = {id(module) for part in parts for module in part.modules()}
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    words = model.bert.embeddings.word_embeddings
+    rewind: list[torch.Tensor] = []   # RNG state just before the word embeddings' post_init draw
+
+    def construct(root: nn.Module) -> None:   # what the constructors draw, in construction order
+        for module in root.modules():
+            if not _own_tensors(module):
+                continue
+            kept = id(module) in keep
+            if kept:
+                _place(module, cpu)
+            if hasattr(module, "reset_parameters"):   # nn.Linear / nn.Embedding / nn.LayerNorm
+                if not kept:
+                    _place(module, cpu)
+                module.reset_parameters()
+                if not kept:
+                    _place(module, meta)
+            elif not isinstance(module, Embeddings):   # Embeddings' own tensors: no draw, set in post_init
+                raise TypeError(f"build_stage does not know how {type(module).__name__} is initialised")
+
+    def initialise(module: nn.Module) -> None:   # post_init: transformers' smart_apply, children first
+        for child in module.children():
+            initialise(child)
+        if not _own_tensors(module):
+            return
+        kept = id(module) in keep
+        if not kept:
+            _place(module, cpu)
+        if module is words and head is not None and embeddings is None and tied:
+            rewind.append(torch.get_rng_state())
+        model._init_weights(module)
+        if not kept:
+            _place(module, meta)
+
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        construct(model.bert)
+        initialise(model.bert)
+        construct(model.head)
+        initialise(model.head)
+        if head is not None and tied:
+            if embeddings is not None:   # one stage: the decoder IS the word embeddings, as in the model
+                head.decoder.weight = embeddings.word_embeddings.weight
+            else:   # the last of several: its own copy, drawn again from the embeddings' RNG state
+                end = torch.get_rng_state()
+                torch.set_rng_state(rewind[0])
+                own = words.weight
+                words.weight = head.decoder.weight
+                model._init_weights(words)
+                words.weight = own
+                torch.set_rng_state(end)
+    result = Stage(config, stage, num_stages, embeddings, layers, final_norm, head, receive, send)
+    left = [name for name, t in (*result.named_parameters(), *result.named_buffers()) if t.is_meta]
+    if left:
+        raise RuntimeError(f"build_stage left {left} uninitialised")
+    return result
+
+
+STATE_BYTES_PER_PARAMETER = 16   # what a training peer holds per fp32 parameter: weight, gradient, AdamW's 2 moments
+
+
+def stage_state_bytes(arch: dict, vocab_size: int, num_stages: int, compression: str = "none") -> list[int]:
+    """Bytes of model state (:data:`STATE_BYTES_PER_PARAMETER` per parameter) each stage's peer holds, counted
+    on the ``meta`` device (no memory; the global RNG untouched). The last of several stages counts its own
+    decoder copy."""
+    with torch.device("meta"):
+        model = CrammedBertForMaskedLM(swarm_config(arch, vocab_size, num_stages, compression))
+    return [STATE_BYTES_PER_PARAMETER * sum(p.numel() for p in stage.parameters())
+            for stage in split_model(model, num_stages)]
+
+
+def check_memory_cap(state_bytes: list[int], cap_mb: float | None) -> None:
+    """ValueError naming ``swarm.peer_memory_cap_mb`` if a stage's state (``stage_state_bytes``) is over the cap
+    (MiB); nothing when the cap is None."""
+    if cap_mb is None:
+        return
+    over = [(i, b) for i, b in enumerate(state_bytes) if b > cap_mb * 2**20]
+    if over:
+        i, b = over[0]
+        raise ValueError(f"swarm.peer_memory_cap_mb={cap_mb}: stage {i} of {len(state_bytes)} needs {b / 2**20:.2f} "
+                         f"MiB of model state ({STATE_BYTES_PER_PARAMETER} bytes per parameter: weight, gradient, "
+                         "AdamW moments); use more stages or a higher cap")
+
+
+def stage_memory(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
+    """What this process holds for its stage, for a peer's counters: its parameters' and the optimizer state's
+    bytes, its parameter count, and the process's peak resident set size so far (``ru_maxrss``), all in bytes."""
+    import resource
+
+    params = list(module.parameters())
+    state = [t for s in (optimizer.state.values() if optimizer else []) for t in s.values() if torch.is_tensor(t)]
+    return {
+        "stage_parameter_count": sum(p.numel() for p in params),
+        "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
+        "optimizer_bytes": sum(t.numel() * t.element_size() for t in state),
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,   # Linux: KiB
+    }
+
+
+def _stage_parts(model: CrammedBertForMaskedLM, num_stages: int) -> list[tuple]:
+    """Per stage, the model's own modules it is made of: (embeddings, layers, final norm, head, receive, send)."""
     config = model.config
     per_stage = check_stage_count(config.num_hidden_layers, num_stages)
     bert = model.bert
@@ -134,22 +288,29 @@ def split_model(model: CrammedBertForMaskedLM, num_stages: int) -> list[nn.Modul
         raise ValueError(f"the model's boundary layers sit after layers {sorted(int(i) for i in boundaries)}, "
                          f"not at the ends of {num_stages} stages ({ends})")
     halves = {int(i): split_narrowing(layer) for i, layer in boundaries.items()}
-    stages = []
+    parts = []
     for index in range(num_stages):
         first, last = index == 0, index == num_stages - 1
         start, end = index * per_stage, (index + 1) * per_stage
-        parts = (
+        parts.append((
             bert.embeddings if first else None,
             list(bert.layers[start:end]),
             bert.final_norm if last else None,
             model.head if last else None,
             halves[start - 1][1] if start - 1 in halves else None,
             halves[end - 1][0] if end - 1 in halves else None,
-        )
+        ))  # fmt: skip
+    return parts
+
+
+def split_model(model: CrammedBertForMaskedLM, num_stages: int) -> list[nn.Module]:
+    """Deep copies of the model's slices, one ``Stage`` per pipeline stage (see the module docstring)."""
+    stages = []
+    for index, parts in enumerate(_stage_parts(model, num_stages)):
         # One deepcopy per stage: inside the single-stage model the decoder stays tied to the embeddings;
         # across stages the last stage gets its own copy of the decoder weight.
         embeddings, layers, final_norm, head, receive, send = copy.deepcopy(parts)
-        stages.append(Stage(config, index, num_stages, embeddings, layers, final_norm, head, receive, send))
+        stages.append(Stage(model.config, index, num_stages, embeddings, layers, final_norm, head, receive, send))
     return stages
 
 

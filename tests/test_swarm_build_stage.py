@@ -1,0 +1,149 @@
+"""stages.build_stage: a stage peer materialises only its stage, with the whole model's initial values."""
+
+import pytest
+import torch
+from conftest import ARCH
+from torch.profiler import ProfilerActivity, profile
+
+from cramswarm.swarm.stages import (
+    STATE_BYTES_PER_PARAMETER,
+    build_stage,
+    build_swarm_model,
+    check_memory_cap,
+    split_model,
+    stage_memory,
+    stage_state_bytes,
+)
+
+VOCAB = 120
+
+
+def _equal(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:
+    """Names where the two modules' state differs (keys, values bitwise, or trainability)."""
+    sa, sb = a.state_dict(), b.state_dict()
+    if sa.keys() != sb.keys():
+        return sorted(sa.keys() ^ sb.keys())
+    bad = [k for k in sa if sa[k].dtype != sb[k].dtype or not torch.equal(sa[k], sb[k])]
+    trainable = {n for n, p in a.named_parameters() if p.requires_grad}
+    return bad + ([] if trainable == {n for n, p in b.named_parameters() if p.requires_grad} else ["requires_grad"])
+
+
+@pytest.mark.parametrize("stages,compression", [(1, "none"), (2, "none"), (4, "none"), (2, "bottleneck2"),
+                                                (4, "bottleneck2"), (4, "maxout2")])
+def test_build_stage_equals_split_model(stages, compression):
+    arch = ARCH | {"layers": 4}
+    whole = split_model(build_swarm_model(arch, VOCAB, 7, stages, compression), stages)
+    after_whole = torch.get_rng_state()
+    for index in range(stages):
+        torch.manual_seed(123)   # build_stage seeds the RNG itself, whatever state it finds
+        stage = build_stage(arch, VOCAB, 7, index, stages, compression)
+        assert _equal(whole[index], stage) == [], (stages, compression, index)
+        assert torch.equal(torch.get_rng_state(), after_whole)   # the RNG left where the whole build leaves it
+        assert not any(t.is_meta for t in (*stage.parameters(), *stage.buffers()))
+        if stages == 1:   # one stage is the whole model: the decoder stays tied to the embeddings
+            assert stage.head.decoder.weight is stage.embeddings.word_embeddings.weight
+        elif stage.is_last:   # several: the last stage's own decoder copy, equal to the initial embeddings
+            assert torch.equal(stage.head.decoder.weight, whole[0].embeddings.word_embeddings.weight)
+
+
+def test_build_stage_other_architecture_switches():
+    arch = ARCH | {"layers": 2, "pos_embedding": "learned", "head_transform": True, "decoder_bias": True,
+                   "qkv_bias": True, "use_bias": True, "norm_scheme": "post", "ffn": "gelu", "final_norm": False}
+    whole = split_model(build_swarm_model(arch, VOCAB, 3, 2, "none"), 2)
+    for index in range(2):
+        assert _equal(whole[index], build_stage(arch, VOCAB, 3, index, 2)) == []
+
+
+def test_build_stage_rejects_bad_stage_and_compression():
+    with pytest.raises(ValueError, match="stage 2 does not exist"):
+        build_stage(ARCH | {"layers": 2}, VOCAB, 0, 2, 2)
+    with pytest.raises(ValueError, match="swarm.compression=bottleneck2"):
+        build_stage(ARCH | {"layers": 2}, VOCAB, 0, 0, 1, "bottleneck2")
+
+
+def _peak_cpu_bytes(fn):
+    """(peak bytes of CPU memory torch allocated while ``fn`` ran, fn's result), from the profiler's allocation
+    and free events in time order."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    events = sorted((e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start)
+    current = peak = 0
+    for event in events:
+        current += event.self_cpu_memory_usage
+        peak = max(peak, current)
+    return peak, out
+
+
+def test_build_stage_allocates_only_its_stage_and_one_module():
+    arch = ARCH | {"layers": 8, "hidden_size": 64, "intermediate_size": 256}
+    vocab = 1000
+    whole_peak, model = _peak_cpu_bytes(lambda: build_swarm_model(arch, vocab, 0, 4, "none"))
+    whole_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert whole_peak >= whole_bytes   # the measure sees the whole model's allocation
+    embedding_bytes = vocab * arch["hidden_size"] * 4   # the largest single module (fp32)
+    for index in range(4):
+        peak, stage = _peak_cpu_bytes(lambda i=index: build_stage(arch, vocab, 0, i, 4))
+        own = sum(t.numel() * t.element_size() for t in (*stage.parameters(), *stage.buffers()))
+        slack = 64 * 1024   # the sinusoid table's temporaries and small scratch
+        if stage.is_last:
+            # its decoder copy comes from a rewound RNG, not a stash of the embeddings: nothing beyond its own
+            # (the embeddings' transient draw happens before the decoder exists and is no larger)
+            assert peak <= own + slack, (index, peak, own)
+        else:   # its own, plus at most one other module at a time (the largest: embeddings / decoder)
+            assert peak <= own + embedding_bytes + slack, (index, peak, own)
+        if 0 < index < 3:
+            assert peak < 0.4 * whole_peak, (peak, whole_peak)
+
+
+def test_stage_memory_counts_each_stages_own_parameters_and_optimizer_state():
+    arch = ARCH | {"layers": 4}
+    whole = build_swarm_model(arch, VOCAB, 0, 4, "none")
+    whole_count = sum(p.numel() for p in whole.parameters())   # the decoder tied: counted once
+    counts = []
+    for index in range(4):
+        stage = build_stage(arch, VOCAB, 0, index, 4)
+        optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-3)
+        before = stage_memory(stage, optimizer)
+        own = sum(p.numel() for p in stage.parameters())
+        assert before["stage_parameter_count"] == own and before["parameter_bytes"] == 4 * own
+        assert before["optimizer_bytes"] == 0   # AdamW allocates its moments at the first step
+        x = torch.randint(1, VOCAB, (2, 8)) if stage.is_first else torch.randn(2, 8, arch["hidden_size"])
+        labels = torch.randint(1, VOCAB, (2, 8))
+        out = stage(x, labels) if stage.is_last else stage(x)
+        (out if stage.is_last else out.square().mean()).backward()
+        optimizer.step()
+        after = stage_memory(stage, optimizer)
+        # two fp32 moments per parameter, plus one step counter per parameter tensor
+        assert 2 * after["parameter_bytes"] <= after["optimizer_bytes"] <= 2 * after["parameter_bytes"] + 4 * 64
+        assert after["peak_rss_bytes"] > after["parameter_bytes"] + after["optimizer_bytes"]
+        counts.append(own)
+    # the stages partition the model, the last one holding its own copy of the (tied) decoder weight
+    assert sum(counts) == whole_count + VOCAB * arch["hidden_size"]
+    assert counts[1] == counts[2] < counts[0] and counts[1] < counts[3]
+
+
+def test_memory_cap_refuses_a_stage_over_it_before_allocating():
+    arch = ARCH | {"layers": 4}
+    state = stage_state_bytes(arch, VOCAB, 4)
+    for index, stage_bytes in enumerate(state):
+        stage = build_stage(arch, VOCAB, 0, index, 4, memory_cap_mb=stage_bytes / 2**20)   # exactly at the cap
+        assert stage_bytes == STATE_BYTES_PER_PARAMETER * sum(p.numel() for p in stage.parameters())
+        with pytest.raises(ValueError, match=rf"swarm.peer_memory_cap_mb=.*stage {index} of 4"):
+            build_stage(arch, VOCAB, 0, index, 4, memory_cap_mb=0.99 * stage_bytes / 2**20)
+    peak, _ = _peak_cpu_bytes(lambda: pytest.raises(ValueError, build_stage, arch, VOCAB, 0, 1, 4,
+                                                    memory_cap_mb=1e-6))
+    assert peak < 64 * 1024   # refused on the meta layout: no parameter was allocated
+    check_memory_cap(state, max(state) / 2**20)
+    with pytest.raises(ValueError, match="swarm.peer_memory_cap_mb"):
+        check_memory_cap(state, min(state) / 2**20)
+
+
+def test_hivemind_run_refuses_a_cap_below_a_stage_at_its_start():
+    pytest.importorskip("hivemind", reason="hivemind is not installed")
+    from cramswarm.swarm import hivemind_transport as ht
+
+    arch = ARCH | {"layers": 2}
+    plan = ht.SwarmPlan(arch=arch, vocab_size=VOCAB, recipe={}, peers_per_stage=[1, 1],
+                        peer_memory_cap_mb=min(stage_state_bytes(arch, VOCAB, 2)) / 2 / 2**20)
+    with pytest.raises(ValueError, match="swarm.peer_memory_cap_mb"):
+        ht.run_swarm(plan, iter([]), 1, progress=False)
