@@ -26,12 +26,11 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
-
 from cramswarm.config import load_config
 from cramswarm.swarm import emulation, hivemind_transport, sim
 from cramswarm.swarm.emulation import PeerSpec, SwarmSetup
 from cramswarm.swarm.policies import RetryPolicy
+from cramswarm.swarm.toy import counting_microbatches
 
 REPO = Path(__file__).resolve().parents[1]
 SPEEDS, PLACEMENT, TRAINERS = [0.25, 0.25, 0.025], [2, 1], 3
@@ -40,14 +39,7 @@ MICRO, SEQ, VOCAB = 4, 32, 128
 
 def batches(seed: int = 0):
     """Masked microbatches of a learnable language: each sequence counts upward through 16 tokens."""
-    g = torch.Generator().manual_seed(seed)
-    while True:
-        start = torch.randint(0, 16, (MICRO, 1), generator=g)
-        tokens = 5 + (start + torch.arange(SEQ)) % 16
-        masked = torch.rand(MICRO, SEQ, generator=g) < 0.15
-        masked[:, 0] = True
-        labels = torch.where(masked, tokens, torch.full_like(tokens, -100))
-        yield torch.where(masked, torch.full_like(tokens, 4), tokens), labels
+    return counting_microbatches(MICRO, SEQ, seed)
 
 
 def window_rates(times: list[float], decided_s: float, arrived_s: float) -> tuple[float, float]:

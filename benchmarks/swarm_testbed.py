@@ -41,6 +41,7 @@ from cramswarm.config import load_config  # noqa: E402
 from cramswarm.swarm import compression, hivemind_transport, sim  # noqa: E402
 from cramswarm.swarm.emulation import BACKWARD_COMPUTE_FACTOR, PeerSpec, SwarmSetup  # noqa: E402
 from cramswarm.swarm.policies import RetryPolicy  # noqa: E402
+from cramswarm.swarm.toy import counting_microbatches  # noqa: E402
 from cramswarm.testbed import Unavailable, unavailable_reason  # noqa: E402
 from cramswarm.testbed import swarm as tbswarm  # noqa: E402
 
@@ -49,14 +50,7 @@ VOCAB, SEQ = 128, 32
 
 def counting_batches(micro: int, seed: int = 0):
     """Masked microbatches of a learnable language: each sequence counts upward through 16 tokens."""
-    g = torch.Generator().manual_seed(seed)
-    while True:
-        start = torch.randint(0, 16, (micro, 1), generator=g)
-        tokens = 5 + (start + torch.arange(SEQ)) % 16
-        masked = torch.rand(micro, SEQ, generator=g) < 0.15
-        masked[:, 0] = True
-        labels = torch.where(masked, tokens, torch.full_like(tokens, -100))
-        yield torch.where(masked, torch.full_like(tokens, 4), tokens), labels
+    return counting_microbatches(micro, SEQ, seed)
 
 
 def parse_setup(text: str) -> tuple[float, float]:

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-import torch
 
 pytest.importorskip("hivemind", reason="hivemind is not installed: transport 1 (real hivemind processes) is untested")
 
@@ -26,6 +25,7 @@ from conftest import ARCH, recipe  # noqa: E402
 from cramswarm.swarm import hivemind_transport as ht  # noqa: E402
 from cramswarm.swarm.hivemind_peer import BootstrapError, RankTaken, claim_rank, listen_host  # noqa: E402
 from cramswarm.swarm.policies import NoPeersError, RetryPolicy  # noqa: E402
+from cramswarm.swarm.toy import counting_microbatches  # noqa: E402
 
 TINY = ARCH | dict(layers=2, hidden_size=64, heads=2, intermediate_size=128, max_positions=32)
 VOCAB, MICRO, SEQ = 128, 4, 32
@@ -36,14 +36,7 @@ TESTS = Path(__file__).resolve().parent
 
 def batches(seed: int = 0):
     """Masked microbatches of a learnable language: each sequence counts upward through 16 tokens."""
-    g = torch.Generator().manual_seed(seed)
-    while True:
-        start = torch.randint(0, 16, (MICRO, 1), generator=g)
-        tokens = 5 + (start + torch.arange(SEQ)) % 16
-        masked = torch.rand(MICRO, SEQ, generator=g) < 0.15
-        masked[:, 0] = True
-        labels = torch.where(masked, tokens, torch.full_like(tokens, -100))
-        yield torch.where(masked, torch.full_like(tokens, 4), tokens), labels
+    return counting_microbatches(MICRO, SEQ, seed)
 
 
 def plan(**kw) -> ht.SwarmPlan:

@@ -136,7 +136,9 @@ def test_sigkill_of_a_trainer_mid_run_resumes_its_shard_and_loses_no_microbatch(
     _, stats = launch(total, faults=[(4.0, "trainer0")], rejoin_after_s=0.5)
     assert [k["uid"] for k in stats["killed"]] == ["trainer0"] and stats["trainer_restarts"] == 1, brief(stats)
     # a microbatch under way when the trainer died is sent again: its gradient may count twice on a stage
-    assert all(total * MICRO <= n <= (total + 1) * MICRO for n in stats["stepped_samples"]), brief(stats)
+    # (and so may a call re-sent to another replica after a timeout or error: one more microbatch per re-send)
+    assert all(total * MICRO <= n <= (total + 1 + stats["retries"]) * MICRO for n in stats["stepped_samples"]), \
+        brief(stats)
 
 
 @pytest.mark.slow
@@ -365,8 +367,10 @@ def test_sigkill_of_all_peers_of_a_stage_but_one_at_once_loses_no_microbatch():
     result, stats = launch(total, peers_per_stage=[3, 2], faults=[(5.0, "stage0")], rejoin_after_s=0.5)
     assert [k["stage"] for k in stats["killed"]] == [0, 0] and stats["rejoins"] == 2, brief(stats)
     assert stats["per_stage_peers"] == [3, 2], stats["replica_steps"]
-    # the killed peers' unaveraged gradients are lost (as in SWARM): at most a global batch each
-    assert all(0 <= n <= 2 * 4 * MICRO for n in stats["lost_gradient_samples"]), brief(stats)
+    # the killed peers' unaveraged gradients are lost (as in SWARM): at most a global batch each, and so are a
+    # replica's when it was left out of a step and downloaded the state (a resync; more of them under load)
+    bound = (2 + stats["resyncs"]) * 4 * MICRO
+    assert all(0 <= n <= bound for n in stats["lost_gradient_samples"]), (stats["lost_gradient_samples"], bound)
 
 
 def test_swarm_pretrain_gives_the_launcher_the_rules_state_folder(monkeypatch, tmp_path):

@@ -71,7 +71,6 @@ def test_swarm_on_the_testbed_survives_a_silently_cut_stage_peer(can_build):
     link of one peer of stage 0 is cut mid-run: the budget is reached, no microbatch is lost, the loss falls,
     the cut peer's calls time out and go to its stage's other peer, and nothing is left afterwards."""
     total = 80
-    ours_before = set(namespaces())
     daemons_before = own_p2p_daemons()
     # host faults count from the first finished microbatch: the connections 1 s into training, the cut 4 s in
     result = tbswarm.run(plan(decentralised=True, faults=[(1.0, "connections"), (4.0, "cut:s0b")]), batches(), total,
@@ -111,7 +110,8 @@ def test_swarm_on_the_testbed_survives_a_silently_cut_stage_peer(can_build):
     # most samples were stepped (a peer that resyncs or is cut off loses the gradients it held, as in SWARM)
     assert min(stats["stepped_samples"]) >= 0.5 * total * MICRO, brief
     # nothing is left: no namespace, link or process of the run
-    assert set(namespaces()) == ours_before and not netns.run_namespaces(tb["run_id"])
+    # (namespaces of other runs on this machine may come and go meanwhile: only this run's are checked)
+    assert not netns.run_namespaces(tb["run_id"])
     assert ht.leftover_processes(stats["process_groups"]) == []
     assert own_p2p_daemons() == daemons_before
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
@@ -122,7 +122,10 @@ def test_swarm_on_the_testbed_survives_a_silently_cut_stage_peer(can_build):
 def test_a_swarm_that_fails_on_the_testbed_leaves_nothing_and_the_caller_in_its_own_namespace(can_build):
     before, own = set(namespaces()), os.readlink("/proc/thread-self/ns/net")
     with pytest.raises(ValueError, match="the launcher cannot run this swarm"):  # raised inside the ctl namespace
-        tbswarm.run(plan(rebalance_period_s=3.0), batches(), 8, bandwidth_mbit=100.0, latency_ms=20.0)
+        # a seconds budget: the launcher's trainers need their shards before the start (rebalancing, the example
+        # here before, now runs under the launcher)
+        timed = plan().recipe | {"budget": {"unit": "seconds", "value": 5.0}}
+        tbswarm.run(plan(recipe=timed), batches(), 8, bandwidth_mbit=100.0, latency_ms=20.0)
     assert os.readlink("/proc/thread-self/ns/net") == own
     assert set(namespaces()) == before
     assert [child.pid for child in psutil.Process().children(recursive=True)  # the relay was this process's
