@@ -369,8 +369,10 @@ def test_sigkill_of_all_peers_of_a_stage_but_one_at_once_loses_no_microbatch():
     assert stats["per_stage_peers"] == [3, 2], stats["replica_steps"]
     # the killed peers' unaveraged gradients are lost (as in SWARM): at most a global batch each, and so are a
     # replica's when it was left out of a step and downloaded the state (a resync; more of them under load)
-    bound = (2 + stats["resyncs"]) * 4 * MICRO
-    assert all(0 <= n <= bound for n in stats["lost_gradient_samples"]), (stats["lost_gradient_samples"], bound)
+    # (the count is the microbatches' samples minus those stepped: a call re-sent to another replica may count
+    # twice, one microbatch per retry, and push it below 0)
+    low, high = -stats["retries"] * MICRO, (2 + stats["resyncs"]) * 4 * MICRO
+    assert all(low <= n <= high for n in stats["lost_gradient_samples"]), (stats["lost_gradient_samples"], low, high)
 
 
 def test_swarm_pretrain_gives_the_launcher_the_rules_state_folder(monkeypatch, tmp_path):
