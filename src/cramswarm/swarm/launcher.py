@@ -610,26 +610,20 @@ class Launcher:
                 steps.extend(_step_of(line) for line in path.read_text().splitlines())
         return min((s for s in steps if s >= 0), default=None)
 
-    def _trainer_losses(self) -> dict[int, float]:
-        losses = {}
+    def _loss_rows(self) -> Iterator[dict]:
+        """The trainers' loss records (one per microbatch done; a line cut short by a kill is skipped)."""
         for rank in range(self.plan.trainers):
             path = losses_path(self.workdir, rank)
             for line in path.read_text().splitlines() if path.exists() else []:
                 with contextlib.suppress(ValueError):
-                    row = json.loads(line)
-                    losses[row["mb"]] = row["loss"]
-        return losses
+                    yield json.loads(line)
+
+    def _trainer_losses(self) -> dict[int, float]:
+        return {row["mb"]: row["loss"] for row in self._loss_rows()}
 
     def _done_times(self) -> list[float]:
         """Seconds into training at which each microbatch was done (a resumed one: its last time), sorted."""
-        times = {}
-        for rank in range(self.plan.trainers):
-            path = losses_path(self.workdir, rank)
-            for line in path.read_text().splitlines() if path.exists() else []:
-                with contextlib.suppress(ValueError):
-                    row = json.loads(line)
-                    times[row["mb"]] = round(row["time"] - self.start_wall, 3)
-        return sorted(times.values())
+        return sorted({row["mb"]: round(row["time"] - self.start_wall, 3) for row in self._loss_rows()}.values())
 
     def _moves(self) -> list[dict]:
         """Each move the peers decided: when (seconds into training), who, from where to where, and once it
