@@ -173,11 +173,11 @@ def run(kind: str, args: argparse.Namespace, batches, device: torch.device) -> d
     model = build(kind, args).to(device).train()
     params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
-    step_model = torch.compile(model) if args.compile else model
+    step_model = torch.compile(model, mode=args.compile_mode) if args.compile else model
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     take, loader = feeder(kind, args, device) if kind.startswith("crammed-fed") else (batches.__getitem__, None)
-    times = []
+    times, warmup_times = [], []
     for i in range(len(batches)):
         synchronize(device)
         start = time.perf_counter()
@@ -189,8 +189,7 @@ def run(kind: str, args: argparse.Namespace, batches, device: torch.device) -> d
         optimizer.zero_grad(set_to_none=True)
         synchronize(device)
         elapsed = time.perf_counter() - start
-        if i >= args.warmup:
-            times.append(elapsed)
+        (times if i >= args.warmup else warmup_times).append(elapsed)
         if args.verbose:
             print(f"  {kind} step {i}: {elapsed:.3f} s, loss {loss.item():.3f}", flush=True)
     # The fastest timed step: on a shared machine other processes only ever slow a step down.
@@ -210,6 +209,7 @@ def run(kind: str, args: argparse.Namespace, batches, device: torch.device) -> d
         "step_s_best": step,
         "step_s_median": statistics.median(times),
         "step_s_all": times,
+        "warmup_s_all": warmup_times,  # the first holds torch.compile's compilation when --compile
         "tokens_per_s": tokens / step,
         "flops_per_token": flops,
         "achieved_tflops": achieved,
@@ -239,6 +239,12 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--threads", type=int, default=physical_cores(), help="CPU threads; default: physical cores")
     parser.add_argument("--compile", action="store_true", help="torch.compile both models")
+    parser.add_argument(
+        "--compile-mode",
+        default="default",
+        choices=("default", "max-autotune", "reduce-overhead"),
+        help="torch.compile mode with --compile (the recipe key compile_mode): reduce-overhead uses CUDA graphs",
+    )
     parser.add_argument(
         "--peak-size",
         type=int,
@@ -285,7 +291,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(
         f"shape: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, intermediate {args.intermediate}, "
         f"vocab {args.vocab}, seq {args.seq}, batch {args.batch}, {args.masked} masked/seq, "
-        f"{args.warmup} warmup + {args.steps} timed steps{', compiled' if args.compile else ''}"
+        f"{args.warmup} warmup + {args.steps} timed steps"
+        f"{f', compiled ({args.compile_mode})' if args.compile else ''}"
     )
     batches = make_batches(args, args.warmup + args.steps, device)
     results = [run(kind, args, batches, device) for kind in args.models.split(",")]
@@ -305,6 +312,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"{r['tokens_per_s']:>9.0f} "
             f"{r['flops_per_token'] / 1e9:>9.3f} {r['achieved_tflops']:>8.3f} {r['mfu']:>6.1%} {ratio:>6.2f}"
             + (f"  peak mem {r['cuda_peak_memory_bytes'] / 2**30:.1f} GiB" if r["cuda_peak_memory_bytes"] else "")
+            + (f"  first step {r['warmup_s_all'][0]:.1f} s" if r["warmup_s_all"] else "")
         )
     report = {
         "torch": torch.__version__,
@@ -317,6 +325,7 @@ def main(argv: list[str] | None = None) -> dict:
             for k in ("layers", "hidden", "heads", "intermediate", "vocab", "seq", "batch", "masked")
         },
         "compile": args.compile,
+        "compile_mode": args.compile_mode if args.compile else None,
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
         "steps": args.steps,
         "warmup": args.warmup,
