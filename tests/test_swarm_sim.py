@@ -164,6 +164,57 @@ def test_two_concurrent_transfers_through_one_nic_each_take_twice_as_long():
     assert capped[:2] == pytest.approx([4 * (0.16 + 0.02)] * 2, rel=1e-6)
 
 
+def pure_latency(stages: int, **kw) -> SwarmSetup:
+    """One trainer, one peer per stage, 20 ms one way, no bytes: a microbatch is its calls' round trips + compute."""
+    return SwarmSetup(peers=[PeerSpec(s) for s in range(stages)], trainers=1, stage_time_s=0.1,
+                      forward_timeout_s=5.0, **{"duration_s": 60.0, "latency_s": 0.02, **kw})
+
+
+@pytest.mark.parametrize("network", [{}, {"nic_mbit_s": 100.0, "activation_bytes": 1000}])
+def test_more_round_trips_per_call_cost_their_latency_on_every_call(network):
+    # 2 stages: 4 calls of 0.04 s per round trip + 0.1 x (1 + 2) x 2 s compute. With 3 round trips per call each
+    # call waits 2 x 0.04 s longer: the microbatch 0.32 s, and throughput drops from 1 / 0.76 to 1 / 1.08 mb/s.
+    wire = 2 * 1000 * 8 / 100e6 if network else 0.0   # the request's and the reply's bits through the NIC
+    compute = 0.1 * (1 + emulation.BACKWARD_COMPUTE_FACTOR) * 2
+    one = sim.run(pure_latency(2, **network))
+    three = sim.run(pure_latency(2, **network), round_trips_per_call=3.0)
+    assert first_done_s(one)[0] == pytest.approx(4 * (0.04 + wire) + compute, rel=1e-9)
+    assert first_done_s(three)[0] == pytest.approx(4 * (3 * 0.04 + wire) + compute, rel=1e-9)
+    assert three["throughput_mb_s"] == pytest.approx(
+        one["throughput_mb_s"] * (4 * (0.04 + wire) + compute) / (4 * (3 * 0.04 + wire) + compute), rel=0.02)
+    # without latency, round trips cost nothing
+    assert (first_done_s(sim.run(pure_latency(2, latency_s=0.0), round_trips_per_call=3.0))[0]
+            == pytest.approx(compute, rel=1e-9))
+
+
+def test_a_fixed_overhead_is_paid_once_per_call_whatever_the_latency():
+    for latency in (0.0, 0.02):
+        base = first_done_s(sim.run(pure_latency(3, latency_s=latency)))[0]
+        slow = first_done_s(sim.run(pure_latency(3, latency_s=latency), call_overhead_s=0.005))[0]
+        assert slow - base == pytest.approx(6 * 0.005, rel=1e-6)   # 3 stages: 6 calls
+
+
+def test_fused_last_stage_saves_one_call_but_no_compute():
+    # 2 stages: stage 0 forward, the last stage's forward + backward in one call, stage 0 backward: 3 round trips
+    # of 0.04 s instead of 4, the same 0.6 s of compute.
+    compute = 0.1 * (1 + emulation.BACKWARD_COMPUTE_FACTOR) * 2
+    fused = sim.run(pure_latency(2), fused_last_stage=True)
+    assert first_done_s(fused)[0] == pytest.approx(3 * 0.04 + compute, rel=1e-9)
+    assert first_done_s(sim.run(pure_latency(2)))[0] == pytest.approx(4 * 0.04 + compute, rel=1e-9)
+    # the last stage still does forward + backward work per microbatch and counts its forward once
+    done = fused["microbatches_done"]
+    work = fused["work_units"]
+    assert work["peer001"] == pytest.approx(done * (1 + emulation.BACKWARD_COMPUTE_FACTOR), abs=3)
+    assert fused["served"]["peer000"] == pytest.approx(fused["served"]["peer001"], abs=1)
+    # one stage: the microbatch is one call
+    assert first_done_s(sim.run(pure_latency(1), fused_last_stage=True))[0] == pytest.approx(
+        0.04 + 0.1 * (1 + emulation.BACKWARD_COMPUTE_FACTOR), rel=1e-9)
+    with pytest.raises(ValueError, match="round_trips_per_call"):
+        sim.run(pure_latency(1), round_trips_per_call=0.5)
+    with pytest.raises(ValueError, match="call_overhead_s"):
+        sim.run(pure_latency(1), call_overhead_s=-1.0)
+
+
 def test_a_slow_shared_nic_bounds_throughput_and_the_emulation_refuses_it():
     # 8 trainers, one fast peer whose 10 Mbit/s NIC carries 4 x 1 MB per microbatch: at most 10e6 / 32e6 mb/s
     # (without the NIC it would be about 30 mb/s); the trainers move in lockstep, so the run ends mid-round

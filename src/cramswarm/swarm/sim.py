@@ -16,6 +16,9 @@ The model is the emulation's, so the two transports can be compared run for run:
   the reply travels back (same size). The timeout (``RetryPolicy.timeout``) runs from the request's arrival to
   the end of its computation; a computation that would end later times out (the peer still spends the time on
   it). The balancer of the stage receives the whole call duration on success (task size 1, as the emulation).
+  ``run``'s ``round_trips_per_call`` and ``call_overhead_s`` delay every request's arrival by the round trips a
+  call costs beyond the first and a fixed time (measured on the testbed: ``cramswarm.testbed.callcost``), and
+  ``fused_last_stage`` makes the last stage's forward and backward one call, as the hivemind trainer does.
 * The network (off by default: links are never shared, as in the emulation): with ``nic_mbit_s`` set (for the
   setup or per ``PeerSpec``) every byte a peer receives (requests) or sends (replies) goes through its NIC,
   shared equally by all its transfers in flight, in and out alike (processor sharing); a transfer's rate is
@@ -160,6 +163,7 @@ class _Peer:
     latency_s: float = 0.0           # one-way latency of its links
     transfer_s: float = 0.0          # one transfer's time without a NIC (bytes / link bandwidth + latency)
     nic: _Nic | None = None          # None: transfers take ``transfer_s``, never shared
+    call_extra_s: float = 0.0        # a call's round trips beyond the first and its fixed overhead (delay a request)
 
     def queue_len(self, now: float) -> int:
         pending = self.pending
@@ -172,11 +176,19 @@ class Simulator:
     """One simulated run of a ``SwarmSetup``; :meth:`run` returns the result dict (see :func:`run`)."""
 
     def __init__(self, setup: SwarmSetup, *, trainers_per_process: int = 1,
-                 rebalancer_options: dict | None = None):
+                 rebalancer_options: dict | None = None, round_trips_per_call: float = 1.0,
+                 call_overhead_s: float = 0.0, fused_last_stage: bool = False):
         setup.validate()
         if trainers_per_process < 1:
             raise ValueError(f"trainers_per_process must be at least 1, got {trainers_per_process}")
+        if not round_trips_per_call >= 1.0:
+            raise ValueError(f"round_trips_per_call must be at least 1 (the request and the reply cross once each), "
+                             f"got {round_trips_per_call}")
+        if not call_overhead_s >= 0.0:
+            raise ValueError(f"call_overhead_s must not be negative, got {call_overhead_s}")
         self.setup = setup
+        self.round_trips_per_call, self.call_overhead_s = round_trips_per_call, call_overhead_s
+        self.fused_last_stage = fused_last_stage
         self.num_stages = setup.num_stages
         self.retry = RetryPolicy(forward_timeout_s=setup.forward_timeout_s)
         self.declare_period_s = setup.forward_timeout_s
@@ -201,7 +213,9 @@ class Simulator:
             if t % trainers_per_process == 0:
                 balancers = [balancer_cls(s, rng=random.Random(rng.random())) for s in range(self.num_stages)]
                 refreshed = [-math.inf] * self.num_stages
-            self.trainers.append(_Trainer(balancers, refreshed, chain=t % len(self.chains) if self.chains else 0))
+            trainer = _Trainer(balancers, refreshed, chain=t % len(self.chains) if self.chains else 0)
+            self._first_call(trainer)
+            self.trainers.append(trainer)
         self.rebalancer = (Rebalancer(setup.rebalance_period_s, **(rebalancer_options or {}))
                            if setup.rebalance_period_s and not self.chains else None)
 
@@ -217,8 +231,9 @@ class Simulator:
         transfer = latency if not link else self.bits / (link * 1e6) + latency
         nic_mbit_s = spec.nic_mbit_s if spec.nic_mbit_s is not None else setup.nic_mbit_s
         nic = _Nic(nic_mbit_s * 1e6, link * 1e6 if link else math.inf) if nic_mbit_s is not None else None
+        extra = (self.round_trips_per_call - 1.0) * 2.0 * latency + self.call_overhead_s
         return _Peer(uid, spec.stage, spec.speed, record_stage=spec.stage, latency_s=latency, transfer_s=transfer,
-                     nic=nic)
+                     nic=nic, call_extra_s=extra)
 
     # -- network ---------------------------------------------------------------------------------------
     def _transmit(self, peer: _Peer, delivery: tuple) -> None:
@@ -247,7 +262,7 @@ class Simulator:
         for kind, call, token in finished:
             arrival = self.now + call.peer.latency_s
             if kind == _ARRIVE:
-                self._push(arrival, _ARRIVE, call)
+                self._push(arrival + call.peer.call_extra_s, _ARRIVE, call)
             elif token == call.token:   # a reply: delivered unless its call was settled otherwise meanwhile
                 self._schedule(call, arrival, _REPLY)
 
@@ -264,8 +279,15 @@ class Simulator:
         call.answered = kind in (_REPLY, _SEND)
         self._push(time, kind, (call, call.token))
 
-    def _service_s(self, peer: _Peer, backward: bool) -> float:
-        return self.setup.stage_time_s / peer.speed * (BACKWARD_COMPUTE_FACTOR if backward else 1.0)
+    def _units(self, stage: int, backward: bool) -> float:
+        """A call's compute in forward-call units: forward 1, backward ``BACKWARD_COMPUTE_FACTOR``, and both for
+        the last stage's backward call where ``fused_last_stage`` makes it the stage's only call."""
+        if not backward:
+            return 1.0
+        return BACKWARD_COMPUTE_FACTOR + (1.0 if self.fused_last_stage and stage == self.num_stages - 1 else 0.0)
+
+    def _service_s(self, peer: _Peer, stage: int, backward: bool) -> float:
+        return self.setup.stage_time_s / peer.speed * self._units(stage, backward)
 
     # -- directory -------------------------------------------------------------------------------------
     def _records(self, stage: int) -> dict[str, float]:
@@ -314,7 +336,7 @@ class Simulator:
                 balancer.report_error(uid, now)
         call = _Call(trainer, stage, backward, peer, now)
         if peer.nic is None:
-            self._push(now + peer.transfer_s, _ARRIVE, call)
+            self._push(now + peer.transfer_s + peer.call_extra_s, _ARRIVE, call)
         else:
             self._transmit(peer, (_ARRIVE, call, 0))
 
@@ -325,15 +347,22 @@ class Simulator:
         elif now - trainer.stranded_since >= self.retry.give_up_after_s:
             self.counters["lost"] += 1   # the bounded wait is over: drop the microbatch, start a new one
             trainer.stranded_since = None
-            trainer.stage, trainer.backward = 0, False
+            self._first_call(trainer)
         trainer.force_refresh = True
         self._push(now + 0.1 * self.declare_period_s, _RETRY, trainer)
+
+    def _first_call(self, trainer: _Trainer) -> None:
+        """A new microbatch: stage 0's forward call (its fused forward + backward call if it is the last)."""
+        trainer.stage = 0
+        trainer.backward = self.fused_last_stage and self.num_stages == 1
 
     def _advance(self, trainer: _Trainer) -> None:
         """The current call succeeded: issue the microbatch's next call, or count it done and start anew."""
         if not trainer.backward:
             if trainer.stage + 1 < self.num_stages:
                 trainer.stage += 1
+                # with fused_last_stage the last stage's first call is its backward call (forward included)
+                trainer.backward = self.fused_last_stage and trainer.stage == self.num_stages - 1
             else:
                 trainer.backward = True
         elif trainer.stage > 0:
@@ -341,7 +370,7 @@ class Simulator:
         else:
             self.done += 1
             self.timeline.append((self.now, self.done))
-            trainer.backward = False
+            self._first_call(trainer)
         self._send(trainer)
 
     def _on_arrive(self, call: _Call) -> None:
@@ -359,11 +388,11 @@ class Simulator:
         if peer.stage != call.stage:  # moved away meanwhile: refused
             self._schedule(call, now, _ERROR)
             return
-        service = self._service_s(peer, call.backward)
+        service = self._service_s(peer, call.stage, call.backward)
         call.start = max(now, peer.free_at)
         call.finish = peer.free_at = call.start + service
         peer.pending.append(call)
-        peer.ema.update(service, BACKWARD_COMPUTE_FACTOR if call.backward else 1.0)
+        peer.ema.update(service, self._units(call.stage, call.backward))
         if call.finish <= call.deadline:
             if peer.nic is None:
                 self._schedule(call, call.finish + peer.transfer_s, _REPLY)
@@ -375,13 +404,11 @@ class Simulator:
     def _on_reply(self, call: _Call) -> None:
         call.resolved = True
         trainer = call.trainer
-        if call.backward:
-            call.peer.work += BACKWARD_COMPUTE_FACTOR
-        else:
+        units = self._units(call.stage, call.backward)   # work units, as the real transports count
+        call.peer.work += units
+        if not call.backward or units > BACKWARD_COMPUTE_FACTOR:   # a fused call holds the stage's forward
             call.peer.served += 1
-            call.peer.work += 1.0
         if not self.chains:
-            units = BACKWARD_COMPUTE_FACTOR if call.backward else 1.0  # work units, as the real transports count
             trainer.balancers[call.stage].report_success(call.peer.uid, units, self.now - call.sent_at)
         self._advance(trainer)
 
@@ -538,7 +565,8 @@ class Simulator:
         }
 
 
-def run(setup: SwarmSetup, *, trainers_per_process: int = 1, rebalancer_options: dict | None = None) -> dict:
+def run(setup: SwarmSetup, *, trainers_per_process: int = 1, rebalancer_options: dict | None = None,
+        round_trips_per_call: float = 1.0, call_overhead_s: float = 0.0, fused_last_stage: bool = False) -> dict:
     """Simulate ``setup`` for ``setup.duration_s`` virtual seconds; returns the emulation's result keys.
 
     ``microbatches_done`` (forward + backward through every stage), ``throughput_mb_s`` (microbatches per
@@ -550,8 +578,23 @@ def run(setup: SwarmSetup, *, trainers_per_process: int = 1, rebalancer_options:
     ``per_stage_peers`` (stage -> serving uids at the end), ``events`` (events processed).
     ``trainers_per_process`` trainers share one set of balancers; ``rebalancer_options`` go to ``Rebalancer``
     (e.g. ``min_gain`` for large swarms).
+
+    What one call costs on the network beyond its transfers (defaults: the model above, as the emulation):
+
+    * ``round_trips_per_call``: round trips of the link's latency per call (at least 1: the request's way and
+      the reply's); each one beyond the first delays the request's arrival by ``2 x latency`` (a transport
+      that negotiates a stream before it sends, say). ``benchmarks/swarm_testbed.py`` measures it for hivemind
+      calls between testbed hosts (``cramswarm.testbed.callcost``);
+    * ``call_overhead_s``: fixed seconds per call that delay its request's arrival, whatever the latency (the
+      daemons, the serialisation, a relay); it takes no peer time;
+    * ``fused_last_stage``: the last stage's forward and backward are one call (the hivemind trainer's): its
+      backward call, computed in ``(1 + BACKWARD_COMPUTE_FACTOR) x stage_time_s / speed``, follows the
+      previous stage's forward, so a microbatch makes ``2 x stages - 1`` calls instead of ``2 x stages``. Its
+      work counts ``1 + BACKWARD_COMPUTE_FACTOR`` units and one forward call in ``served``.
     """
-    return Simulator(setup, trainers_per_process=trainers_per_process, rebalancer_options=rebalancer_options).run()
+    return Simulator(setup, trainers_per_process=trainers_per_process, rebalancer_options=rebalancer_options,
+                     round_trips_per_call=round_trips_per_call, call_overhead_s=call_overhead_s,
+                     fused_last_stage=fused_last_stage).run()
 
 
 # -- large setups and the optimum ------------------------------------------------------------------------
