@@ -8,15 +8,28 @@ Every process (the launcher and the DHT bootstrap, each stage peer, each trainer
 2. one run per ``--setup MBIT:MS``: every host's link shaped to MBIT megabits per second, MS milliseconds one
    way through the relay.
 
+Before them, the per-call network cost is measured on its own testbed (``cramswarm.testbed.callcost``): hivemind
+calls of the boundary payload's size (and of 64 bytes) between two hosts through the relay, unshaped at 0, 20
+and 50 ms one way (the round trips per call and the fixed time per call: the line of call time against the round
+trip) and at every ``--setup`` (a check of that line plus the shaped link's transfer time).
+
 Throughput is the steady rate of the last stage's optimizer steps (microbatches stepped between its second and
 its last-but-one step, over that time): the trainers' start (seconds of imports on a loaded machine) and the
 final flush are left out. The simulator (``sim.run``) gets the same swarm (stages x peers, trainers, the
-boundary payload of one microbatch, the shaped rate as link and NIC rate, the relay's one-way latency) and one
-compute time per call calibrated from run 1: the per-microbatch time of a trainer there, spread over the
-simulator's ``3 x stages`` work units (forward 1, backward 2 per stage), so that the simulator reproduces run 1
-by construction and predicts the shaped runs from the network alone. Differences the simulator does not model: the last
-stage's forward and backward are one call on the testbed (two in the simulator), the in-stage averaging and
-the DHT traffic share the links and the CPU, and the relay's own CPU time adds delay.
+boundary payload of one microbatch, the shaped rate as link and NIC rate, the relay's one-way latency), twice:
+
+* ``sim (1 RTT)``: the simulator's plain model - one round trip per call, no fixed time, the last stage's
+  forward and backward two calls;
+* ``sim (measured calls)``: the measured round trips per call and fixed time per call (``sim.run``'s
+  ``round_trips_per_call``, ``call_overhead_s``) and the last stage's forward + backward as one call
+  (``fused_last_stage``), as the hivemind trainer makes it.
+
+Each gets one compute time per call calibrated from run 1: the per-microbatch time of a trainer there, less the
+fixed time of the microbatch's calls in that model, spread over ``3 x stages`` work units (forward 1, backward 2
+per stage), so that the simulator reproduces run 1 by construction and predicts the shaped runs from the network
+alone. Not modelled: the in-stage synchronous step (the peers' progress records in the DHT, the gather, the
+all-reduce through the relay), which holds the stage's backward calls back once per global batch, and the
+averaging's, the DHT's and the relay's share of the CPU.
 
     python benchmarks/swarm_testbed.py --setup 100:20 [--setup 10:50 ...] [--microbatches 80] [--json out.json]
 
@@ -42,10 +55,11 @@ from cramswarm.swarm import compression, hivemind_transport, sim  # noqa: E402
 from cramswarm.swarm.emulation import BACKWARD_COMPUTE_FACTOR, PeerSpec, SwarmSetup  # noqa: E402
 from cramswarm.swarm.policies import RetryPolicy  # noqa: E402
 from cramswarm.swarm.toy import counting_microbatches  # noqa: E402
-from cramswarm.testbed import Unavailable, unavailable_reason  # noqa: E402
+from cramswarm.testbed import Unavailable, callcost, unavailable_reason  # noqa: E402
 from cramswarm.testbed import swarm as tbswarm  # noqa: E402
 
 VOCAB, SEQ = 128, 32
+CALL_DELAYS_MS = (0.0, 20.0, 50.0)   # the unshaped one-way delays the per-call cost is read from
 
 
 def counting_batches(micro: int, seed: int = 0):
@@ -102,6 +116,30 @@ def boundary_bytes(plan) -> int:
     return compression.payload_bytes(compression.encode(hidden, plan.compression))
 
 
+def call_costs(setups, payload: int, count: int) -> tuple[list[dict], dict, dict]:
+    """The measured hivemind calls (``callcost.measure``) and the per-call models at the echo and payload sizes."""
+    points = [(None, d) for d in CALL_DELAYS_MS] + [(mbit, ms) for mbit, ms in setups]
+    measured = callcost.measure(points, [callcost.ECHO_BYTES, payload], count=count)
+    return measured, callcost.call_model(measured, callcost.ECHO_BYTES), callcost.call_model(measured, payload)
+
+
+def simulate(base: SwarmSetup, setups, per_mb_s: float, stages: int, *, round_trips: float = 1.0,
+             overhead_s: float = 0.0, fused: bool = False) -> tuple[float, float, list[float]]:
+    """(compute per forward call, simulated calibration, simulated shaped setups) for one per-call model; the
+    compute is what is left of a trainer's unshaped microbatch time after its calls' fixed time."""
+    calls = 2 * stages - (1 if fused else 0)
+    stage_time_s = (per_mb_s - calls * overhead_s) / ((1 + BACKWARD_COMPUTE_FACTOR) * stages)
+    if stage_time_s <= 0:
+        raise RuntimeError(f"the calls' fixed time ({calls} x {overhead_s:.4f} s) exceeds a microbatch's "
+                           f"({per_mb_s:.4f} s): no compute left to calibrate")
+    options = dict(round_trips_per_call=round_trips, call_overhead_s=overhead_s, fused_last_stage=fused)
+    base = dataclasses.replace(base, stage_time_s=stage_time_s)
+    calibration = sim.run(base, **options)["throughput_mb_s"]
+    shaped = [sim.run(dataclasses.replace(base, bandwidth_mbit_s=mbit, nic_mbit_s=mbit, latency_s=ms / 1000),
+                      **options)["throughput_mb_s"] for mbit, ms in setups]
+    return stage_time_s, calibration, shaped
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--setup", action="append", type=parse_setup, help="MBIT:MS - each host's link in megabits "
@@ -114,6 +152,7 @@ def main() -> int:
     parser.add_argument("--hidden", type=int, default=64, help="hidden size of the tiny model")
     parser.add_argument("--compression", default="blockwise8", help="stage-boundary compression")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--call-count", type=int, default=15, help="timed hivemind calls per size and point")
     parser.add_argument("--json", help="also write every number here")
     args = parser.parse_args()
     reason = unavailable_reason()
@@ -122,38 +161,58 @@ def main() -> int:
         return 1
     plan = make_plan(args)
     setups = args.setup or [(100.0, 20.0)]
+    payload = boundary_bytes(plan)
     try:
+        calls, echo_model, payload_model = call_costs(setups, payload, args.call_count)
         calibration = testbed_run(plan, args, None, 0.0)
         shaped = [testbed_run(plan, args, mbit, ms) for mbit, ms in setups]
     except Unavailable as err:
         print(f"no testbed here: {err}", file=sys.stderr)
         return 1
     per_mb_s = args.trainers / calibration["mb_s"]  # one trainer's seconds per microbatch, unshaped
-    stage_time_s = per_mb_s / ((1 + BACKWARD_COMPUTE_FACTOR) * args.stages)
-    payload = boundary_bytes(plan)
     base = SwarmSetup(peers=[PeerSpec(s) for s in range(args.stages) for _ in range(args.peers)],
-                      trainers=args.trainers, stage_time_s=stage_time_s, activation_bytes=payload,
+                      trainers=args.trainers, stage_time_s=1.0, activation_bytes=payload,
                       forward_timeout_s=plan.retry.forward_timeout_s, duration_s=600.0, seed=args.seed)
-    sim_calibration = sim.run(base)["throughput_mb_s"]
-    sim_shaped = [sim.run(dataclasses.replace(base, bandwidth_mbit_s=mbit, nic_mbit_s=mbit, latency_s=ms / 1000))
-                  ["throughput_mb_s"] for mbit, ms in setups]
-    rows = [("calibration (unshaped, relay, 0 ms)", calibration, sim_calibration)]
-    rows += [(f"{mbit:g} Mb/s, {ms:g} ms one way", real, simulated)
-             for (mbit, ms), real, simulated in zip(setups, shaped, sim_shaped)]
+    # a call costs at least its request's and its reply's way: a slope below 1 is the measurement's noise
+    round_trips = max(1.0, payload_model["round_trips_per_call"])
+    overhead_s = max(0.0, payload_model["call_overhead_s"])
+    plain = simulate(base, setups, per_mb_s, args.stages)
+    calls_model = simulate(base, setups, per_mb_s, args.stages, round_trips=round_trips, overhead_s=overhead_s,
+                           fused=True)
     print(f"swarm: {args.stages} stages x {args.peers} peers, {args.trainers} trainers, {args.microbatches} "
-          f"microbatches of {args.micro} x {SEQ} tokens, hidden {args.hidden}; boundary payload {payload} B; "
-          f"simulator compute per forward call {stage_time_s * 1e3:.1f} ms (from the calibration)")
+          f"microbatches of {args.micro} x {SEQ} tokens, hidden {args.hidden}; boundary payload {payload} B")
+    print("one hivemind call between two testbed hosts through the relay (median ms of "
+          f"{args.call_count}; model: fixed + round trips x 2 x delay + 2 x bytes x 8 / rate):")
+    print(f"{'link':>10s} {'delay ms':>9s} {f'{callcost.ECHO_BYTES} B ms':>10s} {f'{payload} B ms':>12s} "
+          f"{'model/measured':>15s}")
+    for m, check in zip(calls, payload_model["checks"]):
+        link = "unshaped" if m["bandwidth_mbit"] is None else f"{m['bandwidth_mbit']:g} Mb/s"
+        print(f"{link:>10s} {m['latency_ms']:9g} {m['calls_ms'][str(callcost.ECHO_BYTES)]['median']:10.2f} "
+              f"{m['calls_ms'][str(payload)]['median']:12.2f} {check['model_over_measured']:15.3f}")
+    for model in (echo_model, payload_model):
+        print(f"  {model['bytes']} B: {model['round_trips_per_call']:.3f} round trips per call, "
+              f"{model['call_overhead_s'] * 1e3:.2f} ms fixed per call")
+    print(f"simulator compute per forward call: {plain[0] * 1e3:.1f} ms (1 RTT), {calls_model[0] * 1e3:.1f} ms "
+          f"(measured calls: {round_trips:.3f} round trips, {overhead_s * 1e3:.2f} ms fixed, last stage fused)")
     print("throughput in microbatches per second (mb/s)")
-    print(f"{'setup':36s} {'testbed mb/s':>13s} {'sim mb/s':>9s} {'sim/testbed':>12s} {'lost':>5s} {'timeouts':>9s} "
-          f"{'wall s':>7s}")
-    for name, real, simulated in rows:
-        print(f"{name:36s} {real['mb_s']:13.3f} {simulated:9.3f} {simulated / real['mb_s']:12.3f} "
+    rows = [("calibration (unshaped, relay, 0 ms)", calibration, plain[1], calls_model[1])]
+    rows += [(f"{mbit:g} Mb/s, {ms:g} ms one way", real, a, b)
+             for (mbit, ms), real, a, b in zip(setups, shaped, plain[2], calls_model[2])]
+    print(f"{'setup':36s} {'testbed mb/s':>13s} {'sim/testbed (1 RTT)':>20s} {'sim/testbed (measured calls)':>29s} "
+          f"{'lost':>5s} {'timeouts':>9s} {'wall s':>7s}")
+    for name, real, a, b in rows:
+        print(f"{name:36s} {real['mb_s']:13.3f} {a / real['mb_s']:20.3f} {b / real['mb_s']:29.3f} "
               f"{real['lost_microbatches']:5d} {real['timeouts']:9d} {real['wall_s']:7.1f}")
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "args": vars(args), "boundary_bytes": payload, "stage_time_s": stage_time_s,
+            "args": vars(args), "boundary_bytes": payload,
+            "calls": {"measured": calls, "echo_model": echo_model, "payload_model": payload_model},
             "testbed": {"calibration": calibration, "shaped": shaped},
-            "sim": {"calibration": sim_calibration, "shaped": sim_shaped}}, indent=1, default=str))
+            "sim_1rtt": {"stage_time_s": plain[0], "calibration": plain[1], "shaped": plain[2]},
+            "sim_measured_calls": {"stage_time_s": calls_model[0], "round_trips_per_call": round_trips,
+                                   "call_overhead_s": overhead_s, "fused_last_stage": True,
+                                   "calibration": calls_model[1], "shaped": calls_model[2]}},
+            indent=1, default=str))
     return 0
 
 
