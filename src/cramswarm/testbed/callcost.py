@@ -117,17 +117,17 @@ def point_name(i: int) -> str:
 
 
 def measure(points: list[tuple[float | None, float]], sizes: list[int], count: int = 15,
-            timeout_s: float = 240.0) -> list[dict]:
+            timeout_s: float = 240.0, run_id: str | None = None) -> list[dict]:
     """Median hivemind call times (ms) from one client host to one server host per point (rate in Mbit/s or
     None: unshaped, one-way delay in ms, through the relay): a dict per point with ``bandwidth_mbit``,
     ``latency_ms``, ``connect_ms`` and ``calls_ms`` (payload bytes -> {median, min, max}). The testbed is gone
-    on return."""
+    on return (``run_id``: the testbed's, else a fresh one)."""
     from cramswarm.testbed import relay as relays
     from cramswarm.testbed.netns import Testbed
     from cramswarm.testbed.relay import _read_line
 
     names = ["c", *(point_name(i) for i in range(len(points)))]
-    with Testbed(names, bandwidth_mbit=[None, *(rate for rate, _ in points)]) as tb:
+    with Testbed(names, bandwidth_mbit=[None, *(rate for rate, _ in points)], run_id=run_id) as tb:
         relays_by_delay = {}
         for delay in sorted({d for _, d in points}):
             routes = [(point_name(i), PORT) for i, (_, d) in enumerate(points) if d == delay]
