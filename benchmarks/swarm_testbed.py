@@ -31,7 +31,8 @@ alone. Not modelled: the in-stage synchronous step (the peers' progress records 
 all-reduce through the relay), which holds the stage's backward calls back once per global batch, and the
 averaging's, the DHT's and the relay's share of the CPU.
 
-    python benchmarks/swarm_testbed.py --setup 100:20 [--setup 10:50 ...] [--microbatches 80] [--json out.json]
+    python benchmarks/swarm_testbed.py --setup 100:20 [--setup 10:50 ...] [--microbatches 80] [--batch 4]
+        [--json out.json]
 
 Needs root and iproute2 (network namespaces); prints why not and exits 1 elsewhere.
 """
@@ -41,6 +42,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -81,9 +83,9 @@ def make_plan(args) -> hivemind_transport.SwarmPlan:
     config = load_config([ROOT / "config" / "config.yaml"])
     arch = config["models"]["crammed"]["arch"] | dict(layers=max(2, args.stages), hidden_size=args.hidden,
                                                       heads=2, intermediate_size=2 * args.hidden, max_positions=SEQ)
-    recipe = config["pretrain"] | dict(micro_batch_sequences=args.micro, batch_sequences=4 * args.micro, lr=3e-3,
-                                       batch_ramp_fraction=0.0, warmup_fraction=0.0, precision="bf16", device="cpu",
-                                       budget={"unit": "steps", "value": 1000})
+    recipe = config["pretrain"] | dict(micro_batch_sequences=args.micro, batch_sequences=args.batch * args.micro,
+                                       lr=3e-3, batch_ramp_fraction=0.0, warmup_fraction=0.0, precision="bf16",
+                                       device="cpu", budget={"unit": "steps", "value": 1000})
     return hivemind_transport.SwarmPlan(
         arch=arch, vocab_size=VOCAB, recipe=recipe, peers_per_stage=[args.peers] * args.stages,
         trainers=args.trainers, compression=args.compression, retry=RetryPolicy(forward_timeout_s=5.0,
@@ -100,14 +102,14 @@ def steady_mb_s(log: list[dict], micro: int) -> float:
 
 
 def testbed_run(plan, args, bandwidth_mbit, latency_ms) -> dict:
-    started = time.perf_counter()
+    started, load_before = time.perf_counter(), os.getloadavg()[0]
     result = tbswarm.run(plan, counting_batches(args.micro, args.seed), args.microbatches,
                          bandwidth_mbit=bandwidth_mbit, latency_ms=latency_ms, relay=True)
     stats = result.stats
     return {"bandwidth_mbit": bandwidth_mbit, "latency_ms": latency_ms, "mb_s": steady_mb_s(result.log, args.micro),
             "microbatches_done": stats["microbatches_done"], "lost_microbatches": stats["lost_microbatches"],
             "retries": stats["retries"], "timeouts": stats["timeouts"], "steps": len(result.log),
-            "wall_s": round(time.perf_counter() - started, 1)}
+            "wall_s": round(time.perf_counter() - started, 1), "load": [load_before, os.getloadavg()[0]]}
 
 
 def boundary_bytes(plan) -> int:
@@ -149,6 +151,9 @@ def main() -> int:
     parser.add_argument("--peers", type=int, default=2, help="peers per stage")
     parser.add_argument("--trainers", type=int, default=2)
     parser.add_argument("--micro", type=int, default=4, help="sequences per microbatch")
+    parser.add_argument("--batch", type=int, default=4, help="microbatches per global batch (one in-stage step "
+                        "each; the simulator does not model the step, so more microbatches per step leave it less "
+                        "to miss)")
     parser.add_argument("--hidden", type=int, default=64, help="hidden size of the tiny model")
     parser.add_argument("--compression", default="blockwise8", help="stage-boundary compression")
     parser.add_argument("--seed", type=int, default=0)
@@ -180,7 +185,8 @@ def main() -> int:
     calls_model = simulate(base, setups, per_mb_s, args.stages, round_trips=round_trips, overhead_s=overhead_s,
                            fused=True)
     print(f"swarm: {args.stages} stages x {args.peers} peers, {args.trainers} trainers, {args.microbatches} "
-          f"microbatches of {args.micro} x {SEQ} tokens, hidden {args.hidden}; boundary payload {payload} B")
+          f"microbatches of {args.micro} x {SEQ} tokens, {args.batch} per step, hidden {args.hidden}; boundary "
+          f"payload {payload} B")
     print("one hivemind call between two testbed hosts through the relay (median ms of "
           f"{args.call_count}; model: fixed + round trips x 2 x delay + 2 x bytes x 8 / rate):")
     print(f"{'link':>10s} {'delay ms':>9s} {f'{callcost.ECHO_BYTES} B ms':>10s} {f'{payload} B ms':>12s} "
@@ -199,10 +205,13 @@ def main() -> int:
     rows += [(f"{mbit:g} Mb/s, {ms:g} ms one way", real, a, b)
              for (mbit, ms), real, a, b in zip(setups, shaped, plain[2], calls_model[2])]
     print(f"{'setup':36s} {'testbed mb/s':>13s} {'sim/testbed (1 RTT)':>20s} {'sim/testbed (measured calls)':>29s} "
-          f"{'lost':>5s} {'timeouts':>9s} {'wall s':>7s}")
+          f"{'lost':>5s} {'timeouts':>9s} {'wall s':>7s} {'load':>10s}")
     for name, real, a, b in rows:
         print(f"{name:36s} {real['mb_s']:13.3f} {a / real['mb_s']:20.3f} {b / real['mb_s']:29.3f} "
-              f"{real['lost_microbatches']:5d} {real['timeouts']:9d} {real['wall_s']:7.1f}")
+              f"{real['lost_microbatches']:5d} {real['timeouts']:9d} {real['wall_s']:7.1f} "
+              f"{real['load'][0]:4.1f}-{real['load'][1]:4.1f}")
+    print("load: the machine's 1-minute load average at the run's start and end (other jobs share its cores: the "
+          "calibration holds for the shaped runs only as far as the load stays the same)")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "args": vars(args), "boundary_bytes": payload,
