@@ -51,6 +51,18 @@ KINDS = ("crammed", "crammed-static", "crammed-fed", "crammed-fed-prefetch", "hf
 QUICK = dict(layers=2, hidden=128, heads=2, intermediate=512, vocab=1024, batch=4, steps=2, warmup=1, peak_size=512)
 
 
+def git_commit() -> str | None:
+    """This checkout's commit (None where it is no git checkout, e.g. a copied tree on a GPU machine)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
 def physical_cores() -> int:
     try:
         import psutil
@@ -385,6 +397,8 @@ def main(argv: list[str] | None = None) -> dict:
             shares = ", ".join(f"{k} {v:.1f} ms" for k, v in r["profile"]["by_family_ms"].items())
             print(f"{r['model']} kernel time {r['profile']['ms_per_step']:.1f} ms/step: {shares}")
     report = {
+        "commit": git_commit(),
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "cuda": torch.version.cuda if device.type == "cuda" else None,
