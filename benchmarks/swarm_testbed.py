@@ -1,12 +1,14 @@
 """Throughput of the launcher's hivemind swarm on the multi-host testbed, against the simulator on the same setup.
 
 Every process (the launcher and the DHT bootstrap, each stage peer, each trainer) runs on a host of its own
-(``cramswarm.testbed.swarm``), training a tiny crammed BERT on a counting language. Two testbed runs:
+(``cramswarm.testbed.swarm``), training a tiny crammed BERT on a counting language. Testbed runs:
 
 1. **calibration**: links unshaped, every connection through the relay with no delay (the relay's own cost
    on this machine is part of the calibration, not of the network);
 2. one run per ``--setup MBIT:MS``: every host's link shaped to MBIT megabits per second, MS milliseconds one
-   way through the relay.
+   way through the relay;
+3. the calibration again: other jobs on the machine change its speed, so the simulator is calibrated on the
+   mean of the two calibrations' per-microbatch times, and both are printed (their ratio is the drift).
 
 Before them, the per-call network cost is measured on its own testbed (``cramswarm.testbed.callcost``): hivemind
 calls of the boundary payload's size (and of 64 bytes) between two hosts through the relay, unshaped at 0, 20
@@ -169,12 +171,18 @@ def main() -> int:
     payload = boundary_bytes(plan)
     try:
         calls, echo_model, payload_model = call_costs(setups, payload, args.call_count)
-        calibration = testbed_run(plan, args, None, 0.0)
+        before = testbed_run(plan, args, None, 0.0)
         shaped = [testbed_run(plan, args, mbit, ms) for mbit, ms in setups]
+        after = testbed_run(plan, args, None, 0.0)
     except Unavailable as err:
         print(f"no testbed here: {err}", file=sys.stderr)
         return 1
-    per_mb_s = args.trainers / calibration["mb_s"]  # one trainer's seconds per microbatch, unshaped
+    # one trainer's seconds per microbatch, unshaped: the mean of the calibrations before and after
+    per_mb_s = args.trainers * (1 / before["mb_s"] + 1 / after["mb_s"]) / 2
+    calibration = before | {"mb_s": args.trainers / per_mb_s, "before": before, "after": after,
+                            "lost_microbatches": before["lost_microbatches"] + after["lost_microbatches"],
+                            "timeouts": before["timeouts"] + after["timeouts"],
+                            "wall_s": before["wall_s"] + after["wall_s"], "load": before["load"] + after["load"]}
     base = SwarmSetup(peers=[PeerSpec(s) for s in range(args.stages) for _ in range(args.peers)],
                       trainers=args.trainers, stage_time_s=1.0, activation_bytes=payload,
                       forward_timeout_s=plan.retry.forward_timeout_s, duration_s=600.0, seed=args.seed)
@@ -201,7 +209,10 @@ def main() -> int:
     print(f"simulator compute per forward call: {plain[0] * 1e3:.1f} ms (1 RTT), {calls_model[0] * 1e3:.1f} ms "
           f"(measured calls: {round_trips:.3f} round trips, {overhead_s * 1e3:.2f} ms fixed, last stage fused)")
     print("throughput in microbatches per second (mb/s)")
-    rows = [("calibration (unshaped, relay, 0 ms)", calibration, plain[1], calls_model[1])]
+    print(f"calibration (unshaped, relay, 0 ms): {before['mb_s']:.3f} mb/s before the shaped runs, "
+          f"{after['mb_s']:.3f} after (after/before {after['mb_s'] / before['mb_s']:.3f}); the simulator is "
+          "calibrated on their mean per-microbatch time")
+    rows = [("calibration (mean of before, after)", calibration, plain[1], calls_model[1])]
     rows += [(f"{mbit:g} Mb/s, {ms:g} ms one way", real, a, b)
              for (mbit, ms), real, a, b in zip(setups, shaped, plain[2], calls_model[2])]
     print(f"{'setup':36s} {'testbed mb/s':>13s} {'sim/testbed (1 RTT)':>20s} {'sim/testbed (measured calls)':>29s} "
@@ -209,9 +220,9 @@ def main() -> int:
     for name, real, a, b in rows:
         print(f"{name:36s} {real['mb_s']:13.3f} {a / real['mb_s']:20.3f} {b / real['mb_s']:29.3f} "
               f"{real['lost_microbatches']:5d} {real['timeouts']:9d} {real['wall_s']:7.1f} "
-              f"{real['load'][0]:4.1f}-{real['load'][1]:4.1f}")
-    print("load: the machine's 1-minute load average at the run's start and end (other jobs share its cores: the "
-          "calibration holds for the shaped runs only as far as the load stays the same)")
+              f"{min(real['load']):4.1f}-{max(real['load']):4.1f}")
+    print("load: the lowest and highest 1-minute load average at the starts and ends of the run(s) (other jobs share "
+          "the cores: a calibration holds for the shaped runs only as far as the load stays the same)")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "args": vars(args), "boundary_bytes": payload,
