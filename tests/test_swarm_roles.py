@@ -20,6 +20,7 @@ import torch
 
 pytest.importorskip("hivemind", reason="hivemind is not installed: transport 1 (real hivemind processes) is untested")
 
+from conftest import ARCH, recipe  # noqa: E402
 from test_swarm_hivemind import MICRO, batches, own_p2p_daemons, plan, source  # noqa: E402
 
 from cramswarm.swarm import hivemind_transport as ht  # noqa: E402
@@ -188,6 +189,34 @@ def test_a_seconds_budget_under_the_launcher_ends_at_its_deadline_and_loses_no_m
     assert stats["replicas_equal"] and stats["replica_max_abs_diff"] == [0.0, 0.0], stats["replica_steps"]
     assert len(result.stage_states) == 2 and all(result.stage_states)
     assert ht.leftover_processes(stats["process_groups"]) == [] and own_p2p_daemons() == daemons_before
+
+
+@pytest.mark.slow
+def test_swarm_pretrain_under_the_launcher_trains_from_the_blocks_file_to_a_seconds_budget(tiny_run):
+    """The rule's path end to end: the trainers read the packed blocks file and mask their microbatches
+    themselves, until the deadline; the checkpoint and summary are written, the state folder goes."""
+    import yaml
+
+    from cramswarm.config import DEFAULT_SCHEMA
+    from cramswarm.swarm.train import swarm_pretrain
+
+    tmp_path, tok_path = tiny_run
+    keys = yaml.safe_load(Path(DEFAULT_SCHEMA).read_text())["properties"]["swarm"]["properties"]
+    swarm = {key: spec["default"] for key, spec in keys.items()} | {
+        "transport": "hivemind", "stages": 2, "peers_per_stage": 1, "trainers": 2, "forward_timeout_s": 5.0}
+    rec = recipe(budget={"unit": "seconds", "value": 15.0})
+    summary = swarm_pretrain(rec, ARCH | {"layers": 2}, swarm, tmp_path / "blocks.npy", tok_path, tmp_path / "out",
+                             progress=False, rendezvous=tmp_path / "rendezvous")
+    stats = summary["swarm_stats"]
+    done = stats["microbatches_done"]
+    assert stats["roles"] == "launcher" and stats["deadline_s"] == 15.0, brief(stats)
+    assert done >= 4 and stats["lost_microbatches"] == 0 and stats["stepped_microbatches"] == [done, done], \
+        brief(stats)
+    assert summary["tokens"] == done * rec["micro_batch_sequences"] * 32
+    assert 15.0 <= summary["elapsed_s"] <= 30.0 and summary["eval_loss"] > 0, summary["elapsed_s"]
+    assert stats["assembled_from"] == ["shard", "shard"]
+    assert (tmp_path / "out" / "model.safetensors").exists() and (tmp_path / "out" / "summary.json").exists()
+    assert not (tmp_path / "rendezvous" / "launcher").exists()  # the state folder goes once the run succeeded
 
 
 def test_a_resumed_seconds_run_gets_the_budget_less_its_earlier_training_time(tmp_path):
