@@ -12,11 +12,13 @@ Processes (each its own process-group leader, ``processes.ProcessGroups``):
   moves to a starved stage; the mover moves itself, in its process (``peer_rebalance``);
 * trainers - ``python -m cramswarm.swarm.trainer``, one per ``trainers``, each owning a shard of the
   microbatches (``trainer``), which it makes itself from the run's microbatch source (``data``: the packed
-  training blocks, masked per microbatch index); this process writes no microbatch.
+  training blocks, masked per microbatch index); this process writes no microbatch. Training starts once every
+  trainer has joined the swarm: then this process writes the training clock (``peer_sync.CLOCK_FILE``), which
+  the trainers wait for before their first microbatch.
 
 Budgets: a token or step budget fixes the number of microbatches before the start. A seconds budget does not:
-when it starts the trainers, this process writes the training clock (``peer_sync.CLOCK_FILE``: the origin of
-training time and the deadline, the budget after the origin); the trainers take microbatches until the deadline
+the training clock (``peer_sync.CLOCK_FILE``) holds the origin of training time and the deadline, the budget
+after the origin; the trainers take microbatches until the deadline
 and finish the one under way, and the end is that of a counted run (the last, partial global batch, the final
 shards). Only training time counts: a resumed seconds run gets the budget less its earlier lives' training time.
 
@@ -334,6 +336,26 @@ class Launcher:
         proc, _ = self.groups.spawn(["--config", str(self.config), "--rank", str(rank), "--trainers",
                                      str(self.plan.trainers)], f"trainer{rank}", launcher=TRAINER_MODULE)
         self.trainers[rank] = proc
+
+    async def _wait_trainers_ready(self) -> None:
+        """Until every trainer has joined the swarm and waits for the training clock (its progress file names
+        this run's id); a trainer that exits before is an error."""
+        deadline = time.monotonic() + self.plan.startup_timeout_s
+        while True:
+            waiting = []
+            for rank, proc in self.trainers.items():
+                if (code := proc.poll()) is not None:
+                    raise self._trainer_failed(rank, code)
+                with contextlib.suppress(Exception):
+                    if read_json(progress_path(self.workdir, rank)).get("run_id") == self.run_id:
+                        continue
+                waiting.append(rank)
+            if not waiting:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"trainers {waiting} did not join the swarm within "
+                                   f"{self.plan.startup_timeout_s:.0f} s (logs in {self.workdir})")
+            await asyncio.sleep(0.2)
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)
@@ -687,11 +709,14 @@ class Launcher:
             await self._wait_declared(peers)
             self.phase = "training"
             await self._beat()
+            for rank in range(self.plan.trainers):
+                self._start_trainer(rank)
+            await self._wait_trainers_ready()
+            # training starts now, for every trainer at once (their start-up - seconds of imports and a DHT join
+            # on a loaded machine - does not count against a seconds budget)
             self.start, self.start_wall = time.perf_counter(), time.time()
             self.first_start_wall = self.first_start_wall or self.start_wall
             self._write_clock()
-            for rank in range(self.plan.trainers):
-                self._start_trainer(rank)
             if self.plan.kill_every_s:
                 self._spawn(self._kill_forever(self.plan.kill_every_s))
             for at_s, target in self.plan.faults:
