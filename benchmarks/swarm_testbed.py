@@ -204,6 +204,7 @@ def main() -> int:
         link = "unshaped" if m["bandwidth_mbit"] is None else f"{m['bandwidth_mbit']:g} Mb/s"
         print(f"{link:>10s} {m['latency_ms']:9g} {m['calls_ms'][str(callcost.ECHO_BYTES)]['median']:10.2f} "
               f"{m['calls_ms'][str(payload)]['median']:12.2f} {check['model_over_measured']:15.3f}")
+    print(f"  calls that failed and were made again (not timed): {sum(m['failed_calls'] for m in calls)}")
     for model in (echo_model, payload_model):
         print(f"  {model['bytes']} B: {model['round_trips_per_call']:.3f} round trips per call, "
               f"{model['call_overhead_s'] * 1e3:.2f} ms fixed per call")

@@ -42,6 +42,7 @@ from cramswarm.swarm.hivemind_peer import request, respond, unpack
 
 PORT = 4300          # the servers' port on their hosts (routed by the relay)
 ECHO_BYTES = 64      # the smallest payload: a call that is all overhead
+CALL_ATTEMPTS = 3    # a failed call is made again (and counted in ``failed_calls``) at most this often
 
 
 # -- in the hosts --------------------------------------------------------------------------------------------
@@ -73,14 +74,23 @@ async def _calls(targets: list[str], sizes: list[int], count: int, listen: str) 
             connect_ms = (time.perf_counter() - started) * 1e3
             stub = CallCost.get_stub(p2p, PeerID.from_base58(peer_id))
 
-            async def call(size: int, stub=stub) -> float:
-                t0 = time.perf_counter()
-                await unpack(await stub.rpc_echo(request({"x": torch.zeros(size, dtype=torch.uint8)},
-                                                         {"reply_bytes": size})))
-                return (time.perf_counter() - t0) * 1e3
+            row = {"connect_ms": connect_ms, "calls_ms": {}, "failed_calls": 0}
+
+            async def call(size: int, stub=stub, row=row) -> float:
+                """One timed call; a call that fails (seen once: an empty reply stream) is counted and made
+                again, at most ``CALL_ATTEMPTS`` times."""
+                for attempt in range(CALL_ATTEMPTS):
+                    t0 = time.perf_counter()
+                    try:
+                        await unpack(await stub.rpc_echo(request({"x": torch.zeros(size, dtype=torch.uint8)},
+                                                                 {"reply_bytes": size})))
+                        return (time.perf_counter() - t0) * 1e3
+                    except Exception:
+                        row["failed_calls"] += 1
+                        if attempt + 1 == CALL_ATTEMPTS:
+                            raise
 
             await call(ECHO_BYTES)  # the first call also pays for the handler's and the stream's first use
-            row = {"connect_ms": connect_ms, "calls_ms": {}}
             for size in sizes:
                 times = [await call(size) for _ in range(count)]
                 row["calls_ms"][str(size)] = {"median": statistics.median(times), "min": min(times),
@@ -120,7 +130,8 @@ def measure(points: list[tuple[float | None, float]], sizes: list[int], count: i
             timeout_s: float = 240.0, run_id: str | None = None) -> list[dict]:
     """Median hivemind call times (ms) from one client host to one server host per point (rate in Mbit/s or
     None: unshaped, one-way delay in ms, through the relay): a dict per point with ``bandwidth_mbit``,
-    ``latency_ms``, ``connect_ms`` and ``calls_ms`` (payload bytes -> {median, min, max}). The testbed is gone
+    ``latency_ms``, ``connect_ms``, ``calls_ms`` (payload bytes -> {median, min, max}) and ``failed_calls`` (calls
+    that failed and were made again; not timed). The testbed is gone
     on return (``run_id``: the testbed's, else a fresh one)."""
     from cramswarm.testbed import relay as relays
     from cramswarm.testbed.netns import Testbed
