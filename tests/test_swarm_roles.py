@@ -20,6 +20,7 @@ import torch
 
 pytest.importorskip("hivemind", reason="hivemind is not installed: transport 1 (real hivemind processes) is untested")
 
+from conftest import recipe  # noqa: E402
 from test_swarm_hivemind import MICRO, batches, own_p2p_daemons, plan  # noqa: E402
 
 from cramswarm.swarm import hivemind_transport as ht  # noqa: E402
@@ -357,7 +358,8 @@ def test_a_rerun_after_the_launcher_is_sigkilled_resumes_from_the_stage_shards(t
     assert all(total * MICRO <= n <= (total + stats["retries"]) * MICRO for n in stats["stepped_samples"]), \
         brief(stats)
     assert stats["assembled_from"] == ["shard", "shard"] and stats["shard_steps"] == stats["stage_steps"]
-    assert not state.exists()  # the state folder goes once the run succeeded
+    # the state folder outlives the run: its caller (swarm_pretrain) removes it once its outputs are written
+    assert (state / launcher_mod.RESUME_FILE).exists()
 
 
 @pytest.mark.slow
@@ -396,3 +398,78 @@ def test_swarm_pretrain_gives_the_launcher_the_rules_state_folder(monkeypatch, t
     assert [(p.decentralised, p.state_dir) for p in seen] == [(True, tmp_path / "launcher"), (True, None),
                                                               (False, None), (True, tmp_path / "launcher")]
     assert seen[0].checkpoint_every_s == 7.0
+
+
+# -- the rule's outputs, then its state folder --------------------------------------------------------------------
+class Killed(Exception):
+    """A SIGKILL at the injected point: nothing after it runs."""
+
+
+def test_a_kill_between_the_outputs_and_the_state_folders_removal_trains_nothing_again(tiny_run, monkeypatch):
+    """swarm_pretrain writes its outputs, records them in the launcher's state folder, then removes the folder. A
+    kill after the outputs: the rerun only removes the folder. A kill while writing them: the rerun resumes."""
+    from test_swarm_train import SWARM
+    from test_swarm_train import TINY as TINY_TRAIN
+
+    from cramswarm.swarm import emulation
+    from cramswarm.swarm import train as train_mod
+
+    tmp, tok = tiny_run
+    rendezvous, state = tmp / "rendezvous", tmp / "rendezvous" / train_mod.STATE_SUBDIR
+    found_state = []
+
+    def launcher_train(*, rendezvous, swarm, **kw):
+        """The launcher's part (the same training, on the emulation): it leaves its state folder to the caller."""
+        folder = Path(rendezvous) / train_mod.STATE_SUBDIR
+        found_state.append(sorted(p.name for p in folder.iterdir()) if folder.exists() else None)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / launcher_mod.RESUME_FILE).write_text("{}")
+        result = emulation.train(swarm=swarm, **kw)
+        result.stats["roles"] = "launcher"
+        return result
+
+    monkeypatch.setattr(ht, "train", launcher_train)
+    rec = recipe(budget={"unit": "steps", "value": 4}, eval_blocks=8)
+    cfg = SWARM | {"transport": "hivemind"}
+
+    def run(out: str, name: str = "m") -> dict:
+        return train_mod.swarm_pretrain(rec, TINY_TRAIN, cfg, tmp / "blocks.npy", tok, tmp / out,
+                                        progress=False, run=name, rendezvous=rendezvous)
+
+    # killed after every output is written and recorded, before the state folder goes
+    with monkeypatch.context() as m:
+        m.setattr(train_mod, "remove_state", lambda folder: (_ for _ in ()).throw(Killed()))
+        with pytest.raises(Killed):
+            run("a")
+    assert found_state == [None]
+    outputs = {"model.safetensors", "train_log.csv", "summary.json"}
+    assert outputs <= {p.name for p in (tmp / "a").iterdir()}
+    record = json.loads((state / train_mod.OUTPUTS_FILE).read_text())
+    assert outputs <= set(record["files"])
+    first = json.loads((tmp / "a" / "summary.json").read_text())
+    # another run name, or other outputs: not this run's record
+    assert not train_mod.outputs_complete(state, tmp / "a", train_mod._settings(rec, TINY_TRAIN, cfg, "other"))
+    assert not train_mod.outputs_complete(state, tmp / "b", train_mod._settings(rec, TINY_TRAIN, cfg, "m"))
+    # the rerun trains nothing (the transport is not called), keeps the outputs and removes the folder
+    assert run("a") == first
+    assert found_state == [None] and not state.exists()
+    assert json.loads((tmp / "a" / "summary.json").read_text()) == first
+    assert [p.name for p in rendezvous.iterdir()] == []  # nothing renamed for removal is left either
+
+    # killed while writing the outputs (before summary.json): no record, the rerun resumes in the state folder
+    original = train_mod.write_json
+
+    def killed_at_summary(path, obj):
+        if Path(path).name == "summary.json":
+            raise Killed()
+        original(path, obj)
+
+    with monkeypatch.context() as m:
+        m.setattr(train_mod, "write_json", killed_at_summary)
+        with pytest.raises(Killed):
+            run("c")
+    assert state.is_dir() and not (state / train_mod.OUTPUTS_FILE).exists()
+    assert not (tmp / "c" / "summary.json").exists()
+    summary = run("c")
+    assert found_state[-1] == [launcher_mod.RESUME_FILE]  # the transport ran on the kept folder: it resumes there
+    assert summary["steps"] == first["steps"] and (tmp / "c" / "summary.json").exists() and not state.exists()

@@ -33,7 +33,9 @@ finds it - the previous one was killed with everything it started - resumes: the
 newest shard, and each trainer resumes its shard at its first microbatch that not every stage's shard has
 stepped (the stages skip the ones they already stepped: ``peer_sync``'s duplicate backward calls), so no
 microbatch is lost or stepped twice. A launcher whose settings or data differ from ``resume.json``'s refuses,
-naming what differs. The folder is removed once the run succeeds; it is kept when the run fails.
+naming what differs. The folder is kept when the run fails, and also when it succeeds: its caller removes it
+once the run's outputs are written (``train.swarm_pretrain``), so that a kill between the two resumes instead of
+starting from step 0.
 
 Rebalancing (``rebalance_period_s``) is the peers' own (``peer_rebalance``): the launcher decides and tells no move;
 it reads the peers' ``moves.jsonl`` to restart a moved peer, should it die, on its new stage, and for the result's
@@ -87,7 +89,7 @@ from cramswarm.swarm.hivemind_peer import (
 from cramswarm.swarm.peer_rebalance import MOVES_FILE
 from cramswarm.swarm.peer_sync import SyncingStagePeer, flush_key, load_shard, newest_shard, progress_records
 from cramswarm.swarm.policies import NoPeersError
-from cramswarm.swarm.processes import PeerProcess, ProcessGroups, own_daemons
+from cramswarm.swarm.processes import PeerProcess, ProcessGroups, daemons_die_with_this_process, own_daemons
 from cramswarm.swarm.trainer import EXIT_NO_PEERS, losses_path, progress_path, shard
 
 TRAINER_MODULE = [sys.executable, "-m", "cramswarm.swarm.trainer"]
@@ -345,7 +347,8 @@ class Launcher:
                                    f"{log.read_text(errors='replace')}")
             await asyncio.sleep(0.2)
         maddrs = await asyncio.to_thread(read_addr_file, self.addr_file, self.plan.join_timeout_s)
-        self.node = await join_dht(maddrs, client_mode=True, host=self.host, timeout_s=self.plan.join_timeout_s)
+        with daemons_die_with_this_process():  # a SIGKILLed launcher leaves no p2pd of its own behind
+            self.node = await join_dht(maddrs, client_mode=True, host=self.host, timeout_s=self.plan.join_timeout_s)
 
     async def _beat(self) -> None:
         await self.node.store(coordinator_key(self.run_id), self.phase, get_dht_time() + RECORD_TTL_S)
@@ -773,7 +776,9 @@ def _exit_on_sigterm(signum: int, frame) -> None:
 
 def run(plan, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], total_microbatches: int,
         progress: bool = True) -> TrainResult:
-    """Run one swarm under the launcher; every process it started (and this process's p2pd) is gone on return."""
+    """Run one swarm under the launcher; every process it started (and this process's p2pd) is gone on return.
+    A state folder (``plan.state_dir``) is kept, also after success: the caller removes it (``train.remove_state``)
+    once it has written what it makes of the result."""
     before = own_daemons()
     launcher = Launcher(plan, batches, total_microbatches, progress)
     keep_logs, previous = True, None
@@ -797,5 +802,5 @@ def run(plan, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], total_microb
             print(f"hivemind swarm failed; logs kept in {launcher.workdir}"
                   + (" (a rerun with the same settings resumes from its stage shards)" if launcher.state_dir else ""),
                   file=sys.stderr, flush=True)
-        else:
+        elif launcher.state_dir is None:  # a state folder stays for the caller, which removes it after its outputs
             shutil.rmtree(launcher.workdir, ignore_errors=True)
