@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("hivemind", reason="hivemind is not installed: transport 1 (real hivemind processes) is untested")
 
 from conftest import recipe  # noqa: E402
-from test_swarm_hivemind import MICRO, batches, own_p2p_daemons, plan  # noqa: E402
+from test_swarm_hivemind import MICRO, TINY, batches, own_p2p_daemons, plan  # noqa: E402
 
 from cramswarm.swarm import hivemind_transport as ht  # noqa: E402
 from cramswarm.swarm import launcher as launcher_mod  # noqa: E402
@@ -473,3 +473,86 @@ def test_a_kill_between_the_outputs_and_the_state_folders_removal_trains_nothing
     summary = run("c")
     assert found_state[-1] == [launcher_mod.RESUME_FILE]  # the transport ran on the kept folder: it resumes there
     assert summary["steps"] == first["steps"] and (tmp / "c" / "summary.json").exists() and not state.exists()
+
+
+@pytest.mark.slow
+def test_sigkill_of_the_rules_own_process_leaves_nothing_behind_and_a_rerun_resumes_from_the_shards(tiny_run):
+    """(d) at the rule's level: the command rule swarm_pretrain runs (its arguments; a tiny model and data),
+    SIGKILLed alone - not its process group - once both stages wrote a shard: every process it started dies with it
+    (its peers, trainers and DHT bootstrap see their parent gone; its own p2pd gets the kernel's parent-death
+    signal). The same command again resumes from the shards and ends like an uninterrupted run."""
+    import yaml
+
+    from cramswarm.config import DEFAULT_SCHEMA
+    from cramswarm.data import tokenizer as tokenization
+
+    tmp, tok = tiny_run
+    keys = yaml.safe_load(Path(DEFAULT_SCHEMA).read_text())["properties"]["swarm"]["properties"]
+    swarm = {key: spec["default"] for key, spec in keys.items()} | dict(
+        transport="hivemind", stages=2, peers_per_stage=2, trainers=2, peer_speeds=[1.0], compression="blockwise8",
+        averaging_compression="fp16", checkpoint_every_s=1.0, forward_timeout_s=5.0, startup_timeout_s=120.0)
+    steps = 40
+    rec = recipe(micro_batch_sequences=MICRO, batch_sequences=4 * MICRO, lr=3e-3, batch_ramp_fraction=0.0,
+                 budget={"unit": "steps", "value": steps}, log_every_steps=5, eval_blocks=16)
+    total = 4 * steps
+    vocab = tokenization.load(tok).get_vocab_size()
+    out, rendezvous = tmp / "results" / "swarm" / "crammed", tmp / "results" / ".state" / "swarm" / "crammed"
+    state = rendezvous / "launcher"
+    # rules/swarm.smk's shell command, argument for argument
+    command = [sys.executable, "-m", "cramswarm", "swarm-pretrain", "--recipe", json.dumps(rec),
+               "--arch", json.dumps(TINY), "--swarm", json.dumps(swarm), "--blocks", str(tmp / "blocks.npy"),
+               "--tokenizer", str(tok), "--vocab-size", str(vocab), "--out-dir", str(out),
+               "--rendezvous", str(rendezvous), "--run", "crammed", "--threads", "2"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS.parent / "src"),
+                                                                     os.environ.get("PYTHONPATH")]))}
+    log = tmp / "first.log"
+    first = subprocess.Popen(command, start_new_session=True, env=env, stdout=open(log, "w"),
+                             stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 240
+        while True:  # until both stages wrote a shard a few steps in
+            assert first.poll() is None, log.read_text()[-3000:]
+            found = [newest_shard(state / "shards", s) for s in (0, 1)]
+            if all(f is not None and f[0] >= 3 for f in found):
+                break
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        started = psutil.Process(first.pid).children(recursive=True)
+        names = [" ".join(safe_cmdline(p)) for p in started]
+        assert sum("cramswarm.swarm.trainer" in n for n in names) == 2, names
+        assert sum(" stage " in n for n in names) == 4 and sum(" bootstrap " in n for n in names) == 1, names
+        assert any(p.name() == "p2pd" and p.ppid() == first.pid for p in started), names  # the command's own
+        os.kill(first.pid, signal.SIGKILL)  # the command's process only, not its group
+        first.wait()
+        gone, alive = psutil.wait_procs(started, timeout=30)
+        assert alive == [], [safe_cmdline(p) for p in alive]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(first.pid, signal.SIGKILL)
+    assert not out.exists() or not (out / "summary.json").exists()
+    done_before = sum(json.loads((state / f"trainer{r}.json").read_text())["done"] for r in (0, 1))
+    assert 0 < done_before < total
+
+    rerun = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           timeout=300)
+    assert rerun.returncode == 0, rerun.stdout[-3000:]
+    assert "resuming the swarm run" in rerun.stdout, rerun.stdout[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    stats = summary["swarm_stats"]
+    resumed = stats["resumed"]
+    # it resumed from the shards (each stage at its shard's step), not from step 0
+    assert all(step >= 3 for step in resumed["shard_steps"]), resumed
+    assert stats["first_logged_step"] == resumed["shard_steps"][1] + 1, (stats["first_logged_step"], resumed)
+    # the budget reached, every microbatch done once and stepped exactly once on every stage
+    assert summary["tokens"] == total * MICRO * 32
+    assert stats["microbatches_done"] == stats["microbatches_requested"] == total, brief(stats)
+    assert stats["lost_microbatches"] == 0 and stats["microbatches_with_loss"] == total, brief(stats)
+    assert stats["stepped_microbatches"] == [total, total], brief(stats)
+    assert stats["replicas_equal"], stats["replica_max_abs_diff"]
+    # the loss falls (train_log.csv's window means, from the first life's steps to the last)
+    rows = (out / "train_log.csv").read_text().splitlines()
+    column = rows[0].split(",").index("loss")
+    losses = [float(row.split(",")[column]) for row in rows[1:]]
+    assert len(losses) >= 4 and losses[-1] < losses[0] - 0.3, losses
+    assert (out / "model.safetensors").exists() and not state.exists()  # outputs written, then the folder gone
+    assert ht.leftover_processes(stats["process_groups"]) == []

@@ -89,7 +89,7 @@ from cramswarm.swarm.hivemind_peer import (
 from cramswarm.swarm.peer_rebalance import MOVES_FILE
 from cramswarm.swarm.peer_sync import SyncingStagePeer, flush_key, load_shard, newest_shard, progress_records
 from cramswarm.swarm.policies import NoPeersError
-from cramswarm.swarm.processes import PeerProcess, ProcessGroups, daemons_die_with_this_process, own_daemons
+from cramswarm.swarm.processes import PeerProcess, ProcessGroups, own_daemons
 from cramswarm.swarm.trainer import EXIT_NO_PEERS, losses_path, progress_path, shard
 
 TRAINER_MODULE = [sys.executable, "-m", "cramswarm.swarm.trainer"]
@@ -347,8 +347,7 @@ class Launcher:
                                    f"{log.read_text(errors='replace')}")
             await asyncio.sleep(0.2)
         maddrs = await asyncio.to_thread(read_addr_file, self.addr_file, self.plan.join_timeout_s)
-        with daemons_die_with_this_process():  # a SIGKILLed launcher leaves no p2pd of its own behind
-            self.node = await join_dht(maddrs, client_mode=True, host=self.host, timeout_s=self.plan.join_timeout_s)
+        self.node = await join_dht(maddrs, client_mode=True, host=self.host, timeout_s=self.plan.join_timeout_s)
 
     async def _beat(self) -> None:
         await self.node.store(coordinator_key(self.run_id), self.phase, get_dht_time() + RECORD_TTL_S)

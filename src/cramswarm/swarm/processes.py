@@ -4,10 +4,7 @@ Used by the coordinator (``hivemind_transport``) and the launcher (``launcher``)
 
 from __future__ import annotations
 
-import asyncio
 import atexit
-import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -21,7 +18,6 @@ import psutil
 import cramswarm
 
 PEER_MODULE = [sys.executable, "-m", "cramswarm.swarm.hivemind_peer"]
-PR_SET_PDEATHSIG = 1  # prctl(2) option: the signal a child gets when the thread that forked it exits
 _LIVE_GROUPS: set[int] = set()  # process groups started by this process and not yet killed
 
 
@@ -114,37 +110,6 @@ class ProcessGroups:
             time.sleep(0.05)
         if left:
             raise RuntimeError(f"processes {left} of this swarm survived SIGKILL of their process groups")
-
-
-def _die_with(parent: int) -> None:
-    """In a forked child before exec: SIGKILL this child when ``parent`` dies (at once if it already has)."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-@contextlib.contextmanager
-def daemons_die_with_this_process():
-    """Within this block, a DHT node created in this process gets a ``p2pd`` that the kernel SIGKILLs when this
-    process dies, even by SIGKILL (no ``finally`` or ``atexit`` runs then; the daemon would be left behind, since
-    it shares this process's group and nothing else watches it). hivemind 1.1.12 starts the daemon with
-    ``asyncio.subprocess.create_subprocess_exec`` and offers no hook for its process attributes, so that call is
-    wrapped to set ``PR_SET_PDEATHSIG`` (Linux only; elsewhere a no-op). The signal follows the thread that
-    forked: call it from the thread running this process's event loop for its whole life (e.g. the main one)."""
-    if not sys.platform.startswith("linux"):
-        yield
-        return
-    original, parent = asyncio.subprocess.create_subprocess_exec, os.getpid()
-
-    async def create_subprocess_exec(*args, **kwargs):
-        kwargs.setdefault("preexec_fn", lambda: _die_with(parent))
-        return await original(*args, **kwargs)
-
-    asyncio.subprocess.create_subprocess_exec = create_subprocess_exec
-    try:
-        yield
-    finally:
-        asyncio.subprocess.create_subprocess_exec = original
 
 
 def leftover_processes(pgids: list[int]) -> list[int]:
