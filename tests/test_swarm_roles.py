@@ -363,6 +363,23 @@ def test_a_rerun_after_the_launcher_is_sigkilled_resumes_from_the_stage_shards(t
 
 
 @pytest.mark.slow
+def test_a_rerun_on_a_finished_runs_state_folder_trains_nothing_and_gives_the_same_checkpoint(tmp_path):
+    """A run killed after its training but before its caller removed the state folder, whose outputs are gone
+    (Snakemake deletes a failed job's outputs): the rerun resumes from the final shards with nothing left to train."""
+    total, state = 96, tmp_path / "state"
+    first, stats = launch(total, state_dir=state, checkpoint_every_s=1.0)
+    assert (state / launcher_mod.RESUME_FILE).exists()  # left to the caller (swarm_pretrain)
+    again, stats = launch(total, state_dir=state, checkpoint_every_s=1.0)
+    sizes = [len(shard(total, r, 2)) for r in range(2)]
+    assert stats["resumed"]["trainer_done"] == stats["resumed"]["trainer_done_before"] == sizes, stats["resumed"]
+    assert stats["first_logged_step"] is None  # no step taken in the second life
+    assert stats["stepped_microbatches"] == [total, total] and stats["assembled_from"] == ["shard", "shard"]
+    assert again.log == first.log
+    for mine, theirs in zip(again.stage_states, first.stage_states):
+        assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+
+
+@pytest.mark.slow
 def test_sigkill_of_all_peers_of_a_stage_but_one_at_once_loses_no_microbatch():
     """(e): two of stage 0's three peers SIGKILLed at once; the survivor serves alone until they rejoin."""
     total = 160

@@ -156,7 +156,7 @@ class Launcher:
 
     # -- files ----------------------------------------------------------------------------------------------
     def _lock(self) -> None:
-        """Hold ``launcher.lock`` in the state folder for this process's life: two launchers on one folder
+        """Hold ``launcher.lock`` in the state folder until ``run`` returns: two launchers on one folder at once
         would resume the same run twice."""
         self.lock_fd = os.open(self.workdir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -797,6 +797,8 @@ def run(plan, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], total_microb
         for pid in own_daemons() - before:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        if launcher.state_dir is not None:  # every process of the run is gone: another launcher may resume it
+            os.close(launcher.lock_fd)
         if keep_logs:
             print(f"hivemind swarm failed; logs kept in {launcher.workdir}"
                   + (" (a rerun with the same settings resumes from its stage shards)" if launcher.state_dir else ""),
