@@ -51,6 +51,18 @@ KINDS = ("crammed", "crammed-static", "crammed-fed", "crammed-fed-prefetch", "hf
 QUICK = dict(layers=2, hidden=128, heads=2, intermediate=512, vocab=1024, batch=4, steps=2, warmup=1, peak_size=512)
 
 
+def git_commit() -> str | None:
+    """This checkout's commit (None where it is no git checkout, e.g. a copied tree on a GPU machine)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
 def physical_cores() -> int:
     try:
         import psutil
@@ -168,6 +180,54 @@ def feeder(kind: str, args: argparse.Namespace, device: torch.device):
     return take, loader
 
 
+# Kernel families for the profile's breakdown, matched in order on the lower-cased kernel name.
+KERNEL_FAMILIES = (
+    ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "matmul", "wgmma", "aten::mm", "addmm", "bmm")),
+    ("optimizer", ("adam", "foreach", "multi_tensor")),
+    ("fused elementwise/reduction (inductor)", ("triton",)),
+)
+
+
+def kernel_family(name: str) -> str:
+    lowered = name.lower()
+    return next((family for family, keys in KERNEL_FAMILIES if any(k in lowered for k in keys)), "other")
+
+
+def profile_steps(step, count: int, device: torch.device, path: str) -> dict:
+    """Run ``count`` more training steps under torch.profiler; write the top kernels (self time on the device, or
+    on the CPU without CUDA) to ``path`` and return the time per step by kernel family."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    synchronize(device)
+    with profile(activities=activities) as prof:
+        for _ in range(count):
+            step()
+        synchronize(device)
+    on_device = device.type == "cuda"
+    events = prof.key_averages()
+
+    def self_us(evt) -> float:
+        if on_device:
+            return getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0.0)
+        return evt.self_cpu_time_total
+
+    cuda = torch.autograd.DeviceType.CUDA
+    kernels = [e for e in events if self_us(e) > 0 and (not on_device or e.device_type == cuda)]
+    kernels.sort(key=self_us, reverse=True)
+    families: dict[str, float] = {}
+    for e in kernels:
+        families[kernel_family(e.key)] = families.get(kernel_family(e.key), 0.0) + self_us(e) / 1e3 / count
+    total = sum(families.values())
+    with open(path, "w") as f:
+        f.write(f"{'ms/step':>9} {'share':>6} {'calls/step':>10}  kernel (self time on {device.type})\n")
+        for e in kernels[:40]:
+            f.write(f"{self_us(e) / 1e3 / count:>9.3f} {self_us(e) / 1e3 / count / total:>6.1%} "
+                    f"{e.count / count:>10.1f}  {e.key[:150]}\n")
+    return {"ms_per_step": total, "by_family_ms": dict(sorted(families.items(), key=lambda kv: -kv[1]))}
+
+
 def run(kind: str, args: argparse.Namespace, batches, device: torch.device) -> dict:
     torch.manual_seed(0)
     model = build(kind, args).to(device).train()
@@ -178,26 +238,37 @@ def run(kind: str, args: argparse.Namespace, batches, device: torch.device) -> d
         torch.cuda.reset_peak_memory_stats(device)
     take, loader = feeder(kind, args, device) if kind.startswith("crammed-fed") else (batches.__getitem__, None)
     times, warmup_times = [], []
-    for i in range(len(batches)):
-        synchronize(device)
-        start = time.perf_counter()
+
+    def train_step(i: int) -> torch.Tensor:
         inputs, labels = take(i)
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = step_model(input_ids=inputs, labels=labels).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    for i in range(len(batches)):
+        synchronize(device)
+        start = time.perf_counter()
+        loss = train_step(i)
         synchronize(device)
         elapsed = time.perf_counter() - start
         (times if i >= args.warmup else warmup_times).append(elapsed)
         if args.verbose:
             print(f"  {kind} step {i}: {elapsed:.3f} s, loss {loss.item():.3f}", flush=True)
+    profiled = None
+    if args.profile:
+        # reuse the timed batches (the fed variants' loader holds exactly warmup + steps micro-batches)
+        steps = iter(range(args.warmup, args.warmup + args.steps))
+        profiled = profile_steps(lambda: train_step(next(steps)), min(3, args.steps), device,
+                                 f"{args.profile}.{kind}.txt")
     # The fastest timed step: on a shared machine other processes only ever slow a step down.
     if loader is not None:
         loader.close()
     step = min(times)
     peak_memory = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    del model, step_model, optimizer
+    model = step_model = optimizer = train_step = None  # free the GPU memory before the next model
     if device.type == "cuda":
         torch.cuda.empty_cache()
     tokens = args.batch * args.seq
@@ -216,6 +287,7 @@ def run(kind: str, args: argparse.Namespace, batches, device: torch.device) -> d
         "mfu": achieved / args.peak_tflops,
         "final_loss": loss.item(),
         "cuda_peak_memory_bytes": peak_memory,
+        "profile": profiled,
     }
 
 
@@ -260,6 +332,12 @@ def main(argv: list[str] | None = None) -> dict:
         "buffers are not page-faulted in again every step",
     )
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument(
+        "--profile",
+        metavar="PREFIX",
+        help="after timing, profile 3 more steps per model: the top kernels go to PREFIX.MODEL.txt, the time per "
+        "step by kernel family (matmul, attention, optimizer, inductor's fused kernels, other) to the JSON",
+    )
     parser.add_argument("--verbose", action="store_true", help="print every step")
     args = parser.parse_args(argv)
     if args.quick:
@@ -314,7 +392,13 @@ def main(argv: list[str] | None = None) -> dict:
             + (f"  peak mem {r['cuda_peak_memory_bytes'] / 2**30:.1f} GiB" if r["cuda_peak_memory_bytes"] else "")
             + (f"  first step {r['warmup_s_all'][0]:.1f} s" if r["warmup_s_all"] else "")
         )
+    for r in results:
+        if r["profile"]:
+            shares = ", ".join(f"{k} {v:.1f} ms" for k, v in r["profile"]["by_family_ms"].items())
+            print(f"{r['model']} kernel time {r['profile']['ms_per_step']:.1f} ms/step: {shares}")
     report = {
+        "commit": git_commit(),
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "cuda": torch.version.cuda if device.type == "cuda" else None,

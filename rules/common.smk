@@ -110,6 +110,18 @@ def run_data(wildcards):
     return data_files(RUNS[wildcards.model]["data"], wildcards.vocab)
 
 
+def lr_sweep_summaries(wildcards):
+    """{peak LR: summary.json} of the schedule-sweep runs a model with lr_from_sweep takes its LR from (else empty)."""
+    runs = RUNS[wildcards.model]["lr_from"] or {}
+    return {str(lr): f"{checkpoint_dir(run, MAIN_VOCAB)}/summary.json" for lr, run in runs.items()}
+
+
+def lr_from_arg(wildcards):
+    """The pretrain command's --lr-from option for a model with lr_from_sweep ('' for the others)."""
+    summaries = lr_sweep_summaries(wildcards)
+    return f"--lr-from {shlex.quote(json.dumps(summaries, sort_keys=True))}" if summaries else ""
+
+
 def checkpoint_of(wildcards):
     return f"{checkpoint_dir(wildcards.model, wildcards.vocab)}/model.safetensors"
 

@@ -63,6 +63,7 @@ rule pretrain:
     """MLM pretraining of one run to its budget (tokens, steps or wall-clock seconds), resumable."""
     input:
         unpack(run_data),  # blocks and tokenizer of the run's data recipe (cramswarm.config.data_recipe)
+        sweep=lambda wildcards: list(lr_sweep_summaries(wildcards).values()),  # models.NAME.lr_from_sweep only
     output:
         model="results/pretrain/{source}/{model}/v{vocab}/model.safetensors",
         log_csv="results/pretrain/{source}/{model}/v{vocab}/train_log.csv",
@@ -85,10 +86,11 @@ rule pretrain:
         out_dir=subpath(output.model, parent=True),
         # Resumable state: outside the declared outputs (Snakemake deletes those before a rerun).
         state_dir="results/.state/pretrain/{source}/{model}/v{vocab}",
+        lr_from=lr_from_arg,  # the peak LR chosen from the schedule sweep's held-out losses
     shell:
         "python -m cramswarm pretrain --recipe {params.recipe:q} --arch {params.arch:q} "
         "--blocks {input.blocks} --tokenizer {input.tokenizer} --vocab-size {wildcards.vocab} "
-        "--out-dir {params.out_dir} --state-dir {params.state_dir} --run {wildcards.model} "
+        "--out-dir {params.out_dir} --state-dir {params.state_dir} --run {wildcards.model} {params.lr_from} "
         "--threads 1 > {log} 2>&1"
 
 

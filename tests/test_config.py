@@ -262,3 +262,33 @@ def test_model_info_prints_the_paper_shape_parameter_count(repo):
         check=True,
     ).stdout
     assert "crammed: 16 layers x 768 (12 heads), vocab 32768: 119,589,889 parameters" in out
+
+
+def test_lr_from_sweep_links_the_model_to_its_schedules_runs(repo, tmp_path):
+    overlay = tmp_path / "o.yaml"
+    overlay.write_text("models:\n  crammed:\n    lr_from_sweep: true\n"
+                       "ablations:\n  schedule:\n    schedules: [triangle, cosine]\n    lrs: [5.0e-4, 2.0e-3]\n")
+    runs = resolve_runs(load_config([repo / "config" / "config.yaml", overlay]))
+    assert runs["crammed"]["recipe"]["schedule"] == "triangle"
+    assert runs["crammed"]["lr_from"] == {5e-4: "sched-triangle-lr0.0005", 2e-3: "sched-triangle-lr0.002"}
+    sweep = runs["crammed"]["lr_from"].items()
+    assert all(runs[r]["recipe"]["lr"] == lr and runs[r]["lr_from"] is None for lr, r in sweep)
+    assert runs["bert_original"]["lr_from"] is None
+
+
+@pytest.mark.parametrize(
+    "overlay, expected",
+    [
+        ("ablations:\n  schedule:\n    schedules: [cosine]\n", "the model's schedule 'triangle' is not in"),
+        ("ablations:\n  schedule:\n    base_model: bert_original\n", "set ablations.schedule.base_model: crammed"),
+        ("models:\n  crammed:\n    trainer: swarm\n", "trainer: single"),
+    ],
+)
+def test_lr_from_sweep_refusals_name_the_key(repo, tmp_path, overlay, expected):
+    path = tmp_path / "o.yaml"
+    path.write_text("models:\n  crammed:\n    lr_from_sweep: true\n")
+    extra = tmp_path / "x.yaml"
+    extra.write_text(overlay)
+    with pytest.raises(ConfigError) as err:
+        load_config([repo / "config" / "config.yaml", path, extra])
+    assert "models.crammed.lr_from_sweep" in str(err.value) and expected in str(err.value)

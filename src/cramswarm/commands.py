@@ -90,6 +90,12 @@ def model_info(args) -> int:
     arg("--recipe", type=json_arg, required=True, help="JSON of the pretrain section"),
     arg("--blocks", required=True),
     arg("--state-dir", help="resumable training state (kept outside the outputs; resumed if present)"),
+    arg(
+        "--lr-from",
+        type=json_arg,
+        help="JSON {peak LR: summary.json of a schedule-sweep run}: train at the LR whose run reached the lowest "
+        "final held-out loss (models.NAME.lr_from_sweep); the choice is printed and kept in summary.json",
+    ),
     RUN,
     VOCAB,
     THREADS,
@@ -97,6 +103,14 @@ def model_info(args) -> int:
 )
 def pretrain(args) -> int:
     from cramswarm.distributed import launch_command
+    from cramswarm.pretrain import choose_sweep_lr
+
+    sweep = None
+    if args.lr_from:
+        sweep = choose_sweep_lr(args.lr_from)
+        args.recipe = {**args.recipe, "lr": sweep["chosen_lr"]}
+        print(f"peak LR {sweep['chosen_lr']:g} from the schedule sweep (final held-out loss per LR: "
+              + ", ".join(f"{lr:g}: {loss}" for lr, loss in sweep["eval_loss_by_lr"].items()) + ")", flush=True)
 
     # devices x nodes > 1: this process becomes the recipe's data-parallel job (torchrun, or srun of torchruns), so
     # that signals (scancel, Snakemake's SIGTERM) reach the launcher, which passes them on to its processes
@@ -112,6 +126,7 @@ def pretrain(args) -> int:
     summary = run(
         args.recipe, args.arch, args.blocks, args.tokenizer, args.out_dir, not args.quiet,
         state_dir=args.state_dir, run=args.run, expected_vocab=args.vocab_size,
+        extra_summary={"lr_from_sweep": sweep} if sweep else None,
     )  # fmt: skip
     if summary is not None:  # rank 0 (or the only process)
         print(json.dumps(summary, sort_keys=True))
@@ -125,6 +140,8 @@ def pretrain_arguments(args) -> list[str]:
     for flag, value in (("--state-dir", args.state_dir), ("--run", args.run), ("--vocab-size", args.vocab_size)):
         if value is not None:
             argv += [flag, str(value)]
+    if args.lr_from:  # every process makes the same choice from the same files
+        argv += ["--lr-from", json.dumps(args.lr_from)]
     return argv + (["--quiet"] if args.quiet else [])
 
 

@@ -203,6 +203,36 @@ def swarm_study_model(cfg: dict) -> str:
     return next((name for name, model in cfg["models"].items() if model["trainer"] == "swarm"), "crammed")
 
 
+def _lr_sweep_errors(cfg: dict) -> list[str]:
+    """A model with ``lr_from_sweep`` takes its peak LR from ablations.schedule's runs: those must be runs of this
+    model (base_model) and of its schedule (the schema keeps ablations.schedule.lrs non-empty)."""
+    errors = []
+    sweep = cfg["ablations"]["schedule"]
+    for name, model in cfg["models"].items():
+        if not model.get("lr_from_sweep"):
+            continue
+        key = f"config key 'models.{name}.lr_from_sweep'"
+        if not model["pretrain"] or model["trainer"] != "single":
+            errors.append(f"{key}: only a model pretrained by one process (pretrain: true, trainer: single) takes "
+                          "its LR from the sweep")
+        if sweep["base_model"] != name:
+            errors.append(f"{key}: ablations.schedule.base_model is {sweep['base_model']!r}, so the sweep's runs are "
+                          f"not of {name!r} (set ablations.schedule.base_model: {name})")
+        schedule = model_recipe(cfg, name).get("schedule")
+        if schedule not in sweep["schedules"]:
+            errors.append(f"{key}: the model's schedule {schedule!r} is not in ablations.schedule.schedules "
+                          f"{sweep['schedules']}")
+    return errors
+
+
+def lr_sweep_runs(cfg: dict, name: str) -> dict[float, str] | None:
+    """{peak LR: ablation run name} of the schedule sweep that model ``name`` takes its LR from (None: its own)."""
+    if not cfg["models"][name].get("lr_from_sweep"):
+        return None
+    schedule = model_recipe(cfg, name)["schedule"]
+    return {lr: f"sched-{schedule}-lr{_fmt_lr(lr)}" for lr in cfg["ablations"]["schedule"]["lrs"]}
+
+
 def _semantic_errors(cfg: dict, base_dir: Path, schema: dict) -> list[str]:
     errors = []
     tok = cfg["tokenizer"]
@@ -254,6 +284,7 @@ def _semantic_errors(cfg: dict, base_dir: Path, schema: dict) -> list[str]:
             )
         if stages < 2:
             errors.append(f"config key 'swarm.compression': {compression} needs swarm.stages >= 2 (a boundary)")
+    errors += _lr_sweep_errors(cfg)
     for name, model in cfg["models"].items():
         if model["trainer"] != "swarm":
             continue
@@ -383,7 +414,8 @@ def resolve_runs(cfg: dict) -> dict[str, dict]:
     The study's models keep their names; ablation runs are ``arch-<variant>``, ``arch-<model>``,
     ``sched-<schedule>-lr<peak>``, ``groups-<row>`` and ``data-<source>-<cell>``, all trained at
     ``ablations.budget``. Each entry: ``{"pretrain", "vocab_sweep", "arch", "recipe", "glue", "study", "label",
-    "data", "trainer"}`` (trainer: single | swarm, ablation runs always single; study: models | arch | schedule |
+    "data", "trainer", "lr_from"}`` (lr_from: ``{peak LR: schedule-sweep run}`` for a model with ``lr_from_sweep``,
+    else None; trainer: single | swarm, ablation runs always single; study: models | arch | schedule |
     groups | data; glue: the fine-tuning protocol, :func:`glue_protocol`; data: the data recipe,
     :func:`data_recipe`). Ablation runs are fine-tuned with the
     study's default protocol (``glue.protocol``): they compare pretraining, so fine-tuning is held fixed.
@@ -399,6 +431,7 @@ def resolve_runs(cfg: dict) -> dict[str, dict]:
             "label": name,
             "data": data_recipe(cfg),
             "trainer": spec["trainer"],
+            "lr_from": lr_sweep_runs(cfg, name),
         }
         for name, spec in cfg["models"].items()
     }
@@ -416,6 +449,7 @@ def resolve_runs(cfg: dict) -> dict[str, dict]:
             "label": label,
             "data": data or data_recipe(cfg),
             "trainer": "single",
+            "lr_from": None,
         }
 
     base = abl["arch"]["base_model"]

@@ -271,6 +271,25 @@ def load_training_data(
     return tok, blocks, n_blocks
 
 
+def choose_sweep_lr(summaries: dict) -> dict:
+    """The peak LR of a schedule sweep whose run reached the lowest final held-out loss.
+
+    ``summaries``: {peak LR (number or its string): path of that run's ``summary.json``}. Runs without a finite
+    held-out loss (diverged, or no evaluation) are not chosen; ties go to the smaller LR. Returns
+    ``{"chosen_lr", "eval_loss_by_lr", "runs"}`` (the evidence summary.json keeps)."""
+    losses, runs = {}, {}
+    for lr, path in summaries.items():
+        done = json.loads(Path(path).read_text())
+        loss = done.get("eval_loss")
+        losses[float(lr)] = loss if isinstance(loss, (int, float)) and math.isfinite(loss) else None
+        runs[float(lr)] = done.get("run") or str(Path(path).parent)
+    finite = {lr: loss for lr, loss in losses.items() if loss is not None}
+    if not finite:
+        raise ValueError(f"no run of the LR sweep has a finite held-out loss: {summaries}")
+    chosen = min(sorted(finite), key=lambda lr: finite[lr])
+    return {"chosen_lr": chosen, "eval_loss_by_lr": dict(sorted(losses.items())), "runs": dict(sorted(runs.items()))}
+
+
 def pretrain(
     recipe: dict,
     arch: dict,
@@ -281,8 +300,10 @@ def pretrain(
     state_dir: str | Path | None = None,
     run: str | None = None,
     expected_vocab: int | None = None,
+    extra_summary: dict | None = None,
 ) -> dict | None:
-    """Train until the budget is spent; write the checkpoint, ``train_log.csv`` and ``summary.json``.
+    """Train until the budget is spent; write the checkpoint, ``train_log.csv`` and ``summary.json`` (with
+    ``extra_summary``'s keys added).
 
     With ``state_dir``, the full training state (weights, optimizer, scaler, RNG, counters, log) is saved
     there atomically every ``resume_every_seconds`` / ``resume_every_steps``; a rerun with the same recipe,
@@ -295,7 +316,8 @@ def pretrain(
     world = World.join(device.type)
     try:
         return _pretrain(
-            world, device, recipe, arch, blocks_path, tokenizer_path, out_dir, progress, state_dir, run, expected_vocab
+            world, device, recipe, arch, blocks_path, tokenizer_path, out_dir, progress, state_dir, run, expected_vocab,
+            extra_summary or {},
         )
     finally:
         world.close()
@@ -303,7 +325,7 @@ def pretrain(
 
 def _pretrain(
     world: World, device: torch.device, recipe, arch, blocks_path, tokenizer_path, out_dir, progress, state_dir, run,
-    expected_vocab,
+    expected_vocab, extra_summary,
 ) -> dict | None:  # fmt: skip
     """:func:`pretrain` in one process of ``world``."""
     if world.size > 1 and device.type == "cuda":
@@ -571,6 +593,7 @@ def _pretrain(
         "arch": arch,
         "pretrained": True,
         "provenance": provenance({"recipe": recipe, "arch": arch}, recipe["seed"], str(device)),
+        **extra_summary,
     }
     write_json(out_dir / "summary.json", summary)
     if state_path is not None:

@@ -170,6 +170,10 @@ def _flatten(value, prefix: str = "") -> list[tuple[str, object]]:
 # The command that writes a committed table, where one is known (else the docs around the block name it).
 TABLE_WRITERS = {
     "front_door.csv": "python benchmarks/front_door.py --smoke --default --out results/readme/front_door.csv",
+    "pretrain_gpu.csv": "python benchmarks/throughput_table.py results/readme/pretrain_gpu/*.json "
+    "--out results/readme/pretrain_gpu.csv",
+    "pretrain_gpu_kernels.csv": "python benchmarks/throughput_table.py results/readme/pretrain_gpu/*.json "
+    "--profile-out results/readme/pretrain_gpu_kernels.csv",
 }
 
 
