@@ -30,7 +30,7 @@ from cramswarm.config import load_config
 from cramswarm.swarm import emulation, hivemind_transport, sim
 from cramswarm.swarm.emulation import PeerSpec, SwarmSetup
 from cramswarm.swarm.policies import RetryPolicy
-from cramswarm.swarm.toy import counting_microbatches
+from cramswarm.swarm.toy import CountingSource
 
 REPO = Path(__file__).resolve().parents[1]
 SPEEDS, PLACEMENT, TRAINERS = [0.25, 0.25, 0.025], [2, 1], 3
@@ -38,8 +38,9 @@ MICRO, SEQ, VOCAB = 4, 32, 128
 
 
 def batches(seed: int = 0):
-    """Masked microbatches of a learnable language: each sequence counts upward through 16 tokens."""
-    return counting_microbatches(MICRO, SEQ, seed)
+    """Masked microbatches of a learnable language (each sequence counts upward through 16 tokens), by index: the
+    launcher's trainers make their own."""
+    return CountingSource(MICRO, SEQ, seed)
 
 
 def window_rates(times: list[float], decided_s: float, arrived_s: float) -> tuple[float, float]:

@@ -41,7 +41,7 @@ from cramswarm.config import load_config  # noqa: E402
 from cramswarm.swarm import compression, hivemind_transport, sim  # noqa: E402
 from cramswarm.swarm.emulation import BACKWARD_COMPUTE_FACTOR, PeerSpec, SwarmSetup  # noqa: E402
 from cramswarm.swarm.policies import RetryPolicy  # noqa: E402
-from cramswarm.swarm.toy import counting_microbatches  # noqa: E402
+from cramswarm.swarm.toy import CountingSource  # noqa: E402
 from cramswarm.testbed import Unavailable, unavailable_reason  # noqa: E402
 from cramswarm.testbed import swarm as tbswarm  # noqa: E402
 
@@ -49,8 +49,9 @@ VOCAB, SEQ = 128, 32
 
 
 def counting_batches(micro: int, seed: int = 0):
-    """Masked microbatches of a learnable language: each sequence counts upward through 16 tokens."""
-    return counting_microbatches(micro, SEQ, seed)
+    """Masked microbatches of a learnable language (each sequence counts upward through 16 tokens), by index: the
+    launcher's trainers make their own."""
+    return CountingSource(micro, SEQ, seed)
 
 
 def parse_setup(text: str) -> tuple[float, float]:

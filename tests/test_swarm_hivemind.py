@@ -25,7 +25,7 @@ from conftest import ARCH, recipe  # noqa: E402
 from cramswarm.swarm import hivemind_transport as ht  # noqa: E402
 from cramswarm.swarm.hivemind_peer import BootstrapError, RankTaken, claim_rank, listen_host  # noqa: E402
 from cramswarm.swarm.policies import NoPeersError, RetryPolicy  # noqa: E402
-from cramswarm.swarm.toy import counting_microbatches  # noqa: E402
+from cramswarm.swarm.toy import CountingSource, counting_microbatches  # noqa: E402
 
 TINY = ARCH | dict(layers=2, hidden_size=64, heads=2, intermediate_size=128, max_positions=32)
 VOCAB, MICRO, SEQ = 128, 4, 32
@@ -37,6 +37,11 @@ TESTS = Path(__file__).resolve().parent
 def batches(seed: int = 0):
     """Masked microbatches of a learnable language: each sequence counts upward through 16 tokens."""
     return counting_microbatches(MICRO, SEQ, seed)
+
+
+def source(seed: int = 0) -> CountingSource:
+    """The same language by microbatch index: the launcher's trainers make their own microbatches from it."""
+    return CountingSource(MICRO, SEQ, seed)
 
 
 def plan(**kw) -> ht.SwarmPlan:

@@ -20,13 +20,14 @@ import torch
 
 pytest.importorskip("hivemind", reason="hivemind is not installed: transport 1 (real hivemind processes) is untested")
 
-from conftest import recipe  # noqa: E402
-from test_swarm_hivemind import MICRO, TINY, batches, own_p2p_daemons, plan  # noqa: E402
+from conftest import ARCH, recipe  # noqa: E402
+from test_swarm_hivemind import MICRO, TINY, batches, own_p2p_daemons, plan, source  # noqa: E402
 
 from cramswarm.swarm import hivemind_transport as ht  # noqa: E402
 from cramswarm.swarm import launcher as launcher_mod  # noqa: E402
 from cramswarm.swarm.peer_sync import newest_shard, shard_files, step_target, write_shard  # noqa: E402
 from cramswarm.swarm.stages import STATE_BYTES_PER_PARAMETER, build_swarm_model, stage_state_bytes  # noqa: E402
+from cramswarm.swarm.train import UNBOUNDED  # noqa: E402
 from cramswarm.swarm.trainer import shard  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
@@ -44,7 +45,7 @@ def brief(stats: dict) -> dict:
 def launch(total: int, **kw):
     """One run under the launcher; checks what every run must show, returns (result, stats)."""
     daemons_before = own_p2p_daemons()
-    result = ht.run_swarm(plan(decentralised=True, **kw), batches(), total, progress=False)
+    result = ht.run_swarm(plan(decentralised=True, **kw), source(), total, progress=False)
     stats = result.stats
     assert stats["roles"] == "launcher"
     # every microbatch of every shard was trained once (re-sent on failures, resumed after a trainer restart)
@@ -163,26 +164,114 @@ def test_random_peer_kills_under_the_launcher_lose_no_microbatch():
     assert all(-MICRO <= n <= stats["peers_killed"] * 4 * MICRO for n in lost), brief(stats)
 
 
+@pytest.mark.slow
+def test_a_seconds_budget_under_the_launcher_ends_at_its_deadline_and_loses_no_microbatch():
+    budget_s = 20.0
+    timed = plan().recipe | {"budget": {"unit": "seconds", "value": budget_s}}
+    daemons_before = own_p2p_daemons()
+    result = ht.run_swarm(plan(decentralised=True, recipe=timed), source(), UNBOUNDED, progress=False)
+    stats = result.stats
+    assert stats["roles"] == "launcher" and stats["deadline_s"] == budget_s, brief(stats)
+    done = stats["microbatches_done"]
+    # every microbatch a trainer took before the deadline was finished, and stepped on every stage
+    assert done >= 8 and stats["microbatches_requested"] == done and stats["lost_microbatches"] == 0, brief(stats)
+    assert stats["microbatches_with_loss"] == done and stats["stepped_microbatches"] == [done, done], brief(stats)
+    assert stats["shard_sizes"] == [None, None]  # no count: the trainers ran until the deadline
+    # it ends near its budget: no microbatch was taken after the deadline, the last ones finished just after it
+    finished = stats["microbatch_done_s"]
+    assert budget_s - 5.0 <= finished[-1] <= budget_s + 10.0, finished[-5:]
+    assert budget_s <= stats["wall_s"] <= budget_s + 15.0, stats["wall_s"]
+    # the learning rate followed the training time: the last stage's steps' progress rises to about 1
+    progress = [row["progress"] for row in result.log]
+    assert progress == sorted(progress) and 0.75 <= progress[-1] <= 1.5, progress
+    # the last partial batch was flushed and the checkpoint assembled from the stages' final shards
+    assert stats["assembled_from"] == ["shard", "shard"] and stats["shard_steps"] == stats["stage_steps"]
+    assert stats["replicas_equal"] and stats["replica_max_abs_diff"] == [0.0, 0.0], stats["replica_steps"]
+    assert len(result.stage_states) == 2 and all(result.stage_states)
+    assert ht.leftover_processes(stats["process_groups"]) == [] and own_p2p_daemons() == daemons_before
+
+
+@pytest.mark.slow
+def test_swarm_pretrain_under_the_launcher_trains_from_the_blocks_file_to_a_seconds_budget(tiny_run):
+    """The rule's path end to end: the trainers read the packed blocks file and mask their microbatches
+    themselves, until the deadline; the checkpoint and summary are written, the state folder goes."""
+    import yaml
+
+    from cramswarm.config import DEFAULT_SCHEMA
+    from cramswarm.swarm.train import swarm_pretrain
+
+    tmp_path, tok_path = tiny_run
+    keys = yaml.safe_load(Path(DEFAULT_SCHEMA).read_text())["properties"]["swarm"]["properties"]
+    swarm = {key: spec["default"] for key, spec in keys.items()} | {
+        "transport": "hivemind", "stages": 2, "peers_per_stage": 1, "trainers": 2, "forward_timeout_s": 5.0}
+    rec = recipe(budget={"unit": "seconds", "value": 15.0})
+    summary = swarm_pretrain(rec, ARCH | {"layers": 2}, swarm, tmp_path / "blocks.npy", tok_path, tmp_path / "out",
+                             progress=False, rendezvous=tmp_path / "rendezvous")
+    stats = summary["swarm_stats"]
+    done = stats["microbatches_done"]
+    assert stats["roles"] == "launcher" and stats["deadline_s"] == 15.0, brief(stats)
+    assert done >= 4 and stats["lost_microbatches"] == 0 and stats["stepped_microbatches"] == [done, done], \
+        brief(stats)
+    assert summary["tokens"] == done * rec["micro_batch_sequences"] * 32
+    assert 15.0 <= summary["elapsed_s"] <= 30.0 and summary["eval_loss"] > 0, summary["elapsed_s"]
+    assert stats["assembled_from"] == ["shard", "shard"]
+    assert (tmp_path / "out" / "model.safetensors").exists() and (tmp_path / "out" / "summary.json").exists()
+    assert not (tmp_path / "rendezvous" / "launcher").exists()  # the state folder goes once the run succeeded
+
+
+def test_a_resumed_seconds_run_gets_the_budget_less_its_earlier_training_time(tmp_path):
+    state, budget_s = tmp_path / "state", 60.0
+    timed = plan().recipe | {"budget": {"unit": "seconds", "value": budget_s}}
+    first = _prepared(state, UNBOUNDED, recipe=timed)
+    first.run_id, first.start_wall = "csdead", 1000.0  # another process's run id (this one's pid is the same)
+    first._write_clock()
+    clock = json.loads((state / launcher_mod.CLOCK_FILE).read_text())
+    assert clock == {"run_id": first.run_id, "origin_wall": 1000.0, "deadline_wall": 1000.0 + budget_s}
+    # the first life trained 25 s before it was killed
+    (state / launcher_mod.TIME_FILE).write_text(json.dumps({"wall_s": 25.0, "start_wall": 1000.0}))
+    again = _prepared(state, UNBOUNDED, recipe=timed)
+    assert not (state / launcher_mod.CLOCK_FILE).exists()  # the dead life's clock goes: its peers' origin is stale
+    assert again.stats["resumed"]["wall_s_before"] == 25.0
+    again.start_wall = 5000.0
+    again._write_clock()
+    clock = json.loads((state / launcher_mod.CLOCK_FILE).read_text())
+    assert clock["origin_wall"] == 5000.0 - 25.0 and clock["deadline_wall"] == 5000.0 + budget_s - 25.0
+    # a peer or trainer of another run (the dead life's run id) does not take this clock
+    from cramswarm.swarm.peer_sync import read_clock
+
+    assert read_clock(state, first.run_id)["deadline_wall"] is None
+    assert read_clock(state, again.run_id)["deadline_wall"] == clock["deadline_wall"]
+    # a token or step budget has no deadline
+    counted = _prepared(tmp_path / "counted", 24)
+    counted.start_wall = 7.0
+    counted._write_clock()
+    assert json.loads((tmp_path / "counted" / launcher_mod.CLOCK_FILE).read_text())["deadline_wall"] is None
+
+
 def test_train_runs_under_the_launcher_only_where_the_launcher_supports_the_plan():
     assert ht.decentralised_supported(plan(), 96) is None
     # rebalancing runs under the launcher: the stage peers decide the moves (peer_rebalance)
     assert ht.decentralised_supported(plan(rebalance_period_s=3.0), 96) is None
+    # a seconds budget (the trainers stop at the launcher's deadline) and any amount of data (the trainers read
+    # the blocks themselves: no microbatch file is written before the start)
     seconds = plan().recipe | {"budget": {"unit": "seconds", "value": 60}}
+    assert ht.decentralised_supported(plan(recipe=seconds), 1 << 62) is None
+    assert ht.decentralised_supported(plan(), 10**9) is None
     reasons = {
         "placement=attach": ht.decentralised_supported(plan(placement="attach"), 96),
-        "seconds budget": ht.decentralised_supported(plan(recipe=seconds), 1 << 62),
+        "throughput emulation": ht.decentralised_supported(plan(emulate={"stage_time_s": 0.01}), 96),
         "peers_per_stage": ht.decentralised_supported(plan(peers_per_stage=[1, 0]), 96),
-        "GiB in the trainers' shard files": ht.decentralised_supported(plan(), 10**7),
     }
     assert all(reason and key in reason for key, reason in reasons.items()), reasons
-    with pytest.raises(ValueError, match="the launcher cannot run this swarm: a seconds budget"):
-        ht.run_swarm(plan(recipe=seconds, decentralised=True), batches(), 8, progress=False)
+    # the launcher's trainers make their own microbatches: an iterator of them cannot be handed on
+    with pytest.raises(TypeError, match="give it a microbatch source"):
+        ht.run_swarm(plan(decentralised=True), batches(), 8, progress=False)
 
 
 @pytest.mark.slow
 def test_peers_and_trainers_exit_when_the_launcher_is_sigkilled(tmp_path):
     code = ("import sys; sys.path.insert(0, {tests!r}); import test_swarm_roles as t; "
-            "t.ht.run_swarm(t.plan(decentralised=True), t.batches(), 2000, progress=False)")
+            "t.ht.run_swarm(t.plan(decentralised=True), t.source(), 2000, progress=False)")
     launcher = subprocess.Popen([sys.executable, "-c", code.format(tests=str(TESTS))], start_new_session=True,
                                 stdout=open(tmp_path / "launcher.log", "w"), stderr=subprocess.STDOUT)
     workdir = None
@@ -228,7 +317,7 @@ def _shard_blob(step: int, stepped_mbs: list[int]) -> bytes:
 
 def _prepared(state: Path, total: int, **kw) -> launcher_mod.Launcher:
     """A launcher that prepared its state folder (data, resume.json, resume set-up) and let go of its lock."""
-    data = kw.pop("data", None) or batches()
+    data = kw.pop("data", None) or source()
     launcher = launcher_mod.Launcher(plan(decentralised=True, state_dir=state, **kw), data, total, progress=False)
     try:
         launcher._prepare()
@@ -303,13 +392,13 @@ def test_a_rerun_with_other_settings_or_data_is_refused_naming_what_differs(tmp_
     with pytest.raises(launcher_mod.ResumeMismatch, match=r"microbatches: 24 -> 30; trainers: 2 -> 3"):
         _prepared(state, 30, trainers=3)
     with pytest.raises(launcher_mod.ResumeMismatch, match="training microbatches differ"):
-        _prepared(state, total, data=batches(seed=1))
+        _prepared(state, total, data=source(seed=1))
     _prepared(state, total, kill_every_s=9.0, link_mbit_s=10.0)  # operational settings may change
     # a second launcher on the same folder at once is refused
-    holder = launcher_mod.Launcher(plan(decentralised=True, state_dir=state), batches(), total, progress=False)
+    holder = launcher_mod.Launcher(plan(decentralised=True, state_dir=state), source(), total, progress=False)
     try:
         with pytest.raises(RuntimeError, match="another launcher is running"):
-            launcher_mod.Launcher(plan(decentralised=True, state_dir=state), batches(), total, progress=False)
+            launcher_mod.Launcher(plan(decentralised=True, state_dir=state), source(), total, progress=False)
     finally:
         os.close(holder.lock_fd)
 
@@ -320,7 +409,7 @@ def test_a_rerun_after_the_launcher_is_sigkilled_resumes_from_the_stage_shards(t
     total, state = 160, tmp_path / "state"
     code = ("import sys; sys.path.insert(0, {tests!r}); import test_swarm_roles as t; from pathlib import Path; "
             "t.ht.run_swarm(t.plan(decentralised=True, state_dir=Path({state!r}), checkpoint_every_s=1.0), "
-            "t.batches(), {total}, progress=False)")
+            "t.source(), {total}, progress=False)")
     log = tmp_path / "launcher.log"
     first = subprocess.Popen([sys.executable, "-c", code.format(tests=str(TESTS), state=str(state), total=total)],
                              start_new_session=True, stdout=open(log, "w"), stderr=subprocess.STDOUT)
@@ -404,17 +493,22 @@ def test_swarm_pretrain_gives_the_launcher_the_rules_state_folder(monkeypatch, t
     keys = yaml.safe_load(Path(DEFAULT_SCHEMA).read_text())["properties"]["swarm"]["properties"]
     swarm = {key: spec["default"] for key, spec in keys.items()} | {"transport": "hivemind", "checkpoint_every_s": 7.0}
     seen = []
-    monkeypatch.setattr(ht, "run_swarm", lambda p, *args, **kw: seen.append(p))
+    handed = []
+    monkeypatch.setattr(ht, "run_swarm", lambda p, data, *args, **kw: seen.append(p) or handed.append(data))
     base = plan()
     common = dict(arch=base.arch, vocab_size=base.vocab_size, recipe=base.recipe, batches=batches(),
-                  total_microbatches=96, progress=False)
+                  total_microbatches=96, progress=False, source=source())
     ht.train(swarm=swarm, rendezvous=tmp_path, **common)
     ht.train(swarm=swarm, **common)
     ht.train(swarm=swarm | {"placement": "attach"}, rendezvous=tmp_path, **common)  # the coordinator's
     ht.train(swarm=swarm | {"rebalance_period_s": 5.0}, rendezvous=tmp_path, **common)  # the peers rebalance
+    ht.train(swarm=swarm, rendezvous=tmp_path, **(common | {"source": None}))  # no source: the coordinator's
     assert [(p.decentralised, p.state_dir) for p in seen] == [(True, tmp_path / "launcher"), (True, None),
-                                                              (False, None), (True, tmp_path / "launcher")]
+                                                              (False, None), (True, tmp_path / "launcher"),
+                                                              (False, None)]
     assert seen[0].checkpoint_every_s == 7.0
+    # the launcher gets the source (its trainers make their microbatches), the coordinator the iterator
+    assert [hasattr(data, "spec") for data in handed] == [True, True, False, True, False]
 
 
 # -- the rule's outputs, then its state folder --------------------------------------------------------------------
@@ -435,7 +529,7 @@ def test_a_kill_between_the_outputs_and_the_state_folders_removal_trains_nothing
     rendezvous, state = tmp / "rendezvous", tmp / "rendezvous" / train_mod.STATE_SUBDIR
     found_state = []
 
-    def launcher_train(*, rendezvous, swarm, **kw):
+    def launcher_train(*, rendezvous, swarm, source, **kw):
         """The launcher's part (the same training, on the emulation): it leaves its state folder to the caller."""
         folder = Path(rendezvous) / train_mod.STATE_SUBDIR
         found_state.append(sorted(p.name for p in folder.iterdir()) if folder.exists() else None)
@@ -578,7 +672,8 @@ def test_sigkill_of_the_rules_own_process_leaves_nothing_behind_and_a_rerun_resu
 @pytest.mark.slow
 def test_hivemind_swarm_pretraining_matches_single_process_within_the_emulations_tolerance(tiny_run):
     """Loss parity on hivemind: swarm_pretrain under the launcher (2 stages x 2 peers, 3 trainer processes, blockwise
-    8-bit boundaries, fp16 averaging, bf16) against cramswarm.pretrain on the same blocks, masks and step budget:
+    8-bit boundaries, fp16 averaging, bf16) against cramswarm.pretrain on the same blocks and step budget (the
+    launcher's trainers draw each microbatch's masks from its own seed, cramswarm.swarm.data, at the same rate):
     within test_swarm_train's PARITY_NATS, the emulation's tolerance, in final training loss and held-out loss.
     Measured (4 runs, 2026-11-26, loaded 2-core machine): swarm minus single-process final loss +0.010, +0.003,
     -0.009, -0.004 nats; held-out -0.034, -0.017, +0.011, -0.015 - a third of the tolerance at most. The swarm's

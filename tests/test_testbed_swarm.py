@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("hivemind", reason="hivemind is not installed: transport 1 (real hivemind processes) is untested")
 
-from test_swarm_hivemind import MICRO, batches, own_p2p_daemons, plan  # noqa: E402
+from test_swarm_hivemind import MICRO, own_p2p_daemons, plan, source  # noqa: E402
 
 from cramswarm.swarm import hivemind_transport as ht  # noqa: E402
 from cramswarm.swarm.policies import CALL_ROUND_TRIPS  # noqa: E402
@@ -61,7 +61,7 @@ def test_each_process_gets_its_own_host_and_port():
     assert tbswarm.host_address("10.77.0.3:4100") and not tbswarm.host_address("10.77.1.3:4100")
     assert not tbswarm.host_address("10.77.255.254:51234")
     with pytest.raises(ValueError, match="a delay needs the relay"):
-        tbswarm.run(plan(), batches(), 8, latency_ms=20.0, relay=False)
+        tbswarm.run(plan(), source(), 8, latency_ms=20.0, relay=False)
 
 
 @pytest.mark.slow
@@ -73,7 +73,7 @@ def test_swarm_on_the_testbed_survives_a_silently_cut_stage_peer(can_build):
     total = 80
     daemons_before = own_p2p_daemons()
     # host faults count from the first finished microbatch: the connections 1 s into training, the cut 4 s in
-    result = tbswarm.run(plan(decentralised=True, faults=[(1.0, "connections"), (4.0, "cut:s0b")]), batches(), total,
+    result = tbswarm.run(plan(decentralised=True, faults=[(1.0, "connections"), (4.0, "cut:s0b")]), source(), total,
                          bandwidth_mbit=100.0, latency_ms=20.0)
     stats = result.stats
     tb = stats["testbed"]
@@ -122,10 +122,10 @@ def test_swarm_on_the_testbed_survives_a_silently_cut_stage_peer(can_build):
 def test_a_swarm_that_fails_on_the_testbed_leaves_nothing_and_the_caller_in_its_own_namespace(can_build):
     before, own = set(namespaces()), os.readlink("/proc/thread-self/ns/net")
     with pytest.raises(ValueError, match="the launcher cannot run this swarm"):  # raised inside the ctl namespace
-        # a seconds budget: the launcher's trainers need their shards before the start (rebalancing, the example
-        # here before, now runs under the launcher)
-        timed = plan().recipe | {"budget": {"unit": "seconds", "value": 5.0}}
-        tbswarm.run(plan(recipe=timed), batches(), 8, bandwidth_mbit=100.0, latency_ms=20.0)
+        # the throughput emulation needs the coordinator (a seconds budget, the example here before, now runs
+        # under the launcher)
+        emulated = {"stage_time_s": 0.01, "backward_factor": 2.0, "activation_bytes": 64}
+        tbswarm.run(plan(emulate=emulated), source(), 8, bandwidth_mbit=100.0, latency_ms=20.0)
     assert os.readlink("/proc/thread-self/ns/net") == own
     assert set(namespaces()) == before
     assert [child.pid for child in psutil.Process().children(recursive=True)  # the relay was this process's

@@ -3,8 +3,8 @@
 Two ways to run a swarm: ``run_swarm`` hands a plan with ``decentralised`` set to the launcher (``launcher``:
 independent trainer processes, in-stage steps decided by the stage peers, no process whose state training needs;
 ``train`` sets it wherever ``decentralised_supported`` allows; there the stage peers also decide rebalancing,
-``peer_rebalance``), and runs every other plan - the attach / srun placements, a seconds budget, the throughput
-emulation of ``run`` - with the coordinator below.
+``peer_rebalance``; its trainers make their own microbatches from a source, ``data``), and runs every other plan -
+the attach / srun placements, the throughput emulation of ``run`` - with the coordinator below.
 The trainers' call and microbatch code is ``trainer.StageClient`` in both; the coordinator adds its window
 through StageClient's hooks.
 
@@ -123,7 +123,6 @@ from cramswarm.training import build_model, lr_multiplier
 
 REFRESH_PERIOD_S = 1.0  # trainers re-read the stages' DHT records this often
 PLACEMENTS = ("local", "attach", "srun")  # who starts the stage peers (SwarmPlan.placement)
-LAUNCHER_DATA_BYTES = 4 * 2**30  # the launcher writes the microbatches to files for its trainers: at most this
 
 
 @dataclass
@@ -909,26 +908,25 @@ _own_daemons = own_daemons  # the tests' name for it
 
 def decentralised_supported(plan: SwarmPlan, total_microbatches: int) -> str | None:
     """Why the launcher (independent trainer processes, steps decided by the stage peers) cannot run ``plan``
-    yet, or None. The attach/srun placements and a seconds budget still need the coordinator (rebalancing under
-    the launcher is decided by the stage peers: ``peer_rebalance``)."""
+    yet, or None. The attach/srun placements (their peers are started elsewhere, not by the launcher) and the
+    throughput emulation still need the coordinator. Any budget and any amount of data run under the launcher:
+    its trainers read the training blocks and mask their microbatches themselves (``data``), and with a seconds
+    budget they stop at the launcher's deadline (rebalancing is decided by the stage peers: ``peer_rebalance``).
+    ``total_microbatches`` is kept for the callers; no count is refused."""
     if plan.placement != "local":
         return f"swarm.placement={plan.placement} (the launcher starts its peers itself: local only)"
     if plan.emulate is not None:
         return "throughput emulation (hivemind_transport.run) uses the coordinator"
-    if plan.recipe["budget"]["unit"] == "seconds" or total_microbatches >= 1 << 40:
-        return "a seconds budget (the trainers' shards are written before the start: a token or step budget)"
     if min(plan.peers_per_stage, default=0) < 1:
         return f"swarm.peers_per_stage={plan.peers_per_stage}: every stage needs a peer"
-    shard_bytes = total_microbatches * plan.recipe["micro_batch_sequences"] * plan.arch["max_positions"] * 8
-    if shard_bytes > LAUNCHER_DATA_BYTES:  # inputs + labels as int32, written before the start
-        return (f"its microbatches would take {shard_bytes / 2**30:.1f} GiB in the trainers' shard files (at most "
-                f"{LAUNCHER_DATA_BYTES / 2**30:.0f} GiB; trainers do not read the training blocks themselves yet)")
     return None
 
 
 def run_swarm(plan: SwarmPlan, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], total_microbatches: int,
               progress: bool = True) -> TrainResult:
-    """Run one hivemind swarm; every process it started (and this process's p2pd) is gone when it returns."""
+    """Run one hivemind swarm; every process it started (and this process's p2pd) is gone when it returns.
+    ``batches``: the microbatches in order (the coordinator), or - for a plan with ``decentralised`` - a microbatch
+    source (``data``) the launcher's trainers make their own microbatches from."""
     check_stage_count(plan.arch["layers"], plan.stages)
     plan.validate()
     check_memory_cap(stage_state_bytes(plan.arch, plan.vocab_size, plan.stages), plan.peer_memory_cap_mb)
@@ -988,9 +986,11 @@ def run(setup: SwarmSetup) -> dict:
 
 def train(*, arch: dict, vocab_size: int, recipe: dict, swarm: dict,
           batches: Iterator[tuple[torch.Tensor, torch.Tensor]], total_microbatches: int,
-          progress: bool = True, rendezvous: str | Path | None = None) -> TrainResult:
+          progress: bool = True, rendezvous: str | Path | None = None, source=None) -> TrainResult:
     """The swarm_pretrain rule's hivemind transport (``emulation.train``'s signature and result, plus the
-    rendezvous folder of the attach and srun placements)."""
+    rendezvous folder of the attach and srun placements and the microbatch source, ``data``, of the same
+    microbatches by index: with one, the launcher runs the swarm wherever it supports the plan, its trainers
+    making their own microbatches from it; the coordinator takes ``batches``)."""
     if swarm["peers_per_stage"] < 1:
         raise ValueError(f"swarm.peers_per_stage={swarm['peers_per_stage']}: every stage needs at least one peer")
     plan = SwarmPlan(
@@ -1005,9 +1005,9 @@ def train(*, arch: dict, vocab_size: int, recipe: dict, swarm: dict,
     )
     plan.checkpoint_every_s = swarm["checkpoint_every_s"]
     plan.peer_memory_cap_mb = swarm.get("peer_memory_cap_mb")
-    plan.decentralised = decentralised_supported(plan, total_microbatches) is None
+    plan.decentralised = source is not None and decentralised_supported(plan, total_microbatches) is None
     if plan.decentralised and rendezvous:  # the rule's state folder: a rerun after the rule's process died resumes
         from cramswarm.swarm.train import STATE_SUBDIR
 
         plan.state_dir = Path(rendezvous) / STATE_SUBDIR
-    return run_swarm(plan, batches, total_microbatches, progress)
+    return run_swarm(plan, source if plan.decentralised else batches, total_microbatches, progress)

@@ -1,7 +1,7 @@
 """The launcher of a hivemind swarm: starts the processes, restarts the dead, gathers the result - no training.
 
 ``hivemind_transport.run_swarm`` uses it for plans with ``decentralised`` set (``train`` sets it for the local
-placement and a token or step budget; see ``hivemind_transport.decentralised_supported``).
+placement, any budget; see ``hivemind_transport.decentralised_supported``).
 Processes (each its own process-group leader, ``processes.ProcessGroups``):
 
 * ``bootstrap`` - the process that starts the DHT (``hivemind_peer bootstrap``) and writes the address file;
@@ -11,7 +11,16 @@ Processes (each its own process-group leader, ``processes.ProcessGroups``):
   their stage's synchronous steps among themselves (``peer_sync``) and, with ``rebalance_period_s``, which of them
   moves to a starved stage; the mover moves itself, in its process (``peer_rebalance``);
 * trainers - ``python -m cramswarm.swarm.trainer``, one per ``trainers``, each owning a shard of the
-  microbatches (``trainer``), which this process writes to the run folder before it starts anything.
+  microbatches (``trainer``), which it makes itself from the run's microbatch source (``data``: the packed
+  training blocks, masked per microbatch index); this process writes no microbatch. Training starts once every
+  trainer has joined the swarm: then this process writes the training clock (``peer_sync.CLOCK_FILE``), which
+  the trainers wait for before their first microbatch.
+
+Budgets: a token or step budget fixes the number of microbatches before the start. A seconds budget does not:
+the training clock (``peer_sync.CLOCK_FILE``) holds the origin of training time and the deadline, the budget
+after the origin; the trainers take microbatches until the deadline
+and finish the one under way, and the end is that of a counted run (the last, partial global batch, the final
+shards). Only training time counts: a resumed seconds run gets the budget less its earlier lives' training time.
 
 What the launcher still does, and what its death means: it keeps a heartbeat record in the DHT (the key the
 peers of the coordinator's swarm watch, ``hivemind_peer.coordinator_key``); it restarts a trainer that died (same
@@ -28,7 +37,8 @@ Checkpoint and resume: with ``state_dir`` (the swarm_pretrain rule's resumable s
 ``results/.state``) the run's folder is that folder, not a temporary one. The stage peers write their stages'
 shards to its ``shards/`` folder (``peer_sync``: every ``checkpoint_every_s`` and once more at the end) and the
 checkpoint is assembled from the final shards. ``resume.json`` records what the run was started with (model,
-recipe, stages, trainers, compressions, seed, microbatches and a SHA-1 of the microbatches). A launcher that
+recipe, stages, trainers, compressions, seed, microbatches, the microbatch source's spec and a SHA-1 of its first
+and last microbatch). A launcher that
 finds it - the previous one was killed with everything it started - resumes: the stage peers load their stage's
 newest shard, and each trainer resumes its shard at its first microbatch that not every stage's shard has
 stepped (the stages skip the ones they already stepped: ``peer_sync``'s duplicate backward calls), so no
@@ -48,7 +58,6 @@ import asyncio
 import contextlib
 import dataclasses
 import fcntl
-import hashlib
 import io
 import json
 import os
@@ -62,7 +71,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import psutil
 import torch
 from hivemind.p2p import PeerID
@@ -70,7 +78,7 @@ from hivemind.utils import get_dht_time
 from tqdm.auto import tqdm
 
 from cramswarm.io import read_json, write_json, write_text
-from cramswarm.swarm import averaging
+from cramswarm.swarm import averaging, data
 from cramswarm.swarm.emulation import TrainResult
 from cramswarm.swarm.hivemind_peer import (
     ADDR_FILE,
@@ -87,7 +95,14 @@ from cramswarm.swarm.hivemind_peer import (
     unpack,
 )
 from cramswarm.swarm.peer_rebalance import MOVES_FILE
-from cramswarm.swarm.peer_sync import SyncingStagePeer, flush_key, load_shard, newest_shard, progress_records
+from cramswarm.swarm.peer_sync import (
+    CLOCK_FILE,
+    SyncingStagePeer,
+    flush_key,
+    load_shard,
+    newest_shard,
+    progress_records,
+)
 from cramswarm.swarm.policies import NoPeersError
 from cramswarm.swarm.processes import PeerProcess, ProcessGroups, own_daemons
 from cramswarm.swarm.trainer import EXIT_NO_PEERS, losses_path, progress_path, shard
@@ -121,11 +136,13 @@ def differences(old, new, prefix: str = "") -> list[str]:
 
 
 class Launcher:
-    def __init__(self, plan, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], total_microbatches: int,
-                 progress: bool):
+    def __init__(self, plan, source, total_microbatches: int, progress: bool):
         from cramswarm.swarm.hivemind_transport import stage_parameter_counts
 
-        self.plan, self.batches, self.total, self.progress = plan, batches, total_microbatches, progress
+        if not data.is_source(source):
+            raise TypeError("the launcher's trainers make their own microbatches: give it a microbatch source "
+                            "(cramswarm.swarm.data), not an iterator")
+        self.plan, self.source, self.total, self.progress = plan, source, total_microbatches, progress
         self.rng = random.Random(plan.seed)
         self.state_dir = Path(plan.state_dir).resolve() if plan.state_dir is not None else None
         if self.state_dir is not None:  # resumable: the run's files stay where a rerun finds them
@@ -184,7 +201,7 @@ class Launcher:
                 path.unlink(missing_ok=True)
 
     def _prepare(self) -> int:
-        """Write the microbatches and config; in a state folder holding an interrupted run, check that this run
+        """Check the microbatch source; in a state folder holding an interrupted run, check that this run
         is the same and set it up to resume from the shards. Returns the tokens per sequence."""
         record_path = self.workdir / RESUME_FILE
         if self.state_dir is not None:
@@ -199,21 +216,26 @@ class Launcher:
                                      f"settings, or remove {self.workdir} to start from step 0")
         elif self.state_dir is not None:
             self._clear()
-        seq_len, digest = self._write_data()
+        seq_len, digest, spec = int(self.source[0][0].shape[1]), data.fingerprint(self.source, self.total), \
+            self.source.spec()
         if previous is not None:
-            if previous["data_sha1"] != digest:
+            diff = differences(previous.get("data"), spec, "data")
+            if diff or previous["data_sha1"] != digest:
                 raise ResumeMismatch(f"cannot resume the interrupted swarm run in {self.workdir}: its training "
-                                     f"microbatches differ from this run's (SHA-1 {previous['data_sha1']} -> "
-                                     f"{digest}: other blocks or masking); remove {self.workdir} to start from step 0")
+                                     f"microbatches differ from this run's ({'; '.join(diff) or 'same source'}; "
+                                     f"SHA-1 {previous['data_sha1']} -> {digest}: other blocks or masking); remove "
+                                     f"{self.workdir} to start from step 0")
             self._resume()
         elif self.state_dir is not None:
-            write_json(record_path, {"fingerprint": fingerprint, "data_sha1": digest, "seq_len": seq_len})
+            write_json(record_path, {"fingerprint": fingerprint, "data": spec, "data_sha1": digest,
+                                     "seq_len": seq_len})
         return seq_len
 
     def _resume(self) -> None:
         """Set up the folder of an interrupted run: the trainers restart at the first microbatch of their shard
         that not every stage's newest shard has stepped; the last stage's log keeps the shard's steps."""
         (self.workdir / ADDR_FILE).unlink(missing_ok=True)  # the dead swarm's addresses
+        (self.workdir / CLOCK_FILE).unlink(missing_ok=True)  # its clock: this life writes its own
         for tmp in [*self.workdir.glob(".*.tmp"), *self.shard_dir.glob(".*")]:  # writes cut short
             tmp.unlink(missing_ok=True)
         shards = [newest_shard(self.shard_dir, s) for s in range(self.plan.stages)]
@@ -232,7 +254,8 @@ class Launcher:
             if losses.exists():  # whole records only (a write cut short would run into the next one)
                 write_text(losses, "".join(f"{line}\n" for line in losses.read_text().splitlines()
                                            if _mb_of(line) is not None))
-            write_json(progress_path(self.workdir, rank), {"rank": rank, "done": done, "shard": len(mine),
+            size = len(mine) if data.bounded(self.total) else None
+            write_json(progress_path(self.workdir, rank), {"rank": rank, "done": done, "shard": size,
                                                             "stats": {"retries": 0, "timeouts": 0, "errors": 0}})
             after.append(done)
         last_step = shards[-1][0] if shards[-1] else 0
@@ -270,31 +293,21 @@ class Launcher:
                                    f"running after {STALE_WAIT_S:.0f} s; end them before resuming")
             time.sleep(0.5)
 
+    def _write_clock(self) -> None:
+        """The training clock the trainers and peers read (``peer_sync.CLOCK_FILE``): training time 0 is this
+        life's start less the earlier lives' training time; a seconds budget ends ``budget`` seconds after it."""
+        origin = self.start_wall - self.wall_before
+        budget = self.plan.recipe["budget"]
+        deadline = origin + float(budget["value"]) if budget["unit"] == "seconds" else None
+        write_json(self.workdir / CLOCK_FILE, {"run_id": self.run_id, "origin_wall": origin,
+                                               "deadline_wall": deadline})
+        self.stats["deadline_s"] = round(deadline - origin, 3) if deadline is not None else None
+
     def _record_time(self) -> None:
         """In a state folder: the training time so far (all lives) and the first life's start, for a resume."""
         if self.state_dir is not None:
             write_json(self.workdir / TIME_FILE, {"wall_s": self.wall_before + self.elapsed(),
                                                   "start_wall": self.first_start_wall})
-
-    def _write_data(self) -> tuple[int, str]:
-        """The microbatches, memory-mapped for the trainers; returns the tokens per sequence and their SHA-1."""
-        inputs = labels = None
-        digest = hashlib.sha1()
-        for i in range(self.total):
-            try:
-                x, y = next(self.batches)
-            except StopIteration:
-                raise ValueError(f"the batch iterator ran out after {i} of {self.total} microbatches") from None
-            if inputs is None:
-                shape = (self.total, *x.shape)
-                inputs = np.lib.format.open_memmap(self.workdir / "inputs.npy", "w+", np.int32, shape)
-                labels = np.lib.format.open_memmap(self.workdir / "labels.npy", "w+", np.int32, shape)
-            inputs[i], labels[i] = x.numpy(), y.numpy()
-            digest.update(inputs[i].tobytes())
-            digest.update(labels[i].tobytes())
-        inputs.flush()
-        labels.flush()
-        return int(inputs.shape[2]), digest.hexdigest()
 
     def _write_config(self, seq_len: int) -> Path:
         p = self.plan
@@ -305,7 +318,8 @@ class Launcher:
                "interface": p.interface, "coordinator_grace_s": p.coordinator_grace_s, "peer_sync": True,
                "seq_len": seq_len, "workdir": str(self.workdir), "retry": dataclasses.asdict(p.retry),
                "seed": p.seed, "shard_dir": str(self.shard_dir), "checkpoint_every_s": p.checkpoint_every_s,
-               "rebalance_period_s": p.rebalance_period_s, "peer_memory_cap_mb": p.peer_memory_cap_mb}
+               "rebalance_period_s": p.rebalance_period_s, "peer_memory_cap_mb": p.peer_memory_cap_mb,
+               "data": self.source.spec(), "microbatches": self.total}
         path = self.workdir / CONFIG_FILE
         tmp = self.workdir / f".{CONFIG_FILE}.tmp"
         tmp.write_text(json.dumps(cfg))
@@ -324,6 +338,26 @@ class Launcher:
         proc, _ = self.groups.spawn(["--config", str(self.config), "--rank", str(rank), "--trainers",
                                      str(self.plan.trainers)], f"trainer{rank}", launcher=TRAINER_MODULE)
         self.trainers[rank] = proc
+
+    async def _wait_trainers_ready(self) -> None:
+        """Until every trainer has joined the swarm and waits for the training clock (its progress file names
+        this run's id); a trainer that exits before is an error."""
+        deadline = time.monotonic() + self.plan.startup_timeout_s
+        while True:
+            waiting = []
+            for rank, proc in self.trainers.items():
+                if (code := proc.poll()) is not None:
+                    raise self._trainer_failed(rank, code)
+                with contextlib.suppress(Exception):
+                    if read_json(progress_path(self.workdir, rank)).get("run_id") == self.run_id:
+                        continue
+                waiting.append(rank)
+            if not waiting:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"trainers {waiting} did not join the swarm within "
+                                   f"{self.plan.startup_timeout_s:.0f} s (logs in {self.workdir})")
+            await asyncio.sleep(0.2)
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)
@@ -495,7 +529,8 @@ class Launcher:
 
     async def _supervise(self) -> None:
         """Until every trainer is done: restart dead trainers and peers, fail on a trainer's error."""
-        bar = tqdm(total=self.total, desc="swarm (hivemind, launcher)", unit="mb", disable=not self.progress,
+        bar = tqdm(total=self.total if data.bounded(self.total) else None, desc="swarm (hivemind, launcher)",
+                   unit="mb", disable=not self.progress,
                    mininterval=2.0)
         try:
             while len(self.finished) < self.plan.trainers:
@@ -676,10 +711,14 @@ class Launcher:
             await self._wait_declared(peers)
             self.phase = "training"
             await self._beat()
-            self.start, self.start_wall = time.perf_counter(), time.time()
-            self.first_start_wall = self.first_start_wall or self.start_wall
             for rank in range(self.plan.trainers):
                 self._start_trainer(rank)
+            await self._wait_trainers_ready()
+            # training starts now, for every trainer at once (their start-up - seconds of imports and a DHT join
+            # on a loaded machine - does not count against a seconds budget)
+            self.start, self.start_wall = time.perf_counter(), time.time()
+            self.first_start_wall = self.first_start_wall or self.start_wall
+            self._write_clock()
             if self.plan.kill_every_s:
                 self._spawn(self._kill_forever(self.plan.kill_every_s))
             for at_s, target in self.plan.faults:
@@ -716,13 +755,16 @@ class Launcher:
         moves = self._moves()
         self.stats.update(self._trainer_stats())
         self.stats["first_logged_step"] = self._first_logged_step()
+        # a seconds budget: the trainers took microbatches until the deadline, and each one they took counts
+        requested = self.total if data.bounded(self.total) else done
         self.stats.update(
             transport="hivemind", placement="local", roles="launcher", microbatches_done=done,
-            microbatches_requested=self.total, lost_microbatches=self.total - done,
+            microbatches_requested=requested, lost_microbatches=requested - done,
             microbatches_with_loss=len(losses), trainer_losses=[losses[i] for i in sorted(losses)],
-            shard_sizes=[len(shard(self.total, r, self.plan.trainers)) for r in range(self.plan.trainers)],
+            shard_sizes=[len(shard(self.total, r, self.plan.trainers)) if data.bounded(self.total) else None
+                         for r in range(self.plan.trainers)],
             steps=len(log), stage_steps=[max(steps.values()) for steps in replica_steps.values()],
-            stepped_samples=stepped, lost_gradient_samples=[self.total * micro - n for n in stepped],
+            stepped_samples=stepped, lost_gradient_samples=[requested * micro - n for n in stepped],
             wall_s=round(wall_s, 3), throughput_mb_s=round(done / wall_s, 4) if wall_s > 0 else 0.0,
             per_stage_peers=[len(steps) for steps in replica_steps.values()], replica_steps=replica_steps,
             replicas_equal=not any(spread), replica_max_abs_diff=spread, process_groups=list(self.groups.pgids),
@@ -773,13 +815,12 @@ def _exit_on_sigterm(signum: int, frame) -> None:
     raise SystemExit(128 + signum)
 
 
-def run(plan, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], total_microbatches: int,
-        progress: bool = True) -> TrainResult:
-    """Run one swarm under the launcher; every process it started (and this process's p2pd) is gone on return.
-    A state folder (``plan.state_dir``) is kept, also after success: the caller removes it (``train.remove_state``)
-    once it has written what it makes of the result."""
+def run(plan, source, total_microbatches: int, progress: bool = True) -> TrainResult:
+    """Run one swarm under the launcher on a microbatch source (``data``); every process it started (and this
+    process's p2pd) is gone on return. A state folder (``plan.state_dir``) is kept, also after success: the caller
+    removes it (``train.remove_state``) once it has written what it makes of the result."""
     before = own_daemons()
-    launcher = Launcher(plan, batches, total_microbatches, progress)
+    launcher = Launcher(plan, source, total_microbatches, progress)
     keep_logs, previous = True, None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)

@@ -11,7 +11,11 @@ and
   reported its shard done). The global batch is the recipe batch with pretrain's ramp, at the budget progress
   computed from the stage's stepped samples and steps (tokens = stepped samples x sequence length), so every
   replica computes the same batch and the same learning rate (``lr_multiplier`` at that progress) from the
-  stage's own progress: no schedule comes from outside;
+  stage's own progress: no schedule comes from outside. With a seconds budget the progress is the training time
+  over the budget: training time counts from the origin in the launcher's ``clock.json`` (``CLOCK_FILE``: the
+  training start less the training seconds of a resumed run's earlier lives); each ready record carries its
+  peer's training time at its snapshot (``at``) and a step's progress is the latest ``at`` of its group (hashed
+  into the group id, so every member computes the same learning rate);
 * to step, it lets the backward calls it admitted finish, then moves its accumulated gradients aside (backward
   calls arriving later count toward the next step),
   marks its record ready and waits until every peer with a record at its step is ready (at most
@@ -78,6 +82,20 @@ MIN_GATHER_S = 0.3        # ... and at least this long (records of peers that be
 ZERO_WEIGHT = 1e-6        # all-reduce weight of a member without samples (see _step)
 FLUSH_CHECK_S = 1.0       # a peer reads the launcher's flush record at most this often
 SHARD_GLOB = "stage{stage}.step*.pt"
+CLOCK_FILE = "clock.json"  # in the run's folder: the training clock's origin and a seconds budget's deadline
+
+
+def read_clock(workdir: Path, run_id: str) -> dict:
+    """The launcher's training clock of run ``run_id`` (``origin_wall``: wall-clock time at which training time is
+    0; ``deadline_wall``: a seconds budget's end, or None); both None before this run's launcher wrote it (an
+    earlier life's file in a resumed run's folder does not count)."""
+    try:
+        clock = json.loads((Path(workdir) / CLOCK_FILE).read_text())
+        if clock["run_id"] == run_id:
+            return clock
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return {"run_id": run_id, "origin_wall": None, "deadline_wall": None}
 
 
 def progress_key(run_id: str, stage: int) -> str:
@@ -130,10 +148,12 @@ def load_shard(path: Path) -> dict:
     return torch.load(path, weights_only=True, map_location="cpu")
 
 
-def step_target(recipe: dict, seq_len: int, stepped_samples: int, step: int) -> tuple[float, int]:
-    """(budget progress, global batch in samples) of a stage's step ``step`` after ``stepped_samples``: pretrain's
-    accounting (the dispatcher's: progress before the step, ``accumulation_at`` micro-batches)."""
-    t = budget_progress(recipe["budget"], stepped_samples * seq_len, step, 0.0)
+def step_target(recipe: dict, seq_len: int, stepped_samples: int, step: int,
+                elapsed_s: float = 0.0) -> tuple[float, int]:
+    """(budget progress, global batch in samples) of a stage's step ``step`` after ``stepped_samples`` and
+    ``elapsed_s`` seconds of training: pretrain's accounting (the dispatcher's: progress before the step,
+    ``accumulation_at`` micro-batches)."""
+    t = budget_progress(recipe["budget"], stepped_samples * seq_len, step, elapsed_s)
     micro = recipe["micro_batch_sequences"]
     size = accumulation_at(t, recipe["batch_sequences"] // micro, recipe["batch_ramp_fraction"])
     return t, size * micro
@@ -153,7 +173,9 @@ class SyncingStagePeer(StagePeer):
         self.local_loss = 0.0      # summed loss x samples of the last stage's backward calls since the snapshot
         self.snapshot_loss = 0.0
         self.digest: str | None = None
-        self.ready: tuple[int, int, float] | None = None  # (step, samples, loss sum) while waiting to average
+        self.ready: tuple[int, int, float, float] | None = None  # (step, samples, loss sum, training seconds at
+                                   # the snapshot) while waiting to average
+        self.clock_origin: float | None = None  # CLOCK_FILE's origin, once read
         self.admitted = 0          # samples of backward calls admitted and not yet computed
         self.closing = False       # taking the step's snapshot: new backward calls wait, admitted ones finish
         self.others_pending = 0    # samples the other peers at this step held at the last read of the records
@@ -249,8 +271,14 @@ class SyncingStagePeer(StagePeer):
         snap = self.snapshot[2] if self.snapshot is not None and self.snapshot[0] == self.step else 0
         return self.local_samples + snap + self.admitted
 
+    def _elapsed(self) -> float:
+        """Seconds of training so far (0 before the launcher started the trainers): a seconds budget's clock."""
+        if self.clock_origin is None:
+            self.clock_origin = read_clock(self.workdir, self.run_id)["origin_wall"]
+        return max(0.0, time.time() - self.clock_origin) if self.clock_origin is not None else 0.0
+
     def _target(self) -> int:
-        return step_target(self.cfg["recipe"], self.seq_len, self.stepped_samples, self.step)[1]
+        return step_target(self.cfg["recipe"], self.seq_len, self.stepped_samples, self.step, self._elapsed())[1]
 
     def _refuse_if_leaving(self) -> None:
         if self.leaving:  # the trainer re-sends the call to another replica of this stage
@@ -302,7 +330,8 @@ class SyncingStagePeer(StagePeer):
         value = {"peer": self.peer_id, "step": self.step, "samples": self._held_samples(),
                  "stepped": self.stepped_samples, "digest": self.digest, "ready": False}
         if self.ready is not None and self.ready[0] == self.step:
-            value.update(ready=True, snap=self.ready[1], loss=self.ready[2], mbs=sorted(self.snapshot_mbs))
+            value.update(ready=True, snap=self.ready[1], loss=self.ready[2], at=self.ready[3],
+                         mbs=sorted(self.snapshot_mbs))
         await self.node.store(progress_key(self.run_id, self.stage), subkey=self.uid, value=value,
                               expiration_time=get_dht_time() + PROGRESS_TTL_S)
 
@@ -428,6 +457,7 @@ class SyncingStagePeer(StagePeer):
             waited = time.monotonic() - started
             if waited >= GATHER_S and self.uid not in ready:  # this peer's own record not read back yet
                 ready[self.uid] = {"peer": self.peer_id, "snap": self.ready[1], "loss": self.ready[2],
+                                   "at": self.ready[3],
                                    "mbs": sorted(self.snapshot_mbs)}
             if self.uid in ready and ((len(ready) == len(at_step) and waited >= MIN_GATHER_S) or waited >= GATHER_S):
                 return ready
@@ -443,7 +473,7 @@ class SyncingStagePeer(StagePeer):
             flat, samples = await self._run(self._take_snapshot, step)
         finally:
             self.closing = False
-        self.ready = (step, samples, self.snapshot_loss)
+        self.ready = (step, samples, self.snapshot_loss, round(self._elapsed(), 3))
         while True:
             group = await self._gather(step)
             if group is None:
@@ -454,7 +484,8 @@ class SyncingStagePeer(StagePeer):
                 self.ready = self.snapshot = None  # the empty snapshot must not be reused by the next attempt
                 return
             group_id = hashlib.sha1("|".join([self.run_id, str(self.stage), str(step)] +
-                                             [f"{uid}:{group[uid]['snap']}" for uid in uids]).encode()).digest()
+                                             [f"{uid}:{group[uid]['snap']}:{group[uid].get('at', 0.0)}"
+                                              for uid in uids]).encode()).digest()
             peers = [PeerID.from_base58(group[uid]["peer"]) for uid in uids]
             traffic: dict = {}
             bound = averaging_timeout_s(self.num_params, len(peers), self.averaging_scheme, self.link_mbit_s,
@@ -471,7 +502,8 @@ class SyncingStagePeer(StagePeer):
                 self.counters["failed_rounds"] += 1
                 await asyncio.sleep(0.2 + 0.3 * random.random())
                 continue
-            t, _ = step_target(self.cfg["recipe"], self.seq_len, self.stepped_samples, step)
+            elapsed = max(float(group[uid].get("at", 0.0)) for uid in uids)  # the group's, for a seconds budget
+            t, _ = step_target(self.cfg["recipe"], self.seq_len, self.stepped_samples, step, elapsed)
             recipe = self.cfg["recipe"]
             multiplier = lr_multiplier(recipe["schedule"], t, recipe["warmup_fraction"])
             self.averaged = (group_id, averaged)

@@ -15,7 +15,10 @@ FIRST_TOKEN, PERIOD = 5, 16
 def counting_microbatches(micro: int, seq_len: int, seed: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Endless (inputs, labels) microbatches of ``micro`` sequences of ``seq_len`` tokens; labels are -100 where
     a position is not masked. The same ``seed`` gives the same stream."""
-    g = torch.Generator().manual_seed(seed)
+    return _counting(micro, seq_len, torch.Generator().manual_seed(seed))
+
+
+def _counting(micro: int, seq_len: int, g: torch.Generator) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     while True:
         start = torch.randint(0, PERIOD, (micro, 1), generator=g)
         tokens = FIRST_TOKEN + (start + torch.arange(seq_len)) % PERIOD
@@ -23,3 +26,21 @@ def counting_microbatches(micro: int, seq_len: int, seed: int = 0) -> Iterator[t
         masked[:, 0] = True
         labels = torch.where(masked, tokens, torch.full_like(tokens, -100))
         yield torch.where(masked, torch.full_like(tokens, MASK_TOKEN), tokens), labels
+
+
+class CountingSource:
+    """The toy language by microbatch index (a ``cramswarm.swarm.data`` source, for the launcher's trainers):
+    microbatch ``i`` is drawn from a generator seeded with ``data.microbatch_seed(seed, i)``."""
+
+    kind = "counting"
+
+    def __init__(self, micro: int, seq_len: int, seed: int = 0):
+        self.micro, self.seq_len, self.seed = int(micro), int(seq_len), int(seed)
+
+    def spec(self) -> dict:
+        return {"kind": self.kind, "micro": self.micro, "seq_len": self.seq_len, "seed": self.seed}
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        from cramswarm.swarm.data import generator
+
+        return next(_counting(self.micro, self.seq_len, generator(self.seed, index)))

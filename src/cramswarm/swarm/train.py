@@ -2,9 +2,11 @@
 
 The data are exactly single-process pretraining's (``cramswarm.pretrain.pretrain``): the same held-out split,
 the same cursor order over the packed blocks and the same ``mask_tokens`` calls on a generator seeded with the
-recipe seed, so both see identical microbatches. The budget is counted the same way (tokens, optimizer steps
-or seconds, checked before each step; a step has ``accumulation_at(t)`` microbatches), so a token or step
-budget fixes the number of microbatches in advance. Training runs on a transport chosen by
+recipe seed, so both see identical microbatches - except under the hivemind launcher, whose trainers make their
+own microbatches by index (``cramswarm.swarm.data.BlockSource``: the same blocks and masking, each microbatch's
+masks drawn from a generator seeded with the seed and its index). The budget is counted the same way (tokens,
+optimizer steps or seconds, checked before each step; a step has ``accumulation_at(t)`` microbatches), so a token
+or step budget fixes the number of microbatches in advance. Training runs on a transport chosen by
 ``swarm["transport"]``: ``emulation`` (threads in this process, ``cramswarm.swarm.emulation.train``) or
 ``hivemind`` (one process per peer, ``cramswarm.swarm.hivemind_transport.train``, imported only when asked for;
 its peers are started by this process, or - ``swarm["placement"]`` ``attach`` / ``srun`` - by ``swarm-peer`` tasks
@@ -205,9 +207,11 @@ def swarm_pretrain(
 
     extra = {}
     if swarm["transport"] == "hivemind":
+        from cramswarm.swarm.data import BlockSource
         from cramswarm.swarm.hivemind_transport import train as transport_train
 
-        extra["rendezvous"] = rendezvous
+        # the launcher's trainers make the same blocks' microbatches by index (masks seeded per microbatch)
+        extra.update(rendezvous=rendezvous, source=BlockSource.for_recipe(blocks_path, n_blocks, recipe, vocab_size))
     else:
         from cramswarm.swarm.emulation import train as transport_train
     result = transport_train(

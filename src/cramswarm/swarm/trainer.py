@@ -2,9 +2,15 @@
 
     python -m cramswarm.swarm.trainer --config RUN/config.json --rank R --trainers N
 
-The run's folder (``config.json``'s ``workdir``) holds the microbatches (``inputs.npy``, ``labels.npy``:
-[microbatches, sequences, tokens], memory-mapped) and the DHT address file. Trainer ``R`` of ``N`` owns the
-microbatches ``i`` with ``i mod N == R``, so the union of the shards is exactly what one process would see. It
+The run's config names the microbatch source (``data``: ``cramswarm.swarm.data``, e.g. the packed training blocks,
+memory-mapped) and the number of microbatches; the run's folder holds the DHT address file and the launcher's
+``clock.json`` (``peer_sync.CLOCK_FILE``). Trainer ``R`` of ``N`` owns the microbatches ``i`` with ``i mod N == R``,
+so the union of the shards is exactly what one process would see, and makes each one itself (``source[i]``: the
+blocks of microbatch ``i``, masked with a generator seeded from the run's seed and ``i``, so a trainer restarted
+at microbatch ``i`` makes the same masked batch). Once it has joined the swarm it says so in its progress file
+and waits for the clock file, which the launcher writes once every trainer has joined (training starts then).
+With a seconds budget the shard is unbounded and the clock file holds a wall-clock deadline: the trainer takes
+no new microbatch after it (the one under way is finished) and exits 0, as at the end of a counted shard. It
 joins the DHT through any live entry of the address file and appends its own addresses (a DHT node like every
 peer), re-reads the stages' peer records every ``REFRESH_PERIOD_S``, keeps its own ``StageBalancer`` per stage
 (as SWARM's trainers do), and sends one microbatch at a time forward through stages 0..k-1 and backward through
@@ -36,13 +42,13 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import psutil
 import torch
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
 from cramswarm.io import read_json, write_json
+from cramswarm.swarm.data import bounded, from_spec
 from cramswarm.swarm.emulation import WORK_UNITS
 from cramswarm.swarm.hivemind_peer import (
     ADDR_FILE,
@@ -57,7 +63,7 @@ from cramswarm.swarm.hivemind_peer import (
     unpack,
     watch_coordinator,
 )
-from cramswarm.swarm.peer_sync import SyncingStagePeer
+from cramswarm.swarm.peer_sync import CLOCK_FILE, SyncingStagePeer, read_clock
 from cramswarm.swarm.policies import NoPeersError, RetryPolicy, StageBalancer
 
 REFRESH_PERIOD_S = 1.0  # a trainer re-reads the stages' DHT records this often
@@ -216,9 +222,9 @@ class StageClient:
 async def train_shard(cfg: dict, rank: int, trainers: int) -> None:
     workdir = Path(cfg["workdir"])
     torch.set_num_threads(1)
-    inputs = np.load(workdir / "inputs.npy", mmap_mode="r")
-    labels = np.load(workdir / "labels.npy", mmap_mode="r")
-    mine = shard(len(inputs), rank, trainers)
+    source, total = from_spec(cfg["data"]), int(cfg["microbatches"])
+    mine = shard(total, rank, trainers)
+    size = len(mine) if bounded(total) else None  # a seconds budget: until the deadline
     state_file = progress_path(workdir, rank)
     done = read_json(state_file)["done"] if state_file.exists() else 0
     watchdog = asyncio.create_task(exit_with_coordinator())
@@ -228,18 +234,30 @@ async def train_shard(cfg: dict, rank: int, trainers: int) -> None:
     client = StageClient(node, cfg["run_id"], cfg["stages"], RetryPolicy(**cfg["retry"]), cfg["seed"] + 7919 * rank)
     refresher = asyncio.create_task(client.refresh_forever())
 
+    def progress(**extra) -> None:
+        write_json(state_file, {"rank": rank, "run_id": cfg["run_id"], "done": done, "shard": size,
+                                "stats": client.stats, **extra})
+
     async def work() -> None:
         nonlocal done
-        write_json(state_file, {"rank": rank, "done": done, "shard": len(mine), "stats": client.stats})
+        progress()  # joined: the launcher starts the training clock once every trainer is here
+        while (clock := read_clock(workdir, cfg["run_id"]))["origin_wall"] is None:
+            await asyncio.sleep(0.1)
+        deadline = clock["deadline_wall"]
+        if size is None and deadline is None:
+            raise RuntimeError(f"an unbounded shard ({total} microbatches: a seconds budget) but no deadline in "
+                               f"{workdir / CLOCK_FILE}")
         for i in mine[done:]:
-            loss = await client.microbatch(torch.from_numpy(np.asarray(inputs[i], dtype=np.int64)),
-                                           torch.from_numpy(np.asarray(labels[i], dtype=np.int64)), mb=i)
+            if deadline is not None and time.time() >= deadline:  # a seconds budget spent: take no new one
+                break
+            inputs, labels = source[i]
+            loss = await client.microbatch(inputs, labels, mb=i)
             if not math.isfinite(loss):
                 raise FloatingPointError(f"swarm loss became {loss} at microbatch {i}; lower pretrain.lr")
             with open(losses_path(workdir, rank), "a") as out:
                 out.write(json.dumps({"mb": i, "loss": loss, "time": time.time()}) + "\n")
             done += 1
-            write_json(state_file, {"rank": rank, "done": done, "shard": len(mine), "stats": client.stats})
+            progress()
 
     job = asyncio.create_task(work())
     finished, _ = await asyncio.wait([job, watchdog, launcher], return_when=asyncio.FIRST_COMPLETED)
@@ -252,8 +270,7 @@ async def train_shard(cfg: dict, rank: int, trainers: int) -> None:
     try:
         job.result()
     except NoPeersError as e:
-        write_json(state_file, {"rank": rank, "done": done, "shard": len(mine), "stats": client.stats,
-                                "error": str(e), "no_peers_stage": e.stage})
+        progress(error=str(e), no_peers_stage=e.stage)
         raise
 
 

@@ -34,7 +34,6 @@ import re
 import subprocess
 import time
 from collections import Counter
-from collections.abc import Iterator
 
 from cramswarm.swarm.hivemind_peer import ANNOUNCE_ENV, LISTEN_ENV
 from cramswarm.testbed import relay as relays
@@ -139,10 +138,11 @@ def entered(netns: str):
         os.close(own)
 
 
-def run(plan, batches: Iterator, total_microbatches: int, *, bandwidth_mbit: float | None = None,
+def run(plan, source, total_microbatches: int, *, bandwidth_mbit: float | None = None,
         latency_ms: float = 0.0, jitter_ms: float = 0.0, progress: bool = False, seed: int = 0,
         relay: bool | None = None):
-    """Run ``plan`` under the launcher with each process on its own testbed host; returns its ``TrainResult``
+    """Run ``plan`` under the launcher, on a microbatch ``source`` (``cramswarm.swarm.data``), with each process on its
+    own testbed host; returns its ``TrainResult``
     with ``stats["testbed"]`` (the setup, each process's host and port, the ``connections`` snapshots).
     ``bandwidth_mbit``: each host's link, both ways (None: unshaped); ``latency_ms`` / ``jitter_ms``: the relay's
     one-way delay and its spread; ``relay``: route through the relay (None: where a delay is set; True with no
@@ -163,7 +163,7 @@ def run(plan, batches: Iterator, total_microbatches: int, *, bandwidth_mbit: flo
         plan = dataclasses.replace(plan, hosts=hosts, host=control.ip, interface=None, decentralised=True,
                                    retry=retry)
         with entered(control.netns):
-            result = ht.run_swarm(plan, batches, total_microbatches, progress=progress)
+            result = ht.run_swarm(plan, source, total_microbatches, progress=progress)
         result.stats["testbed"] = {
             "hosts": len(tb.hosts), "bandwidth_mbit": bandwidth_mbit, "latency_ms": latency_ms,
             "jitter_ms": jitter_ms, "relay": proxy is not None, "run_id": tb.run_id,
