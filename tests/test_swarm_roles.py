@@ -675,9 +675,10 @@ def test_hivemind_swarm_pretraining_matches_single_process_within_the_emulations
     8-bit boundaries, fp16 averaging, bf16) against cramswarm.pretrain on the same blocks and step budget (the
     launcher's trainers draw each microbatch's masks from its own seed, cramswarm.swarm.data, at the same rate):
     within test_swarm_train's PARITY_NATS, the emulation's tolerance, in final training loss and held-out loss.
-    Measured (4 runs, 2026-11-26, loaded 2-core machine): swarm minus single-process final loss +0.010, +0.003,
-    -0.009, -0.004 nats; held-out -0.034, -0.017, +0.011, -0.015 - a third of the tolerance at most. The swarm's
-    steps overshoot the global batch (microbatches arriving while a stage averages join that step): 24-26, not 30."""
+    Measured (2026-11-26, loaded 2-core machine; 3 runs): swarm minus single-process final training loss -0.027,
+    -0.060, -0.032 nats (a window mean over microbatches whose masks differ from pretrain's), held-out +0.013,
+    +0.026, +0.018. The swarm's steps overshoot the global batch (microbatches arriving while a stage averages join
+    that step): 25-27, not 30."""
     import yaml
     from test_swarm_train import PARITY_NATS, SWARM
     from test_swarm_train import TINY as TINY_TRAIN
