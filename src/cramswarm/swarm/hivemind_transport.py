@@ -1007,5 +1007,7 @@ def train(*, arch: dict, vocab_size: int, recipe: dict, swarm: dict,
     plan.peer_memory_cap_mb = swarm.get("peer_memory_cap_mb")
     plan.decentralised = source is not None and decentralised_supported(plan, total_microbatches) is None
     if plan.decentralised and rendezvous:  # the rule's state folder: a rerun after the rule's process died resumes
-        plan.state_dir = Path(rendezvous) / "launcher"
+        from cramswarm.swarm.train import STATE_SUBDIR
+
+        plan.state_dir = Path(rendezvous) / STATE_SUBDIR
     return run_swarm(plan, source if plan.decentralised else batches, total_microbatches, progress)

@@ -43,7 +43,9 @@ finds it - the previous one was killed with everything it started - resumes: the
 newest shard, and each trainer resumes its shard at its first microbatch that not every stage's shard has
 stepped (the stages skip the ones they already stepped: ``peer_sync``'s duplicate backward calls), so no
 microbatch is lost or stepped twice. A launcher whose settings or data differ from ``resume.json``'s refuses,
-naming what differs. The folder is removed once the run succeeds; it is kept when the run fails.
+naming what differs. The folder is kept when the run fails, and also when it succeeds: its caller removes it
+once the run's outputs are written (``train.swarm_pretrain``), so that a kill between the two resumes instead of
+starting from step 0.
 
 Rebalancing (``rebalance_period_s``) is the peers' own (``peer_rebalance``): the launcher decides and tells no move;
 it reads the peers' ``moves.jsonl`` to restart a moved peer, should it die, on its new stage, and for the result's
@@ -171,7 +173,7 @@ class Launcher:
 
     # -- files ----------------------------------------------------------------------------------------------
     def _lock(self) -> None:
-        """Hold ``launcher.lock`` in the state folder for this process's life: two launchers on one folder
+        """Hold ``launcher.lock`` in the state folder until ``run`` returns: two launchers on one folder at once
         would resume the same run twice."""
         self.lock_fd = os.open(self.workdir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -815,7 +817,8 @@ def _exit_on_sigterm(signum: int, frame) -> None:
 
 def run(plan, source, total_microbatches: int, progress: bool = True) -> TrainResult:
     """Run one swarm under the launcher on a microbatch source (``data``); every process it started (and this
-    process's p2pd) is gone on return."""
+    process's p2pd) is gone on return. A state folder (``plan.state_dir``) is kept, also after success: the caller
+    removes it (``train.remove_state``) once it has written what it makes of the result."""
     before = own_daemons()
     launcher = Launcher(plan, source, total_microbatches, progress)
     keep_logs, previous = True, None
@@ -835,9 +838,11 @@ def run(plan, source, total_microbatches: int, progress: bool = True) -> TrainRe
         for pid in own_daemons() - before:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        if launcher.state_dir is not None:  # every process of the run is gone: another launcher may resume it
+            os.close(launcher.lock_fd)
         if keep_logs:
             print(f"hivemind swarm failed; logs kept in {launcher.workdir}"
                   + (" (a rerun with the same settings resumes from its stage shards)" if launcher.state_dir else ""),
                   file=sys.stderr, flush=True)
-        else:
+        elif launcher.state_dir is None:  # a state folder stays for the caller, which removes it after its outputs
             shutil.rmtree(launcher.workdir, ignore_errors=True)

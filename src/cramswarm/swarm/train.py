@@ -14,18 +14,29 @@ that meet it through the ``rendezvous`` folder, e.g. the tasks of a multi-node S
 The stages are then assembled into one crammed-BERT checkpoint (``stages.assemble_model``), written with
 ``pretrain.save_checkpoint``, with ``train_log.csv`` (pretrain's columns; rows every ``log_every_steps`` steps,
 window means; the held-out loss is evaluated once, at the end) and ``summary.json``, each written atomically.
+
+Under the launcher the run's resumable state lives in ``<rendezvous>/launcher`` (``STATE_SUBDIR``; the rule's state
+folder). It outlives the training: once every output is written, ``outputs.json`` there records them (name ->
+SHA-1) and the folder is removed (renamed away first, so a kill mid-removal leaves no half state). A rerun that
+finds that record and every output matching it writes nothing and trains nothing: it only removes the folder. A
+rerun that finds the folder without the record (killed in training or while writing the outputs) resumes from the
+stage shards (``launcher``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import os
+import shutil
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 import torch
 
-from cramswarm.io import atomic_path, write_json
+from cramswarm.io import atomic_path, read_json, write_json
 from cramswarm.pretrain import LOG_COLUMNS, HeldOut, load_training_data
 from cramswarm.provenance import provenance
 from cramswarm.swarm.compression import narrowing
@@ -41,6 +52,8 @@ from cramswarm.training import (
 TRANSPORTS = ("emulation", "hivemind")
 PLACEMENTS = ("local", "attach", "srun")  # hivemind_transport.PLACEMENTS (not imported: hivemind is optional)
 UNBOUNDED = 1 << 62  # microbatch bound for a seconds budget (time decides)
+STATE_SUBDIR = "launcher"  # under the rendezvous folder: the launcher's resumable state (hivemind_transport.train)
+OUTPUTS_FILE = "outputs.json"  # in the state folder: the outputs written from its finished run (name -> SHA-1)
 
 
 def microbatches(
@@ -96,6 +109,49 @@ def validate(arch: dict, swarm: dict) -> None:
         )
 
 
+def _sha1(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha1").hexdigest()
+
+
+def _settings(recipe: dict, arch: dict, swarm: dict, run: str | None) -> dict:
+    return json.loads(json.dumps({"recipe": recipe, "arch": arch, "swarm": swarm, "run": run}))
+
+
+def record_outputs(state_dir: Path, out_dir: Path, settings: dict) -> None:
+    """Record in the state folder that every output of its run is written: each file of ``out_dir`` with its SHA-1,
+    and the settings they were made with."""
+    files = {p.name: _sha1(p) for p in sorted(out_dir.iterdir()) if p.is_file() and not p.name.startswith(".")}
+    write_json(state_dir / OUTPUTS_FILE, {"out_dir": str(out_dir.resolve()), "settings": settings, "files": files})
+
+
+def outputs_complete(state_dir: Path, out_dir: Path, settings: dict) -> bool:
+    """Whether the state folder records outputs of this run (same folder and settings) that are all still there,
+    unchanged: then its run finished and only the folder's removal was cut short."""
+    try:
+        record = read_json(state_dir / OUTPUTS_FILE)
+    except (FileNotFoundError, ValueError):
+        return False
+    if record.get("out_dir") != str(out_dir.resolve()) or record.get("settings") != settings:
+        return False
+    return all((out_dir / name).is_file() and _sha1(out_dir / name) == digest
+               for name, digest in record["files"].items())
+
+
+def remove_state(state_dir: Path) -> None:
+    """Remove a state folder: renamed to a hidden sibling first (atomic), so a kill mid-removal leaves no half
+    folder that a rerun would resume from, then deleted."""
+    trash = state_dir.with_name(f".{state_dir.name}.removed-{os.getpid()}")
+    os.replace(state_dir, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _remove_trash(state_dir: Path) -> None:
+    """State folders renamed for removal by a process killed before it deleted them."""
+    for trash in state_dir.parent.glob(f".{state_dir.name}.removed-*"):
+        shutil.rmtree(trash, ignore_errors=True)
+
+
 def _log_rows(log: list[dict], every: int, eval_loss: float | None) -> list[dict]:
     """pretrain's log cadence: a row every ``every`` steps and at the last, with the window's mean loss."""
     rows, window = [], []
@@ -133,6 +189,16 @@ def swarm_pretrain(
     """Pretrain with SWARM until the budget is spent; write the checkpoint, train_log.csv and summary.json.
     ``rendezvous``: the folder where peers of the attach/srun placements find the swarm (shared filesystem)."""
     validate(arch, swarm)
+    out_dir = Path(out_dir)
+    settings = _settings(recipe, arch, swarm, run)
+    state_dir = Path(rendezvous) / STATE_SUBDIR if rendezvous is not None else None
+    if state_dir is not None:
+        _remove_trash(state_dir)
+        if outputs_complete(state_dir, out_dir, settings):
+            print(f"the swarm run in {state_dir} finished and its outputs in {out_dir} are complete; removing its "
+                  f"state folder (nothing to train)", flush=True)
+            remove_state(state_dir)
+            return read_json(out_dir / "summary.json")
     tok, blocks, n_blocks = load_training_data(recipe, tokenizer_path, blocks_path, expected_vocab)
     vocab_size = tok.get_vocab_size()
     micro = recipe["micro_batch_sequences"]
@@ -173,7 +239,6 @@ def swarm_pretrain(
         heldout = HeldOut(blocks[n_blocks:], recipe["eval_mask_rate"], vocab_size, micro)
         eval_loss = round(heldout.loss(model, precision, device), 5)
 
-    out_dir = Path(out_dir)
     save_checkpoint(model, tok, out_dir, arch["max_positions"])
     rows = _log_rows(result.log, recipe["log_every_steps"], eval_loss)
     with atomic_path(out_dir / "train_log.csv") as tmp:
@@ -202,4 +267,7 @@ def swarm_pretrain(
         "provenance": provenance({"recipe": recipe, "arch": arch, "swarm": swarm}, recipe["seed"], str(device)),
     }
     write_json(out_dir / "summary.json", summary)
+    if state_dir is not None and stats.get("roles") == "launcher" and state_dir.is_dir():  # left to us: outputs first
+        record_outputs(state_dir, out_dir, settings)
+        remove_state(state_dir)
     return summary
