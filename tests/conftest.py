@@ -134,3 +134,17 @@ def killed_at_save(n: int):
         mp.setattr(torch, "save", save_then_die)
         with pytest.raises(Stop):
             yield saves
+
+
+@pytest.fixture
+def can_build():
+    """Skip (with the reason) where the network testbed's namespaces cannot be made; fail instead where
+    CRAMSWARM_REQUIRE_NETNS is set (.ci/run sets it: there a skip would hide an untested testbed)."""
+    from cramswarm.testbed import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        if os.environ.get("CRAMSWARM_REQUIRE_NETNS"):
+            pytest.fail(f"CRAMSWARM_REQUIRE_NETNS is set, but no testbed can be built here: {reason}")
+        pytest.skip(reason)
+

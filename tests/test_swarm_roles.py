@@ -403,6 +403,26 @@ def test_a_rerun_with_other_settings_or_data_is_refused_naming_what_differs(tmp_
         os.close(holder.lock_fd)
 
 
+def start_until_shards(command: list[str], log: Path, state: Path, within_s: float, env=None) -> subprocess.Popen:
+    """Start ``command`` in its own process group (output to ``log``) and return once both stages of its launcher
+    (state folder ``state``) wrote a shard a few steps in; the command is killed if that fails."""
+    first = subprocess.Popen(command, start_new_session=True, env=env, stdout=open(log, "w"),
+                             stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + within_s
+        while True:
+            assert first.poll() is None, log.read_text()[-3000:]
+            found = [newest_shard(state / "shards", s) for s in (0, 1)]
+            if all(f is not None and f[0] >= 3 for f in found):
+                return first
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(first.pid, signal.SIGKILL)
+        raise
+
+
 @pytest.mark.slow
 def test_a_rerun_after_the_launcher_is_sigkilled_resumes_from_the_stage_shards(tmp_path):
     """(d): SIGKILL of the launcher's process group mid-run (every process dies), then the same command again."""
@@ -410,18 +430,9 @@ def test_a_rerun_after_the_launcher_is_sigkilled_resumes_from_the_stage_shards(t
     code = ("import sys; sys.path.insert(0, {tests!r}); import test_swarm_roles as t; from pathlib import Path; "
             "t.ht.run_swarm(t.plan(decentralised=True, state_dir=Path({state!r}), checkpoint_every_s=1.0), "
             "t.source(), {total}, progress=False)")
-    log = tmp_path / "launcher.log"
-    first = subprocess.Popen([sys.executable, "-c", code.format(tests=str(TESTS), state=str(state), total=total)],
-                             start_new_session=True, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    first = start_until_shards([sys.executable, "-c", code.format(tests=str(TESTS), state=str(state), total=total)],
+                               tmp_path / "launcher.log", state, within_s=300)
     try:
-        deadline = time.monotonic() + 300
-        while True:  # until both stages wrote a shard a few steps in
-            assert first.poll() is None, log.read_text()[-3000:]
-            found = [newest_shard(state / "shards", s) for s in (0, 1)]
-            if all(f is not None and f[0] >= 3 for f in found):
-                break
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.5)
         started = psutil.Process(first.pid).children(recursive=True)
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
@@ -616,18 +627,8 @@ def test_sigkill_of_the_rules_own_process_leaves_nothing_behind_and_a_rerun_resu
                "--rendezvous", str(rendezvous), "--run", "crammed", "--threads", "2"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS.parent / "src"),
                                                                      os.environ.get("PYTHONPATH")]))}
-    log = tmp / "first.log"
-    first = subprocess.Popen(command, start_new_session=True, env=env, stdout=open(log, "w"),
-                             stderr=subprocess.STDOUT)
+    first = start_until_shards(command, tmp / "first.log", state, within_s=240, env=env)
     try:
-        deadline = time.monotonic() + 240
-        while True:  # until both stages wrote a shard a few steps in
-            assert first.poll() is None, log.read_text()[-3000:]
-            found = [newest_shard(state / "shards", s) for s in (0, 1)]
-            if all(f is not None and f[0] >= 3 for f in found):
-                break
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.5)
         started = psutil.Process(first.pid).children(recursive=True)
         names = [" ".join(safe_cmdline(p)) for p in started]
         assert sum("cramswarm.swarm.trainer" in n for n in names) == 2, names

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from cramswarm.testbed import callcost, run_namespaces, unavailable_reason
+from cramswarm.testbed import callcost, run_namespaces
 
 
 def point(rate, delay_ms, ms_by_size):
@@ -32,12 +32,7 @@ def test_call_model_reads_round_trips_and_fixed_time_from_the_unshaped_points():
 
 
 @pytest.mark.netns
-def test_a_hivemind_call_through_the_relay_costs_about_one_round_trip_per_call():
-    reason = unavailable_reason()
-    if reason:
-        if os.environ.get("CRAMSWARM_REQUIRE_NETNS"):
-            pytest.fail(f"CRAMSWARM_REQUIRE_NETNS is set, but no testbed can be built here: {reason}")
-        pytest.skip(reason)
+def test_a_hivemind_call_through_the_relay_costs_about_one_round_trip_per_call(can_build):
     run_id = f"cc{os.getpid()}"
     measured = callcost.measure([(None, 0.0), (None, 40.0)], [callcost.ECHO_BYTES], count=5, run_id=run_id)
     assert run_namespaces(run_id) == []           # the testbed is gone (another run's may exist)

@@ -18,18 +18,9 @@ from test_swarm_hivemind import MICRO, own_p2p_daemons, plan, source  # noqa: E4
 
 from cramswarm.swarm import hivemind_transport as ht  # noqa: E402
 from cramswarm.swarm.policies import CALL_ROUND_TRIPS  # noqa: E402
-from cramswarm.testbed import netns, unavailable_reason  # noqa: E402
+from cramswarm.testbed import netns  # noqa: E402
 from cramswarm.testbed import swarm as tbswarm  # noqa: E402
 from cramswarm.testbed.netns import namespaces  # noqa: E402
-
-
-@pytest.fixture
-def can_build():
-    reason = unavailable_reason()
-    if reason:
-        if os.environ.get("CRAMSWARM_REQUIRE_NETNS"):
-            pytest.fail(f"CRAMSWARM_REQUIRE_NETNS is set, but no testbed can be built here: {reason}")
-        pytest.skip(reason)
 
 
 def test_each_process_gets_its_own_host_and_port():
