@@ -113,6 +113,13 @@ rule claims:
         rules.claims_table.output,
 
 
+rule pretraining_gap:
+    """Claim C5's experiment alone (pretraining >> no pretraining): every GLUE run of the crammed and no-pretraining
+    models, with the pretraining (and schedule sweep) they need; `claims_available` then writes the table."""
+    input:
+        claim_inputs("C5"),
+
+
 rule readme:
     """The README's results figures (small copies, committed under results/readme/)."""
     input:

@@ -385,6 +385,17 @@ def claims_manifest():
     }
 
 
+def claim_inputs(claim_id):
+    """The files one claim reads (its experiment alone); empty when the config defines nothing for it."""
+    from cramswarm.report.claims import CLAIMS as CLAIM_LIST, MissingInput
+
+    claim = next(c for c in CLAIM_LIST if c.id == claim_id)
+    try:
+        return sorted(set(claim.inputs(claims_manifest())))
+    except MissingInput:
+        return []
+
+
 def claims_inputs(wildcards=None):
     """Every file a claim reads: the experiments `snakemake claims` runs."""
     from cramswarm.report.claims import CLAIMS as CLAIM_LIST, MissingInput

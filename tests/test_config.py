@@ -25,6 +25,7 @@ def check(cfg, repo):
         ["test/tiny.yaml"],
         ["mirror.yaml"],
         ["mirror.yaml", "mirror_arch.yaml"],
+        ["mirror.yaml", "realtext.yaml"],
     ],
 )
 def test_shipped_configs_validate(repo, overlays, monkeypatch):
@@ -292,3 +293,28 @@ def test_lr_from_sweep_refusals_name_the_key(repo, tmp_path, overlay, expected):
     with pytest.raises(ConfigError) as err:
         load_config([repo / "config" / "config.yaml", path, extra])
     assert "models.crammed.lr_from_sweep" in str(err.value) and expected in str(err.value)
+
+
+def test_realtext_overlay_takes_the_lr_from_its_own_sweep(repo, tmp_path):
+    """config/realtext.yaml (issue 20) validates on top of the mirror study and resolves to what claim C5 needs:
+    crammed at its study budget with the LR of a triangle sweep on the same text, enough seeds for C5's test."""
+    from cramswarm.report.claims import MIN_PAIRS
+
+    mirror = tmp_path / "hub"
+    mirror.mkdir()  # the overlay's ../shared/data/hub may be absent (CI): an empty stand-in, nothing is read
+    pin = tmp_path / "pin.yaml"
+    pin.write_text(f"hub:\n  mirror: {mirror}\n")
+    overlays = [repo / "config" / name for name in ("config.yaml", "mirror.yaml", "realtext.yaml")]
+    cfg = load_config([*overlays, pin], base_dir=repo)
+    runs = resolve_runs(cfg)
+    assert cfg["source"] == "hub" and cfg["hub"]["glue_max_train_examples"] == 2000
+    crammed = runs["crammed"]
+    sweep = cfg["ablations"]["schedule"]
+    assert sweep["schedules"] == [crammed["recipe"]["schedule"]] and len(sweep["lrs"]) >= 3
+    assert crammed["lr_from"] == {lr: f"sched-triangle-lr{lr:g}" for lr in sweep["lrs"]}
+    for lr, run in crammed["lr_from"].items():  # the sweep: same model and text, the ablation budget
+        assert runs[run]["arch"] == crammed["arch"] and runs[run]["recipe"]["lr"] == lr
+        assert runs[run]["recipe"]["budget"] == cfg["ablations"]["budget"]
+    assert crammed["recipe"]["budget"]["value"] > cfg["ablations"]["budget"]["value"]
+    assert runs["no_pretrain"]["arch"] == crammed["arch"]
+    assert len(cfg["glue"]["seeds"]) >= MIN_PAIRS
