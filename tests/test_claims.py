@@ -322,3 +322,13 @@ def test_a_missing_result_file_marks_its_claims_not_run(manifest):
     outcomes = by_id(manifest)
     assert outcomes["C4"].verdict == c.NOT_RUN and "1 of 30 input file(s) absent" in outcomes["C4"].measurement
     assert outcomes["C2"].verdict == c.HOLDS
+
+
+def test_pretraining_gap_plans_only_what_claim_c5_reads(tmp_path):
+    work = copy_workflow(tmp_path)
+    (work / "config" / "sweep.yaml").write_text("models:\n  crammed:\n    lr_from_sweep: true\n")
+    jobs = planned_jobs(work, "pretraining_gap", *TINY, "config/sweep.yaml")
+    # crammed at the main vocab only, after the triangle runs of the tiny sweep (lrs 1e-3, 4e-3); no_pretrain's init
+    assert jobs["pretraining_gap"] == 1 and jobs["pretrain"] == 1 + 2 and jobs["init_model"] == 1
+    assert "swarm_pretrain" not in jobs and "swarm_experiment" not in jobs and "claims_table" not in jobs
+    assert jobs["finetune_model"] == 2  # tiny runs one fine-tuning job per model: crammed and no_pretrain
