@@ -25,7 +25,14 @@ from test_swarm_hivemind import MICRO, TINY, batches, own_p2p_daemons, plan, sou
 
 from cramswarm.swarm import hivemind_transport as ht  # noqa: E402
 from cramswarm.swarm import launcher as launcher_mod  # noqa: E402
-from cramswarm.swarm.peer_sync import newest_shard, shard_files, step_target, write_shard  # noqa: E402
+from cramswarm.swarm.peer_sync import (  # noqa: E402
+    MIN_GATHER_S,
+    newest_shard,
+    shard_files,
+    stage_stalls,
+    step_target,
+    write_shard,
+)
 from cramswarm.swarm.stages import STATE_BYTES_PER_PARAMETER, build_swarm_model, stage_state_bytes  # noqa: E402
 from cramswarm.swarm.train import UNBOUNDED  # noqa: E402
 from cramswarm.swarm.trainer import shard  # noqa: E402
@@ -92,6 +99,28 @@ def test_shards_partition_the_microbatches_and_step_targets_follow_the_ramp():
     assert step_target(recipe, 32, 0, 2)[1] == (1 + int(0.2 / 0.5 * 4)) * MICRO
 
 
+def test_stage_stalls_run_from_the_batchs_last_backward_to_the_peers_step():
+    def line(uid, stage, step, last_backward, close, applied, samples=4):
+        return {"uid": uid, "stage": stage, "step": step, "samples": samples, "group_samples": 8,
+                "last_backward": last_backward, "close": close, "snapshot": close + 0.01, "gathered": close + 0.4,
+                "reduced": close + 0.6, "applied": applied}
+
+    rows = [line("s0p1", 0, 1, 10.0, 10.1, 10.8), line("s0p2", 0, 1, 10.2, 10.25, 11.0),
+            line("s1p3", 1, 1, 9.5, 9.6, 10.0),
+            line("s1p3", 1, 2, None, 12.0, 12.5, samples=0)]   # a flush with nothing held: left out
+    stalls = stage_stalls(rows)
+    assert sorted(stalls) == [0, 1] and len(stalls[1]) == 1
+    (first,) = stalls[0]
+    # from the later of the two last backward computations (10.2) to the mean of the two steps (10.9)
+    assert first["stall_s"] == pytest.approx(0.7)
+    assert first["trigger_s"] == pytest.approx(10.1 - 10.2)   # the first peer closed before the other's last call
+    assert first["gather_s"] == pytest.approx((10.5 + 10.65) / 2 - 10.1)
+    assert first["reduce_s"] == pytest.approx(0.2)
+    assert first["trigger_s"] + first["gather_s"] + first["reduce_s"] + first["apply_s"] == pytest.approx(0.7)
+    assert (first["samples"], first["peers"], first["end"]) == (8, 2, pytest.approx(10.9))
+    assert stalls[1][0]["stall_s"] == pytest.approx(0.5)
+
+
 def test_a_trainer_refuses_a_rank_outside_the_trainers(tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps({}))
@@ -120,6 +149,11 @@ def test_launcher_swarm_steps_every_sample_once_with_compressed_averaging():
     batch = [row["batch_sequences"] for row in result.log]
     assert sum(batch) == stats["stepped_samples"][1] and max(batch) <= 2 * 4 * MICRO, batch
     assert len(batch) >= 0.75 * total / 4, batch
+    # every step the peers took is timed: a stage's backward calls are held for at least the gather's minimum
+    stalls = stats["step_stalls"]
+    assert sorted(stalls) == ["0", "1"] and len(stalls["1"]) == len(batch), stalls
+    assert all(e["gather_s"] >= MIN_GATHER_S and e["stall_s"] >= MIN_GATHER_S
+               for entries in stalls.values() for e in entries), stalls
     assert all(1.99 <= b <= 2.0 * 1.01 for b in stats["averaging_bytes_per_param"]), stats
     # each peer holds its own stage only: its parameter count is its stage's, its AdamW state two moments of it
     memory = stats["peer_memory"]
