@@ -27,10 +27,12 @@ boundary payload of one microbatch, the shaped rate as link and NIC rate, the re
   (``fused_last_stage``), as the hivemind trainer makes it.
 
 * ``sim (measured calls + step)``: the measured calls and the in-stage synchronous step (``sim.run``'s
-  ``step_microbatches``: ``--batch``, ``step_stall_s``): each stage's stall per step as measured in the same
-  testbed run (the calibration's in the calibration) from the peers' step lines (``peer_sync.stage_stalls``:
+  ``step_stall_s``, ``step_microbatches``): each stage's stall per step as measured in the same testbed run (the
+  calibration's in the calibration runs, their mean) from the peers' step lines (``peer_sync.stage_stalls``:
   from the end of the batch's last backward computation to the peers' optimizer step, the mean over the steady
-  steps, those the throughput is measured over).
+  steps, those the throughput is measured over), and a step every ``--batch`` microbatches (the global batch:
+  column ``+ step``) or every as many as the stage's steady steps held on average (the peers read each other's
+  counts late and admit more, the later the longer the delay: column ``+ step, mb/step``).
 
 Each gets one compute time per call calibrated from the calibration runs, so that the simulator reproduces the
 calibration by construction and predicts the shaped runs from the network (and the step's stall) alone: for the
@@ -174,22 +176,22 @@ def simulate(base: SwarmSetup, setups, per_mb_s: float, stages: int, *, round_tr
     return stage_time_s, calibration, shaped
 
 
-def simulate_steps(base: SwarmSetup, setups, mb_s: float, calibration_stalls: list[float],
-                   shaped_stalls: list[list[float]], batch: int, *, round_trips: float, overhead_s: float
+def simulate_steps(base: SwarmSetup, setups, mb_s: float, calibration: tuple[list[float], list[float]],
+                   shaped: list[tuple[list[float], list[float]]], *, round_trips: float, overhead_s: float
                    ) -> tuple[float, float, list[float]]:
     """(compute per forward call, simulated calibration, simulated shaped setups) with the measured calls and the
-    in-stage step: the compute is the one at which the simulator, given the calibration's stalls, reproduces the
-    calibration's ``mb_s`` (bisection); each shaped setup gets its own measured stalls."""
-    options = dict(round_trips_per_call=round_trips, call_overhead_s=overhead_s, fused_last_stage=True,
-                   step_microbatches=batch)
+    in-stage step, given per run its stages' (stalls, microbatches per step): the compute is the one at which the
+    simulator, given the calibration's, reproduces the calibration's ``mb_s`` (bisection); each shaped setup
+    gets its own."""
+    options = dict(round_trips_per_call=round_trips, call_overhead_s=overhead_s, fused_last_stage=True)
 
     def calibrated(stage_time_s: float) -> float:
-        return sim.run(dataclasses.replace(base, stage_time_s=stage_time_s), step_stall_s=calibration_stalls,
-                       **options)["throughput_mb_s"]
+        return sim.run(dataclasses.replace(base, stage_time_s=stage_time_s), step_stall_s=calibration[0],
+                       step_microbatches=calibration[1], **options)["throughput_mb_s"]
 
     low, high = 1e-4, 1.0
     if calibrated(low) < mb_s:
-        raise RuntimeError(f"the calibration's stalls {calibration_stalls} alone leave less than its {mb_s:.3f} mb/s")
+        raise RuntimeError(f"the calibration's steps {calibration} alone leave less than its {mb_s:.3f} mb/s")
     while calibrated(high) > mb_s:
         low, high = high, 2 * high
     for _ in range(30):   # the simulated throughput falls as the compute per call grows
@@ -198,8 +200,8 @@ def simulate_steps(base: SwarmSetup, setups, mb_s: float, calibration_stalls: li
     stage_time_s = (low + high) / 2
     base = dataclasses.replace(base, stage_time_s=stage_time_s)
     shaped = [sim.run(dataclasses.replace(base, bandwidth_mbit_s=mbit, nic_mbit_s=mbit, latency_s=ms / 1000),
-                      step_stall_s=stalls, **options)["throughput_mb_s"]
-              for (mbit, ms), stalls in zip(setups, shaped_stalls)]
+                      step_stall_s=stalls, step_microbatches=batches, **options)["throughput_mb_s"]
+              for (mbit, ms), (stalls, batches) in zip(setups, shaped)]
     return stage_time_s, calibrated(stage_time_s), shaped
 
 
@@ -250,11 +252,16 @@ def main() -> int:
     plain = simulate(base, setups, per_mb_s, args.stages)
     calls_model = simulate(base, setups, per_mb_s, args.stages, round_trips=round_trips, overhead_s=overhead_s,
                            fused=True)
-    # each stage's stall per step: the calibration's the mean of its two runs'
-    calibration_stalls = [(b["stall_s"] + a["stall_s"]) / 2 for b, a in zip(before["stalls"], after["stalls"])]
-    step_model = simulate_steps(base, setups, calibration["mb_s"], calibration_stalls,
-                                [[st["stall_s"] for st in run["stalls"]] for run in shaped], args.batch,
+    # each stage's stall and microbatches per step: the calibration's the mean of its two runs'
+    calibration_steps = tuple([(b[key] + a[key]) / 2 for b, a in zip(before["stalls"], after["stalls"])]
+                              for key in ("stall_s", "microbatches_per_step"))
+    shaped_steps = [tuple([st[key] for st in run["stalls"]] for key in ("stall_s", "microbatches_per_step"))
+                    for run in shaped]
+    step_model = simulate_steps(base, setups, calibration["mb_s"], (calibration_steps[0], args.batch),
+                                [(stalls, args.batch) for stalls, _ in shaped_steps],
                                 round_trips=round_trips, overhead_s=overhead_s)
+    step_mb_model = simulate_steps(base, setups, calibration["mb_s"], calibration_steps, shaped_steps,
+                                   round_trips=round_trips, overhead_s=overhead_s)
     print(f"swarm: {args.stages} stages x {args.peers} peers, {args.trainers} trainers, {args.microbatches} "
           f"microbatches of {args.micro} x {SEQ} tokens, {args.batch} per step, hidden {args.hidden}; boundary "
           f"payload {payload} B")
@@ -272,7 +279,7 @@ def main() -> int:
               f"{model['call_overhead_s'] * 1e3:.2f} ms fixed per call")
     print(f"simulator compute per forward call: {plain[0] * 1e3:.1f} ms (1 RTT), {calls_model[0] * 1e3:.1f} ms "
           f"(measured calls: {round_trips:.3f} round trips, {overhead_s * 1e3:.2f} ms fixed, last stage fused), "
-          f"{step_model[0] * 1e3:.1f} ms (measured calls + step)")
+          f"{step_model[0] * 1e3:.1f} ms (measured calls + step), {step_mb_model[0] * 1e3:.1f} ms (+ step, mb/step)")
     print(f"the in-stage step, per stage (mean over the steady steps; ms; a step every {args.batch} microbatches "
           "by the global batch): stall = trigger (batch computed -> a peer begins its step) + gather + all-reduce + "
           "apply; 'share' is the part of the steady time the stage spent stepping; 'held' the backward calls that "
@@ -294,15 +301,16 @@ def main() -> int:
     print(f"calibration (unshaped, relay, 0 ms): {before['mb_s']:.3f} mb/s before the shaped runs, "
           f"{after['mb_s']:.3f} after (after/before {after['mb_s'] / before['mb_s']:.3f}); the simulator is "
           "calibrated on their mean per-microbatch time")
-    rows = [("calibration (mean of before, after)", calibration, plain[1], calls_model[1], step_model[1])]
-    rows += [(f"{mbit:g} Mb/s, {ms:g} ms one way", real, a, b, c)
-             for (mbit, ms), real, a, b, c in zip(setups, shaped, plain[2], calls_model[2], step_model[2])]
+    rows = [("calibration (mean of before, after)", calibration, plain[1], calls_model[1], step_model[1],
+             step_mb_model[1])]
+    rows += [(f"{mbit:g} Mb/s, {ms:g} ms one way", real, a, b, c, d) for (mbit, ms), real, a, b, c, d
+             in zip(setups, shaped, plain[2], calls_model[2], step_model[2], step_mb_model[2])]
     print(f"{'setup':36s} {'testbed mb/s':>13s} {'sim/testbed: 1 RTT':>19s} {'measured calls':>15s} {'+ step':>7s} "
-          f"{'lost':>5s} {'timeouts':>9s} {'wall s':>7s} {'load':>10s}")
-    for name, real, a, b, c in rows:
+          f"{'+ step, mb/step':>16s} {'lost':>5s} {'timeouts':>9s} {'wall s':>7s} {'load':>10s}")
+    for name, real, a, b, c, d in rows:
         print(f"{name:36s} {real['mb_s']:13.3f} {a / real['mb_s']:19.3f} {b / real['mb_s']:15.3f} "
-              f"{c / real['mb_s']:7.3f} {real['lost_microbatches']:5d} {real['timeouts']:9d} {real['wall_s']:7.1f} "
-              f"{min(real['load']):4.1f}-{max(real['load']):4.1f}")
+              f"{c / real['mb_s']:7.3f} {d / real['mb_s']:16.3f} {real['lost_microbatches']:5d} "
+              f"{real['timeouts']:9d} {real['wall_s']:7.1f} {min(real['load']):4.1f}-{max(real['load']):4.1f}")
     print("load: the lowest and highest 1-minute load average at the starts and ends of the run(s) (other jobs share "
           "the cores: a calibration holds for the shaped runs only as far as the load stays the same)")
     if args.json:
@@ -315,8 +323,11 @@ def main() -> int:
                                    "call_overhead_s": overhead_s, "fused_last_stage": True,
                                    "calibration": calls_model[1], "shaped": calls_model[2]},
             "sim_step": {"stage_time_s": step_model[0], "step_microbatches": args.batch,
-                         "calibration_stalls_s": calibration_stalls, "calibration": step_model[1],
-                         "shaped": step_model[2]}},
+                         "calibration_stalls_s": calibration_steps[0], "calibration": step_model[1],
+                         "shaped": step_model[2]},
+            "sim_step_mb": {"stage_time_s": step_mb_model[0], "calibration_steps": calibration_steps,
+                            "shaped_steps": shaped_steps, "calibration": step_mb_model[1],
+                            "shaped": step_mb_model[2]}},
             indent=1, default=str))
     return 0
 

@@ -323,6 +323,10 @@ def test_an_in_stage_step_holds_backward_calls_but_serves_forward_calls():
     # the last stage's forward + backward as one call (fused) is held whole: the stall adds in full
     fused = sim.run(setup, fused_last_stage=True, step_microbatches=4, step_stall_s=0.5)
     assert fused["throughput_mb_s"] == pytest.approx(4 / (4 * 0.3 + 0.5), rel=0.02)
+    # 2.5 microbatches per step on average: steps after the 3rd, 5th, 8th, 10th ... call, 2 stalls per 5
+    fraction = sim.run(setup, fused_last_stage=True, step_microbatches=2.5, step_stall_s=0.5)
+    assert fraction["throughput_mb_s"] == pytest.approx(5 / (5 * 0.3 + 2 * 0.5), rel=0.02)
+    assert first_done_s(fraction)[:6] == pytest.approx([0.3, 0.6, 0.9, 1.7, 2.0, 2.8], rel=1e-9)
     # no stall, or no steps: the run is the plain one
     assert first_done_s(sim.run(setup, step_microbatches=4))[:9] == pytest.approx(plain[:9], rel=1e-9)
     assert sim.run(setup, step_stall_s=0.5)["timeline"] == sim.run(setup)["timeline"]

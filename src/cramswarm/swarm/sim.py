@@ -181,8 +181,8 @@ class Simulator:
 
     def __init__(self, setup: SwarmSetup, *, trainers_per_process: int = 1,
                  rebalancer_options: dict | None = None, round_trips_per_call: float = 1.0,
-                 call_overhead_s: float = 0.0, fused_last_stage: bool = False, step_microbatches: int | None = None,
-                 step_stall_s: float | Sequence[float] = 0.0):
+                 call_overhead_s: float = 0.0, fused_last_stage: bool = False,
+                 step_microbatches: float | Sequence[float] | None = None, step_stall_s: float | Sequence[float] = 0.0):
         setup.validate()
         if trainers_per_process < 1:
             raise ValueError(f"trainers_per_process must be at least 1, got {trainers_per_process}")
@@ -195,15 +195,16 @@ class Simulator:
         self.round_trips_per_call, self.call_overhead_s = round_trips_per_call, call_overhead_s
         self.fused_last_stage = fused_last_stage
         self.num_stages = setup.num_stages
-        stalls = [float(step_stall_s)] * self.num_stages if isinstance(step_stall_s, (int, float)) else \
-            [float(v) for v in step_stall_s]
-        if len(stalls) != self.num_stages or not all(v >= 0.0 for v in stalls):
+        stalls = self._per_stage(step_stall_s)
+        if stalls is None or not all(v >= 0.0 for v in stalls):
             raise ValueError(f"step_stall_s must be one non-negative number or one per stage ({self.num_stages}), "
                              f"got {step_stall_s}")
-        if step_microbatches is not None and not (isinstance(step_microbatches, int) and step_microbatches >= 1):
-            raise ValueError(f"step_microbatches must be a positive integer or None, got {step_microbatches}")
-        self.step_microbatches, self.step_stall_s = step_microbatches, stalls
-        self.batch_calls = [0] * self.num_stages            # backward calls admitted toward the stage's step
+        batches = None if step_microbatches is None else self._per_stage(step_microbatches)
+        if step_microbatches is not None and (batches is None or not all(v >= 1.0 for v in batches)):
+            raise ValueError(f"step_microbatches must be None, or one number of at least 1 or one per stage "
+                             f"({self.num_stages}), got {step_microbatches}")
+        self.step_microbatches, self.step_stall_s = batches, stalls
+        self.batch_calls = [0] * self.num_stages            # backward calls admitted at the stage, in all
         self.batch_done_at = [0.0] * self.num_stages        # when the last of them is computed
         self.stepping_until = [-math.inf] * self.num_stages  # the stage's current step ends then
         self.held: list[list[_Call]] = [[] for _ in range(self.num_stages)]  # backward calls waiting for it
@@ -236,6 +237,13 @@ class Simulator:
             self.trainers.append(trainer)
         self.rebalancer = (Rebalancer(setup.rebalance_period_s, **(rebalancer_options or {}))
                            if setup.rebalance_period_s and not self.chains else None)
+
+    def _per_stage(self, value: float | Sequence[float]) -> list[float] | None:
+        """One number for every stage, or one per stage; None if neither."""
+        if isinstance(value, (int, float)):
+            return [float(value)] * self.num_stages
+        values = [float(v) for v in value]
+        return values if len(values) == self.num_stages else None
 
     def _chains(self) -> list[list[_Peer]]:
         by_stage = [[p for p in self.peers if p.stage == s] for s in range(self.num_stages)]
@@ -427,12 +435,13 @@ class Simulator:
             self._schedule(call, call.deadline, _TIMEOUT)
 
     def _count_toward_step(self, stage: int, finish: float) -> None:
-        """A backward call admitted at ``stage``, computed by ``finish``: the last of the batch starts its step."""
+        """A backward call admitted at ``stage``, computed by ``finish``: the last of the batch starts its step
+        (step k ends the batch once the stage's calls reach ``ceil(k x step_microbatches)``)."""
         self.batch_calls[stage] += 1
         self.batch_done_at[stage] = max(self.batch_done_at[stage], finish)
-        if self.batch_calls[stage] == self.step_microbatches:
+        if self.batch_calls[stage] >= math.ceil((self.steps[stage] + 1) * self.step_microbatches[stage] - 1e-9):
             self.stepping_until[stage] = self.batch_done_at[stage] + self.step_stall_s[stage]
-            self.batch_calls[stage], self.batch_done_at[stage] = 0, 0.0
+            self.batch_done_at[stage] = 0.0
             self.steps[stage] += 1
             self._push(self.stepping_until[stage], _STEPPED, stage)
 
@@ -613,7 +622,8 @@ class Simulator:
 
 def run(setup: SwarmSetup, *, trainers_per_process: int = 1, rebalancer_options: dict | None = None,
         round_trips_per_call: float = 1.0, call_overhead_s: float = 0.0, fused_last_stage: bool = False,
-        step_microbatches: int | None = None, step_stall_s: float | Sequence[float] = 0.0) -> dict:
+        step_microbatches: float | Sequence[float] | None = None, step_stall_s: float | Sequence[float] = 0.0
+        ) -> dict:
     """Simulate ``setup`` for ``setup.duration_s`` virtual seconds; returns the emulation's result keys.
 
     ``microbatches_done`` (forward + backward through every stage), ``throughput_mb_s`` (microbatches per
@@ -643,8 +653,11 @@ def run(setup: SwarmSetup, *, trainers_per_process: int = 1, rebalancer_options:
     The in-stage synchronous step (``peer_sync``: a stage's peers gather, all-reduce and step once their backward
     calls reach the global batch, and admit no backward call meanwhile; default: not modelled):
 
-    * ``step_microbatches``: the global batch in microbatches (None: no steps). Every that many backward calls
-      admitted at a stage's peers (the last stage's fused call counts as its backward) make one step;
+    * ``step_microbatches``: microbatches per step (None: no steps): the global batch, or what the peers step on
+      average (``peer_sync``'s peers read each other's counts a little late and may admit more); one number or
+      one per stage. Every that many backward calls admitted at a stage's peers (the last stage's fused call
+      counts as its backward) make one step; a fraction alternates the neighbouring whole numbers to its mean
+      (step k ends once the stage's calls reach ``ceil(k x step_microbatches)``);
     * ``step_stall_s``: seconds a step holds the stage's backward calls back, counted from the end of the
       computation of its batch's last backward call (one number, or one per stage). A backward call arriving at
       the stage from the moment its batch's last call was admitted until the step ends waits (no peer time; its
