@@ -43,6 +43,7 @@ modelled: the averaging's, the DHT's and the relay's share of the CPU.
 
     python benchmarks/swarm_testbed.py --setup 100:20 [--setup 10:50 ...] [--microbatches 80] [--batch 4]
         [--json out.json]
+    python benchmarks/swarm_testbed.py --replay out.json   # an earlier run's measurements, simulated again
 
 Needs root and iproute2 (network namespaces); prints why not and exits 1 elsewhere.
 """
@@ -221,22 +222,35 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--call-count", type=int, default=15, help="timed hivemind calls per size and point")
     parser.add_argument("--json", help="also write every number here")
+    parser.add_argument("--replay", help="no testbed: the measurements of an earlier run's --json file (its "
+                        "settings too) through this script's simulator models")
     args = parser.parse_args()
-    reason = unavailable_reason()
-    if reason:
-        print(f"no testbed here: {reason}", file=sys.stderr)
-        return 1
+    if args.replay:
+        recorded = json.loads(Path(args.replay).read_text())
+        args = argparse.Namespace(**(recorded["args"] | {"json": args.json, "replay": args.replay}))
+        args.setup = [tuple(setup) for setup in args.setup] if args.setup else None
+    else:
+        reason = unavailable_reason()
+        if reason:
+            print(f"no testbed here: {reason}", file=sys.stderr)
+            return 1
     plan = make_plan(args)
     setups = args.setup or [(100.0, 20.0)]
     payload = boundary_bytes(plan)
-    try:
-        calls, echo_model, payload_model = call_costs(setups, payload, args.call_count)
-        before = testbed_run(plan, args, None, 0.0)
-        shaped = [testbed_run(plan, args, mbit, ms) for mbit, ms in setups]
-        after = testbed_run(plan, args, None, 0.0)
-    except Unavailable as err:
-        print(f"no testbed here: {err}", file=sys.stderr)
-        return 1
+    if args.replay:
+        calls, echo_model, payload_model = (recorded["calls"][k] for k in ("measured", "echo_model", "payload_model"))
+        before, after = (recorded["testbed"]["calibration"][k] for k in ("before", "after"))
+        shaped = recorded["testbed"]["shaped"]
+        print(f"replayed: the measurements of {args.replay}")
+    else:
+        try:
+            calls, echo_model, payload_model = call_costs(setups, payload, args.call_count)
+            before = testbed_run(plan, args, None, 0.0)
+            shaped = [testbed_run(plan, args, mbit, ms) for mbit, ms in setups]
+            after = testbed_run(plan, args, None, 0.0)
+        except Unavailable as err:
+            print(f"no testbed here: {err}", file=sys.stderr)
+            return 1
     # one trainer's seconds per microbatch, unshaped: the mean of the calibrations before and after
     per_mb_s = args.trainers * (1 / before["mb_s"] + 1 / after["mb_s"]) / 2
     calibration = before | {"mb_s": args.trainers / per_mb_s, "before": before, "after": after,
