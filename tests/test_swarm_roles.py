@@ -155,7 +155,7 @@ def test_launcher_swarm_steps_every_sample_once_with_compressed_averaging():
     stalls = stats["step_stalls"]
     assert sorted(stalls) == ["0", "1"], stalls
     assert {e["step"] for e in stalls["1"]} <= {row["step"] for row in result.log}, (stalls, result.log)
-    assert all(len(entries) >= 0.75 * total / 4 for entries in stalls.values()), stalls
+    assert len(stalls["1"]) >= 0.9 * len(batch) and stalls["0"], stalls
     assert all(e["gather_s"] >= MIN_GATHER_S and e["stall_s"] >= MIN_GATHER_S
                for entries in stalls.values() for e in entries), stalls
     assert all(1.99 <= b <= 2.0 * 1.01 for b in stats["averaging_bytes_per_param"]), stats
