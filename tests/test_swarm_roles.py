@@ -26,6 +26,7 @@ from test_swarm_hivemind import MICRO, TINY, batches, own_p2p_daemons, plan, sou
 from cramswarm.swarm import hivemind_transport as ht  # noqa: E402
 from cramswarm.swarm import launcher as launcher_mod  # noqa: E402
 from cramswarm.swarm.peer_sync import newest_shard, shard_files, step_target, write_shard  # noqa: E402
+from cramswarm.swarm.policies import RetryPolicy  # noqa: E402
 from cramswarm.swarm.stages import STATE_BYTES_PER_PARAMETER, build_swarm_model, stage_state_bytes  # noqa: E402
 from cramswarm.swarm.train import UNBOUNDED  # noqa: E402
 from cramswarm.swarm.trainer import shard  # noqa: E402
@@ -90,6 +91,34 @@ def test_shards_partition_the_microbatches_and_step_targets_follow_the_ramp():
     assert step_target(recipe, 32, 0, 0) == (0.0, MICRO)
     assert step_target(recipe, 32, 0, 5) == (0.5, 4 * MICRO)
     assert step_target(recipe, 32, 0, 2)[1] == (1 + int(0.2 / 0.5 * 4)) * MICRO
+
+
+def test_the_runs_routing_reaches_every_trainers_balancers_and_unknown_routings_are_refused():
+    """``SwarmPlan.routing`` (the launcher writes it to the run's config): a trainer routes by measured throughput
+    (weighted) or uniformly at random (uniform, the routing benchmark's baseline), on every stage."""
+    from cramswarm.swarm.policies import StageBalancer, UniformBalancer
+    from cramswarm.swarm.trainer import StageClient
+
+    speeds = {"fast": 1.0, "half": 0.5, "quarter": 0.25}
+    shares = {}
+    for routing in ("weighted", "uniform"):
+        client = StageClient(None, "run", 2, RetryPolicy(), seed=0, routing=routing)
+        assert all(type(b) is (UniformBalancer if routing == "uniform" else StageBalancer) for b in client.balancers)
+        balancer = client.balancers[1]
+        balancer.update_peers(dict.fromkeys(speeds, 100.0), now=0.0)
+        counts = dict.fromkeys(speeds, 0)
+        for _ in range(1400):
+            uid = balancer.choose(1.0, 0.0)
+            balancer.report_success(uid, 1.0, 1.0 / speeds[uid])
+            counts[uid] += 1
+        shares[routing] = {uid: n / 1400 for uid, n in counts.items()}
+    assert shares["weighted"]["fast"] > 0.5 and shares["weighted"]["quarter"] < 0.2, shares
+    assert all(abs(share - 1 / 3) < 0.05 for share in shares["uniform"].values()), shares
+    assert StageClient(None, "run", 1, RetryPolicy(), seed=0).balancers[0].__class__ is StageBalancer
+    with pytest.raises(ValueError, match="routing must be one of weighted, uniform, got 'random'"):
+        StageClient(None, "run", 1, RetryPolicy(), seed=0, routing="random")
+    with pytest.raises(ValueError, match="swarm routing='random'"):
+        plan(routing="random").validate()
 
 
 def test_a_trainer_refuses_a_rank_outside_the_trainers(tmp_path):
