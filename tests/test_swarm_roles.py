@@ -121,6 +121,33 @@ def test_the_runs_routing_reaches_every_trainers_balancers_and_unknown_routings_
         plan(routing="random").validate()
 
 
+def test_a_peers_emulated_speed_scales_its_measured_compute_or_the_configured_floor(monkeypatch):
+    """``StagePeer._emulate_speed``: a call of speed s takes compute / s (the rest slept on the compute thread); with
+    ``peer_unit_time_s`` the compute counts as at least work units x that, so a loaded host's slower real compute
+    does not change the call's time while it fits under the floor."""
+    from cramswarm.swarm import hivemind_peer
+
+    slept = []
+    monkeypatch.setattr(hivemind_peer.time, "sleep", slept.append)
+    peer = hivemind_peer.StagePeer.__new__(hivemind_peer.StagePeer)
+    for speed, floor, measured, units, expected in [
+        (1.0, None, 0.01, 1.0, 0.0),     # full speed, no floor: no sleep
+        (0.5, None, 0.01, 3.0, 0.01),    # half speed: as long again as it measured
+        (0.25, None, 0.02, 2.0, 0.06),   # quarter speed: 3x more
+        (1.0, 0.05, 0.01, 1.0, 0.04),    # the floor: a forward call takes 1 x 0.05 s
+        (0.5, 0.05, 0.01, 2.0, 0.19),    # a backward call at half speed: 2 x 0.05 / 0.5
+        (0.5, 0.05, 0.03, 2.0, 0.17),    # more real compute (a loaded host), the same call time
+        (0.25, 0.05, 0.02, 3.0, 0.58),   # the last stage's fused call: 3 units
+        (0.5, 0.01, 0.04, 1.0, 0.04),    # real compute over the floor: it counts
+    ]:
+        peer.speed, peer.unit_time_s = speed, floor
+        slept.clear()
+        peer._emulate_speed(measured, units)
+        assert slept == [pytest.approx(expected)], (speed, floor, measured, units)
+    with pytest.raises(ValueError, match="peer_unit_time_s=0.0"):
+        plan(peer_unit_time_s=0.0).validate()
+
+
 def test_a_trainer_refuses_a_rank_outside_the_trainers(tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps({}))

@@ -174,6 +174,9 @@ class SwarmPlan:
     peer_memory_cap_mb: float | None = None  # most MiB of model state a stage peer may hold (None: no cap)
     routing: str = "weighted"       # the trainers' routing over a stage's peers: weighted (StageBalancer, by
                                     # measured throughput) | uniform (UniformBalancer: the routing benchmark's baseline)
+    peer_unit_time_s: float | None = None  # launcher: a stage call computes at least this x its work units (forward
+                                    # 1, backward 2, fused last 3) at speed 1, the rest slept: peers' speeds hold on a
+                                    # loaded host (None: the measured compute alone, x 1/speed)
 
     @property
     def stages(self) -> int:
@@ -188,6 +191,8 @@ class SwarmPlan:
         return sum(self.peers_per_stage)
 
     def validate(self) -> None:
+        if self.peer_unit_time_s is not None and not self.peer_unit_time_s > 0:
+            raise ValueError(f"swarm peer_unit_time_s={self.peer_unit_time_s!r}: must be positive seconds or None")
         if self.routing not in ROUTINGS:
             raise ValueError(f"swarm routing={self.routing!r}; allowed: {', '.join(ROUTINGS)}")
         if self.placement not in PLACEMENTS:
