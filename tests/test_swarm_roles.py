@@ -148,6 +148,28 @@ def test_a_peers_emulated_speed_scales_its_measured_compute_or_the_configured_fl
         plan(peer_unit_time_s=0.0).validate()
 
 
+def test_the_launcher_benchmark_counts_a_microbatch_taken_and_never_finished_as_lost(tmp_path):
+    """``benchmarks/swarm_launcher.py``'s count for seconds budgets (where requested = done by definition): a gap in
+    a trainer's shard before its last finished microbatch is lost; a record cut short by a kill is not a finish."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("swarm_launcher_bench", TESTS.parent / "benchmarks" /
+                                                  "swarm_launcher.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    from cramswarm.swarm.trainer import losses_path
+
+    def write(rank: int, mbs: list[int], tail: str = "") -> None:
+        lines = "".join(json.dumps({"mb": mb, "loss": 1.0, "time": 0.0}) + "\n" for mb in mbs)
+        losses_path(tmp_path, rank).write_text(lines + tail)
+
+    write(0, [0, 3, 6, 9])   # trainer 0 of 3: its whole shard up to 9
+    write(1, [1, 7], tail='{"mb": 10, "lo')  # 4 never finished; 10's record was cut short
+    assert bench.lost_microbatches(tmp_path, 3) == (6, 1)  # trainer 2 has no file: it finished nothing
+    write(1, [1, 4, 7])
+    assert bench.lost_microbatches(tmp_path, 3) == (7, 0)
+
+
 def test_a_trainer_refuses_a_rank_outside_the_trainers(tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps({}))
