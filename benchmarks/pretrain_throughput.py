@@ -52,15 +52,19 @@ QUICK = dict(layers=2, hidden=128, heads=2, intermediate=512, vocab=1024, batch=
 
 
 def git_commit() -> str | None:
-    """This checkout's commit (None where it is no git checkout, e.g. a copied tree on a GPU machine)."""
+    """This checkout's commit, with ``+dirty`` where src/ or benchmarks/ differ from it (None where it is no git
+    checkout, e.g. a copied tree on a GPU machine)."""
     import subprocess
 
+    root = Path(__file__).resolve().parent.parent
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
-                             text=True, timeout=10)
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--", "src", "benchmarks"], cwd=root,
+                                 capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() or None
+    return (head + ("+dirty" if changed else "")) or None
 
 
 def physical_cores() -> int:
@@ -318,6 +322,12 @@ def main(argv: list[str] | None = None) -> dict:
         help="torch.compile mode with --compile (the recipe key compile_mode): reduce-overhead uses CUDA graphs",
     )
     parser.add_argument(
+        "--coordinate-descent",
+        action="store_true",
+        help="with --compile: inductor's coordinate-descent tuning of its generated kernels' launch configs "
+        "(torch._inductor.config.coordinate_descent_tuning; a longer compile, not max-autotune's GEMM search)",
+    )
+    parser.add_argument(
         "--peak-size",
         type=int,
         default=None,
@@ -352,6 +362,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     from cramswarm.training import resolve_device
 
+    if args.coordinate_descent:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.coordinate_descent_tuning = True
+
     device = resolve_device(args.device)
     if args.peak_size is None:
         args.peak_size = 8192 if device.type == "cuda" else 4096
@@ -371,6 +386,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"vocab {args.vocab}, seq {args.seq}, batch {args.batch}, {args.masked} masked/seq, "
         f"{args.warmup} warmup + {args.steps} timed steps"
         f"{f', compiled ({args.compile_mode})' if args.compile else ''}"
+        f"{', coordinate-descent tuning' if args.compile and args.coordinate_descent else ''}"
     )
     batches = make_batches(args, args.warmup + args.steps, device)
     results = [run(kind, args, batches, device) for kind in args.models.split(",")]
@@ -410,6 +426,7 @@ def main(argv: list[str] | None = None) -> dict:
         },
         "compile": args.compile,
         "compile_mode": args.compile_mode if args.compile else None,
+        "coordinate_descent_tuning": bool(args.compile and args.coordinate_descent),
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
         "steps": args.steps,
         "warmup": args.warmup,

@@ -3,10 +3,12 @@
     python benchmarks/throughput_table.py results/readme/pretrain_gpu/*.json --out results/readme/pretrain_gpu.csv
     python benchmarks/throughput_table.py RUN.json ... --profile-out results/readme/pretrain_gpu_kernels.csv
 
-Columns: device, layers x hidden, micro-batch, compile mode, model, fastest and median step, tokens/s, MFU,
-tokens/s against HF in the same run, peak GPU memory, the first step (compilation included), the bf16 matmul peak
-measured in the same run, and the commit (``--commit`` fills it where a JSON names none: runs on a copied tree
-without git). The rest of each run (vocab, sequence length, torch version, date, every step) stays in its JSON.
+Rows are grouped by device, shape, micro-batch and compile mode (eager first). Columns: device, layers x hidden,
+micro-batch, compile mode (``+coordinate-descent`` for ``--coordinate-descent`` runs), model, fastest and median
+step, tokens/s, MFU, tokens/s against HF in the same run, peak GPU memory, the first step (compilation
+included), the bf16 matmul peak measured in the same run, and the commit (``--commit`` fills it where a JSON names
+none: runs on a copied tree without git). The rest of each run (vocab, sequence length, torch version, date,
+every step) stays in its JSON.
 With ``--profile-out``, the runs made with ``--profile`` also give one row per model and kernel family (ms/step).
 """
 
@@ -19,10 +21,23 @@ import os
 import tempfile
 from pathlib import Path
 
+MODES = ("eager", "default", "default+coordinate-descent", "reduce-overhead", "max-autotune")
+
+
+def compile_label(report: dict) -> str:
+    mode = report.get("compile_mode") or ("default" if report.get("compile") else "eager")
+    return mode + ("+coordinate-descent" if report.get("coordinate_descent_tuning") else "")
+
+
+def table_order(row: dict) -> tuple:
+    """Rows grouped by shape, micro-batch and mode (a run's rows stay together, in their run's order)."""
+    mode = MODES.index(row["compile"]) if row["compile"] in MODES else len(MODES)
+    return row["device"], row.get("shape", ""), int(row["micro_batch"]), mode
+
 
 def rows(report: dict, commit: str | None) -> list[dict]:
     shape = report["shape"]
-    mode = report.get("compile_mode") or ("default" if report.get("compile") else "eager")
+    mode = compile_label(report)
     out = []
     for r in report["results"]:
         memory = r.get("cuda_peak_memory_bytes")
@@ -57,7 +72,7 @@ def profile_rows(report: dict) -> list[dict]:
             out.append({
                 "device": report["device"],
                 "micro_batch": report["shape"]["batch"],
-                "compile": report.get("compile_mode") or ("default" if report.get("compile") else "eager"),
+                "compile": compile_label(report),
                 "model": r["model"],
                 "kernel_family": family,
                 "ms_per_step": f"{ms:.1f}",
@@ -90,9 +105,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     reports = [json.loads(Path(p).read_text()) for p in sorted(args.json)]  # one order whatever the shell gives
     if args.out:
-        write_csv(args.out, [row for report in reports for row in rows(report, args.commit)])
+        write_csv(args.out, sorted((row for report in reports for row in rows(report, args.commit)), key=table_order))
     if args.profile_out:
-        write_csv(args.profile_out, [row for report in reports for row in profile_rows(report)])
+        profiled = (row for report in reports for row in profile_rows(report))
+        write_csv(args.profile_out, sorted(profiled, key=table_order))
 
 
 if __name__ == "__main__":

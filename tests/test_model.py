@@ -7,6 +7,7 @@ from cramswarm.models.crammed_bert import (
     CrammedBertConfig,
     CrammedBertForMaskedLM,
     CrammedBertForSequenceClassification,
+    FeedForward,
     unwrap_compiled,
 )
 
@@ -232,3 +233,22 @@ def test_cpu_autocast_training_attention_matches_bf16_path():
     assert out.logits.dtype == torch.bfloat16
     torch.testing.assert_close(out.logits.float(), reference.logits.float(), atol=2e-2, rtol=2e-2)
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("use_bias", [False, True])
+def test_gated_ffn_is_gelu_of_the_second_half_times_the_first(use_bias):
+    """The gated FFN runs dense_in as two half-width projections; it must compute exactly what the paper's
+    formulation does on dense_in's whole output (h, gate = chunk(2); gelu(gate) * h), values and gradients."""
+    torch.manual_seed(0)
+    config = CrammedBertConfig(vocab_size=64, hidden_size=32, num_attention_heads=2, num_hidden_layers=1,
+                               intermediate_size=48, use_bias=use_bias)
+    ffn = FeedForward(config).double()
+    x = torch.randn(3, 5, 32, dtype=torch.float64, requires_grad=True)
+    out = ffn(x)
+    h, gate = ffn.dense_in(x).chunk(2, dim=-1)
+    reference = ffn.dense_out(torch.nn.functional.gelu(gate) * h)
+    torch.testing.assert_close(out, reference)
+    grads = torch.autograd.grad(out.square().sum(), [x, *ffn.parameters()])
+    reference_grads = torch.autograd.grad(reference.square().sum(), [x, *ffn.parameters()])
+    for got, want in zip(grads, reference_grads, strict=True):
+        torch.testing.assert_close(got, want)
