@@ -321,7 +321,8 @@ class Launcher:
                "seq_len": seq_len, "workdir": str(self.workdir), "retry": dataclasses.asdict(p.retry),
                "seed": p.seed, "shard_dir": str(self.shard_dir), "checkpoint_every_s": p.checkpoint_every_s,
                "rebalance_period_s": p.rebalance_period_s, "peer_memory_cap_mb": p.peer_memory_cap_mb,
-               "data": self.source.spec(), "microbatches": self.total}
+               "data": self.source.spec(), "microbatches": self.total, "routing": p.routing,
+               "peer_unit_time_s": p.peer_unit_time_s}
         path = self.workdir / CONFIG_FILE
         tmp = self.workdir / f".{CONFIG_FILE}.tmp"
         tmp.write_text(json.dumps(cfg))
@@ -793,6 +794,7 @@ class Launcher:
             moves=moves, moves_completed=sum("arrived_s" in m for m in moves), microbatch_done_s=self._done_times(),
             incomplete_load_views=sum(c.get("incomplete_views", 0) for c in counters),
             peer_loads={c["uid"]: c["load"] for c in counters if "load" in c},
+            peer_backward_samples={c["uid"]: c.get("backward_samples", 0) for c in counters},
             step_stalls=self._step_stalls(),
             admission_wait_s={c["uid"]: round(c.get("admission_wait_s", 0.0), 3) for c in counters},
             held_calls={c["uid"]: c.get("held_calls", 0) for c in counters},

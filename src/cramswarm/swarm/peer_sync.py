@@ -222,8 +222,8 @@ class SyncingStagePeer(StagePeer):
         self.counters = {"uid": uid, "stage": stage, "steps_taken": 0, "resyncs": 0, "digest_mismatches": 0,
                          "lost_gradient_samples": 0, "averaging_bytes_sent": 0, "averaging_values_sent": 0,
                          "averaging_param_steps": 0, "group_sizes": [], "failed_rounds": 0, "shards_written": 0,
-                         "duplicate_samples": 0, "loaded_shard_step": None, "admission_wait_s": 0.0,
-                         "held_calls": 0}
+                         "duplicate_samples": 0, "loaded_shard_step": None, "backward_samples": 0,
+                         "admission_wait_s": 0.0, "held_calls": 0}
         self.stepped_mbs: set[int] = set()   # microbatches whose gradients the stage has stepped
         self.local_mbs: set[int] = set()     # ... accumulated here since the snapshot
         self.snapshot_mbs: set[int] = set()  # ... in the snapshot
@@ -366,6 +366,7 @@ class SyncingStagePeer(StagePeer):
             result, out_meta = await self._metered(self._backward, tensors, meta)
         finally:
             self.admitted -= samples
+        self.counters["backward_samples"] += samples  # what the trainers' routing gave this peer
         if self.others_pending + self._held_samples() >= self._target():
             self.nudge.set()
         for message in respond(result, out_meta):
