@@ -26,15 +26,24 @@ boundary payload of one microbatch, the shaped rate as link and NIC rate, the re
   ``round_trips_per_call``, ``call_overhead_s``) and the last stage's forward + backward as one call
   (``fused_last_stage``), as the hivemind trainer makes it.
 
-Each gets one compute time per call calibrated from run 1: the per-microbatch time of a trainer there, less the
-fixed time of the microbatch's calls in that model, spread over ``3 x stages`` work units (forward 1, backward 2
-per stage), so that the simulator reproduces run 1 by construction and predicts the shaped runs from the network
-alone. Not modelled: the in-stage synchronous step (the peers' progress records in the DHT, the gather, the
-all-reduce through the relay), which holds the stage's backward calls back once per global batch, and the
-averaging's, the DHT's and the relay's share of the CPU.
+* ``sim (measured calls + step)``: the measured calls and the in-stage synchronous step (``sim.run``'s
+  ``step_stall_s``, ``step_microbatches``): each stage's stall per step as measured in the same testbed run (the
+  calibration's in the calibration runs, their mean) from the peers' step lines (``peer_sync.stage_stalls``:
+  from the end of the batch's last backward computation to the peers' optimizer step, the mean over the steady
+  steps, those the throughput is measured over), and a step every ``--batch`` microbatches (the global batch:
+  column ``+ step``) or every as many as the stage's steady steps held on average (the peers read each other's
+  counts late and admit more, the later the longer the delay: column ``+ step, mb/step``).
+
+Each gets one compute time per call calibrated from the calibration runs, so that the simulator reproduces the
+calibration by construction and predicts the shaped runs from the network (and the step's stall) alone: for the
+first two, the per-microbatch time of a trainer there, less the fixed time of the microbatch's calls in that
+model, spread over ``3 x stages`` work units (forward 1, backward 2 per stage); for the third, the compute time
+at which the simulator with the calibration's stall gives the calibration's throughput (bisection). Not
+modelled: the averaging's, the DHT's and the relay's share of the CPU.
 
     python benchmarks/swarm_testbed.py --setup 100:20 [--setup 10:50 ...] [--microbatches 80] [--batch 4]
         [--json out.json]
+    python benchmarks/swarm_testbed.py --replay out.json   # an earlier run's measurements, simulated again
 
 Needs root and iproute2 (network namespaces); prints why not and exits 1 elsewhere.
 """
@@ -104,6 +113,26 @@ def steady_mb_s(log: list[dict], micro: int) -> float:
     return sum(r["batch_sequences"] for r in rows[1:]) / micro / (rows[-1]["elapsed_s"] - rows[0]["elapsed_s"])
 
 
+def step_stalls(stalls: dict[str, list[dict]], micro: int) -> list[dict]:
+    """Per stage, the mean of its steady steps' stalls and their parts (``peer_sync.stage_stalls``; the launcher's
+    ``step_stalls``): its steps but the first and the last, as the throughput leaves them out; with the steps'
+    mean microbatches and the share of the steady steps' time the stage spent stepping."""
+    found = []
+    for stage in sorted(stalls, key=int):
+        entries = stalls[stage]
+        steady = entries[1:-1] if len(entries) > 3 else entries
+        if not steady:
+            raise RuntimeError(f"stage {stage} logged no step with samples: raise --microbatches")
+        span = steady[-1]["end"] - steady[0]["end"]
+        summary = {key: sum(e[key] for e in steady) / len(steady)
+                   for key in ("stall_s", "trigger_s", "gather_s", "reduce_s", "apply_s")}
+        found.append(summary | {"stage": int(stage), "steps": len(steady),
+                                "microbatches_per_step": sum(e["samples"] for e in steady) / len(steady) / micro,
+                                "stepping_share": sum(e["stall_s"] for e in steady[1:]) / span if span > 0 else None,
+                                "max_stall_s": max(e["stall_s"] for e in steady)})
+    return found
+
+
 def testbed_run(plan, args, bandwidth_mbit, latency_ms) -> dict:
     started, load_before = time.perf_counter(), os.getloadavg()[0]
     result = tbswarm.run(plan, counting_batches(args.micro, args.seed), args.microbatches,
@@ -112,6 +141,9 @@ def testbed_run(plan, args, bandwidth_mbit, latency_ms) -> dict:
     return {"bandwidth_mbit": bandwidth_mbit, "latency_ms": latency_ms, "mb_s": steady_mb_s(result.log, args.micro),
             "microbatches_done": stats["microbatches_done"], "lost_microbatches": stats["lost_microbatches"],
             "retries": stats["retries"], "timeouts": stats["timeouts"], "steps": len(result.log),
+            "stalls": step_stalls(stats["step_stalls"], args.micro),
+            "admission_wait_s": stats["admission_wait_s"], "held_calls": stats["held_calls"],
+            "resyncs": stats["resyncs"],
             "wall_s": round(time.perf_counter() - started, 1), "load": [load_before, os.getloadavg()[0]]}
 
 
@@ -145,6 +177,35 @@ def simulate(base: SwarmSetup, setups, per_mb_s: float, stages: int, *, round_tr
     return stage_time_s, calibration, shaped
 
 
+def simulate_steps(base: SwarmSetup, setups, mb_s: float, calibration: tuple[list[float], list[float]],
+                   shaped: list[tuple[list[float], list[float]]], *, round_trips: float, overhead_s: float
+                   ) -> tuple[float, float, list[float]]:
+    """(compute per forward call, simulated calibration, simulated shaped setups) with the measured calls and the
+    in-stage step, given per run its stages' (stalls, microbatches per step): the compute is the one at which the
+    simulator, given the calibration's, reproduces the calibration's ``mb_s`` (bisection); each shaped setup
+    gets its own."""
+    options = dict(round_trips_per_call=round_trips, call_overhead_s=overhead_s, fused_last_stage=True)
+
+    def calibrated(stage_time_s: float) -> float:
+        return sim.run(dataclasses.replace(base, stage_time_s=stage_time_s), step_stall_s=calibration[0],
+                       step_microbatches=calibration[1], **options)["throughput_mb_s"]
+
+    low, high = 1e-4, 1.0
+    if calibrated(low) < mb_s:
+        raise RuntimeError(f"the calibration's steps {calibration} alone leave less than its {mb_s:.3f} mb/s")
+    while calibrated(high) > mb_s:
+        low, high = high, 2 * high
+    for _ in range(30):   # the simulated throughput falls as the compute per call grows
+        middle = (low + high) / 2
+        low, high = (middle, high) if calibrated(middle) > mb_s else (low, middle)
+    stage_time_s = (low + high) / 2
+    base = dataclasses.replace(base, stage_time_s=stage_time_s)
+    shaped = [sim.run(dataclasses.replace(base, bandwidth_mbit_s=mbit, nic_mbit_s=mbit, latency_s=ms / 1000),
+                      step_stall_s=stalls, step_microbatches=batches, **options)["throughput_mb_s"]
+              for (mbit, ms), (stalls, batches) in zip(setups, shaped)]
+    return stage_time_s, calibrated(stage_time_s), shaped
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--setup", action="append", type=parse_setup, help="MBIT:MS - each host's link in megabits "
@@ -155,29 +216,41 @@ def main() -> int:
     parser.add_argument("--trainers", type=int, default=2)
     parser.add_argument("--micro", type=int, default=4, help="sequences per microbatch")
     parser.add_argument("--batch", type=int, default=4, help="microbatches per global batch (one in-stage step "
-                        "each; the simulator does not model the step, so more microbatches per step leave it less "
-                        "to miss)")
+                        "each)")
     parser.add_argument("--hidden", type=int, default=64, help="hidden size of the tiny model")
     parser.add_argument("--compression", default="blockwise8", help="stage-boundary compression")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--call-count", type=int, default=15, help="timed hivemind calls per size and point")
     parser.add_argument("--json", help="also write every number here")
+    parser.add_argument("--replay", help="no testbed: the measurements of an earlier run's --json file (its "
+                        "settings too) through this script's simulator models")
     args = parser.parse_args()
-    reason = unavailable_reason()
-    if reason:
-        print(f"no testbed here: {reason}", file=sys.stderr)
-        return 1
+    if args.replay:
+        recorded = json.loads(Path(args.replay).read_text())
+        args = argparse.Namespace(**(recorded["args"] | {"json": args.json, "replay": args.replay}))
+        args.setup = [tuple(setup) for setup in args.setup] if args.setup else None
+    else:
+        reason = unavailable_reason()
+        if reason:
+            print(f"no testbed here: {reason}", file=sys.stderr)
+            return 1
     plan = make_plan(args)
     setups = args.setup or [(100.0, 20.0)]
     payload = boundary_bytes(plan)
-    try:
-        calls, echo_model, payload_model = call_costs(setups, payload, args.call_count)
-        before = testbed_run(plan, args, None, 0.0)
-        shaped = [testbed_run(plan, args, mbit, ms) for mbit, ms in setups]
-        after = testbed_run(plan, args, None, 0.0)
-    except Unavailable as err:
-        print(f"no testbed here: {err}", file=sys.stderr)
-        return 1
+    if args.replay:
+        calls, echo_model, payload_model = (recorded["calls"][k] for k in ("measured", "echo_model", "payload_model"))
+        before, after = (recorded["testbed"]["calibration"][k] for k in ("before", "after"))
+        shaped = recorded["testbed"]["shaped"]
+        print(f"replayed: the measurements of {args.replay}")
+    else:
+        try:
+            calls, echo_model, payload_model = call_costs(setups, payload, args.call_count)
+            before = testbed_run(plan, args, None, 0.0)
+            shaped = [testbed_run(plan, args, mbit, ms) for mbit, ms in setups]
+            after = testbed_run(plan, args, None, 0.0)
+        except Unavailable as err:
+            print(f"no testbed here: {err}", file=sys.stderr)
+            return 1
     # one trainer's seconds per microbatch, unshaped: the mean of the calibrations before and after
     per_mb_s = args.trainers * (1 / before["mb_s"] + 1 / after["mb_s"]) / 2
     calibration = before | {"mb_s": args.trainers / per_mb_s, "before": before, "after": after,
@@ -193,6 +266,16 @@ def main() -> int:
     plain = simulate(base, setups, per_mb_s, args.stages)
     calls_model = simulate(base, setups, per_mb_s, args.stages, round_trips=round_trips, overhead_s=overhead_s,
                            fused=True)
+    # each stage's stall and microbatches per step: the calibration's the mean of its two runs'
+    calibration_steps = tuple([(b[key] + a[key]) / 2 for b, a in zip(before["stalls"], after["stalls"])]
+                              for key in ("stall_s", "microbatches_per_step"))
+    shaped_steps = [tuple([st[key] for st in run["stalls"]] for key in ("stall_s", "microbatches_per_step"))
+                    for run in shaped]
+    step_model = simulate_steps(base, setups, calibration["mb_s"], (calibration_steps[0], args.batch),
+                                [(stalls, args.batch) for stalls, _ in shaped_steps],
+                                round_trips=round_trips, overhead_s=overhead_s)
+    step_mb_model = simulate_steps(base, setups, calibration["mb_s"], calibration_steps, shaped_steps,
+                                   round_trips=round_trips, overhead_s=overhead_s)
     print(f"swarm: {args.stages} stages x {args.peers} peers, {args.trainers} trainers, {args.microbatches} "
           f"microbatches of {args.micro} x {SEQ} tokens, {args.batch} per step, hidden {args.hidden}; boundary "
           f"payload {payload} B")
@@ -209,20 +292,39 @@ def main() -> int:
         print(f"  {model['bytes']} B: {model['round_trips_per_call']:.3f} round trips per call, "
               f"{model['call_overhead_s'] * 1e3:.2f} ms fixed per call")
     print(f"simulator compute per forward call: {plain[0] * 1e3:.1f} ms (1 RTT), {calls_model[0] * 1e3:.1f} ms "
-          f"(measured calls: {round_trips:.3f} round trips, {overhead_s * 1e3:.2f} ms fixed, last stage fused)")
+          f"(measured calls: {round_trips:.3f} round trips, {overhead_s * 1e3:.2f} ms fixed, last stage fused), "
+          f"{step_model[0] * 1e3:.1f} ms (measured calls + step), {step_mb_model[0] * 1e3:.1f} ms (+ step, mb/step)")
+    print(f"the in-stage step, per stage (mean over the steady steps; ms; a step every {args.batch} microbatches "
+          "by the global batch): stall = trigger (batch computed -> a peer begins its step) + gather + all-reduce + "
+          "apply; 'share' is the part of the steady time the stage spent stepping; 'held' the backward calls that "
+          "waited for admission, and their total wait")
+    print(f"{'run':36s} {'stage':>5s} {'steps':>5s} {'mb/step':>7s} {'stall':>7s} {'max':>7s} {'trigger':>7s} "
+          f"{'gather':>7s} {'reduce':>7s} {'apply':>7s} {'share':>6s} {'held':>5s} {'wait s':>7s}")
+    runs = [("calibration before", before), *((f"{m:g} Mb/s, {d:g} ms", r) for (m, d), r in zip(setups, shaped)),
+            ("calibration after", after)]
+    for name, run in runs:
+        for st in run["stalls"]:
+            uids = [u for u in run["held_calls"] if u.startswith(f"s{st['stage']}p")]
+            share = "" if st["stepping_share"] is None else f"{st['stepping_share']:6.3f}"
+            print(f"{name:36s} {st['stage']:5d} {st['steps']:5d} {st['microbatches_per_step']:7.2f} "
+                  f"{st['stall_s'] * 1e3:7.0f} {st['max_stall_s'] * 1e3:7.0f} {st['trigger_s'] * 1e3:7.0f} "
+                  f"{st['gather_s'] * 1e3:7.0f} {st['reduce_s'] * 1e3:7.0f} {st['apply_s'] * 1e3:7.0f} {share:>6s} "
+                  f"{sum(run['held_calls'][u] for u in uids):5d} "
+                  f"{sum(run['admission_wait_s'][u] for u in uids):7.1f}")
     print("throughput in microbatches per second (mb/s)")
     print(f"calibration (unshaped, relay, 0 ms): {before['mb_s']:.3f} mb/s before the shaped runs, "
           f"{after['mb_s']:.3f} after (after/before {after['mb_s'] / before['mb_s']:.3f}); the simulator is "
           "calibrated on their mean per-microbatch time")
-    rows = [("calibration (mean of before, after)", calibration, plain[1], calls_model[1])]
-    rows += [(f"{mbit:g} Mb/s, {ms:g} ms one way", real, a, b)
-             for (mbit, ms), real, a, b in zip(setups, shaped, plain[2], calls_model[2])]
-    print(f"{'setup':36s} {'testbed mb/s':>13s} {'sim/testbed (1 RTT)':>20s} {'sim/testbed (measured calls)':>29s} "
-          f"{'lost':>5s} {'timeouts':>9s} {'wall s':>7s} {'load':>10s}")
-    for name, real, a, b in rows:
-        print(f"{name:36s} {real['mb_s']:13.3f} {a / real['mb_s']:20.3f} {b / real['mb_s']:29.3f} "
-              f"{real['lost_microbatches']:5d} {real['timeouts']:9d} {real['wall_s']:7.1f} "
-              f"{min(real['load']):4.1f}-{max(real['load']):4.1f}")
+    rows = [("calibration (mean of before, after)", calibration, plain[1], calls_model[1], step_model[1],
+             step_mb_model[1])]
+    rows += [(f"{mbit:g} Mb/s, {ms:g} ms one way", real, a, b, c, d) for (mbit, ms), real, a, b, c, d
+             in zip(setups, shaped, plain[2], calls_model[2], step_model[2], step_mb_model[2])]
+    print(f"{'setup':36s} {'testbed mb/s':>13s} {'sim/testbed: 1 RTT':>19s} {'measured calls':>15s} {'+ step':>7s} "
+          f"{'+ step, mb/step':>16s} {'lost':>5s} {'timeouts':>9s} {'wall s':>7s} {'load':>10s}")
+    for name, real, a, b, c, d in rows:
+        print(f"{name:36s} {real['mb_s']:13.3f} {a / real['mb_s']:19.3f} {b / real['mb_s']:15.3f} "
+              f"{c / real['mb_s']:7.3f} {d / real['mb_s']:16.3f} {real['lost_microbatches']:5d} "
+              f"{real['timeouts']:9d} {real['wall_s']:7.1f} {min(real['load']):4.1f}-{max(real['load']):4.1f}")
     print("load: the lowest and highest 1-minute load average at the starts and ends of the run(s) (other jobs share "
           "the cores: a calibration holds for the shaped runs only as far as the load stays the same)")
     if args.json:
@@ -233,7 +335,13 @@ def main() -> int:
             "sim_1rtt": {"stage_time_s": plain[0], "calibration": plain[1], "shaped": plain[2]},
             "sim_measured_calls": {"stage_time_s": calls_model[0], "round_trips_per_call": round_trips,
                                    "call_overhead_s": overhead_s, "fused_last_stage": True,
-                                   "calibration": calls_model[1], "shaped": calls_model[2]}},
+                                   "calibration": calls_model[1], "shaped": calls_model[2]},
+            "sim_step": {"stage_time_s": step_model[0], "step_microbatches": args.batch,
+                         "calibration_stalls_s": calibration_steps[0], "calibration": step_model[1],
+                         "shaped": step_model[2]},
+            "sim_step_mb": {"stage_time_s": step_mb_model[0], "calibration_steps": calibration_steps,
+                            "shaped_steps": shaped_steps, "calibration": step_mb_model[1],
+                            "shaped": step_mb_model[2]}},
             indent=1, default=str))
     return 0
 

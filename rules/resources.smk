@@ -228,8 +228,8 @@ SWARM_STUDY_RUNS = {"wiring": 6, "failures": 8}  # emulation + simulator x routi
 
 def swarm_experiment_runtime(wildcards):
     """The emulated experiments: runs x duration_s x time_scale wall seconds; compression trains the SWARM
-    model once per boundary treatment; sim_scale grows with peers x simulated seconds x runs; square_cube takes
-    seconds to minutes. Three times that."""
+    model once per boundary treatment; sim_scale grows with peers x simulated seconds x runs; square_cube's compute
+    grows with width squared and its calls with bytes and delay. Three times that."""
     section = SWARM_EXPERIMENTS[wildcards.name]
     settings = config["swarm_study"][section]
     seconds = 60.0
@@ -241,6 +241,18 @@ def swarm_experiment_runtime(wildcards):
         # measured about 1e-5 wall seconds per simulated peer-second (1000 peers x 1800 s: 17 s); twice that
         runs = len(settings.get("preemption_models", [None])) * len(settings["rebalance_periods_s"])
         seconds += 2e-5 * sum(settings["peer_counts"]) * settings["duration_s"] * runs
+    elif section == "square_cube":
+        # compute: (repeats + 1) passes per width at about 0.15 TFLOP/s (one thread; 6.4 s for 4096 x 1024 tokens);
+        # calls: (calls + 1) per payload and link, measured at up to 2x their bytes' wire time, plus the delay
+        tokens = settings["batch_sequences"] * settings["seq_len_tokens"]
+        value_bytes = {"none": 4, "fp16": 2, "blockwise8": 1}
+        for width in settings["hidden_sizes"]:
+            seconds += (settings["repeats"] + 1) * 60 * width * width * tokens / 1.5e11
+            for scheme in settings["schemes"]:
+                for bandwidth in settings["bandwidths_mbit_s"]:
+                    for latency in settings["latencies_ms"]:
+                        wire = 2 * tokens * width * value_bytes[scheme] * 8 / (bandwidth * 1e6)
+                        seconds += (settings["calls"] + 1) * (2 * wire + 30 * latency / 1e3)
     elif section == "compression":
         tokens = settings["steps"] * settings["micro_batch_sequences"] * config["packing"]["block_tokens"]
         seq = config["packing"]["block_tokens"]

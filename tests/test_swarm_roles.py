@@ -25,7 +25,15 @@ from test_swarm_hivemind import MICRO, TINY, batches, own_p2p_daemons, plan, sou
 
 from cramswarm.swarm import hivemind_transport as ht  # noqa: E402
 from cramswarm.swarm import launcher as launcher_mod  # noqa: E402
-from cramswarm.swarm.peer_sync import newest_shard, shard_files, step_target, write_shard  # noqa: E402
+from cramswarm.swarm.peer_sync import (  # noqa: E402
+    MIN_GATHER_S,
+    newest_shard,
+    shard_files,
+    stage_stalls,
+    step_target,
+    write_shard,
+)
+from cramswarm.swarm.policies import RetryPolicy  # noqa: E402
 from cramswarm.swarm.stages import STATE_BYTES_PER_PARAMETER, build_swarm_model, stage_state_bytes  # noqa: E402
 from cramswarm.swarm.train import UNBOUNDED  # noqa: E402
 from cramswarm.swarm.trainer import shard  # noqa: E402
@@ -92,6 +100,105 @@ def test_shards_partition_the_microbatches_and_step_targets_follow_the_ramp():
     assert step_target(recipe, 32, 0, 2)[1] == (1 + int(0.2 / 0.5 * 4)) * MICRO
 
 
+def test_stage_stalls_run_from_the_batchs_last_backward_to_the_peers_step():
+    def line(uid, stage, step, last_backward, close, applied, samples=4):
+        return {"uid": uid, "stage": stage, "step": step, "samples": samples, "group_samples": 8,
+                "last_backward": last_backward, "close": close, "snapshot": close + 0.01, "gathered": close + 0.4,
+                "reduced": close + 0.6, "applied": applied}
+
+    rows = [line("s0p1", 0, 1, 10.0, 10.1, 10.8), line("s0p2", 0, 1, 10.2, 10.25, 11.0),
+            line("s1p3", 1, 1, 9.5, 9.6, 10.0),
+            line("s1p3", 1, 2, None, 12.0, 12.5, samples=0)]   # a flush with nothing held: left out
+    stalls = stage_stalls(rows)
+    assert sorted(stalls) == [0, 1] and len(stalls[1]) == 1
+    (first,) = stalls[0]
+    # from the later of the two last backward computations (10.2) to the mean of the two steps (10.9)
+    assert first["stall_s"] == pytest.approx(0.7)
+    assert first["trigger_s"] == pytest.approx(10.1 - 10.2)   # the first peer closed before the other's last call
+    assert first["gather_s"] == pytest.approx((10.5 + 10.65) / 2 - 10.1)
+    assert first["reduce_s"] == pytest.approx(0.2)
+    assert first["trigger_s"] + first["gather_s"] + first["reduce_s"] + first["apply_s"] == pytest.approx(0.7)
+    assert (first["samples"], first["peers"], first["end"]) == (8, 2, pytest.approx(10.9))
+    assert stalls[1][0]["stall_s"] == pytest.approx(0.5)
+
+
+def test_the_runs_routing_reaches_every_trainers_balancers_and_unknown_routings_are_refused():
+    """``SwarmPlan.routing`` (the launcher writes it to the run's config): a trainer routes by measured throughput
+    (weighted) or uniformly at random (uniform, the routing benchmark's baseline), on every stage."""
+    from cramswarm.swarm.policies import StageBalancer, UniformBalancer
+    from cramswarm.swarm.trainer import StageClient
+
+    speeds = {"fast": 1.0, "half": 0.5, "quarter": 0.25}
+    shares = {}
+    for routing in ("weighted", "uniform"):
+        client = StageClient(None, "run", 2, RetryPolicy(), seed=0, routing=routing)
+        assert all(type(b) is (UniformBalancer if routing == "uniform" else StageBalancer) for b in client.balancers)
+        balancer = client.balancers[1]
+        balancer.update_peers(dict.fromkeys(speeds, 100.0), now=0.0)
+        counts = dict.fromkeys(speeds, 0)
+        for _ in range(1400):
+            uid = balancer.choose(1.0, 0.0)
+            balancer.report_success(uid, 1.0, 1.0 / speeds[uid])
+            counts[uid] += 1
+        shares[routing] = {uid: n / 1400 for uid, n in counts.items()}
+    assert shares["weighted"]["fast"] > 0.5 and shares["weighted"]["quarter"] < 0.2, shares
+    assert all(abs(share - 1 / 3) < 0.05 for share in shares["uniform"].values()), shares
+    assert StageClient(None, "run", 1, RetryPolicy(), seed=0).balancers[0].__class__ is StageBalancer
+    with pytest.raises(ValueError, match="routing must be one of weighted, uniform, got 'random'"):
+        StageClient(None, "run", 1, RetryPolicy(), seed=0, routing="random")
+    with pytest.raises(ValueError, match="swarm routing='random'"):
+        plan(routing="random").validate()
+
+
+def test_a_peers_emulated_speed_scales_its_measured_compute_or_the_configured_floor(monkeypatch):
+    """``StagePeer._emulate_speed``: a call of speed s takes compute / s (the rest slept on the compute thread); with
+    ``peer_unit_time_s`` the compute counts as at least work units x that, so a loaded host's slower real compute
+    does not change the call's time while it fits under the floor."""
+    from cramswarm.swarm import hivemind_peer
+
+    slept = []
+    monkeypatch.setattr(hivemind_peer.time, "sleep", slept.append)
+    peer = hivemind_peer.StagePeer.__new__(hivemind_peer.StagePeer)
+    for speed, floor, measured, units, expected in [
+        (1.0, None, 0.01, 1.0, 0.0),     # full speed, no floor: no sleep
+        (0.5, None, 0.01, 3.0, 0.01),    # half speed: as long again as it measured
+        (0.25, None, 0.02, 2.0, 0.06),   # quarter speed: 3x more
+        (1.0, 0.05, 0.01, 1.0, 0.04),    # the floor: a forward call takes 1 x 0.05 s
+        (0.5, 0.05, 0.01, 2.0, 0.19),    # a backward call at half speed: 2 x 0.05 / 0.5
+        (0.5, 0.05, 0.03, 2.0, 0.17),    # more real compute (a loaded host), the same call time
+        (0.25, 0.05, 0.02, 3.0, 0.58),   # the last stage's fused call: 3 units
+        (0.5, 0.01, 0.04, 1.0, 0.04),    # real compute over the floor: it counts
+    ]:
+        peer.speed, peer.unit_time_s = speed, floor
+        slept.clear()
+        peer._emulate_speed(measured, units)
+        assert slept == [pytest.approx(expected)], (speed, floor, measured, units)
+    with pytest.raises(ValueError, match="peer_unit_time_s=0.0"):
+        plan(peer_unit_time_s=0.0).validate()
+
+
+def test_the_launcher_benchmark_counts_a_microbatch_taken_and_never_finished_as_lost(tmp_path):
+    """``benchmarks/swarm_launcher.py``'s count for seconds budgets (where requested = done by definition): a gap in
+    a trainer's shard before its last finished microbatch is lost; a record cut short by a kill is not a finish."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("swarm_launcher_bench", TESTS.parent / "benchmarks" /
+                                                  "swarm_launcher.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    from cramswarm.swarm.trainer import losses_path
+
+    def write(rank: int, mbs: list[int], tail: str = "") -> None:
+        lines = "".join(json.dumps({"mb": mb, "loss": 1.0, "time": 0.0}) + "\n" for mb in mbs)
+        losses_path(tmp_path, rank).write_text(lines + tail)
+
+    write(0, [0, 3, 6, 9])   # trainer 0 of 3: its whole shard up to 9
+    write(1, [1, 7], tail='{"mb": 10, "lo')  # 4 never finished; 10's record was cut short
+    assert bench.lost_microbatches(tmp_path, 3) == (6, 1)  # trainer 2 has no file: it finished nothing
+    write(1, [1, 4, 7])
+    assert bench.lost_microbatches(tmp_path, 3) == (7, 0)
+
+
 def test_a_trainer_refuses_a_rank_outside_the_trainers(tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps({}))
@@ -120,6 +227,15 @@ def test_launcher_swarm_steps_every_sample_once_with_compressed_averaging():
     batch = [row["batch_sequences"] for row in result.log]
     assert sum(batch) == stats["stepped_samples"][1] and max(batch) <= 2 * 4 * MICRO, batch
     assert len(batch) >= 0.75 * total / 4, batch
+    # the peers' steps are timed (a step whose lines hold no samples of their own - a member that counted another's
+    # record, then failed the all-reduce - has no batch end and is left out): a stage's backward calls are held
+    # for at least the gather's minimum
+    stalls = stats["step_stalls"]
+    assert sorted(stalls) == ["0", "1"], stalls
+    assert {e["step"] for e in stalls["1"]} <= {row["step"] for row in result.log}, (stalls, result.log)
+    assert len(stalls["1"]) >= 0.9 * len(batch) and stalls["0"], stalls
+    assert all(e["gather_s"] >= MIN_GATHER_S and e["stall_s"] >= MIN_GATHER_S
+               for entries in stalls.values() for e in entries), stalls
     assert all(1.99 <= b <= 2.0 * 1.01 for b in stats["averaging_bytes_per_param"]), stats
     # each peer holds its own stage only: its parameter count is its stage's, its AdamW state two moments of it
     memory = stats["peer_memory"]

@@ -1,6 +1,8 @@
 """The discrete-event SWARM simulator (cramswarm.swarm.sim): routing shares, failures, rebalancing, scale, and
 agreement with the thread emulation on the same setup."""
 
+import dataclasses
+
 import pytest
 
 from cramswarm.swarm import emulation, sim
@@ -304,3 +306,57 @@ def test_a_newcomer_joins_the_most_loaded_stage():
     assert sim.optimum_over_time(setup) == pytest.approx((75 / 100) / 3.0)
     with pytest.raises(ValueError, match="simulator only"):
         emulation.run(setup, time_scale=0.01)
+
+
+def test_an_in_stage_step_holds_backward_calls_but_serves_forward_calls():
+    # One stage, one peer, one trainer, no network: a microbatch is a 0.1 s forward and a 0.2 s backward call. A
+    # step every 4 microbatches holds backward calls for 0.5 s after the 4th backward ends; the 5th microbatch's
+    # forward is served meanwhile, so its backward waits 0.5 - 0.1 s: 4 microbatches take 4 x 0.3 + 0.4 s.
+    setup = pure_latency(1, latency_s=0.0)
+    plain = first_done_s(sim.run(setup))
+    stepped = sim.run(setup, step_microbatches=4, step_stall_s=0.5)
+    done = first_done_s(stepped)
+    assert plain[:9] == pytest.approx([0.3 * k for k in range(1, 10)], rel=1e-9)
+    assert done[:9] == pytest.approx([0.3, 0.6, 0.9, 1.2, 1.9, 2.2, 2.5, 2.8, 3.5], rel=1e-9)
+    assert stepped["throughput_mb_s"] == pytest.approx(4 / (4 * 0.3 + 0.5 - 0.1), rel=0.02)
+    assert stepped["stage_steps"] == [pytest.approx(stepped["microbatches_done"] / 4, abs=1)]
+    # the last stage's forward + backward as one call (fused) is held whole: the stall adds in full
+    fused = sim.run(setup, fused_last_stage=True, step_microbatches=4, step_stall_s=0.5)
+    assert fused["throughput_mb_s"] == pytest.approx(4 / (4 * 0.3 + 0.5), rel=0.02)
+    # 2.5 microbatches per step on average: steps after the 3rd, 5th, 8th, 10th ... call, 2 stalls per 5
+    fraction = sim.run(setup, fused_last_stage=True, step_microbatches=2.5, step_stall_s=0.5)
+    assert fraction["throughput_mb_s"] == pytest.approx(5 / (5 * 0.3 + 2 * 0.5), rel=0.02)
+    assert first_done_s(fraction)[:6] == pytest.approx([0.3, 0.6, 0.9, 1.7, 2.0, 2.8], rel=1e-9)
+    # no stall, or no steps: the run is the plain one
+    assert first_done_s(sim.run(setup, step_microbatches=4))[:9] == pytest.approx(plain[:9], rel=1e-9)
+    assert sim.run(setup, step_stall_s=0.5)["timeline"] == sim.run(setup)["timeline"]
+
+
+def test_each_stage_stalls_by_its_own_step_and_the_arguments_are_checked():
+    # two stages, one trainer, no network: 0.1 s + 0.1 s forward, 0.2 s + 0.2 s backward (stage 1, then stage 0).
+    # A stall on stage 0 alone delays stage 0's first backward after each step (the other calls overlap nothing)
+    setup = pure_latency(2, latency_s=0.0)
+    plain = sim.run(setup)["throughput_mb_s"]
+    first = sim.run(setup, step_microbatches=2, step_stall_s=[0.3, 0.0])
+    second = sim.run(setup, step_microbatches=2, step_stall_s=[0.0, 0.3])
+    # stage 0: the next microbatch's forward calls (0.2 s) and stage 1's backward (0.2 s) overlap the 0.3 s stall
+    assert first["throughput_mb_s"] == pytest.approx(plain, rel=0.02)
+    # stage 1: its next backward arrives 0.1 s after its step began (stage 0's backward and stage 0's and 1's
+    # forwards take 0.2 + 0.1 + 0.1 s): 2 microbatches take 2 x 0.6 s + 0.3 - 0.4 s, no wait at all
+    assert second["throughput_mb_s"] == pytest.approx(plain, rel=0.02)
+    long = sim.run(setup, step_microbatches=2, step_stall_s=[0.0, 1.0])
+    assert long["throughput_mb_s"] == pytest.approx(2 / (2 * 0.6 + 1.0 - 0.4), rel=0.02)
+    assert long["stage_steps"][0] == pytest.approx(long["stage_steps"][1], abs=1)
+    with pytest.raises(ValueError, match="step_stall_s"):
+        sim.run(setup, step_microbatches=2, step_stall_s=[0.1])
+    with pytest.raises(ValueError, match="step_stall_s"):
+        sim.run(setup, step_microbatches=2, step_stall_s=-0.1)
+    with pytest.raises(ValueError, match="step_microbatches"):
+        sim.run(setup, step_microbatches=0, step_stall_s=0.1)
+
+
+def test_a_stall_longer_than_the_call_timeout_makes_trainers_retry_but_loses_nothing():
+    setup = dataclasses.replace(pure_latency(1, latency_s=0.0), forward_timeout_s=0.5)
+    result = sim.run(setup, step_microbatches=2, step_stall_s=3.0)
+    assert result["timeouts"] > 0 and result["lost_microbatches"] == 0
+    assert result["microbatches_done"] > 0

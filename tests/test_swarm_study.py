@@ -45,9 +45,19 @@ def study_dir(tmp_path_factory):
 def test_square_cube_columns_and_payloads(study_dir):
     frame = pd.read_csv(study_dir / "square_cube.csv")
     assert columns(study_dir / "square_cube.csv") == [
-        "hidden_size", "heads", "batch", "seq_len", "threads", "layer_params", "compute_s", "scheme",
-        "activation_payload_bytes", "bandwidth_mbit_s", "comm_s", "compute_to_comm"]
-    assert len(frame) == 2 * 3 * 2 and (frame["compute_s"] > 0).all()
+        "hidden_size", "heads", "batch", "seq_len", "threads", "layer_params", "layer_flops", "compute_s", "scheme",
+        "activation_payload_bytes", "link", "bandwidth_mbit_s", "latency_ms", "comm_s", "compute_to_comm",
+        "utilisation", "device_tflops", "device_compute_s", "device_utilisation"]
+    assert len(frame) == 2 * 3 * 2 and (frame["compute_s"] > 0).all() and set(frame["link"]) == {"ideal"}
+    # the shares of time computing, on this CPU and at the stated device rate, from the same call time
+    assert np.allclose(frame["utilisation"], frame["compute_s"] / (frame["compute_s"] + frame["comm_s"]))
+    assert np.allclose(frame["device_compute_s"], frame["layer_flops"] / (frame["device_tflops"] * 1e12))
+    assert np.allclose(frame["device_utilisation"],
+                       frame["device_compute_s"] / (frame["device_compute_s"] + frame["comm_s"]))
+    # training FLOPs of one layer (FFN 4d with the gated half, attention over 32 tokens): 6 x 10 d^2 + 12 s d
+    tokens, d = 4 * 32, 64
+    flops = 6 * 10 * d * d * tokens + 12 * 32 * d * tokens
+    assert np.allclose(frame.loc[frame["hidden_size"] == d, "layer_flops"], flops)
     payload = frame[(frame["hidden_size"] == 64) & (frame["bandwidth_mbit_s"] == 10.0)].set_index("scheme")
     values = 4 * 32 * 64   # two blocks of 4096
     assert payload.loc["none", "activation_payload_bytes"] == 4 * values    # fp32 activation
@@ -56,6 +66,15 @@ def test_square_cube_columns_and_payloads(study_dir):
     # ten times the bandwidth, ten times the ratio
     ratio = frame.pivot_table(index=["hidden_size", "scheme"], columns="bandwidth_mbit_s", values="compute_to_comm")
     assert np.allclose(ratio[100.0] / ratio[10.0], 10.0)
+
+
+def test_square_cube_ideal_link_adds_a_round_trip_per_call_and_refuses_unknown_links(tmp_path):
+    study.square_cube(tmp_path / "sq.csv", hidden_sizes=(64,), bandwidths_mbit_s=(100.0,), latencies_ms=(0.0, 25.0),
+                      schemes=("none",), batch=2, seq_len=16, repeats=1, head_dim=16, link="ideal")
+    frame = pd.read_csv(tmp_path / "sq.csv").set_index("latency_ms")
+    assert frame.loc[25.0, "comm_s"] - frame.loc[0.0, "comm_s"] == pytest.approx(0.050)
+    with pytest.raises(ValueError, match="swarm_study.square_cube.link"):
+        study.square_cube(tmp_path / "x.csv", hidden_sizes=(64,), link="carrier-pigeon")
 
 
 def test_wiring_columns_and_order(study_dir):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+import pandas as pd
 import pytest
 
 from cramswarm.testbed import callcost, run_namespaces
@@ -42,3 +43,22 @@ def test_a_hivemind_call_through_the_relay_costs_about_one_round_trip_per_call(c
     # hivemind opens its stream without waiting for an answer: about one round trip, not two or more
     assert 0.8 < model["round_trips_per_call"] < 1.5
     assert model["call_overhead_s"] < 0.5 and fast < slow
+
+
+@pytest.mark.netns
+def test_the_square_cube_experiment_times_real_calls_on_the_testbed(can_build, tmp_path):
+    """swarm_study's square-cube rows with ``link: auto`` where a testbed can be built: each call is a real
+    hivemind call over a shaped, delayed link: it costs a round trip or more, and more for more bytes."""
+    from cramswarm.swarm import study
+
+    out = study.square_cube(tmp_path / "sq.csv", hidden_sizes=(64,), bandwidths_mbit_s=(20.0,),
+                            latencies_ms=(0.0, 30.0), schemes=("none", "blockwise8"), batch=4, seq_len=32,
+                            repeats=1, head_dim=16, link="auto", calls=1)
+    frame = pd.read_csv(out)
+    assert set(frame["link"]) == {"testbed"} and len(frame) == 2 * 2
+    calls = frame.pivot_table(index="scheme", columns="latency_ms", values="comm_s")
+    # the delay costs at least its round trip per call (more where TCP needs several for the payload) ...
+    assert (calls[30.0] - calls[0.0] >= 0.9 * 0.060).all(), calls
+    # ... and 4x the bytes cost more on the same link (not a fixed bound: tbf's burst lets the first bytes through)
+    assert (calls.loc["none"] > calls.loc["blockwise8"]).all(), calls
+    assert (frame["utilisation"] < 1).all() and (frame["utilisation"] > 0).all()

@@ -646,8 +646,10 @@ def _rebalancing_evaluate(manifest):
 
 def _square_cube_evaluate(manifest):
     data = _read_study(manifest, "square_cube")
-    bandwidth = data["bandwidth_mbit_s"].min()  # the ratio at one bandwidth (others scale it by a constant)
+    bandwidth = data["bandwidth_mbit_s"].min()  # the ratio at one link (the slowest, with no added delay)
     rows = data[data["bandwidth_mbit_s"] == bandwidth]
+    if "latency_ms" in rows:
+        rows = rows[rows["latency_ms"] == rows["latency_ms"].min()]
     results = {}
     for scheme, group in rows.groupby("scheme", sort=False):
         results[scheme] = trend(group["hidden_size"], group["compute_to_comm"], increasing=True, what="widths")
@@ -661,8 +663,9 @@ def _square_cube_evaluate(manifest):
         if "repeats" in data else f" (widths {', '.join(map(str, sizes))})"
     statistic = "; ".join(f"{scheme}: {s}" for scheme, (_, s) in results.items())
     first = data.iloc[0]
+    link = f", {first['link']} link (docs/swarm.md)" if "link" in data else ""
     setup = (f"one crammed-BERT layer, microbatch {int(first['batch'])} x {int(first['seq_len'])} tokens, "
-             f"{int(first['threads'])} CPU thread(s); every scheme must rise")
+             f"{int(first['threads'])} CPU thread(s){link}; every scheme must rise")
     return Outcome(verdict, measurement, statistic, setup)
 
 

@@ -88,9 +88,9 @@ def _format(value) -> str:
 
 def _label(name: str) -> str:
     """The Markdown header of a column: :data:`TABLE_LABELS`, or for the square-cube pivot's
-    ``ratio_<bandwidth>mbit_<scheme>`` columns, what the ratio is."""
-    if match := re.fullmatch(r"ratio_(.+)mbit_(\w+)", name):
-        return f"Compute / comm. at {match[1]} Mbit/s, {match[2]}"
+    ``util_<bandwidth>mbit_<latency>ms_<scheme>`` columns, what the share is."""
+    if match := re.fullmatch(r"util_(.+)mbit_(.+)ms_(\w+)", name):
+        return f"% computing at {match[1]} Mbit/s, {match[2]} ms, {match[3]}"
     return TABLE_LABELS.get(name, name)
 
 
@@ -154,51 +154,79 @@ def _stairs(ax, rows: pd.DataFrame, **style) -> None:
 
 # ------------------------------------------------------------------------------------------------ square-cube
 
+# The paper's Figure 1 (right): one layer of each width on a V100 at 500 Mbit/s, share of time computing
+# [paper: figure image, arXiv layout; docs/swarm.md]
+PAPER_UTILISATION = {768: 0.18, 4096: 0.32, 12288: 0.82}
+PAPER_BANDWIDTH_MBIT_S = 500.0
+
+
 def square_cube_figure(csv: str | os.PathLike, out_dir: str | os.PathLike) -> list[Path]:
-    """M1: compute/communication ratio vs hidden size, one panel per bandwidth, one line per scheme."""
-    data = _read(csv, ("hidden_size", "scheme", "bandwidth_mbit_s", "compute_s", "comm_s", "compute_to_comm"))
+    """M1: relative device utilisation (compute / (compute + call)) vs hidden size, one panel per bandwidth and
+    latency, one colour per scheme; solid: this CPU's measured compute, dashed: the layer's FLOPs at the stated
+    accelerator rate; the paper's Figure 1 values as black crosses on its bandwidth."""
+    data = _read(csv, ("hidden_size", "scheme", "bandwidth_mbit_s", "latency_ms", "link", "compute_s", "comm_s",
+                       "utilisation", "device_tflops", "device_utilisation"))
     out = Path(out_dir)
-    table = data.pivot_table(index=["hidden_size", "compute_s"], columns=["bandwidth_mbit_s", "scheme"],
-                             values="compute_to_comm")
-    table.columns = [f"ratio_{b:g}mbit_{s}" for b, s in table.columns]
+    table = data.assign(percent=100 * data["utilisation"]).pivot_table(
+        index=["hidden_size", "compute_s"], columns=["bandwidth_mbit_s", "latency_ms", "scheme"], values="percent")
+    table.columns = [f"util_{b:g}mbit_{ms:g}ms_{s}" for b, ms, s in table.columns]
     paths = list(write_swarm_table(table.reset_index(), out / "square_cube_table"))
-    bandwidths = sorted(data["bandwidth_mbit_s"].unique())
+    panels = sorted({(b, ms) for b, ms in zip(data["bandwidth_mbit_s"], data["latency_ms"])})
     schemes = list(dict.fromkeys(data["scheme"]))
+    first = data.iloc[0]
     with _style():
         colors = dict(zip(schemes, sns.color_palette(PALETTE, len(schemes))))
-        fig = _new_figure(3.4 * len(bandwidths) + 1.6, 3.8)
-        axes = np.atleast_1d(fig.subplots(1, len(bandwidths), sharey=True))
-        for ax, bandwidth in zip(axes, bandwidths):
-            rows = data[data["bandwidth_mbit_s"] == bandwidth]
+        fig = _new_figure(3.2 * len(panels) + 1.8, 3.8)
+        axes = np.atleast_1d(fig.subplots(1, len(panels), sharey=True))
+        for ax, (bandwidth, latency) in zip(axes, panels):
+            rows = data[(data["bandwidth_mbit_s"] == bandwidth) & (data["latency_ms"] == latency)]
             for scheme in schemes:
                 line = rows[rows["scheme"] == scheme].sort_values("hidden_size")
-                ax.plot(line["hidden_size"], line["compute_to_comm"], marker="o", color=colors[scheme], label=scheme)
-            ax.axhline(1.0, color="0.4", linestyle="--", linewidth=1)
+                ax.plot(line["hidden_size"], 100 * line["utilisation"], marker="o", color=colors[scheme],
+                        label=f"{scheme}, this CPU")
+                ax.plot(line["hidden_size"], 100 * line["device_utilisation"], marker=".", linestyle="--",
+                        color=colors[scheme], label=f"{scheme}, {first['device_tflops']:g} TFLOP/s")
+            if bandwidth == PAPER_BANDWIDTH_MBIT_S:
+                ax.plot(list(PAPER_UTILISATION), [100 * v for v in PAPER_UTILISATION.values()], "kx",
+                        markersize=8, label="paper, V100")
             ax.set_xscale("log", base=2)
-            sizes = sorted(rows["hidden_size"].unique())
-            ax.set_xticks(sizes, [str(s) for s in sizes])
+            sizes = sorted(set(rows["hidden_size"]) | (set(PAPER_UTILISATION) if bandwidth ==
+                                                       PAPER_BANDWIDTH_MBIT_S else set()))
+            ax.set_xticks(sizes, [str(s) for s in sizes], rotation=45)
             ax.minorticks_off()
-            ax.set_yscale("log")
-            ax.set_title(f"{bandwidth:g} Mbit/s")
-            ax.set_xlabel("hidden size d (features, log2 scale)")
-        axes[0].set_ylabel("compute time / transfer time (ratio, log scale)")
-        fig.legend(handles=axes[0].get_lines()[: len(schemes)], title="boundary encoding",
-                   loc="outside right upper")
-        fig.suptitle("Square-cube law: one crammed-BERT layer, measured fwd+bwd compute vs boundary transfer")
-    first = data.iloc[0]
+            ax.set_ylim(0, 100)
+            ax.set_title(f"{bandwidth:g} Mbit/s, {latency:g} ms")
+            ax.set_xlabel("hidden size d (log2 scale)")
+        axes[0].set_ylabel("time computing (%)")
+        handles, labels = [], []
+        for ax in axes:
+            for handle, label in zip(*ax.get_legend_handles_labels()):
+                if label not in labels:
+                    handles.append(handle)
+                    labels.append(label)
+        fig.legend(handles, labels, loc="outside right upper", fontsize="small")
+        fig.suptitle("Square-cube law: one crammed-BERT layer's share of time computing, per boundary call")
+    links = ", ".join(sorted(set(data["link"])))
+    how = ("a real hivemind call between processes on two hosts of the network testbed, the server's link shaped "
+           "to the panel's bandwidth and delayed through the relay by its latency (the median of the calls made)"
+           if links == "testbed" else
+           "an ideal link: payload bytes both ways over the panel's bandwidth plus one round trip, no protocol"
+           if links == "ideal" else f"links: {links}")
     caption = f"""
-**Square-cube law (M1).** For one crammed-BERT layer (FFN 4d, heads of 64 features) on a microbatch of
-{int(first['batch'])} x {int(first['seq_len'])} tokens, the measured forward + backward time under bf16 autocast on
-this CPU divided by the time to send the layer's boundary traffic (encoded activation forward + encoded gradient of
-the same size backward, payload bytes measured from `compression.encode`) over a link of the panel's bandwidth.
-Above the dashed line computation dominates. Compute grows as d^2 per token (weights d x d) while the traffic grows
-as d, so the ratio rises with d; fp16 halves and blockwise 8-bit quarters the traffic. Small widths are dominated
-by per-kernel overheads on a CPU, so the trend is clearest at the larger widths.
-Paper, Figure 1 (right), V100 at 500 Mbit/s, share of time computing (a ratio r here is a share r / (1 + r)):
-one layer of 768 units 18 %, of 4096 units 32 %, of 12288 units 82 %, and the paper's 12 layers of 4096 units
-89 % [paper: figure image, arXiv layout]. With added latency: "base" layers 1.5-18 %, GPT-3-sized 48-82 %
-[secondary: third-party notes]. The transformer form t_comp / t_comm ~ (36 L d / q) (B / F) is derived in
-swarm.md 1.7 [derived].
+**Square-cube law (M1).** Relative device utilisation, the paper's Figure 1 metric: for a peer that receives a
+microbatch, computes one crammed-BERT layer (FFN 4d, heads of 64 features) forward and backward on it
+({int(first['batch'])} x {int(first['seq_len'])} tokens) and sends the result on, compute / (compute + call). The call
+carries the encoded activation one way and a reply of the same size (the gradient) the other: {how}.
+Solid lines: compute measured under bf16 autocast on this CPU ({int(first['threads'])} thread(s)); dashed: the
+layer's FLOPs at a stated {first['device_tflops']:g} TFLOP/s (an assumed accelerator rate, about a quarter of a
+V100's fp16 tensor-core peak), with the same measured call. Compute grows as d^2 per token and the traffic as d,
+so utilisation rises with d; fp16 halves and blockwise 8-bit quarters the traffic; latency adds a fixed time per
+call that only more compute per call hides.
+Paper, Figure 1 (right), black crosses (V100, 500 Mbit/s, one layer, its own microbatch size, not stated in the
+figure): 768 units 18 %, 4096 units 32 %, 12288 units 82 %, and the paper's 12 layers of 4096 units 89 % [paper:
+figure image, arXiv layout]; with 100 ms of latency, "base" layers 1.5-18 % and GPT-3-sized 48-82 % [secondary:
+third-party notes]. Like with like is the dashed line at 500 Mbit/s: a device rate against a real call;
+the solid lines compare a CPU, tens of times slower than a V100, and so sit higher at every width.
 """
     return paths + _save_all(fig, out / "square_cube", caption)
 

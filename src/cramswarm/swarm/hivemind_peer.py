@@ -360,6 +360,7 @@ class StagePeer(ServicerBase):
         self.averaging_scheme, self.link_mbit_s = cfg["averaging_compression"], cfg["link_mbit_s"]
         self.num_params = sum(p.numel() for p in self.params)
         self.sync_timeout_s = cfg["sync_timeout_s"]
+        self.unit_time_s = cfg.get("peer_unit_time_s")  # emulated compute floor per work unit at speed 1 (or None)
         self.compute = ThreadPoolExecutor(1, thread_name_prefix=f"stage{stage}-compute")
         self.step = 0
         self.local_samples = 0
@@ -375,10 +376,15 @@ class StagePeer(ServicerBase):
         return await asyncio.get_running_loop().run_in_executor(self.compute, fn, *args)
 
     # -- compute (on the compute thread) ------------------------------------------------------------------
-    def _emulate_speed(self, seconds: float) -> None:
-        """A peer of speed s < 1 takes 1/s times as long (emulated by sleeping on the compute thread)."""
-        if self.speed < 1.0:
-            time.sleep(seconds * (1.0 / self.speed - 1.0))
+    def _emulate_speed(self, seconds: float, units: float) -> None:
+        """A peer of speed s takes compute / s for a call (emulated by sleeping on the compute thread). The compute
+        is what the call measured (``seconds``), or with ``peer_unit_time_s`` (``SwarmPlan.peer_unit_time_s``) at
+        least ``units`` x that (a microbatch's forward 1, backward 2, the last stage's fused call 3: the work
+        units of ``emulation.WORK_UNITS``): then a call's time stays ``units x peer_unit_time_s / s`` on a loaded
+        host, as long as the real compute fits under it, and peers' speeds keep their ratios whatever else runs.
+        A peer of speed >= 1 without the floor does not sleep."""
+        floor = units * self.unit_time_s if self.unit_time_s else 0.0
+        time.sleep(max(0.0, max(seconds, floor) / self.speed - seconds))
 
     def _input(self, tensors: dict[str, torch.Tensor], meta: dict) -> torch.Tensor:
         x = tensors["input_ids"] if self.stage == 0 else decode(restore_payload("x", tensors, meta))
@@ -390,7 +396,7 @@ class StagePeer(ServicerBase):
             out = self.module(self._input(tensors, meta))
         result, out_meta = {}, {}
         flatten_payload("y", encode(out.float().cpu(), self.scheme), result, out_meta)
-        self._emulate_speed(time.perf_counter() - start)
+        self._emulate_speed(time.perf_counter() - start, 1.0)
         return result, out_meta
 
     def _backward(self, tensors: dict[str, torch.Tensor], meta: dict) -> tuple[dict, dict]:
@@ -413,7 +419,7 @@ class StagePeer(ServicerBase):
         result: dict = {}
         if x.is_floating_point():
             flatten_payload("g", encode(x.grad.float().cpu(), self.scheme), result, out_meta)
-        self._emulate_speed(time.perf_counter() - start)
+        self._emulate_speed(time.perf_counter() - start, 3.0 if self.is_last else 2.0)
         return result, out_meta
 
     def _take_snapshot(self, step: int) -> tuple[torch.Tensor, int]:

@@ -108,7 +108,15 @@ from cramswarm.swarm.hivemind_peer import (
     read_addr_file,
     stage_records,
 )
-from cramswarm.swarm.policies import NoPeersError, PeerLoad, Rebalancer, RetryPolicy, StageBalancer, StageSync
+from cramswarm.swarm.policies import (
+    ROUTINGS,
+    NoPeersError,
+    PeerLoad,
+    Rebalancer,
+    RetryPolicy,
+    StageSync,
+    make_balancer,
+)
 from cramswarm.swarm.processes import (  # noqa: F401 (leftover_processes, _LIVE_GROUPS: the tests' names)
     _LIVE_GROUPS,
     PEER_MODULE,
@@ -164,6 +172,11 @@ class SwarmPlan:
     hosts: object | None = None     # launcher: where each process runs (``ProcessGroups.place``; None: here);
                                     # ``cramswarm.testbed.swarm.HostPlacement`` puts each on a testbed host
     peer_memory_cap_mb: float | None = None  # most MiB of model state a stage peer may hold (None: no cap)
+    routing: str = "weighted"       # the trainers' routing over a stage's peers: weighted (StageBalancer, by
+                                    # measured throughput) | uniform (UniformBalancer: the routing benchmark's baseline)
+    peer_unit_time_s: float | None = None  # launcher: a stage call computes at least this x its work units (forward
+                                    # 1, backward 2, fused last 3) at speed 1, the rest slept: peers' speeds hold on a
+                                    # loaded host (None: the measured compute alone, x 1/speed)
 
     @property
     def stages(self) -> int:
@@ -178,6 +191,10 @@ class SwarmPlan:
         return sum(self.peers_per_stage)
 
     def validate(self) -> None:
+        if self.peer_unit_time_s is not None and not self.peer_unit_time_s > 0:
+            raise ValueError(f"swarm peer_unit_time_s={self.peer_unit_time_s!r}: must be positive seconds or None")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"swarm routing={self.routing!r}; allowed: {', '.join(ROUTINGS)}")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"swarm.placement={self.placement!r}; allowed: {', '.join(PLACEMENTS)}")
         if self.placement != "local" and self.rendezvous is None:
@@ -235,7 +252,7 @@ class Coordinator(StageClient):
         self.peer_cls = StagePeer if self.training else EmulatedStagePeer
         self.node: DHTNode | None = None
         stages = plan.stages
-        self.balancers = [StageBalancer(s, rng=random.Random(plan.seed * 1000 + s)) for s in range(stages)]
+        self.balancers = [make_balancer(plan.routing, s, random.Random(plan.seed * 1000 + s)) for s in range(stages)]
         self.syncs = [StageSync(plan.recipe["batch_sequences"]) for _ in range(stages)]
         self.peer_ids: dict[str, str] = {}       # uid -> base58 peer id
         self.records: list[dict[str, float]] = [{} for _ in range(stages)]

@@ -97,11 +97,13 @@ from cramswarm.swarm.hivemind_peer import (
 from cramswarm.swarm.peer_rebalance import MOVES_FILE
 from cramswarm.swarm.peer_sync import (
     CLOCK_FILE,
+    SYNC_LOG,
     SyncingStagePeer,
     flush_key,
     load_shard,
     newest_shard,
     progress_records,
+    stage_stalls,
 )
 from cramswarm.swarm.policies import NoPeersError
 from cramswarm.swarm.processes import PeerProcess, ProcessGroups, own_daemons
@@ -319,7 +321,8 @@ class Launcher:
                "seq_len": seq_len, "workdir": str(self.workdir), "retry": dataclasses.asdict(p.retry),
                "seed": p.seed, "shard_dir": str(self.shard_dir), "checkpoint_every_s": p.checkpoint_every_s,
                "rebalance_period_s": p.rebalance_period_s, "peer_memory_cap_mb": p.peer_memory_cap_mb,
-               "data": self.source.spec(), "microbatches": self.total}
+               "data": self.source.spec(), "microbatches": self.total, "routing": p.routing,
+               "peer_unit_time_s": p.peer_unit_time_s}
         path = self.workdir / CONFIG_FILE
         tmp = self.workdir / f".{CONFIG_FILE}.tmp"
         tmp.write_text(json.dumps(cfg))
@@ -697,6 +700,20 @@ class Launcher:
                 found.append(read_json(path))
         return found
 
+    def _step_stalls(self) -> dict[str, list[dict]]:
+        """``peer_sync.stage_stalls`` of the peers' step lines (``SYNC_LOG``; a line cut short by a kill is
+        skipped), times rounded to ms and ``end`` as seconds from the first start (as the log's ``elapsed_s``);
+        keyed by the stage as a string (JSON keys)."""
+        rows = []
+        for path in sorted(self.workdir.glob(SYNC_LOG.format(uid="*"))):
+            for line in path.read_text().splitlines():
+                with contextlib.suppress(ValueError):
+                    rows.append(json.loads(line))
+        stalls = stage_stalls(rows)
+        base = self.first_start_wall or 0.0
+        return {str(stage): [{k: (round(v - base if k == "end" else v, 3) if isinstance(v, float) else v)
+                              for k, v in entry.items()} for entry in entries] for stage, entries in stalls.items()}
+
     async def main(self) -> TrainResult:
         self.failed = asyncio.get_running_loop().create_future()
         try:
@@ -777,6 +794,10 @@ class Launcher:
             moves=moves, moves_completed=sum("arrived_s" in m for m in moves), microbatch_done_s=self._done_times(),
             incomplete_load_views=sum(c.get("incomplete_views", 0) for c in counters),
             peer_loads={c["uid"]: c["load"] for c in counters if "load" in c},
+            peer_backward_samples={c["uid"]: c.get("backward_samples", 0) for c in counters},
+            step_stalls=self._step_stalls(),
+            admission_wait_s={c["uid"]: round(c.get("admission_wait_s", 0.0), 3) for c in counters},
+            held_calls={c["uid"]: c.get("held_calls", 0) for c in counters},
         )
         return TrainResult(stage_states=stage_states, log=log, stats=self.stats)
 

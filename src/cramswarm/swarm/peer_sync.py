@@ -36,8 +36,15 @@ and
   (``lost_gradient_samples``), as in SWARM.
 
 Each peer writes its counters to ``peer-<uid>.json`` in the run's folder (atomically; with what it holds:
-``stages.stage_memory``, its stage's parameter and optimizer bytes and its peak RSS) and, on the last stage,
-one line per step (step, progress, mean loss of the group's samples, LR, samples) to ``log-<uid>.jsonl``.
+``stages.stage_memory``, its stage's parameter and optimizer bytes and its peak RSS, and the seconds its backward
+calls waited for admission, ``admission_wait_s`` over ``held_calls`` calls) and, on the last stage, one line per
+step (step, progress, mean loss of the group's samples, LR, samples) to ``log-<uid>.jsonl``. Every peer also
+writes one line per step it took to ``sync-<uid>.jsonl`` (``SYNC_LOG``): the wall-clock times (``time.time()``)
+of its phases - ``last_backward`` (the end of the last backward computation in its snapshot; None without one),
+``close`` (the step began: admitted calls finish, new backward calls wait), ``snapshot``, ``gathered`` (the
+group read from the records), ``reduced`` (the all-reduce done) and ``applied`` (the optimizer step taken; backward
+calls are admitted again) - with its stage, the step, its own and the group's samples and the all-reduce attempts.
+From them ``stage_stalls`` computes how long each step held a stage's backward calls back.
 
 **Stage shards** (checkpoint and resume): a stage's state - parameters, AdamW state, step, stepped samples (what
 the LR schedule and the batch ramp are computed from) and the indices of the microbatches whose gradients it
@@ -82,6 +89,7 @@ MIN_GATHER_S = 0.3        # ... and at least this long (records of peers that be
 ZERO_WEIGHT = 1e-6        # all-reduce weight of a member without samples (see _step)
 FLUSH_CHECK_S = 1.0       # a peer reads the launcher's flush record at most this often
 SHARD_GLOB = "stage{stage}.step*.pt"
+SYNC_LOG = "sync-{uid}.jsonl"  # in the run's folder: one line per step a peer took (the step's phases)
 CLOCK_FILE = "clock.json"  # in the run's folder: the training clock's origin and a seconds budget's deadline
 
 
@@ -159,6 +167,35 @@ def step_target(recipe: dict, seq_len: int, stepped_samples: int, step: int,
     return t, size * micro
 
 
+def stage_stalls(rows: list[dict]) -> dict[int, list[dict]]:
+    """Per stage, per step, how long the step held the stage's backward calls back, from the peers' ``SYNC_LOG``
+    lines (``rows``: each with its ``stage``, ``step`` and phase times).
+
+    A stage's step begins once the last backward computation of its batch ends (the latest ``last_backward`` of
+    its group's lines) and ends when its peers have stepped (the mean ``applied`` of the lines): the stall. Each
+    entry: ``step``, ``stall_s`` and its parts ``trigger_s`` (batch done -> the first peer's ``close``),
+    ``gather_s`` (-> the mean ``gathered``), ``reduce_s`` (-> the mean ``reduced``) and ``apply_s`` (-> the mean
+    ``applied``), ``samples`` (the most any line's group stepped), ``peers`` (lines) and ``end`` (the mean
+    ``applied``). A step whose lines have no ``last_backward`` (no samples) is left out."""
+    by_step: dict[tuple[int, int], list[dict]] = {}
+    for row in rows:
+        by_step.setdefault((int(row["stage"]), int(row["step"])), []).append(row)
+    stalls: dict[int, list[dict]] = {}
+    for (stage, step), lines in sorted(by_step.items()):
+        backward = [r["last_backward"] for r in lines if r.get("last_backward") is not None]
+        if not backward:
+            continue
+        start = max(backward)
+        close = min(float(r["close"]) for r in lines)
+        gathered, reduced, applied = (sum(float(r[key]) for r in lines) / len(lines)
+                                      for key in ("gathered", "reduced", "applied"))
+        stalls.setdefault(stage, []).append({
+            "step": step, "stall_s": applied - start, "trigger_s": close - start, "gather_s": gathered - close,
+            "reduce_s": reduced - gathered, "apply_s": applied - reduced,
+            "samples": max(int(r["group_samples"]) for r in lines), "peers": len(lines), "end": applied})
+    return stalls
+
+
 class SyncingStagePeer(StagePeer):
     """A ``StagePeer`` that synchronises with its stage's other peers by itself (see the module docstring)."""
 
@@ -180,10 +217,13 @@ class SyncingStagePeer(StagePeer):
         self.closing = False       # taking the step's snapshot: new backward calls wait, admitted ones finish
         self.others_pending = 0    # samples the other peers at this step held at the last read of the records
         self.nudge = asyncio.Event()  # wakes the synchronisation loop early (this peer's count reached the batch)
+        self.last_backward: float | None = None      # wall time the last accumulated backward computation ended
+        self.snapshot_backward: float | None = None  # ... of those in the snapshot
         self.counters = {"uid": uid, "stage": stage, "steps_taken": 0, "resyncs": 0, "digest_mismatches": 0,
                          "lost_gradient_samples": 0, "averaging_bytes_sent": 0, "averaging_values_sent": 0,
                          "averaging_param_steps": 0, "group_sizes": [], "failed_rounds": 0, "shards_written": 0,
-                         "duplicate_samples": 0, "loaded_shard_step": None}
+                         "duplicate_samples": 0, "loaded_shard_step": None, "backward_samples": 0,
+                         "admission_wait_s": 0.0, "held_calls": 0}
         self.stepped_mbs: set[int] = set()   # microbatches whose gradients the stage has stepped
         self.local_mbs: set[int] = set()     # ... accumulated here since the snapshot
         self.snapshot_mbs: set[int] = set()  # ... in the snapshot
@@ -216,6 +256,7 @@ class SyncingStagePeer(StagePeer):
             self.local_loss += out_meta["loss"] * out_meta["samples"]
         if mb is not None:
             self.local_mbs.add(int(mb))
+        self.last_backward = time.time()
         return result, out_meta
 
     def _duplicate_backward(self, tensors: dict[str, torch.Tensor], meta: dict) -> tuple[dict, dict]:
@@ -237,6 +278,7 @@ class SyncingStagePeer(StagePeer):
         if self.snapshot is None or self.snapshot[0] != step:
             self.snapshot_loss, self.local_loss = self.local_loss, 0.0
             self.snapshot_mbs, self.local_mbs = self.local_mbs, set()
+            self.snapshot_backward, self.last_backward = self.last_backward, None
         return super()._take_snapshot(step)
 
     def _apply_counted(self, group_id: bytes, lr: float, samples: int, mbs: set[int]) -> dict:
@@ -309,17 +351,22 @@ class SyncingStagePeer(StagePeer):
         tensors, meta = await unpack(requests)
         self._refuse_if_leaving()
         samples = int(meta.get("samples", 0))
-        deadline = time.monotonic() + self.sync_timeout_s
+        arrived = time.monotonic()
+        deadline = arrived + self.sync_timeout_s
         while time.monotonic() < deadline and (self.closing or self.ready is not None or (
                 self._held_samples() > 0 and self.others_pending + self._held_samples() + samples > self._target())):
             self.nudge.set()
             await asyncio.sleep(0.02)
+        if (waited := time.monotonic() - arrived) > 0.001:
+            self.counters["admission_wait_s"] += waited
+            self.counters["held_calls"] += 1
         self._refuse_if_leaving()
         self.admitted += samples
         try:
             result, out_meta = await self._metered(self._backward, tensors, meta)
         finally:
             self.admitted -= samples
+        self.counters["backward_samples"] += samples  # what the trainers' routing gave this peer
         if self.others_pending + self._held_samples() >= self._target():
             self.nudge.set()
         for message in respond(result, out_meta):
@@ -465,6 +512,7 @@ class SyncingStagePeer(StagePeer):
 
     async def _step(self) -> None:
         step = self.step
+        phases = {"close": time.time()}
         self.closing = True  # the calls this peer admitted (and published) belong to this step: let them finish
         try:
             deadline = time.monotonic() + self.sync_timeout_s
@@ -473,9 +521,12 @@ class SyncingStagePeer(StagePeer):
             flat, samples = await self._run(self._take_snapshot, step)
         finally:
             self.closing = False
+        phases["snapshot"] = time.time()
         self.ready = (step, samples, self.snapshot_loss, round(self._elapsed(), 3))
+        attempts = 0
         while True:
             group = await self._gather(step)
+            phases["gathered"], attempts = time.time(), attempts + 1
             if group is None:
                 return  # someone stepped without this peer: the next round downloads its state
             uids = sorted(group)
@@ -502,6 +553,7 @@ class SyncingStagePeer(StagePeer):
                 self.counters["failed_rounds"] += 1
                 await asyncio.sleep(0.2 + 0.3 * random.random())
                 continue
+            phases["reduced"] = time.time()
             elapsed = max(float(group[uid].get("at", 0.0)) for uid in uids)  # the group's, for a seconds budget
             t, _ = step_target(self.cfg["recipe"], self.seq_len, self.stepped_samples, step, elapsed)
             recipe = self.cfg["recipe"]
@@ -512,6 +564,12 @@ class SyncingStagePeer(StagePeer):
             if reply.get("status") != "ok":
                 raise RuntimeError(f"step {step}: {reply}")
             self.digest, self.ready, self.others_pending = reply["digest"], None, 0
+            phases["applied"] = time.time()
+            with open(self.workdir / SYNC_LOG.format(uid=self.uid), "a") as log:
+                log.write(json.dumps({"uid": self.uid, "stage": self.stage, "step": step + 1, "samples": samples,
+                                      "group_samples": total, "group": len(uids), "attempts": attempts,
+                                      "last_backward": self.snapshot_backward if samples else None}
+                                     | phases) + "\n")
             self.counters["steps_taken"] += 1
             self.counters["group_sizes"].append(len(uids))
             if len(uids) > 1:

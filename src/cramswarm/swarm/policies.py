@@ -200,6 +200,17 @@ class UniformBalancer(StageBalancer):
         return self._record_choice(self.rng.choice(usable))
 
 
+ROUTINGS = ("weighted", "uniform")  # a trainer's routing over a stage's peers (hivemind transport: SwarmPlan.routing)
+
+
+def make_balancer(routing: str, stage: int, rng: random.Random) -> StageBalancer:
+    """A stage's balancer for ``routing``: ``weighted`` (``StageBalancer``, SWARM's) or ``uniform``
+    (``UniformBalancer``, the baseline the routing benchmark compares it with)."""
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
+    return (UniformBalancer if routing == "uniform" else StageBalancer)(stage, rng=rng)
+
+
 CALL_ROUND_TRIPS = 10  # round trips a call's timeout allows on top of its compute budget (RetryPolicy.rtt_s)
 
 

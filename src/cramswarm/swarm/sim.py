@@ -19,6 +19,10 @@ The model is the emulation's, so the two transports can be compared run for run:
   ``run``'s ``round_trips_per_call`` and ``call_overhead_s`` delay every request's arrival by the round trips a
   call costs beyond the first and a fixed time (measured on the testbed: ``cramswarm.testbed.callcost``), and
   ``fused_last_stage`` makes the last stage's forward and backward one call, as the hivemind trainer does.
+* The in-stage synchronous step (off by default): with ``run``'s ``step_microbatches`` a stage steps once
+  every that many backward calls have arrived at its peers (its global batch), and for ``step_stall_s`` seconds
+  after the last of them is computed its peers admit no backward call (the gather, the all-reduce and the
+  optimizer step of ``peer_sync``): backward calls arriving then wait, forward calls are served.
 * The network (off by default: links are never shared, as in the emulation): with ``nic_mbit_s`` set (for the
   setup or per ``PeerSpec``) every byte a peer receives (requests) or sends (replies) goes through its NIC,
   shared equally by all its transfers in flight, in and out alike (processor sharing); a transfer's rate is
@@ -90,7 +94,7 @@ from cramswarm.swarm.policies import (
 )
 
 # Event kinds; the heap holds (time, sequence number, kind, payload). Kinds up to _SEND carry (call, token).
-_ARRIVE, _REPLY, _TIMEOUT, _ERROR, _SEND, _RETRY, _KILL, _REJOIN, _READY, _REBALANCE, _NIC, _JOIN = range(12)
+_ARRIVE, _REPLY, _TIMEOUT, _ERROR, _SEND, _RETRY, _KILL, _REJOIN, _READY, _REBALANCE, _NIC, _JOIN, _STEPPED = range(13)
 
 
 @dataclass(slots=True)
@@ -177,7 +181,8 @@ class Simulator:
 
     def __init__(self, setup: SwarmSetup, *, trainers_per_process: int = 1,
                  rebalancer_options: dict | None = None, round_trips_per_call: float = 1.0,
-                 call_overhead_s: float = 0.0, fused_last_stage: bool = False):
+                 call_overhead_s: float = 0.0, fused_last_stage: bool = False,
+                 step_microbatches: float | Sequence[float] | None = None, step_stall_s: float | Sequence[float] = 0.0):
         setup.validate()
         if trainers_per_process < 1:
             raise ValueError(f"trainers_per_process must be at least 1, got {trainers_per_process}")
@@ -190,6 +195,20 @@ class Simulator:
         self.round_trips_per_call, self.call_overhead_s = round_trips_per_call, call_overhead_s
         self.fused_last_stage = fused_last_stage
         self.num_stages = setup.num_stages
+        stalls = self._per_stage(step_stall_s)
+        if stalls is None or not all(v >= 0.0 for v in stalls):
+            raise ValueError(f"step_stall_s must be one non-negative number or one per stage ({self.num_stages}), "
+                             f"got {step_stall_s}")
+        batches = None if step_microbatches is None else self._per_stage(step_microbatches)
+        if step_microbatches is not None and (batches is None or not all(v >= 1.0 for v in batches)):
+            raise ValueError(f"step_microbatches must be None, or one number of at least 1 or one per stage "
+                             f"({self.num_stages}), got {step_microbatches}")
+        self.step_microbatches, self.step_stall_s = batches, stalls
+        self.batch_calls = [0] * self.num_stages            # backward calls admitted at the stage, in all
+        self.batch_done_at = [0.0] * self.num_stages        # when the last of them is computed
+        self.stepping_until = [-math.inf] * self.num_stages  # the stage's current step ends then
+        self.held: list[list[_Call]] = [[] for _ in range(self.num_stages)]  # backward calls waiting for it
+        self.steps = [0] * self.num_stages
         self.retry = RetryPolicy(forward_timeout_s=setup.forward_timeout_s)
         self.declare_period_s = setup.forward_timeout_s
         self.ttl_s = RECORD_TTL_TIMEOUTS * setup.forward_timeout_s
@@ -218,6 +237,13 @@ class Simulator:
             self.trainers.append(trainer)
         self.rebalancer = (Rebalancer(setup.rebalance_period_s, **(rebalancer_options or {}))
                            if setup.rebalance_period_s and not self.chains else None)
+
+    def _per_stage(self, value: float | Sequence[float]) -> list[float] | None:
+        """One number for every stage, or one per stage; None if neither."""
+        if isinstance(value, (int, float)):
+            return [float(value)] * self.num_stages
+        values = [float(v) for v in value]
+        return values if len(values) == self.num_stages else None
 
     def _chains(self) -> list[list[_Peer]]:
         by_stage = [[p for p in self.peers if p.stage == s] for s in range(self.num_stages)]
@@ -375,7 +401,8 @@ class Simulator:
 
     def _on_arrive(self, call: _Call) -> None:
         peer, now = call.peer, self.now
-        call.deadline = now + self.retry.timeout(call.backward)
+        if call.deadline == math.inf:   # a call held through a step keeps the deadline of its arrival
+            call.deadline = now + self.retry.timeout(call.backward)
         if peer.status == "moving":   # queued until the move ends, then refused (wrong stage)
             if peer.free_at < call.deadline:
                 self._schedule(call, peer.free_at, _ERROR)
@@ -388,10 +415,16 @@ class Simulator:
         if peer.stage != call.stage:  # moved away meanwhile: refused
             self._schedule(call, now, _ERROR)
             return
+        stage = call.stage
+        if call.backward and self.step_microbatches is not None and now < self.stepping_until[stage]:
+            self.held[stage].append(call)   # the stage is stepping: admitted when its step ends
+            return
         service = self._service_s(peer, call.stage, call.backward)
         call.start = max(now, peer.free_at)
         call.finish = peer.free_at = call.start + service
         peer.pending.append(call)
+        if call.backward and self.step_microbatches is not None:
+            self._count_toward_step(stage, call.finish)
         peer.ema.update(service, self._units(call.stage, call.backward))
         if call.finish <= call.deadline:
             if peer.nic is None:
@@ -400,6 +433,27 @@ class Simulator:
                 self._schedule(call, call.finish, _SEND)
         else:
             self._schedule(call, call.deadline, _TIMEOUT)
+
+    def _count_toward_step(self, stage: int, finish: float) -> None:
+        """A backward call admitted at ``stage``, computed by ``finish``: the last of the batch starts its step
+        (step k ends the batch once the stage's calls reach ``ceil(k x step_microbatches)``)."""
+        self.batch_calls[stage] += 1
+        self.batch_done_at[stage] = max(self.batch_done_at[stage], finish)
+        if self.batch_calls[stage] >= math.ceil((self.steps[stage] + 1) * self.step_microbatches[stage] - 1e-9):
+            self.stepping_until[stage] = self.batch_done_at[stage] + self.step_stall_s[stage]
+            self.batch_done_at[stage] = 0.0
+            self.steps[stage] += 1
+            self._push(self.stepping_until[stage], _STEPPED, stage)
+
+    def _on_stepped(self, stage: int) -> None:
+        """The stage's step ended: its held backward calls arrive again, in their order (the first of them may
+        complete the next batch and start the next step, holding the rest again)."""
+        held, self.held[stage] = self.held[stage], []
+        for call in held:
+            if self.now >= call.deadline:   # its trainer gave up waiting meanwhile
+                self._schedule(call, self.now, _TIMEOUT)
+            else:
+                self._on_arrive(call)
 
     def _on_reply(self, call: _Call) -> None:
         call.resolved = True
@@ -521,7 +575,7 @@ class Simulator:
         duration = self.setup.duration_s
         handlers = (self._on_arrive, self._on_reply, self._on_timeout, self._on_error, self._on_send)
         others = (None, None, None, None, None, self._on_retry, self._on_kill, self._on_rejoin, self._on_ready,
-                  self._on_rebalance, self._on_nic, self._on_join)
+                  self._on_rebalance, self._on_nic, self._on_join, self._on_stepped)
         for event in self.setup.failures:
             self._push(event.at_s, _KILL, event)
         for join in self.setup.joins:
@@ -562,11 +616,14 @@ class Simulator:
             "per_stage_peers": {s: sorted(p.uid for p in self.peers if p.status == "up" and p.stage == s)
                                 for s in range(self.num_stages)},
             "events": processed,
+            "stage_steps": list(self.steps),
         }
 
 
 def run(setup: SwarmSetup, *, trainers_per_process: int = 1, rebalancer_options: dict | None = None,
-        round_trips_per_call: float = 1.0, call_overhead_s: float = 0.0, fused_last_stage: bool = False) -> dict:
+        round_trips_per_call: float = 1.0, call_overhead_s: float = 0.0, fused_last_stage: bool = False,
+        step_microbatches: float | Sequence[float] | None = None, step_stall_s: float | Sequence[float] = 0.0
+        ) -> dict:
     """Simulate ``setup`` for ``setup.duration_s`` virtual seconds; returns the emulation's result keys.
 
     ``microbatches_done`` (forward + backward through every stage), ``throughput_mb_s`` (microbatches per
@@ -575,7 +632,8 @@ def run(setup: SwarmSetup, *, trainers_per_process: int = 1, rebalancer_options:
     ``moves`` (list of {t_s, uid, from_stage, to_stage}), ``timeouts``, ``errors``, ``peers_killed``,
     ``rejoins``, ``joins`` (new peers arrived), ``served`` (uid -> forward calls answered), ``work_units``
     (uid -> compute of its answered calls in forward-call units, backward = ``BACKWARD_COMPUTE_FACTOR``),
-    ``per_stage_peers`` (stage -> serving uids at the end), ``events`` (events processed).
+    ``per_stage_peers`` (stage -> serving uids at the end), ``events`` (events processed), ``stage_steps``
+    (per stage, the synchronous steps begun; zeros without ``step_microbatches``).
     ``trainers_per_process`` trainers share one set of balancers; ``rebalancer_options`` go to ``Rebalancer``
     (e.g. ``min_gain`` for large swarms).
 
@@ -591,10 +649,27 @@ def run(setup: SwarmSetup, *, trainers_per_process: int = 1, rebalancer_options:
       backward call, computed in ``(1 + BACKWARD_COMPUTE_FACTOR) x stage_time_s / speed``, follows the
       previous stage's forward, so a microbatch makes ``2 x stages - 1`` calls instead of ``2 x stages``. Its
       work counts ``1 + BACKWARD_COMPUTE_FACTOR`` units and one forward call in ``served``.
+
+    The in-stage synchronous step (``peer_sync``: a stage's peers gather, all-reduce and step once their backward
+    calls reach the global batch, and admit no backward call meanwhile; default: not modelled):
+
+    * ``step_microbatches``: microbatches per step (None: no steps): the global batch, or what the peers step on
+      average (``peer_sync``'s peers read each other's counts a little late and may admit more); one number or
+      one per stage. Every that many backward calls admitted at a stage's peers (the last stage's fused call
+      counts as its backward) make one step; a fraction alternates the neighbouring whole numbers to its mean
+      (step k ends once the stage's calls reach ``ceil(k x step_microbatches)``);
+    * ``step_stall_s``: seconds a step holds the stage's backward calls back, counted from the end of the
+      computation of its batch's last backward call (one number, or one per stage). A backward call arriving at
+      the stage from the moment its batch's last call was admitted until the step ends waits (no peer time; its
+      timeout runs from its arrival) and is then admitted in arrival order; forward calls are served
+      throughout. ``benchmarks/swarm_testbed.py`` measures it on the testbed from the peers' step lines
+      (``peer_sync.stage_stalls``). A stage whose peers all die with calls of its batch in flight counts them
+      all the same (the step is not re-run).
     """
     return Simulator(setup, trainers_per_process=trainers_per_process, rebalancer_options=rebalancer_options,
                      round_trips_per_call=round_trips_per_call, call_overhead_s=call_overhead_s,
-                     fused_last_stage=fused_last_stage).run()
+                     fused_last_stage=fused_last_stage, step_microbatches=step_microbatches,
+                     step_stall_s=step_stall_s).run()
 
 
 # -- large setups and the optimum ------------------------------------------------------------------------

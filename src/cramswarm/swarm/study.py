@@ -4,8 +4,9 @@ Every experiment is a plain function with its sizes as parameters (the defaults 
 two on a 2-core CPU; tests pass tiny sizes) that writes one CSV atomically, with units in the column names:
 
 * ``square_cube``           M1: measured compute time of one crammed-BERT layer (forward + backward, bf16
-                            autocast on CPU) vs the time to send its boundary tensors over a link, per width,
-                            bandwidth and compression scheme (payload bytes measured from ``compression.encode``).
+                            autocast on CPU; and its FLOPs at a stated accelerator rate) vs the time of a call
+                            carrying its boundary tensors, per width, bandwidth, latency and compression scheme:
+                            ideal (bytes / bandwidth) or measured between two hosts of the network testbed.
 * ``wiring_throughput``     M2: throughput of stochastic wiring (IWRR), uniform routing and fixed chains on
                             peers of speeds 1, 0.5, 0.25 per stage, in the emulation and the simulator; then,
                             simulated, the same swept over trainers per peer (the load) on those and on equal
@@ -121,9 +122,10 @@ def periodic_kills(num_peers: int, duration_s: float, every_s: float, rejoin_aft
 # ------------------------------------------------------------------------------------------------------------
 
 def _layer_time_s(hidden: int, heads: int, batch: int, seq_len: int,
-                  repeats: int) -> tuple[float, torch.Tensor, int]:
+                  repeats: int) -> tuple[float, torch.Tensor, int, float]:
     """Fastest of ``repeats`` forward + backward passes of one crammed-BERT layer (bf16 autocast on CPU), the
-    layer's output activation (fp32) and its parameter count."""
+    layer's output activation (fp32), its parameter count and its training FLOPs on the microbatch (6 x the
+    matmul weights x tokens, plus the attention score and value matmuls, 3 x 4 x seq_len x hidden per token)."""
     from cramswarm.models.crammed_bert import CrammedBertConfig, Layer
 
     config = CrammedBertConfig(hidden_size=hidden, num_attention_heads=heads, intermediate_size=4 * hidden,
@@ -142,38 +144,93 @@ def _layer_time_s(hidden: int, heads: int, batch: int, seq_len: int,
         if out is not None:
             best = min(best, elapsed)
         out = y.detach().float()
-    return best, out, sum(p.numel() for p in layer.parameters())
+    tokens = batch * seq_len
+    matmul_weights = sum(m.weight.numel() for m in layer.modules() if isinstance(m, torch.nn.Linear))
+    flops = 6 * matmul_weights * tokens + 12 * seq_len * hidden * tokens
+    return best, out, sum(p.numel() for p in layer.parameters()), float(flops)
+
+
+SQUARE_CUBE_LINKS = ("auto", "ideal", "testbed")
+
+
+def _testbed_call_s(points: list[tuple[float, float]], sizes: list[int], calls: int) -> dict:
+    """{(bandwidth, latency, bytes): median seconds} of hivemind calls carrying ``bytes`` each way between two
+    testbed hosts, the server's link shaped to the bandwidth, through the relay at the one-way latency
+    (``cramswarm.testbed.callcost.measure``)."""
+    from cramswarm.testbed import callcost
+
+    # the client makes 1 + calls calls per size and point, one at a time: time enough for all of them
+    wire_s = sum(2 * size * 8 / (bw * 1e6) + 4 * ms / 1e3 for bw, ms in points for size in sizes) * (calls + 1)
+    measured = callcost.measure(points, sizes, count=calls, timeout_s=120.0 + 3 * wire_s)
+    return {(m["bandwidth_mbit"], m["latency_ms"], size): m["calls_ms"][str(size)]["median"] / 1e3
+            for m in measured for size in sizes}
 
 
 def square_cube(out_csv: str | os.PathLike, *, hidden_sizes: Sequence[int] = (128, 256, 512, 1024),
-                bandwidths_mbit_s: Sequence[float] = (10.0, 100.0, 500.0),
+                bandwidths_mbit_s: Sequence[float] = (10.0, 100.0, 500.0), latencies_ms: Sequence[float] = (0.0,),
                 schemes: Sequence[str] = ("none", "fp16", "blockwise8"), batch: int = 8, seq_len: int = 128,
-                repeats: int = 3, head_dim: int = 64, threads: int | None = 1) -> Path:
+                repeats: int = 3, head_dim: int = 64, threads: int | None = 1, link: str = "ideal",
+                calls: int = 5, device_tflops: float = 30.0) -> Path:
     """M1. Per hidden size: the measured time of forward + backward of one crammed-BERT layer (FFN 4 d, heads of
-    ``head_dim``) on a ``batch x seq_len`` microbatch, and per scheme and bandwidth the time to send the layer's
-    boundary traffic: the encoded activation forward plus the encoded gradient (same size) backward.
+    ``head_dim``) on a ``batch x seq_len`` microbatch, and per scheme, bandwidth and one-way latency the time of
+    one call that carries the layer's boundary traffic: the encoded activation one way, a reply of the same size
+    (the gradient) the other.
 
-    Compute runs on ``threads`` intra-op threads (see :func:`torch_threads`).
+    ``link``: ``ideal`` - the call takes 2 x bytes x 8 / bandwidth + 2 x latency (no protocol, no overhead);
+    ``testbed`` - the call is a real hivemind call between processes on two hosts of the multi-host testbed
+    (``cramswarm.testbed``; needs root and iproute2), the server's link shaped to the bandwidth, through the relay at
+    the latency: the median of ``calls`` calls; ``auto`` - the testbed where it can be built, else ideal. The
+    ``link`` column says which ran.
 
-    Columns: hidden_size, heads, batch, seq_len, threads, layer_params, compute_s, scheme,
-    activation_payload_bytes, bandwidth_mbit_s, comm_s, compute_to_comm (compute_s / comm_s).
+    Utilisation is the paper's relative device utilisation for a peer that receives a microbatch, computes and
+    sends it on: compute / (compute + call). ``utilisation`` uses this CPU's measured compute (``threads``
+    intra-op threads, see :func:`torch_threads`); ``device_utilisation`` the layer's FLOPs at ``device_tflops``
+    TFLOP/s, a stated accelerator rate (the paper's V100s; the default 30 is about a quarter of a V100's fp16
+    tensor-core peak), with the same measured call.
+
+    Columns: hidden_size, heads, batch, seq_len, threads, layer_params, layer_flops, compute_s, scheme,
+    activation_payload_bytes, link, bandwidth_mbit_s, latency_ms, comm_s, compute_to_comm (compute_s / comm_s),
+    utilisation, device_tflops, device_compute_s, device_utilisation.
     """
     from cramswarm.swarm.compression import encode, payload_bytes
 
-    rows = []
+    if link not in SQUARE_CUBE_LINKS:
+        raise ValueError(f"swarm_study.square_cube.link={link!r}; allowed: {', '.join(SQUARE_CUBE_LINKS)}")
+    if link == "auto":
+        from cramswarm.testbed import unavailable_reason
+
+        reason = unavailable_reason()
+        link = "ideal" if reason else "testbed"
+        if reason:
+            print(f"swarm_study.square_cube.link=auto: ideal links (no testbed here: {reason})", flush=True)
+    measured = []
     for hidden in hidden_sizes:
         heads = max(1, hidden // head_dim)
         with torch_threads(threads):
-            compute_s, activation, params = _layer_time_s(hidden, heads, batch, seq_len, repeats)
-        for scheme in schemes:
-            nbytes = payload_bytes(encode(activation, scheme))
-            for bandwidth in bandwidths_mbit_s:
-                comm_s = 2 * nbytes * 8 / (bandwidth * 1e6)
+            compute_s, activation, params, flops = _layer_time_s(hidden, heads, batch, seq_len, repeats)
+        payloads = {scheme: payload_bytes(encode(activation, scheme)) for scheme in schemes}
+        measured.append((hidden, heads, compute_s, params, flops, payloads))
+    points = [(float(bw), float(ms)) for bw in bandwidths_mbit_s for ms in latencies_ms]
+    if link == "testbed":
+        sizes = sorted({size for *_, payloads in measured for size in payloads.values()})
+        call_s = _testbed_call_s(points, sizes, calls)
+    else:
+        call_s = {(bw, ms, size): 2 * size * 8 / (bw * 1e6) + 2 * ms / 1e3
+                  for bw, ms in points for *_, payloads in measured for size in payloads.values()}
+    rows = []
+    for hidden, heads, compute_s, params, flops, payloads in measured:
+        device_s = flops / (device_tflops * 1e12)
+        for scheme, nbytes in payloads.items():
+            for bandwidth, latency in points:
+                comm_s = call_s[(bandwidth, latency, nbytes)]
                 rows.append({"hidden_size": hidden, "heads": heads, "batch": batch, "seq_len": seq_len,
                              "threads": torch.get_num_threads() if threads is None else threads,
-                             "layer_params": params, "compute_s": compute_s, "scheme": scheme,
-                             "activation_payload_bytes": nbytes, "bandwidth_mbit_s": float(bandwidth),
-                             "comm_s": comm_s, "compute_to_comm": compute_s / comm_s})
+                             "layer_params": params, "layer_flops": flops, "compute_s": compute_s,
+                             "scheme": scheme, "activation_payload_bytes": nbytes, "link": link,
+                             "bandwidth_mbit_s": bandwidth, "latency_ms": latency, "comm_s": comm_s,
+                             "compute_to_comm": compute_s / comm_s, "utilisation": compute_s / (compute_s + comm_s),
+                             "device_tflops": float(device_tflops), "device_compute_s": device_s,
+                             "device_utilisation": device_s / (device_s + comm_s)})
     return _write_csv(pd.DataFrame(rows), out_csv)
 
 

@@ -13,7 +13,8 @@ With a seconds budget the shard is unbounded and the clock file holds a wall-clo
 no new microbatch after it (the one under way is finished) and exits 0, as at the end of a counted shard. It
 joins the DHT through any live entry of the address file and appends its own addresses (a DHT node like every
 peer), re-reads the stages' peer records every ``REFRESH_PERIOD_S``, keeps its own ``StageBalancer`` per stage
-(as SWARM's trainers do), and sends one microbatch at a time forward through stages 0..k-1 and backward through
+(as SWARM's trainers do; the run's ``routing: uniform`` gives it ``UniformBalancer``s instead, the baseline of
+``benchmarks/swarm_launcher.py``), and sends one microbatch at a time forward through stages 0..k-1 and backward through
 k-1..0 (the last stage's forward and backward are one call). Every call is bounded (``RetryPolicy``: hivemind has
 no client-side timeout); a failed or timed-out call is re-sent to another replica and a microbatch is never
 dropped: a stage without a live peer for ``give_up_after_s`` ends the trainer with ``EXIT_NO_PEERS`` (the stage is
@@ -64,7 +65,7 @@ from cramswarm.swarm.hivemind_peer import (
     watch_coordinator,
 )
 from cramswarm.swarm.peer_sync import CLOCK_FILE, SyncingStagePeer, read_clock
-from cramswarm.swarm.policies import NoPeersError, RetryPolicy, StageBalancer
+from cramswarm.swarm.policies import NoPeersError, RetryPolicy, make_balancer
 
 REFRESH_PERIOD_S = 1.0  # a trainer re-reads the stages' DHT records this often
 EXIT_NO_PEERS = 4       # a stage had no live peer for give_up_after_s
@@ -93,9 +94,10 @@ class StageClient:
 
     peer_cls = SyncingStagePeer  # whose RPC handler names the calls use
 
-    def __init__(self, node, run_id: str, stages: int, retry: RetryPolicy, seed: int):
+    def __init__(self, node, run_id: str, stages: int, retry: RetryPolicy, seed: int, routing: str = "weighted"):
         self.node, self.run_id, self.stages, self.retry = node, run_id, stages, retry
-        self.balancers = [StageBalancer(s, rng=random.Random(seed * 1000 + s)) for s in range(stages)]
+        # weighted: SWARM's balancer by measured throughput; uniform: the routing benchmark's baseline
+        self.balancers = [make_balancer(routing, s, random.Random(seed * 1000 + s)) for s in range(stages)]
         self.peer_ids: dict[str, str] = {}
         self.stats = {"retries": 0, "timeouts": 0, "errors": 0}
 
@@ -231,7 +233,8 @@ async def train_shard(cfg: dict, rank: int, trainers: int) -> None:
     node = await join_swarm(workdir / ADDR_FILE, host=listen_host(cfg), timeout_s=cfg["join_timeout_s"],
                             announce=True)
     launcher = asyncio.create_task(watch_coordinator(node, cfg["run_id"], cfg["coordinator_grace_s"]))
-    client = StageClient(node, cfg["run_id"], cfg["stages"], RetryPolicy(**cfg["retry"]), cfg["seed"] + 7919 * rank)
+    client = StageClient(node, cfg["run_id"], cfg["stages"], RetryPolicy(**cfg["retry"]), cfg["seed"] + 7919 * rank,
+                         cfg.get("routing", "weighted"))
     refresher = asyncio.create_task(client.refresh_forever())
 
     def progress(**extra) -> None:
