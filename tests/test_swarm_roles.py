@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("hivemind", reason="hivemind is not installed: transport 1 (real hivemind processes) is untested")
 
 from conftest import ARCH, recipe  # noqa: E402
-from test_swarm_hivemind import MICRO, TINY, batches, own_p2p_daemons, plan, source  # noqa: E402
+from test_swarm_hivemind import MICRO, TINY, VOCAB, batches, own_p2p_daemons, plan, source  # noqa: E402
 
 from cramswarm.swarm import hivemind_transport as ht  # noqa: E402
 from cramswarm.swarm import launcher as launcher_mod  # noqa: E402
@@ -98,6 +98,23 @@ def test_shards_partition_the_microbatches_and_step_targets_follow_the_ramp():
     assert step_target(recipe, 32, 0, 0) == (0.0, MICRO)
     assert step_target(recipe, 32, 0, 5) == (0.5, 4 * MICRO)
     assert step_target(recipe, 32, 0, 2)[1] == (1 + int(0.2 / 0.5 * 4)) * MICRO
+
+
+@pytest.mark.slow
+def test_a_narrowing_compression_trains_under_the_launcher_and_its_layers_reach_the_checkpoint():
+    """maxout2 on the hivemind transport: the peers build their halves of the boundary layer, the narrowed tensor
+    crosses the boundary, and the stage states assemble into the model the emulation would train."""
+    from cramswarm.swarm.stages import assemble_model, split_model
+
+    result, _ = launch(48, compression="maxout2")   # 12 steps: launch checks the loss falls, nothing is lost
+    shape = build_swarm_model(TINY, VOCAB, 0, 2, "maxout2")
+    stages = split_model(shape, 2)
+    for stage, state in zip(stages, result.stage_states, strict=True):
+        stage.load_state_dict(state)   # strict: the boundary layers' parameters are there, no more, no less
+    model = assemble_model(stages, shape.config)
+    assert any(name.startswith("bert.boundaries.") for name, _ in model.named_parameters())
+    inputs, labels = source(seed=7)[0]
+    assert torch.isfinite(model(input_ids=inputs, labels=labels).loss)
 
 
 def test_stage_stalls_run_from_the_batchs_last_backward_to_the_peers_step():

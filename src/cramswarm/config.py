@@ -276,12 +276,6 @@ def _semantic_errors(cfg: dict, base_dir: Path, schema: dict) -> list[str]:
     stages = cfg["swarm"]["stages"]
     compression = cfg["swarm"]["compression"]
     if compression.startswith(("bottleneck", "maxout")):
-        if cfg["swarm"]["transport"] != "emulation":
-            errors.append(
-                f"config key 'swarm.compression': {compression} narrows the stage boundaries with a trained layer, "
-                f"which only swarm.transport: emulation implements (not {cfg['swarm']['transport']}); the hivemind "
-                "transport takes none, fp16 or blockwise8"
-            )
         if stages < 2:
             errors.append(f"config key 'swarm.compression': {compression} needs swarm.stages >= 2 (a boundary)")
     errors += _lr_sweep_errors(cfg)

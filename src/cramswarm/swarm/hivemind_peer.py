@@ -93,7 +93,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from cramswarm.swarm.averaging import StageAllReduce, average, chunk_timeout_s, codec, state_timeout_s
-from cramswarm.swarm.compression import decode, encode
+from cramswarm.swarm.compression import decode, encode, wire_scheme
 from cramswarm.swarm.stages import build_stage
 from cramswarm.training import autocast, decay_groups, resolve_device, resolve_precision
 
@@ -356,7 +356,8 @@ class StagePeer(ServicerBase):
         self.optimizer = torch.optim.AdamW(decay_groups(self.module, recipe["weight_decay"]), lr=recipe["lr"],
                                            betas=tuple(recipe["betas"]), eps=recipe["eps"])
         self.grad_clip = recipe["grad_clip_norm"]
-        self.scheme = cfg["compression"]
+        # what the boundary tensors travel in: a narrowing compression's narrowed tensor goes as is (fp32)
+        self.scheme = wire_scheme(cfg["compression"])
         self.averaging_scheme, self.link_mbit_s = cfg["averaging_compression"], cfg["link_mbit_s"]
         self.num_params = sum(p.numel() for p in self.params)
         self.sync_timeout_s = cfg["sync_timeout_s"]

@@ -85,7 +85,7 @@ from hivemind.utils import get_dht_time
 from tqdm.auto import tqdm
 
 from cramswarm.swarm import averaging
-from cramswarm.swarm.compression import SCHEMES
+from cramswarm.swarm.compression import COMPRESSIONS
 from cramswarm.swarm.emulation import (
     BACKWARD_COMPUTE_FACTOR,
     Dispatcher,
@@ -125,9 +125,15 @@ from cramswarm.swarm.processes import (  # noqa: F401 (leftover_processes, _LIVE
     leftover_processes,
     own_daemons,
 )
-from cramswarm.swarm.stages import check_memory_cap, check_stage_count, split_model, stage_state_bytes
+from cramswarm.swarm.stages import (
+    build_swarm_model,
+    check_memory_cap,
+    check_stage_count,
+    split_model,
+    stage_state_bytes,
+)
 from cramswarm.swarm.trainer import StageClient
-from cramswarm.training import build_model, lr_multiplier
+from cramswarm.training import lr_multiplier
 
 REFRESH_PERIOD_S = 1.0  # trainers re-read the stages' DHT records this often
 PLACEMENTS = ("local", "attach", "srun")  # who starts the stage peers (SwarmPlan.placement)
@@ -205,11 +211,11 @@ class SwarmPlan:
                              "SLURM_JOB_ID is unset: run it through profiles/slurm (or placement: local / attach)")
 
 
-def stage_parameter_counts(arch: dict, vocab_size: int, stages: int) -> list[int]:
-    """Trainable parameters of each stage, counted on a model built on the meta device (no memory, and the
-    global RNG is left as it was)."""
+def stage_parameter_counts(arch: dict, vocab_size: int, stages: int, compression: str = "none") -> list[int]:
+    """Trainable parameters of each stage (a narrowing ``compression``'s boundary layers included), counted on a
+    model built on the meta device (no memory, and the global RNG is left as it was)."""
     with torch.random.fork_rng(devices=[]), torch.device("meta"):
-        model = build_model(arch, vocab_size, seed=0)
+        model = build_swarm_model(arch, vocab_size, 0, stages, compression)
     return [sum(p.numel() for p in stage.parameters() if p.requires_grad) for stage in split_model(model, stages)]
 
 
@@ -277,8 +283,8 @@ class Coordinator(StageClient):
                       # in-stage all-reduce traffic, per stage, summed over the replicas of groups of >= 2
                       "averaging_bytes_sent": [0] * stages, "averaging_values_sent": [0] * stages,
                       "averaging_param_steps": [0] * stages}
-        self.stage_params = stage_parameter_counts(plan.arch, plan.vocab_size, stages) if self.training \
-            else [0] * stages
+        self.stage_params = (stage_parameter_counts(plan.arch, plan.vocab_size, stages, plan.compression)
+                             if self.training else [0] * stages)
         self.tasks: set[asyncio.Task] = set()
         self.start = time.perf_counter()
         self.next_uid = 0
@@ -946,9 +952,10 @@ def run_swarm(plan: SwarmPlan, batches: Iterator[tuple[torch.Tensor, torch.Tenso
     source (``data``) the launcher's trainers make their own microbatches from."""
     check_stage_count(plan.arch["layers"], plan.stages)
     plan.validate()
-    check_memory_cap(stage_state_bytes(plan.arch, plan.vocab_size, plan.stages), plan.peer_memory_cap_mb)
-    if plan.compression not in SCHEMES:
-        raise ValueError(f"swarm.compression={plan.compression!r}; allowed: {', '.join(SCHEMES)}")
+    check_memory_cap(stage_state_bytes(plan.arch, plan.vocab_size, plan.stages, plan.compression),
+                     plan.peer_memory_cap_mb)
+    if plan.compression not in COMPRESSIONS:
+        raise ValueError(f"swarm.compression={plan.compression!r}; allowed: {', '.join(COMPRESSIONS)}")
     if plan.averaging_compression not in averaging.SCHEMES:
         raise ValueError(f"swarm.averaging_compression={plan.averaging_compression!r}; allowed: "
                          f"{', '.join(averaging.SCHEMES)}")

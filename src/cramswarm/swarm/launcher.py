@@ -159,7 +159,7 @@ class Launcher:
         self.host = listen_host({"host": plan.host, "interface": plan.interface})
         self.node = None
         self.phase = "starting"
-        self.stage_params = stage_parameter_counts(plan.arch, plan.vocab_size, plan.stages)
+        self.stage_params = stage_parameter_counts(plan.arch, plan.vocab_size, plan.stages, plan.compression)
         self.peers: dict[str, PeerProcess] = {}   # uid -> process (live or dead, until restarted)
         self.retired: set[str] = set()            # peers killed on purpose or restarted
         self.trainers: dict[int, object] = {}     # rank -> Popen

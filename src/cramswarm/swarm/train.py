@@ -39,7 +39,6 @@ import torch
 from cramswarm.io import atomic_path, read_json, write_json
 from cramswarm.pretrain import LOG_COLUMNS, HeldOut, load_training_data
 from cramswarm.provenance import provenance
-from cramswarm.swarm.compression import narrowing
 from cramswarm.swarm.stages import assemble_model, build_swarm_model, check_stage_count, split_model
 from cramswarm.training import (
     accumulation_at,
@@ -89,11 +88,6 @@ def validate(arch: dict, swarm: dict) -> None:
     if swarm["transport"] not in TRANSPORTS:
         raise ValueError(f"swarm.transport must be one of {', '.join(TRANSPORTS)}, got {swarm['transport']!r}")
     check_stage_count(arch["layers"], swarm["stages"])
-    if narrowing(swarm["compression"]) and swarm["transport"] != "emulation":
-        raise ValueError(
-            f"swarm.compression={swarm['compression']} narrows the stage boundaries with a trained layer, which only "
-            f"swarm.transport: emulation implements (got {swarm['transport']})"
-        )
     if swarm["peers_per_stage"] < 1:
         raise ValueError(
             f"swarm.peers_per_stage={swarm['peers_per_stage']}: every stage needs at least one peer to serve it"
