@@ -59,7 +59,7 @@ def make_plan(args, scheme: str, seed: int) -> hivemind_transport.SwarmPlan:
     return hivemind_transport.SwarmPlan(
         arch=arch, vocab_size=VOCAB, recipe=recipe, peers_per_stage=[args.peers] * 2, trainers=args.trainers,
         compression=scheme, retry=RetryPolicy(forward_timeout_s=10.0, give_up_after_s=60.0),
-        startup_timeout_s=300.0, seed=seed, link_mbit_s=args.mbit)  # the averaging's timeouts follow the link
+        startup_timeout_s=300.0, seed=seed)  # link_mbit_s: the testbed sets the shaped rate (testbed.swarm.link_plan)
 
 
 def steady_mb_s(log: list[dict], micro: int) -> float:

@@ -55,6 +55,25 @@ def test_each_process_gets_its_own_host_and_port():
         tbswarm.run(plan(), source(), 8, latency_ms=20.0, relay=False)
 
 
+
+def test_the_plan_learns_the_shaped_link_and_the_relays_round_trip():
+    from cramswarm.swarm import averaging
+
+    base = plan(link_mbit_s=100.0)
+    slow = tbswarm.link_plan(base, 2.0, latency_ms=20.0, jitter_ms=5.0)
+    assert slow.link_mbit_s == 2.0 and base.link_mbit_s == 100.0  # the caller's plan is left as it was
+    assert slow.retry.rtt_s == pytest.approx(base.retry.rtt_s + 0.05)
+    assert slow.retry.forward_timeout_s == base.retry.forward_timeout_s
+    # the bounds that follow the link (the averaging's, hence the launcher's wait for the final steps) grow 50x
+    params = 500_000
+    grow = [averaging.averaging_timeout_s(params, 2, "fp16", p.link_mbit_s, 0.0) for p in (base, slow)]
+    assert grow[1] == pytest.approx(50 * grow[0])
+    # unshaped: the plan's own assumption stays; no delay: no added round trip
+    same = tbswarm.link_plan(base, None)
+    assert same.link_mbit_s == 100.0 and same.retry.rtt_s == base.retry.rtt_s
+    with pytest.raises(ValueError, match="bandwidth_mbit=0"):
+        tbswarm.link_plan(base, 0)
+
 @pytest.mark.slow
 @pytest.mark.netns
 def test_swarm_on_the_testbed_survives_a_silently_cut_stage_peer(can_build):

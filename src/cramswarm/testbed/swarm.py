@@ -18,8 +18,9 @@ A restarted process goes to the same host (a trainer) or to its stage's hosts in
 last (a stage peer), on the host's next port (``PORTS_PER_HOST`` per host, reused in turn). ``faults`` targets
 (seconds after the first finished microbatch) ``cut:<host>`` / ``restore:<host>`` cut a host's link (packets
 silently dropped at the switch, no reset) or restore it; ``connections`` records every host's established TCP
-connections (``HostPlacement.snapshots``). The trainers' call timeouts allow for the relay's round trip
-(``RetryPolicy.rtt_s``): a cut peer is noticed by them alone.
+connections (``HostPlacement.snapshots``). The plan learns the link (:func:`link_plan`): ``link_mbit_s`` is the
+shaped rate, and the trainers' call timeouts allow for the relay's round trip (``RetryPolicy.rtt_s``): a cut peer
+is noticed by them alone.
 Leaving :func:`run` - normally or by an exception - kills every process and deletes every namespace and link.
 """
 
@@ -138,6 +139,18 @@ def entered(netns: str):
         os.close(own)
 
 
+def link_plan(plan, bandwidth_mbit: float | None, latency_ms: float = 0.0, jitter_ms: float = 0.0):
+    """``plan`` (a ``hivemind_transport.SwarmPlan``) told the testbed's link: ``link_mbit_s`` is the shaped rate
+    (``bandwidth_mbit``; unshaped: the plan's own), so the averaging's, state downloads' and final steps' bounds
+    grow with the link as they would on real hosts of that rate, and the calls' timeouts allow for the relay's
+    round trip (``RetryPolicy.rtt_s``: a cut peer is noticed by them alone)."""
+    if bandwidth_mbit is not None and not bandwidth_mbit > 0:
+        raise ValueError(f"bandwidth_mbit={bandwidth_mbit!r}: must be positive (None: unshaped)")
+    retry = dataclasses.replace(plan.retry, rtt_s=plan.retry.rtt_s + 2 * (latency_ms + jitter_ms) / 1000)
+    link = plan.link_mbit_s if bandwidth_mbit is None else float(bandwidth_mbit)
+    return dataclasses.replace(plan, link_mbit_s=link, retry=retry)
+
+
 def run(plan, source, total_microbatches: int, *, bandwidth_mbit: float | None = None,
         latency_ms: float = 0.0, jitter_ms: float = 0.0, progress: bool = False, seed: int = 0,
         relay: bool | None = None):
@@ -158,14 +171,14 @@ def run(plan, source, total_microbatches: int, *, bandwidth_mbit: float | None =
             proxy = relays.start(tb, tcp=routes, latency_ms=latency_ms, jitter_ms=jitter_ms, seed=seed)
         hosts = HostPlacement(tb, plan.peers_per_stage, plan.trainers, proxy)
         control = tb.host(CONTROL)
-        # the calls' timeouts allow for the relay's round trip (a cut peer is noticed by them alone)
-        retry = dataclasses.replace(plan.retry, rtt_s=plan.retry.rtt_s + 2 * (latency_ms + jitter_ms) / 1000)
-        plan = dataclasses.replace(plan, hosts=hosts, host=control.ip, interface=None, decentralised=True,
-                                   retry=retry)
+        plan = dataclasses.replace(link_plan(plan, bandwidth_mbit, latency_ms, jitter_ms), hosts=hosts,
+                                   host=control.ip, interface=None, decentralised=True)
+        retry = plan.retry
         with entered(control.netns):
             result = ht.run_swarm(plan, source, total_microbatches, progress=progress)
         result.stats["testbed"] = {
-            "hosts": len(tb.hosts), "bandwidth_mbit": bandwidth_mbit, "latency_ms": latency_ms,
+            "hosts": len(tb.hosts), "bandwidth_mbit": bandwidth_mbit, "link_mbit_s": plan.link_mbit_s,
+            "latency_ms": latency_ms,
             "jitter_ms": jitter_ms, "relay": proxy is not None, "run_id": tb.run_id,
             "call_timeout_s": [retry.timeout(backward=False), retry.timeout(backward=True)],
             "placement": {name: list(where) for name, where in hosts.where.items()},
