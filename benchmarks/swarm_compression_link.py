@@ -6,8 +6,13 @@ of its own (``cramswarm.testbed.swarm``), every host's link shaped to ``--mbit``
 milliseconds one way (through the testbed's relay). The model is a tiny crammed BERT (``--hidden``) on the
 counting language of ``cramswarm.swarm.toy``. Per scheme and seed the script records:
 
-* the steady throughput: microbatches per second stepped by the last stage between its second and its
-  last-but-one optimizer step (the start and the final flush left out);
+* the steady throughput, two ways (the start and the final flush left out of both):
+  ``mb_s``, microbatches per second stepped by the last stage between its second and its last-but-one optimizer
+  step (gradients a stage dropped do not count), and ``done_mb_s``, microbatches per second the trainers finished
+  (forward and backward through every stage) from the end of the first global batch to the start of the last;
+* what the in-stage steps lost: gradient samples dropped per stage (a replica left out of its stage's step
+  downloads the state of the one that stepped, and the gradients it held are lost, as in SWARM), state downloads
+  (``resyncs``) and steps taken by a group of one peer (``solo_steps``);
 * the training loss: the mean of the trainers' losses over the last quarter of the microbatches;
 * the held-out loss of the assembled model on 16 microbatches the run never trained on (seed + 1000);
 * microbatches lost (must be 0) and the bytes of one boundary crossing (activations of one microbatch as sent).
@@ -70,6 +75,15 @@ def steady_mb_s(log: list[dict], micro: int) -> float:
     return sum(r["batch_sequences"] for r in rows[1:]) / micro / (rows[-1]["elapsed_s"] - rows[0]["elapsed_s"])
 
 
+def steady_done_mb_s(done_s: list[float], batch: int) -> float:
+    """Microbatches per second the trainers finished, from the ``batch``-th finished microbatch to the
+    ``batch``-th last (the first global batch and the last one, flushed at the end, left out)."""
+    first, last = batch - 1, len(done_s) - batch
+    if last <= first or done_s[last] <= done_s[first]:
+        raise RuntimeError(f"too few microbatches to measure a rate ({len(done_s)}): raise --microbatches")
+    return (last - first) / (done_s[last] - done_s[first])
+
+
 def heldout_loss(plan, states, seed: int) -> float:
     """Masked-LM loss of the assembled model (the boundary layers of a narrowing scheme included) on microbatches
     drawn with another seed than training's."""
@@ -102,10 +116,16 @@ def one_run(args, scheme: str, seed: int) -> dict:
     stats = result.stats
     losses = stats["trainer_losses"]
     tail = losses[-max(1, len(losses) // 4):]
+    done_s = sorted(stats["microbatch_done_s"])
     return {"scheme": scheme, "seed": seed, "mb_s": steady_mb_s(result.log, args.micro),
+            "done_mb_s": steady_done_mb_s(done_s, args.batch),
             "train_loss": statistics.fmean(tail), "heldout_loss": heldout_loss(plan, result.stage_states, seed),
             "boundary_bytes": boundary_bytes(plan), "microbatches_done": stats["microbatches_done"],
             "lost_microbatches": stats["lost_microbatches"], "steps": len(result.log),
+            "stage_steps": stats["stage_steps"], "lost_gradient_samples": stats["lost_gradient_samples"],
+            "resyncs": stats["resyncs"],
+            "solo_steps": sum(e["peers"] == 1 for entries in stats["step_stalls"].values() for e in entries),
+            "link_mbit_s": stats["testbed"]["link_mbit_s"], "log": result.log, "microbatch_done_s": done_s,
             "wall_s": round(time.perf_counter() - started, 1), "load": [load_before, os.getloadavg()[0]]}
 
 
@@ -118,14 +138,17 @@ def summarize(runs: list[dict], schemes: list[str]) -> list[dict]:
     for scheme in schemes:
         mine = [r for r in runs if r["scheme"] == scheme]
         row = {"scheme": scheme, "seeds": len(mine), "boundary_bytes": mine[0]["boundary_bytes"],
-               "lost_microbatches": sum(r["lost_microbatches"] for r in mine)}
-        for key in ("mb_s", "train_loss", "heldout_loss"):
+               "lost_microbatches": sum(r["lost_microbatches"] for r in mine),
+               "lost_gradient_samples": sum(sum(r["lost_gradient_samples"]) for r in mine),
+               "resyncs": sum(r["resyncs"] for r in mine), "solo_steps": sum(r["solo_steps"] for r in mine)}
+        for key in ("mb_s", "done_mb_s", "train_loss", "heldout_loss"):
             values = [r[key] for r in mine]
             row[key], row[f"{key}_sd"] = statistics.fmean(values), spread(values)
         rows.append(row)
-    base = next((r["mb_s"] for r in rows if r["scheme"] == "none"), None)
-    for row in rows:
-        row["mb_s_vs_none"] = row["mb_s"] / base if base else None
+    for key in ("mb_s", "done_mb_s"):
+        base = next((r[key] for r in rows if r["scheme"] == "none"), None)
+        for row in rows:
+            row[f"{key}_vs_none"] = row[key] / base if base else None
     return rows
 
 
@@ -161,20 +184,26 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"the testbed cannot run here: {error}")
                 return 1
             runs.append(run)
-            print(f"seed {seed} {scheme:<12} {run['mb_s']:.3f} mb/s, train loss {run['train_loss']:.3f}, held-out "
-                  f"{run['heldout_loss']:.3f}, lost {run['lost_microbatches']}, {run['wall_s']} s, "
-                  f"load {run['load'][0]:.1f}-{run['load'][1]:.1f}", flush=True)
+            if args.json:  # every run so far, in case the sweep is stopped
+                Path(args.json).write_text(json.dumps({"args": vars(args), "runs": runs}, indent=2))
+            print(f"seed {seed} {scheme:<12} {run['mb_s']:.3f} mb/s stepped, {run['done_mb_s']:.3f} done, train "
+                  f"loss {run['train_loss']:.3f}, held-out {run['heldout_loss']:.3f}, lost {run['lost_microbatches']}"
+                  f", gradient samples dropped {run['lost_gradient_samples']}, resyncs {run['resyncs']}, solo steps "
+                  f"{run['solo_steps']}, {run['wall_s']} s, load {run['load'][0]:.1f}-{run['load'][1]:.1f}",
+                  flush=True)
     rows = summarize(runs, schemes)
     print(f"\n{args.mbit:g} Mb/s, {args.ms:g} ms one way; 2 stages x {args.peers} peers, {args.trainers} trainers, "
           f"hidden {args.hidden}, {args.micro} x {SEQ} tokens per microbatch, {args.microbatches} microbatches, "
           f"{args.seeds} seeds (mean +- sd)")
-    print(f"{'scheme':<12} {'bytes/mb':>9} {'mb/s':>14} {'vs none':>7} {'train loss':>15} {'held-out loss':>15} "
-          f"{'lost':>4}")
+    print(f"{'scheme':<12} {'bytes/mb':>9} {'stepped mb/s':>14} {'vs none':>7} {'done mb/s':>14} {'vs none':>7} "
+          f"{'train loss':>15} {'held-out loss':>15} {'lost':>4} {'dropped':>7} {'resyncs':>7}")
     for r in rows:
-        ratio = f"{r['mb_s_vs_none']:.2f}" if r["mb_s_vs_none"] else "-"
-        print(f"{r['scheme']:<12} {r['boundary_bytes']:>9} {r['mb_s']:>7.3f} +- {r['mb_s_sd']:<4.3f} {ratio:>7} "
+        ratios = [f"{r[k]:.2f}" if r[k] else "-" for k in ("mb_s_vs_none", "done_mb_s_vs_none")]
+        print(f"{r['scheme']:<12} {r['boundary_bytes']:>9} {r['mb_s']:>7.3f} +- {r['mb_s_sd']:<4.3f} {ratios[0]:>7} "
+              f"{r['done_mb_s']:>7.3f} +- {r['done_mb_s_sd']:<4.3f} {ratios[1]:>7} "
               f"{r['train_loss']:>7.3f} +- {r['train_loss_sd']:<4.3f} {r['heldout_loss']:>7.3f} +- "
-              f"{r['heldout_loss_sd']:<4.3f} {r['lost_microbatches']:>4}")
+              f"{r['heldout_loss_sd']:<4.3f} {r['lost_microbatches']:>4} {r['lost_gradient_samples']:>7} "
+              f"{r['resyncs']:>7}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "runs": runs, "summary": rows}, indent=2))
     return 0
