@@ -19,7 +19,8 @@ counting language of ``cramswarm.swarm.toy``. Per scheme and seed the script rec
 
 Runs go seed by seed, every scheme within a seed, so that a change of the machine's speed during the run is
 spread over the schemes instead of landing on one. It prints one row per scheme: mean and spread (sample
-standard deviation over the seeds) of throughput and of both losses, and the throughput relative to ``none``.
+standard deviation over the seeds) of throughput and of both losses, the throughput relative to ``none``, and
+Welch's t-test of each mean against ``none``'s (two-sided p; ``--summarize`` redoes this from a saved ``--json``).
 
     python benchmarks/swarm_compression_link.py [--mbit 10 --ms 20] [--seeds 3] [--microbatches 64]
         [--schemes none,fp16,blockwise8,bottleneck2,maxout2] [--json out.json]
@@ -38,6 +39,7 @@ import time
 from pathlib import Path
 
 import torch
+from scipy import stats as scipy_stats
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -149,7 +151,41 @@ def summarize(runs: list[dict], schemes: list[str]) -> list[dict]:
         base = next((r[key] for r in rows if r["scheme"] == "none"), None)
         for row in rows:
             row[f"{key}_vs_none"] = row[key] / base if base else None
+    baseline = [r for r in runs if r["scheme"] == "none"]
+    for row in rows:
+        mine = [r for r in runs if r["scheme"] == row["scheme"]]
+        for key in COMPARED:
+            row[f"{key}_p_vs_none"] = welch_p([r[key] for r in mine], [r[key] for r in baseline])
     return rows
+
+
+COMPARED = ("mb_s", "done_mb_s", "train_loss", "heldout_loss")  # the keys tested against ``none``
+
+
+def welch_p(values: list[float], baseline: list[float]) -> float | None:
+    """Two-sided p-value of Welch's t-test that ``values`` and ``baseline`` have the same mean (None with fewer
+    than 2 of either, or where both are constant)."""
+    if len(values) < 2 or len(baseline) < 2 or (spread(values) == 0 and spread(baseline) == 0):
+        return None
+    return float(scipy_stats.ttest_ind(values, baseline, equal_var=False).pvalue)
+
+
+def markdown(rows: list[dict]) -> str:
+    """The summary as a Markdown table (mean +- sd over the seeds; Welch's p against ``none`` in brackets)."""
+    def cell(row, key, digits=3):
+        p = row.get(f"{key}_p_vs_none")
+        tail = f" (p {p:.2f})" if p is not None and row["scheme"] != "none" else ""
+        return f"{row[key]:.{digits}f} ± {row[f'{key}_sd']:.{digits}f}{tail}"
+
+    lines = ["| scheme | bytes per crossing | stepped mb/s | vs none | done mb/s | vs none | training loss | "
+             "held-out loss | lost | gradient samples dropped | state downloads | one-peer steps |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratios = [f"{r[k]:.2f}" if r[k] else "-" for k in ("mb_s_vs_none", "done_mb_s_vs_none")]
+        lines.append(f"| {r['scheme']} | {r['boundary_bytes']:,} | {cell(r, 'mb_s')} | {ratios[0]} | "
+                     f"{cell(r, 'done_mb_s')} | {ratios[1]} | {cell(r, 'train_loss')} | {cell(r, 'heldout_loss')} | "
+                     f"{r['lost_microbatches']} | {r['lost_gradient_samples']} | {r['resyncs']} | {r['solo_steps']} |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,7 +202,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers", type=int, default=2, help="peers per stage (2 stages)")
     parser.add_argument("--trainers", type=int, default=2)
     parser.add_argument("--json", help="also write every run and the summary here")
+    parser.add_argument("--summarize", metavar="JSON",
+                        help="run nothing: summarize the runs of an earlier --json (a stopped sweep's too)")
     args = parser.parse_args(argv)
+    if args.summarize:
+        runs = json.loads(Path(args.summarize).read_text())["runs"]
+        schemes = list(dict.fromkeys(r["scheme"] for r in runs))
+        print(markdown(summarize(runs, schemes)))
+        return 0
     schemes = args.schemes.split(",")
     unknown = set(schemes) - set(compression.COMPRESSIONS)
     if unknown:
@@ -204,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['train_loss']:>7.3f} +- {r['train_loss_sd']:<4.3f} {r['heldout_loss']:>7.3f} +- "
               f"{r['heldout_loss_sd']:<4.3f} {r['lost_microbatches']:>4} {r['lost_gradient_samples']:>7} "
               f"{r['resyncs']:>7}")
+    print("\n" + markdown(rows))
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "runs": runs, "summary": rows}, indent=2))
     return 0
