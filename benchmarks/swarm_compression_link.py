@@ -23,7 +23,8 @@ standard deviation over the seeds) of throughput and of both losses, the through
 Welch's t-test of each mean against ``none``'s (two-sided p; ``--summarize`` redoes this from a saved ``--json``).
 
     python benchmarks/swarm_compression_link.py [--mbit 10 --ms 20] [--seeds 3] [--microbatches 64]
-        [--schemes none,fp16,blockwise8,bottleneck2,maxout2] [--json out.json]
+        [--schemes none,fp16,blockwise8,bottleneck2,maxout2] [--json out.json] [--keep-logs DIR]
+    python benchmarks/swarm_compression_link.py --summarize out.json
 
 Needs root and iproute2 (network namespaces); prints why not and exits 1 elsewhere.
 """
@@ -31,6 +32,7 @@ Needs root and iproute2 (network namespaces); prints why not and exits 1 elsewhe
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -112,6 +114,8 @@ def boundary_bytes(plan) -> int:
 
 def one_run(args, scheme: str, seed: int) -> dict:
     plan = make_plan(args, scheme, seed)
+    if args.keep_logs:  # the run's folder (the processes' logs, the peers' step lines) stays there
+        plan = dataclasses.replace(plan, state_dir=Path(args.keep_logs) / f"{scheme}-seed{seed}")
     started, load_before = time.perf_counter(), os.getloadavg()[0]
     result = tbswarm.run(plan, CountingSource(args.micro, SEQ, seed), args.microbatches, bandwidth_mbit=args.mbit,
                          latency_ms=args.ms, relay=True)
@@ -202,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers", type=int, default=2, help="peers per stage (2 stages)")
     parser.add_argument("--trainers", type=int, default=2)
     parser.add_argument("--json", help="also write every run and the summary here")
+    parser.add_argument("--keep-logs", metavar="DIR", help="keep each run's folder (logs) under DIR/<scheme>-seed<N>")
     parser.add_argument("--summarize", metavar="JSON",
                         help="run nothing: summarize the runs of an earlier --json (a stopped sweep's too)")
     args = parser.parse_args(argv)
