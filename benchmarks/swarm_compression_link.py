@@ -10,9 +10,10 @@ counting language of ``cramswarm.swarm.toy``. Per scheme and seed the script rec
   ``mb_s``, microbatches per second stepped by the last stage between its second and its last-but-one optimizer
   step (gradients a stage dropped do not count), and ``done_mb_s``, microbatches per second the trainers finished
   (forward and backward through every stage) from the end of the first global batch to the start of the last;
-* what the in-stage steps lost: gradient samples dropped per stage (a replica left out of its stage's step
-  downloads the state of the one that stepped, and the gradients it held are lost, as in SWARM), state downloads
-  (``resyncs``) and steps taken by a group of one peer (``solo_steps``);
+* what the in-stage steps lost: per stage the gradient samples not stepped, net (a replica left out of its
+  stage's step downloads the state of the one that stepped, and the gradients it held are lost, as in SWARM;
+  negative: a microbatch's gradient stepped twice), state downloads (``resyncs``) and steps taken by a group of
+  one peer (``solo_steps``);
 * the training loss: the mean of the trainers' losses over the last quarter of the microbatches;
 * the held-out loss of the assembled model on 16 microbatches the run never trained on (seed + 1000);
 * microbatches lost (must be 0) and the bytes of one boundary crossing (activations of one microbatch as sent).
@@ -182,7 +183,7 @@ def markdown(rows: list[dict]) -> str:
         return f"{row[key]:.{digits}f} ± {row[f'{key}_sd']:.{digits}f}{tail}"
 
     lines = ["| scheme | bytes per crossing | stepped mb/s | vs none | done mb/s | vs none | training loss | "
-             "held-out loss | lost | gradient samples dropped | state downloads | one-peer steps |",
+             "held-out loss | lost | samples not stepped | state downloads | one-peer steps |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratios = [f"{r[k]:.2f}" if r[k] else "-" for k in ("mb_s_vs_none", "done_mb_s_vs_none")]
