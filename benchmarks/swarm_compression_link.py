@@ -48,6 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from cramswarm.config import load_config  # noqa: E402
+from cramswarm.io import write_json  # noqa: E402
 from cramswarm.swarm import compression, hivemind_transport  # noqa: E402
 from cramswarm.swarm.policies import RetryPolicy  # noqa: E402
 from cramswarm.swarm.stages import assemble_model, build_swarm_model, split_model  # noqa: E402
@@ -234,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             runs.append(run)
             if args.json:  # every run so far, in case the sweep is stopped
-                Path(args.json).write_text(json.dumps({"args": vars(args), "runs": runs}, indent=2))
+                write_json(args.json, {"args": vars(args), "runs": runs})
             print(f"seed {seed} {scheme:<12} {run['mb_s']:.3f} mb/s stepped, {run['done_mb_s']:.3f} done, train "
                   f"loss {run['train_loss']:.3f}, held-out {run['heldout_loss']:.3f}, lost {run['lost_microbatches']}"
                   f", gradient samples dropped {run['lost_gradient_samples']}, resyncs {run['resyncs']}, solo steps "
@@ -255,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['resyncs']:>7}")
     print("\n" + markdown(rows))
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "runs": runs, "summary": rows}, indent=2))
+        write_json(args.json, {"args": vars(args), "runs": runs, "summary": rows})
     return 0
 
 
