@@ -180,3 +180,15 @@ def test_square_cube_caption_names_where_the_compute_was_measured(study_dir, tmp
     swarm_figures.square_cube_figure(tmp_path / "gpu.csv", tmp_path / "gpu")
     caption = (tmp_path / "gpu" / "square_cube.caption.rst").read_text()
     assert "on the NVIDIA H200 (timed between CUDA synchronisations)" in caption and "this CPU" not in caption
+
+
+def test_square_cube_runtime_bound_covers_compute_and_calls():
+    from conftest import DEFAULT
+
+    settings = DEFAULT["swarm_study"]["square_cube"]
+    base = study.square_cube_runtime_s(settings)
+    # the 4096-wide layer alone: (3 + 1) passes of 60 d^2 x 1024 tokens at 0.15 TFLOP/s
+    assert base > 4 * 60 * 4096**2 * 1024 / 1.5e11
+    assert study.square_cube_runtime_s(settings | {"hidden_sizes": [*settings["hidden_sizes"], 8192]}) > 2 * base
+    slower = settings | {"latencies_ms": [0.0, 500.0]}
+    assert study.square_cube_runtime_s(slower) - base > 30 * 0.45 * len(settings["hidden_sizes"])

@@ -158,6 +158,24 @@ def _layer_time_s(hidden: int, heads: int, batch: int, seq_len: int, repeats: in
 SQUARE_CUBE_LINKS = ("auto", "ideal", "testbed")
 
 
+def square_cube_runtime_s(settings: dict) -> float:
+    """A generous bound on :func:`square_cube`'s seconds for a ``swarm_study.square_cube`` config section (the
+    workflow's runtime request): (repeats + 1) passes per width at about 0.15 TFLOP/s (one CPU thread: 6.4 s for
+    4096 x 1024 tokens; a GPU is far faster), and (calls + 1) calls per payload and link at up to twice their bytes'
+    wire time plus 30 x the one-way delay (TCP through the testbed's relay)."""
+    tokens = settings["batch_sequences"] * settings["seq_len_tokens"]
+    value_bytes = {"none": 4, "fp16": 2, "blockwise8": 1}
+    seconds = 0.0
+    for width in settings["hidden_sizes"]:
+        seconds += (settings["repeats"] + 1) * 60 * width * width * tokens / 1.5e11
+        for scheme in settings["schemes"]:
+            for bandwidth in settings["bandwidths_mbit_s"]:
+                for latency in settings["latencies_ms"]:
+                    wire = 2 * tokens * width * value_bytes[scheme] * 8 / (bandwidth * 1e6)
+                    seconds += (settings["calls"] + 1) * (2 * wire + 30 * latency / 1e3)
+    return seconds
+
+
 def _testbed_call_s(points: list[tuple[float, float]], sizes: list[int], calls: int) -> dict:
     """{(bandwidth, latency, bytes): median seconds} of hivemind calls carrying ``bytes`` each way between two
     testbed hosts, the server's link shaped to the bandwidth, through the relay at the one-way latency
