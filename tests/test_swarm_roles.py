@@ -390,6 +390,8 @@ def test_train_runs_under_the_launcher_only_where_the_launcher_supports_the_plan
     seconds = plan().recipe | {"budget": {"unit": "seconds", "value": 60}}
     assert ht.decentralised_supported(plan(recipe=seconds), 1 << 62) is None
     assert ht.decentralised_supported(plan(), 10**9) is None
+    # srun: every process the launcher starts is its own job step (srun.SrunPlacement; tests/test_slurm.py)
+    assert ht.decentralised_supported(plan(placement="srun", rendezvous=Path("r")), 96) is None
     reasons = {
         "placement=attach": ht.decentralised_supported(plan(placement="attach"), 96),
         "throughput emulation": ht.decentralised_supported(plan(emulate={"stage_time_s": 0.01}), 96),
@@ -645,14 +647,15 @@ def test_swarm_pretrain_gives_the_launcher_the_rules_state_folder(monkeypatch, t
     ht.train(swarm=swarm, rendezvous=tmp_path, **common)
     ht.train(swarm=swarm, **common)
     ht.train(swarm=swarm | {"placement": "attach"}, rendezvous=tmp_path, **common)  # the coordinator's
+    ht.train(swarm=swarm | {"placement": "srun"}, rendezvous=tmp_path, **common)  # the launcher's, as job steps
     ht.train(swarm=swarm | {"rebalance_period_s": 5.0}, rendezvous=tmp_path, **common)  # the peers rebalance
     ht.train(swarm=swarm, rendezvous=tmp_path, **(common | {"source": None}))  # no source: the coordinator's
     assert [(p.decentralised, p.state_dir) for p in seen] == [(True, tmp_path / "launcher"), (True, None),
                                                               (False, None), (True, tmp_path / "launcher"),
-                                                              (False, None)]
+                                                              (True, tmp_path / "launcher"), (False, None)]
     assert seen[0].checkpoint_every_s == 7.0
     # the launcher gets the source (its trainers make their microbatches), the coordinator the iterator
-    assert [hasattr(data, "spec") for data in handed] == [True, True, False, True, False]
+    assert [hasattr(data, "spec") for data in handed] == [True, True, False, True, True, False]
 
 
 # -- the rule's outputs, then its state folder --------------------------------------------------------------------

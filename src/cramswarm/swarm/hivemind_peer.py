@@ -673,21 +673,38 @@ class EmulatedStagePeer(StagePeer):
 # Entry points
 # --------------------------------------------------------------------------------------------------------------
 async def exit_with_coordinator() -> None:
-    """Kill this process's whole group (itself and its p2pd) once the coordinator that started it is gone."""
-    coordinator = int(os.environ.get("CRAMSWARM_COORDINATOR_PID", "0"))
-    while coordinator:
+    """Kill this process's whole group (itself and its p2pd) once the coordinator that started it is gone. Without
+    ``CRAMSWARM_COORDINATOR_PID`` (unset or empty: a process whose parent is not its starter, e.g. an srun job
+    step's task) it waits forever; such a process leaves on the coordinator's DHT heartbeat instead."""
+    coordinator = int(os.environ.get("CRAMSWARM_COORDINATOR_PID") or "0")
+    if not coordinator:
+        await asyncio.Event().wait()
+    while True:
         await asyncio.sleep(1.0)
         if os.getppid() != coordinator:
             os.killpg(os.getpgid(0), signal.SIGKILL)
 
 
-async def serve_bootstrap(addr_file: str, host: str) -> None:
+async def serve_bootstrap(addr_file: str, host: str, run_id: str | None = None,
+                          grace_s: float = COORDINATOR_GRACE_S) -> None:
+    """The DHT's first node; it writes the address file. With ``run_id`` it also leaves once the launcher of that
+    run says ``done`` or its heartbeat has been missing ``grace_s`` (the srun placement: no parent to watch)."""
     node = await join_dht(None, client_mode=False, host=host)
     maddrs = sorted((str(m) for m in await node.p2p.get_visible_maddrs()), key=lambda m: m.startswith("/ip4/127."))
     write_addr_file(addr_file, maddrs)
     print(f"bootstrap DHT at {maddrs}", flush=True)
-    await exit_with_coordinator()
-    await asyncio.Event().wait()
+    watches = [asyncio.create_task(exit_with_coordinator())]
+    if run_id is not None:
+        watches.append(asyncio.create_task(watch_coordinator(node, run_id, grace_s)))
+    done, _ = await asyncio.wait(watches, return_when=asyncio.FIRST_COMPLETED)
+    for task in done:
+        with contextlib.suppress(CoordinatorGone):
+            task.result()
+    for daemon in psutil.Process().children():  # its p2pd
+        with contextlib.suppress(psutil.Error):
+            daemon.kill()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 async def serve_stage(args: argparse.Namespace) -> None:
@@ -875,6 +892,10 @@ def main(argv: list[str] | None = None) -> None:
     boot = roles.add_parser("bootstrap", help="run the bootstrap DHT node and write its address file")
     boot.add_argument("--addr-file", required=True)
     boot.add_argument("--host", default="127.0.0.1", help="IPv4 address to listen on (0.0.0.0: all interfaces)")
+    boot.add_argument("--interface", help="listen on this network interface's IPv4 address (looked up here)")
+    boot.add_argument("--run-id", help="leave once this run's launcher says done or its heartbeat is missing")
+    boot.add_argument("--grace-s", type=float, default=COORDINATOR_GRACE_S,
+                      help="seconds the heartbeat may be missing (with --run-id)")
     stage = roles.add_parser("stage", help="serve one pipeline stage")
     stage.add_argument("--config", required=True)
     stage.add_argument("--stage", type=int, required=True)
@@ -894,7 +915,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--speed must be positive, got {args.speed}")
     try:
         if args.role == "bootstrap":
-            asyncio.run(serve_bootstrap(args.addr_file, args.host))
+            asyncio.run(serve_bootstrap(args.addr_file, listen_host({"host": args.host, "interface": args.interface}),
+                                        args.run_id, args.grace_s))
         asyncio.run(serve_stage(args))
     except BootstrapError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)

@@ -3,8 +3,10 @@
 Two ways to run a swarm: ``run_swarm`` hands a plan with ``decentralised`` set to the launcher (``launcher``:
 independent trainer processes, in-stage steps decided by the stage peers, no process whose state training needs;
 ``train`` sets it wherever ``decentralised_supported`` allows; there the stage peers also decide rebalancing,
-``peer_rebalance``; its trainers make their own microbatches from a source, ``data``), and runs every other plan -
-the attach / srun placements, the throughput emulation of ``run`` - with the coordinator below.
+``peer_rebalance``; its trainers make their own microbatches from a source, ``data``; the local and srun
+placements), and runs every other plan - the attach placement, a plan without a microbatch source, the throughput
+emulation of ``run`` - with the coordinator below (its srun code, one job step of all peers, serves those plans
+only when ``train`` is given no source).
 The trainers' call and microbatch code is ``trainer.StageClient`` in both; the coordinator adds its window
 through StageClient's hooks.
 
@@ -616,7 +618,7 @@ class Coordinator(StageClient):
             self.retired.add(uid)
             if self.local:
                 victim = self._process(uid)
-                ProcessGroups.kill(victim.proc)
+                self.groups.kill(victim.proc)
                 self._spawn(self._rejoin(stage, victim.speed, self.plan.rejoin_after_s, "rejoins"))
             else:
                 with contextlib.suppress(Exception):
@@ -658,7 +660,7 @@ class Coordinator(StageClient):
                 mover = self._process(move.uid)
                 if mover is None:
                     continue
-                ProcessGroups.kill(mover.proc)
+                self.groups.kill(mover.proc)
                 self.retired.add(move.uid)
             else:  # the peer exits; its task restarts it on the new stage
                 try:
@@ -898,7 +900,7 @@ class ThroughputCoordinator(Coordinator):
     async def _failure(self, peer: PeerProcess, event: FailureEvent) -> None:
         await asyncio.sleep(event.at_s)
         if peer.alive:
-            ProcessGroups.kill(peer.proc)
+            self.groups.kill(peer.proc)
             self.stats["peers_killed"] += 1
             if event.rejoin_after_s is not None:
                 await self._rejoin(peer.stage, peer.speed, event.rejoin_after_s, "rejoins")
@@ -931,13 +933,14 @@ _own_daemons = own_daemons  # the tests' name for it
 
 def decentralised_supported(plan: SwarmPlan, total_microbatches: int) -> str | None:
     """Why the launcher (independent trainer processes, steps decided by the stage peers) cannot run ``plan``
-    yet, or None. The attach/srun placements (their peers are started elsewhere, not by the launcher) and the
+    yet, or None. The local and srun placements run under it (srun: every process it starts is its own job step,
+    ``srun.SrunPlacement``); the attach placement (peers started by the user, not by the launcher) and the
     throughput emulation still need the coordinator. Any budget and any amount of data run under the launcher:
     its trainers read the training blocks and mask their microbatches themselves (``data``), and with a seconds
     budget they stop at the launcher's deadline (rebalancing is decided by the stage peers: ``peer_rebalance``).
     ``total_microbatches`` is kept for the callers; no count is refused."""
-    if plan.placement != "local":
-        return f"swarm.placement={plan.placement} (the launcher starts its peers itself: local only)"
+    if plan.placement not in ("local", "srun"):
+        return f"swarm.placement={plan.placement} (the launcher starts its peers itself: local or srun)"
     if plan.emulate is not None:
         return "throughput emulation (hivemind_transport.run) uses the coordinator"
     if min(plan.peers_per_stage, default=0) < 1:

@@ -1,8 +1,9 @@
 """The launcher of a hivemind swarm: starts the processes, restarts the dead, gathers the result - no training.
 
 ``hivemind_transport.run_swarm`` uses it for plans with ``decentralised`` set (``train`` sets it for the local
-placement, any budget; see ``hivemind_transport.decentralised_supported``).
-Processes (each its own process-group leader, ``processes.ProcessGroups``):
+and srun placements, any budget; see ``hivemind_transport.decentralised_supported``).
+Processes (each its own process-group leader, ``processes.ProcessGroups``; with the srun placement each also its
+own job step of the SLURM job, on any of its nodes: ``srun.SrunPlacement``):
 
 * ``bootstrap`` - the process that starts the DHT (``hivemind_peer bootstrap``) and writes the address file;
   every later process - stage peer or trainer - joins through any live entry of that file and appends its own
@@ -116,6 +117,7 @@ RESUME_FILE = "resume.json"  # in a state folder: what the run was started with 
 LOCK_FILE = "launcher.lock"
 TIME_FILE = "launcher.json"  # in a state folder: training seconds so far, first start (wall clock)
 STALE_WAIT_S = 45.0       # a resuming launcher waits this long for the killed run's processes to be gone
+KILLED_STEP = 128 + signal.SIGKILL  # srun's exit code for a task SIGKILLed (its step's, srun placement)
 PEER_MEMORY_KEYS = ("uid", "stage", "stage_parameter_count", "parameter_bytes", "optimizer_bytes", "peak_rss_bytes")
 
 
@@ -155,7 +157,12 @@ class Launcher:
             self.workdir = Path(tempfile.mkdtemp(prefix="cramswarm-swarm-"))
         self.shard_dir = self.workdir / "shards"
         self.run_id = f"cs{os.getpid()}x{self.rng.getrandbits(32):08x}"
-        self.groups = ProcessGroups(self.workdir, place=plan.hosts)
+        self.place = plan.hosts
+        if self.place is None and plan.placement == "srun":  # each process its own job step (srun.SrunPlacement)
+            from cramswarm.swarm.srun import SrunPlacement
+
+            self.place = SrunPlacement(self.run_id, plan.srun_args)
+        self.groups = ProcessGroups(self.workdir, place=self.place)
         self.host = listen_host({"host": plan.host, "interface": plan.interface})
         self.node = None
         self.phase = "starting"
@@ -375,8 +382,11 @@ class Launcher:
 
     async def _start_dht(self) -> None:
         self.addr_file = self.workdir / ADDR_FILE
-        self.bootstrap, log = self.groups.spawn(["bootstrap", "--addr-file", str(self.addr_file), "--host",
-                                                 self.host], "bootstrap")
+        args = ["bootstrap", "--addr-file", str(self.addr_file), "--host", self.host]
+        if self.plan.placement == "srun":  # on any node: its own interface's address; no parent to watch
+            args += ["--interface", self.plan.interface] if self.plan.interface else []
+            args += ["--run-id", self.run_id, "--grace-s", repr(self.plan.coordinator_grace_s)]
+        self.bootstrap, log = self.groups.spawn(args, "bootstrap")
         deadline = time.monotonic() + self.plan.startup_timeout_s
         while not self.addr_file.exists():
             if self.bootstrap.poll() is not None or time.monotonic() > deadline:
@@ -472,7 +482,7 @@ class Launcher:
 
     def _kill_peer(self, peer: PeerProcess) -> None:
         self.retired.add(peer.uid)
-        ProcessGroups.kill(peer.proc)
+        self.groups.kill(peer.proc)
         self.stats["peers_killed"] += 1
         self.stats["killed"].append({"uid": peer.uid, "stage": peer.stage, "t_s": round(self.elapsed(), 2)})
         self._spawn(self._restart_peer(peer))
@@ -494,12 +504,12 @@ class Launcher:
             await asyncio.sleep(0.1)
         await asyncio.sleep(at_s)
         if target == "bootstrap":
-            ProcessGroups.kill(self.bootstrap)
+            self.groups.kill(self.bootstrap)
             self.stats["bootstrap_killed"] += 1
         elif target.startswith("trainer"):
             rank = int(target[len("trainer"):])
             if rank not in self.finished and self.trainers[rank].poll() is None:
-                ProcessGroups.kill(self.trainers[rank])
+                self.groups.kill(self.trainers[rank])
                 self.stats["killed"].append({"uid": target, "t_s": round(self.elapsed(), 2)})
         elif target == "peer":
             candidates = await self._killable()
@@ -514,8 +524,8 @@ class Launcher:
             for uid, peer in list(self.peers.items()):
                 if peer.stage == stage and peer.alive and uid not in self.retired and uid != keep and keep:
                     self._kill_peer(peer)
-        elif self.plan.hosts is not None:  # the placement's own faults (a testbed link cut)
-            await asyncio.to_thread(self.plan.hosts.fault, target)
+        elif hasattr(self.place, "fault"):  # the placement's own faults (a testbed link cut)
+            await asyncio.to_thread(self.place.fault, target)
             self.stats.setdefault("host_faults", []).append({"target": target, "t_s": round(self.elapsed(), 2)})
         else:
             raise ValueError(f"unknown fault target {target!r}")
@@ -542,10 +552,11 @@ class Launcher:
                 for rank, proc in list(self.trainers.items()):
                     if rank in self.finished or proc is None or (code := proc.poll()) is None:
                         continue
-                    ProcessGroups.kill(proc)  # its p2pd
+                    self.groups.kill(proc)  # its p2pd
                     if code == 0:
                         self.finished.add(rank)
-                    elif code < 0:  # killed by a signal: restart with the same rank, it resumes its shard
+                    elif code < 0 or (code == KILLED_STEP and self.plan.placement == "srun"):
+                        # killed by a signal: restart with the same rank, it resumes its shard
                         self.trainers[rank] = None
                         self._spawn(self._restart_trainer(rank))
                     else:
@@ -775,7 +786,7 @@ class Launcher:
         # a seconds budget: the trainers took microbatches until the deadline, and each one they took counts
         requested = self.total if data.bounded(self.total) else done
         self.stats.update(
-            transport="hivemind", placement="local", roles="launcher", microbatches_done=done,
+            transport="hivemind", placement=self.plan.placement, roles="launcher", microbatches_done=done,
             microbatches_requested=requested, lost_microbatches=requested - done,
             microbatches_with_loss=len(losses), trainer_losses=[losses[i] for i in sorted(losses)],
             shard_sizes=[len(shard(self.total, r, self.plan.trainers)) if data.bounded(self.total) else None
