@@ -257,7 +257,8 @@ def test_local_gpu_jobs_hold_the_default_profiles_one_gpu(dry, tmp_path):
 # SWARM with swarm.placement srun: one SLURM job (2 stages x 1 peer: --ntasks=2, one CPU each on the 2-CPU test
 # node) whose batch step runs the launcher; every process it starts (bootstrap DHT, stage peers, trainers) is its own
 # srun job step (--overlap: they share the job's CPUs). The rule's process is SIGKILLed once both stages wrote a
-# shard; the job ends with it (SLURM ends its steps), and the rerun, a new job, resumes from the shards.
+# shard: the job fails and SLURM ends its steps; the profile resubmits it (retries: 1), and the new job resumes from
+# the shards.
 SWARM_RUN = "results/swarm/synthetic/swarm/v128"
 SWARM_STATE = "results/.state/swarm/synthetic/swarm/v128"
 SWARM_OVERLAY = ("pretrain:\n  budget: {unit: tokens, value: 81920}\n"  # 20 steps of 32 x 128 tokens
@@ -265,20 +266,28 @@ SWARM_OVERLAY = ("pretrain:\n  budget: {unit: tokens, value: 81920}\n"  # 20 ste
                  "  checkpoint_every_s: 2.0\n")
 
 
-def job_steps(cluster) -> dict[str, str]:
+def job_steps() -> dict[str, str]:
     """Step name -> <job>.<step> of every job step SLURM lists now (squeue lists running steps only)."""
     out = run("squeue", "-h", "--steps", "-o", "%i %j", check=False).stdout
     return {name: step for step, _, name in (line.strip().partition(" ") for line in out.splitlines())}
 
 
-def rule_process(work):
-    """The swarm-pretrain command's process of this workflow copy (None when there is none)."""
+def step_processes(job_id: str) -> list[psutil.Process]:
+    """The processes of a job's srun steps: each step's slurmstepd and everything under it."""
+    found = []
     for proc in psutil.process_iter(["cmdline"]):
         with contextlib.suppress(psutil.Error):
-            cmdline = proc.info["cmdline"] or []
-            if "swarm-pretrain" in cmdline and any(str(work) in part for part in cmdline):
-                return proc
-            if "swarm-pretrain" in cmdline and proc.cwd() == str(work):
+            if (proc.info["cmdline"] or [""])[0].startswith(f"slurmstepd: [{job_id}.") and "batch" not in \
+                    proc.info["cmdline"][0]:
+                found += [proc, *proc.children(recursive=True)]
+    return found
+
+
+def rule_process(work):
+    """The swarm-pretrain command's process run in this workflow copy (None when there is none)."""
+    for proc in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if "swarm-pretrain" in (proc.info["cmdline"] or []) and proc.cwd() == str(work):
                 return proc
     return None
 
@@ -292,53 +301,49 @@ def test_swarm_processes_run_as_job_steps_and_a_killed_rule_resumes(cluster, loc
     cmd = ["snakemake", *PROFILE, f"{SWARM_RUN}/summary.json", *CONFIG]
     shards = work / SWARM_STATE / "launcher" / "shards"
     steps_seen: set[str] = set()
-    # first life: SIGKILL the rule's process once both stages have written a shard
-    with open(work / "first.log", "w") as out:
+    with open(work / "snakemake.log", "w") as out:
         proc = subprocess.Popen(cmd, cwd=work, env=env(**CPU_CLUSTER), stdout=out, stderr=subprocess.STDOUT)
-    killed, deadline = False, time.monotonic() + 900
+    first, first_steps, deadline = None, [], time.monotonic() + 900
     try:
         while proc.poll() is None:
-            assert time.monotonic() < deadline, (work / "first.log").read_text()[-4000:]
-            steps_seen |= set(job_steps(cluster))
-            if not killed and all(list(shards.glob(f"stage{s}.step*.pt")) for s in (0, 1)):
+            assert time.monotonic() < deadline, (work / "snakemake.log").read_text()[-4000:]
+            steps_seen |= set(job_steps())
+            if first is None and all(list(shards.glob(f"stage{s}.step*.pt")) for s in (0, 1)):
                 victim = rule_process(work)
-                if victim is not None:
+                if victim is not None:  # the first job's steps' processes, then SIGKILL of the rule's process
+                    first = next(job for job in cluster.jobs() if rule_of(job) == "swarm_pretrain")
+                    first_steps = step_processes(first["id"])
                     victim.kill()
-                    killed = True
             time.sleep(0.2)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     log = work / "logs/swarm_pretrain/synthetic/swarm/v128.log"
-    assert killed, (work / "first.log").read_text()[-4000:] + (log.read_text()[-4000:] if log.exists() else "")
-    assert proc.returncode != 0
-    first = next(job for job in cluster.jobs() if rule_of(job) == "swarm_pretrain")
-    assert "cpu=2" in first["tres"], first  # --ntasks=2, one CPU per task (the peers')
-    # every process was its own job step of that job: <run id>.<process>.<start>
-    names = {name.split(".", 1)[1] for name in steps_seen if name.startswith("cs")}
-    assert {"bootstrap.1", "s0p1.1", "s1p2.1", "trainer0.1", "trainer1.1"} <= names, steps_seen
-    # the job ended with its batch step; SLURM ended its steps: no process of the run is left on the node
-    wait_until = time.monotonic() + 60
-    while processes_naming(str(work / SWARM_STATE)) and time.monotonic() < wait_until:
-        time.sleep(0.5)
-    assert processes_naming(str(work / SWARM_STATE)) == []
-    assert not any(name.startswith("cs") for name in job_steps(cluster))
-    # second life: a new job resumes from the shards
-    proc = snakemake(work, *PROFILE, f"{SWARM_RUN}/summary.json", *CONFIG, check=False, timeout=900,
-                     env=env(**CPU_CLUSTER))
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:] + (log.read_text()[-4000:] if log.exists() else "")
-    jobs = [job for job in cluster.jobs() if rule_of(job) == "swarm_pretrain"]
-    assert len(jobs) == 2 and {job["state"] for job in jobs if job["id"] != first["id"]} == {"COMPLETED"}, jobs
+    output = (work / "snakemake.log").read_text()[-4000:] + (log.read_text()[-4000:] if log.exists() else "")
+    assert first is not None, output
+    assert proc.returncode == 0, output
+    # the first job failed with its rule's process and took every process of its steps with it
+    assert len(first_steps) >= 2 * 5, first_steps  # 5 steps (bootstrap, 2 peers, 2 trainers): stepd + task each
+    gone, alive = psutil.wait_procs(first_steps, timeout=60)
+    assert alive == [], alive
+    jobs = {job["id"]: job for job in cluster.jobs() if rule_of(job) == "swarm_pretrain"}
+    assert len(jobs) == 2 and jobs.pop(first["id"])["state"] != "COMPLETED", cluster.jobs()
+    second = next(iter(jobs.values()))
+    assert second["state"] == "COMPLETED" and "cpu=2" in second["tres"], second  # --ntasks=2: the peers' CPUs
+    # every process was its own job step: <run id>.<process>.<start>, in both jobs
+    names = Counter(name.split(".", 1)[1] for name in steps_seen if name.startswith("cs"))
+    assert all(names[n] == 2 for n in ("bootstrap.1", "s0p1.1", "s1p2.1", "trainer0.1", "trainer1.1")), steps_seen
+    # the second job resumed from the first one's shards and ran under the launcher, nothing lost
     stats = json.loads((work / SWARM_RUN / "summary.json").read_text())["swarm_stats"]
     assert stats["placement"] == "srun" and stats["roles"] == "launcher"
     assert stats["resumed"]["shard_steps"][0] > 0 and stats["resumed"]["shard_steps"][1] > 0, stats["resumed"]
     assert stats["microbatches_requested"] == stats["microbatches_done"] > 0 and stats["lost_microbatches"] == 0
-    total = stats["microbatches_requested"]  # each stepped exactly once on every stage, across both lives
+    total = stats["microbatches_requested"]  # each stepped exactly once on every stage, across both jobs
     assert stats["stepped_microbatches"] == [total, total] and stats["assembled_from"] == ["shard", "shard"]
     # nothing outlived the run: no process, no job step, no state folder
     assert processes_naming(str(work / SWARM_STATE)) == []
-    assert not any(name.startswith("cs") for name in job_steps(cluster))
+    assert not any(name.startswith("cs") for name in job_steps())
     assert not (work / SWARM_STATE / "launcher").exists()
 
 

@@ -1,8 +1,9 @@
 """The launcher's ``srun`` placement: every process it starts is its own job step of the SLURM job it runs in.
 
 ``SrunPlacement`` is a ``processes.ProcessGroups.place``: the bootstrap DHT, each stage peer and each trainer runs
-as ``srun --ntasks=1 --nodes=1 --cpus-per-task=1 --exact --overlap --job-name=<run id>.<process>.<n> ...`` (plus
-``swarm.srun_args``), so SLURM puts it on any node of the allocation. ``--overlap``: the steps share the job's
+as ``srun --ntasks=1 --nodes=1 --cpus-per-task=1 --exact --overlap --job-name=<run id>.<process>.<n> ...`` (a stage
+peer's step also with ``swarm.srun_args``, e.g. ``--gpus-per-task=1``), so SLURM puts it on any node of the
+allocation. ``--overlap``: the steps share the job's
 CPUs and memory (the job asks for one CPU per stage peer; the trainers and the bootstrap are light), and a step
 never waits for another to end. The processes run under ``slurmstepd``, not under the launcher: the parent
 watchdog (``CRAMSWARM_COORDINATOR_PID``) is off for them, and they leave once the launcher's DHT heartbeat says
@@ -21,6 +22,7 @@ SLURM ends every step with it; a rerun resumes from the stage shards in the stat
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import time
 
@@ -37,7 +39,8 @@ def slurm(*cmd: str, timeout_s: float = 30.0) -> str:
 
 class SrunPlacement:
     """``ProcessGroups.place`` running each process as its own job step of ``job_id`` (default: this process's
-    ``SLURM_JOB_ID``); step names start with ``prefix`` (the launcher's run id)."""
+    ``SLURM_JOB_ID``); step names start with ``prefix`` (the launcher's run id); ``srun_args`` go to the stage
+    peers' steps only."""
 
     def __init__(self, prefix: str, srun_args: list[str] | None = None, job_id: str | None = None,
                  cpus_per_process: int = 1):
@@ -56,8 +59,10 @@ class SrunPlacement:
 
     def __call__(self, name: str) -> tuple[list[str], dict[str, str]]:
         self._last = step = self.step_name(name)
+        peer = re.fullmatch(r"s\d+p\d+", name) is not None  # a stage peer (launcher.Launcher._start_peer's names)
         prefix = ["srun", f"--jobid={self.job_id}", "--ntasks=1", "--nodes=1", f"--cpus-per-task={self.cpus}",
-                  "--exact", "--overlap", f"--job-name={step}", "--kill-on-bad-exit=0", "--quiet", *self.srun_args]
+                  "--exact", "--overlap", f"--job-name={step}", "--kill-on-bad-exit=0", "--quiet",
+                  *(self.srun_args if peer else [])]
         # under slurmstepd the parent is not the launcher: no parent watchdog, the DHT heartbeat ends them
         return prefix, {"CRAMSWARM_COORDINATOR_PID": ""}
 
