@@ -261,9 +261,10 @@ def test_local_gpu_jobs_hold_the_default_profiles_one_gpu(dry, tmp_path):
 # the shards.
 SWARM_RUN = "results/swarm/synthetic/swarm/v128"
 SWARM_STATE = "results/.state/swarm/synthetic/swarm/v128"
-SWARM_OVERLAY = ("pretrain:\n  budget: {unit: tokens, value: 81920}\n"  # 20 steps of 32 x 128 tokens
+SWARM_STEPS = 40
+SWARM_OVERLAY = (f"pretrain:\n  budget: {{unit: tokens, value: {SWARM_STEPS * 32 * 128}}}\n"  # 32 x 128 tokens a step
                  "swarm:\n  transport: hivemind\n  placement: srun\n  peers_per_stage: 1\n  interface: lo\n"
-                 "  checkpoint_every_s: 2.0\n")
+                 "  checkpoint_every_s: 1.0\n")
 
 
 def job_steps() -> dict[str, str]:
@@ -272,15 +273,21 @@ def job_steps() -> dict[str, str]:
     return {name: step for step, _, name in (line.strip().partition(" ") for line in out.splitlines())}
 
 
-def step_processes(job_id: str) -> list[psutil.Process]:
-    """The processes of a job's srun steps: each step's slurmstepd and everything under it."""
-    found = []
+def step_processes(job_id: str) -> dict[psutil.Process, list[psutil.Process]]:
+    """The processes of a job's srun steps: each step's slurmstepd -> everything under it."""
+    found = {}
     for proc in psutil.process_iter(["cmdline"]):
         with contextlib.suppress(psutil.Error):
             if (proc.info["cmdline"] or [""])[0].startswith(f"slurmstepd: [{job_id}.") and "batch" not in \
                     proc.info["cmdline"][0]:
-                found += [proc, *proc.children(recursive=True)]
+                found[proc] = proc.children(recursive=True)
     return found
+
+
+def mid_run_shards(shards: Path) -> bool:
+    """Whether both stages have written a shard of a step before the last quarter (the trainers still run)."""
+    steps = [[int(p.name.split(".")[1][len("step"):]) for p in shards.glob(f"stage{s}.step*.pt")] for s in (0, 1)]
+    return all(found and max(found) < SWARM_STEPS * 3 // 4 for found in steps)
 
 
 def rule_process(work):
@@ -308,7 +315,7 @@ def test_swarm_processes_run_as_job_steps_and_a_killed_rule_resumes(cluster, loc
         while proc.poll() is None:
             assert time.monotonic() < deadline, (work / "snakemake.log").read_text()[-4000:]
             steps_seen |= set(job_steps())
-            if first is None and all(list(shards.glob(f"stage{s}.step*.pt")) for s in (0, 1)):
+            if first is None and mid_run_shards(shards):
                 victim = rule_process(work)
                 if victim is not None:  # the first job's steps' processes, then SIGKILL of the rule's process
                     first = next(job for job in cluster.jobs() if rule_of(job) == "swarm_pretrain")
@@ -323,9 +330,10 @@ def test_swarm_processes_run_as_job_steps_and_a_killed_rule_resumes(cluster, loc
     output = (work / "snakemake.log").read_text()[-4000:] + (log.read_text()[-4000:] if log.exists() else "")
     assert first is not None, output
     assert proc.returncode == 0, output
-    # the first job failed with its rule's process and took every process of its steps with it
-    assert len(first_steps) >= 2 * 5, first_steps  # 5 steps (bootstrap, 2 peers, 2 trainers): stepd + task each
-    gone, alive = psutil.wait_procs(first_steps, timeout=60)
+    # the first job failed with its rule's process and took every process of its steps with it: 5 steps
+    # (bootstrap, 2 peers, 2 trainers), each a slurmstepd with its task (and the task's p2pd) under it
+    assert len(first_steps) == 5 and all(first_steps.values()), first_steps
+    gone, alive = psutil.wait_procs([p for stepd, tasks in first_steps.items() for p in (stepd, *tasks)], timeout=60)
     assert alive == [], alive
     jobs = {job["id"]: job for job in cluster.jobs() if rule_of(job) == "swarm_pretrain"}
     assert len(jobs) == 2 and jobs.pop(first["id"])["state"] != "COMPLETED", cluster.jobs()

@@ -160,13 +160,14 @@ class SwarmPlan:
     rebalance_period_s: float | None = None
     seed: int = 0
     addr_file: Path | None = None   # join an existing swarm's bootstrap instead of starting one
-    placement: str = "local"        # local: start the peers here | attach: wait for peers started elsewhere
-                                    # (`swarm-peer` tasks) | srun: start them as one srun job step (SLURM tasks)
+    placement: str = "local"        # local: start the processes here | attach: wait for peers started elsewhere
+                                    # (`swarm-peer` tasks) | srun: the launcher starts each process as its own job
+                                    # step (srun.SrunPlacement; the coordinator: the peers as one srun job step)
     rendezvous: Path | None = None  # attach/srun: folder for config.json + dht_addrs.txt, on a shared filesystem
     host: str = "127.0.0.1"         # IPv4 address every process listens on (0.0.0.0: all interfaces)
     interface: str | None = None    # listen on this network interface's IPv4 address instead (looked up per host)
-    srun_args: list[str] = field(default_factory=list)  # srun: extra options of the peers' job step
-    coordinator_grace_s: float = 30.0  # attach/srun peers exit once this process's heartbeat is missing this long
+    srun_args: list[str] = field(default_factory=list)  # srun: extra options of the peers' job step(s)
+    coordinator_grace_s: float = 30.0  # attach/srun processes exit once this process's heartbeat is missing this long
     emulate: dict | None = None     # throughput emulation (``run``): stage_time_s, backward_factor, activation_bytes
     startup_timeout_s: float = 180.0
     join_timeout_s: float = 15.0
