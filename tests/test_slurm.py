@@ -256,9 +256,9 @@ def test_local_gpu_jobs_hold_the_default_profiles_one_gpu(dry, tmp_path):
 
 # SWARM with swarm.placement srun: one SLURM job (2 stages x 1 peer: --ntasks=2, one CPU each on the 2-CPU test
 # node) whose batch step runs the launcher; every process it starts (bootstrap DHT, stage peers, trainers) is its own
-# srun job step (--overlap: they share the job's CPUs). The rule's process is SIGKILLed once both stages wrote a
-# shard: the job fails and SLURM ends its steps; the profile resubmits it (retries: 1), and the new job resumes from
-# the shards.
+# srun job step (--overlap: they share the job's CPUs). Mid-run the test SIGKILLs a trainer's step (scancel): the
+# launcher starts it again as a new step. Then it SIGKILLs the rule's process: the job fails and SLURM ends its
+# steps; the profile resubmits it (retries: 1), and the new job resumes from the stage shards.
 SWARM_RUN = "results/swarm/synthetic/swarm/v128"
 SWARM_STATE = "results/.state/swarm/synthetic/swarm/v128"
 SWARM_STEPS = 40
@@ -290,12 +290,12 @@ def mid_run_shards(shards: Path) -> bool:
     return all(found and max(found) < SWARM_STEPS * 3 // 4 for found in steps)
 
 
-def rule_process(work):
-    """The swarm-pretrain command's process run in this workflow copy (None when there is none)."""
+def rule_process(job_id: str):
+    """The swarm-pretrain command's process in a job's batch step (None when there is none)."""
     for proc in psutil.process_iter(["cmdline"]):
         with contextlib.suppress(psutil.Error):
-            if "swarm-pretrain" in (proc.info["cmdline"] or []) and proc.cwd() == str(work):
-                return proc
+            if (proc.info["cmdline"] or [""])[0] == f"slurmstepd: [{job_id}.batch]":
+                return next((p for p in proc.children(recursive=True) if "swarm-pretrain" in p.cmdline()), None)
     return None
 
 
@@ -310,16 +310,24 @@ def test_swarm_processes_run_as_job_steps_and_a_killed_rule_resumes(cluster, loc
     steps_seen: set[str] = set()
     with open(work / "snakemake.log", "w") as out:
         proc = subprocess.Popen(cmd, cwd=work, env=env(**CPU_CLUSTER), stdout=out, stderr=subprocess.STDOUT)
-    first, first_steps, deadline = None, [], time.monotonic() + 900
+    first, first_steps, trainer_killed, seen_shards, deadline = None, [], None, [], time.monotonic() + 900
     try:
         while proc.poll() is None:
             assert time.monotonic() < deadline, (work / "snakemake.log").read_text()[-4000:]
-            steps_seen |= set(job_steps())
-            if first is None and mid_run_shards(shards):
-                victim = rule_process(work)
+            steps = job_steps()
+            steps_seen |= set(steps)
+            if trainer_killed is None and any(shards.glob("stage1.step*.pt")):  # training: kill trainer 1's step
+                trainer_killed = next((step for name, step in steps.items() if name.endswith(".trainer1.1")), None)
+                if trainer_killed:
+                    run("scancel", "--signal=KILL", trainer_killed)
+            restarted = any(name.endswith(".trainer1.2") for name in steps_seen)
+            if seen_shards[-1:] != [sorted(p.name for p in shards.glob("*.pt"))]:
+                seen_shards.append(sorted(p.name for p in shards.glob("*.pt")))
+            if first is None and restarted and mid_run_shards(shards):
+                job = next(job for job in cluster.jobs() if rule_of(job) == "swarm_pretrain")
+                victim = rule_process(job["id"])
                 if victim is not None:  # the first job's steps' processes, then SIGKILL of the rule's process
-                    first = next(job for job in cluster.jobs() if rule_of(job) == "swarm_pretrain")
-                    first_steps = step_processes(first["id"])
+                    first, first_steps = job, step_processes(job["id"])
                     victim.kill()
             time.sleep(0.2)
     finally:
@@ -328,7 +336,7 @@ def test_swarm_processes_run_as_job_steps_and_a_killed_rule_resumes(cluster, loc
             proc.wait()
     log = work / "logs/swarm_pretrain/synthetic/swarm/v128.log"
     output = (work / "snakemake.log").read_text()[-4000:] + (log.read_text()[-4000:] if log.exists() else "")
-    assert first is not None, output
+    assert first is not None and trainer_killed is not None, (output, seen_shards, steps_seen)
     assert proc.returncode == 0, output
     # the first job failed with its rule's process and took every process of its steps with it: 5 steps
     # (bootstrap, 2 peers, 2 trainers), each a slurmstepd with its task (and the task's p2pd) under it
@@ -342,6 +350,7 @@ def test_swarm_processes_run_as_job_steps_and_a_killed_rule_resumes(cluster, loc
     # every process was its own job step: <run id>.<process>.<start>, in both jobs
     names = Counter(name.split(".", 1)[1] for name in steps_seen if name.startswith("cs"))
     assert all(names[n] == 2 for n in ("bootstrap.1", "s0p1.1", "s1p2.1", "trainer0.1", "trainer1.1")), steps_seen
+    assert names["trainer1.2"] == 1, steps_seen  # the killed trainer's step, started again by the first launcher
     # the second job resumed from the first one's shards and ran under the launcher, nothing lost
     stats = json.loads((work / SWARM_RUN / "summary.json").read_text())["swarm_stats"]
     assert stats["placement"] == "srun" and stats["roles"] == "launcher"
