@@ -278,8 +278,8 @@ def step_processes(job_id: str) -> dict[psutil.Process, list[psutil.Process]]:
     found = {}
     for proc in psutil.process_iter(["cmdline"]):
         with contextlib.suppress(psutil.Error):
-            if (proc.info["cmdline"] or [""])[0].startswith(f"slurmstepd: [{job_id}.") and "batch" not in \
-                    proc.info["cmdline"][0]:
+            title = " ".join(proc.info["cmdline"] or [])  # ["slurmstepd: [1.0]", "", ...], ["slurmstepd:", "[1.batch]"]
+            if title.startswith(f"slurmstepd: [{job_id}.") and "batch" not in title:
                 found[proc] = proc.children(recursive=True)
     return found
 
@@ -294,7 +294,7 @@ def rule_process(job_id: str):
     """The swarm-pretrain command's process in a job's batch step (None when there is none)."""
     for proc in psutil.process_iter(["cmdline"]):
         with contextlib.suppress(psutil.Error):
-            if (proc.info["cmdline"] or [""])[0] == f"slurmstepd: [{job_id}.batch]":
+            if " ".join(proc.info["cmdline"] or []).startswith(f"slurmstepd: [{job_id}.batch]"):
                 return next((p for p in proc.children(recursive=True) if "swarm-pretrain" in p.cmdline()), None)
     return None
 
@@ -336,7 +336,7 @@ def test_swarm_processes_run_as_job_steps_and_a_killed_rule_resumes(cluster, loc
             proc.wait()
     log = work / "logs/swarm_pretrain/synthetic/swarm/v128.log"
     output = (work / "snakemake.log").read_text()[-4000:] + (log.read_text()[-4000:] if log.exists() else "")
-    assert first is not None and trainer_killed is not None, (output, seen_shards, steps_seen)
+    assert first is not None and trainer_killed is not None, f"{seen_shards}\n{steps_seen}\n{output}"
     assert proc.returncode == 0, output
     # the first job failed with its rule's process and took every process of its steps with it: 5 steps
     # (bootstrap, 2 peers, 2 trainers), each a slurmstepd with its task (and the task's p2pd) under it
