@@ -347,10 +347,16 @@ def test_swarm_processes_run_as_job_steps_and_a_killed_rule_resumes(cluster, loc
     assert len(jobs) == 2 and jobs.pop(first["id"])["state"] != "COMPLETED", cluster.jobs()
     second = next(iter(jobs.values()))
     assert second["state"] == "COMPLETED" and "cpu=2" in second["tres"], second  # --ntasks=2: the peers' CPUs
-    # every process was its own job step: <run id>.<process>.<start>, in both jobs
-    names = Counter(name.split(".", 1)[1] for name in steps_seen if name.startswith("cs"))
-    assert all(names[n] == 2 for n in ("bootstrap.1", "s0p1.1", "s1p2.1", "trainer0.1", "trainer1.1")), steps_seen
-    assert names["trainer1.2"] == 1, steps_seen  # the killed trainer's step, started again by the first launcher
+    # every process was its own job step, <run id>.<process>.<start>; the killed trainer's step started again (a
+    # resumed trainer whose shard is done exits at once: its step may come and go between two looks)
+    runs: dict[str, set[str]] = {}
+    for name in steps_seen:
+        if name.startswith("cs"):
+            runs.setdefault(name.split(".", 1)[0], set()).add(name.split(".", 1)[1])
+    assert len(runs) == 2, steps_seen
+    before, after = sorted(runs.values(), key=lambda names: "trainer1.2" not in names)
+    assert {"bootstrap.1", "s0p1.1", "s1p2.1", "trainer0.1", "trainer1.1", "trainer1.2"} <= before, steps_seen
+    assert {"bootstrap.1", "s0p1.1", "s1p2.1"} <= after, steps_seen
     # the second job resumed from the first one's shards and ran under the launcher, nothing lost
     stats = json.loads((work / SWARM_RUN / "summary.json").read_text())["swarm_stats"]
     assert stats["placement"] == "srun" and stats["roles"] == "launcher"
