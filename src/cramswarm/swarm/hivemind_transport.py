@@ -934,14 +934,16 @@ _own_daemons = own_daemons  # the tests' name for it
 
 def decentralised_supported(plan: SwarmPlan, total_microbatches: int) -> str | None:
     """Why the launcher (independent trainer processes, steps decided by the stage peers) cannot run ``plan``
-    yet, or None. The local and srun placements run under it (srun: every process it starts is its own job step,
-    ``srun.SrunPlacement``); the attach placement (peers started by the user, not by the launcher) and the
-    throughput emulation still need the coordinator. Any budget and any amount of data run under the launcher:
-    its trainers read the training blocks and mask their microbatches themselves (``data``), and with a seconds
+    yet, or None. Every placement runs under it (srun: every process it starts is its own job step,
+    ``srun.SrunPlacement``; attach: the user's ``swarm-peer`` tasks serve the stages, the launcher starts the
+    bootstrap and the trainers) but attach with ``kill_every_s`` (the launcher kills only what it started), which
+    the coordinator runs through the peers' ``die`` RPC, as it runs the throughput emulation. Any budget and any
+    amount of data run under the launcher: its trainers read the training blocks and mask their microbatches
+    themselves (``data``), and with a seconds
     budget they stop at the launcher's deadline (rebalancing is decided by the stage peers: ``peer_rebalance``).
     ``total_microbatches`` is kept for the callers; no count is refused."""
-    if plan.placement not in ("local", "srun"):
-        return f"swarm.placement={plan.placement} (the launcher starts its peers itself: local or srun)"
+    if plan.placement == "attach" and plan.kill_every_s:
+        return "swarm.placement=attach with kill_every_s (the launcher kills only the processes it started)"
     if plan.emulate is not None:
         return "throughput emulation (hivemind_transport.run) uses the coordinator"
     if min(plan.peers_per_stage, default=0) < 1:

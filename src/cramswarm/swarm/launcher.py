@@ -85,6 +85,7 @@ from cramswarm.swarm.hivemind_peer import (
     ADDR_FILE,
     CONFIG_FILE,
     DECLARE_PERIOD_S,
+    DONE_FILE,
     RECORD_TTL_S,
     coordinator_key,
     join_dht,
@@ -268,7 +269,7 @@ class Launcher:
                                                             "stats": {"retries": 0, "timeouts": 0, "errors": 0}})
             after.append(done)
         last_step = shards[-1][0] if shards[-1] else 0
-        for path in self.workdir.glob(f"log-s{self.plan.stages - 1}p*.jsonl"):  # steps the shard holds
+        for path in self.workdir.glob(f"log-s{self.plan.stages - 1}[pr]*.jsonl"):  # steps the shard holds
             kept = [line for line in path.read_text().splitlines() if _step_of(line) <= last_step]
             write_text(path, "".join(f"{line}\n" for line in kept))
         used = [int(p.stem.split("p")[-1]) for p in self.workdir.glob("s*p*.log") if p.stem.split("p")[-1].isdigit()]
@@ -329,7 +330,10 @@ class Launcher:
                "seed": p.seed, "shard_dir": str(self.shard_dir), "checkpoint_every_s": p.checkpoint_every_s,
                "rebalance_period_s": p.rebalance_period_s, "peer_memory_cap_mb": p.peer_memory_cap_mb,
                "data": self.source.spec(), "microbatches": self.total, "routing": p.routing,
-               "peer_unit_time_s": p.peer_unit_time_s}
+               "peer_unit_time_s": p.peer_unit_time_s, "rejoin_after_s": p.rejoin_after_s,
+               # attach: rank r's task serves (stage, speed) of the r-th peer in stage order (hivemind_peer.run_task)
+               "placement_specs": [[s, p.peer_speeds[i % len(p.peer_speeds)]] for i, s in enumerate(
+                   s for s, n in enumerate(p.peers_per_stage) for _ in range(n))]}
         path = self.workdir / CONFIG_FILE
         tmp = self.workdir / f".{CONFIG_FILE}.tmp"
         tmp.write_text(json.dumps(cfg))
@@ -421,6 +425,23 @@ class Launcher:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"stage peers {[p.uid for p in missing]} did not declare themselves within "
                                    f"{self.plan.startup_timeout_s:.0f} s (logs in {self.workdir})")
+            await asyncio.sleep(0.5)
+
+    async def _wait_attached(self) -> None:
+        """attach: wait until every stage has its ``peers_per_stage`` declared peers, started by the user as
+        ``swarm-peer --rendezvous <this run's folder> --rank R`` tasks (each restarts its own peer when it dies)."""
+        print(f"waiting for {self.plan.peers} peers: run `python -m cramswarm swarm-peer --rendezvous {self.workdir} "
+              f"--rank R` for R = 0 .. {self.plan.peers - 1}", file=sys.stderr, flush=True)
+        deadline = time.monotonic() + self.plan.startup_timeout_s
+        while True:
+            counts = [len(await stage_records(self.node, self.run_id, s)) for s in range(self.plan.stages)]
+            missing = {s: n - c for s, (n, c) in enumerate(zip(self.plan.peers_per_stage, counts)) if c < n}
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                lacking = ", ".join(f"stage {s}: {counts[s]} of {self.plan.peers_per_stage[s]}" for s in missing)
+                raise TimeoutError(f"swarm.placement=attach: not every stage's peers declared themselves within "
+                                   f"{self.plan.startup_timeout_s:.0f} s ({lacking}); rendezvous {self.workdir}")
             await asyncio.sleep(0.5)
 
     async def _restart_peer(self, peer: PeerProcess) -> None:
@@ -644,7 +665,7 @@ class Launcher:
     # -- results --------------------------------------------------------------------------------------------
     def _log(self) -> list[dict]:
         rows = {}
-        for path in sorted(self.workdir.glob(f"log-s{self.plan.stages - 1}p*.jsonl")):
+        for path in sorted(self.workdir.glob(f"log-s{self.plan.stages - 1}[pr]*.jsonl")):
             for line in path.read_text().splitlines():
                 with contextlib.suppress(ValueError):
                     row = json.loads(line)
@@ -733,10 +754,13 @@ class Launcher:
             self.config = self._write_config(seq_len)
             await self._start_dht()
             self._spawn(self._heartbeat_forever())
-            speeds = self.plan.peer_speeds
-            specs = [s for s, n in enumerate(self.plan.peers_per_stage) for _ in range(n)]
-            peers = [self._start_peer(s, speeds[i % len(speeds)], load_state=False) for i, s in enumerate(specs)]
-            await self._wait_declared(peers)
+            if self.plan.placement == "attach":  # the user's swarm-peer tasks serve the stages
+                await self._wait_attached()
+            else:
+                speeds = self.plan.peer_speeds
+                specs = [s for s, n in enumerate(self.plan.peers_per_stage) for _ in range(n)]
+                peers = [self._start_peer(s, speeds[i % len(speeds)], load_state=False) for i, s in enumerate(specs)]
+                await self._wait_declared(peers)
             self.phase = "training"
             await self._beat()
             for rank in range(self.plan.trainers):
@@ -818,6 +842,7 @@ class Launcher:
         await asyncio.gather(*self.tasks, return_exceptions=True)
         if self.node is not None:
             self.phase = "done"
+            write_text(self.workdir / DONE_FILE, self.run_id + "\n")  # attach: a task whose peer died last exits 0
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._beat(), timeout=5.0)
         self.groups.close()
