@@ -1,9 +1,12 @@
 """The launcher of a hivemind swarm: starts the processes, restarts the dead, gathers the result - no training.
 
-``hivemind_transport.run_swarm`` uses it for plans with ``decentralised`` set (``train`` sets it for the local
-and srun placements, any budget; see ``hivemind_transport.decentralised_supported``).
+``hivemind_transport.run_swarm`` uses it for plans with ``decentralised`` set (``train`` sets it for every
+placement, any budget, but attach with ``kill_every_s``; see ``hivemind_transport.decentralised_supported``).
 Processes (each its own process-group leader, ``processes.ProcessGroups``; with the srun placement each also its
-own job step of the SLURM job, on any of its nodes: ``srun.SrunPlacement``):
+own job step of the SLURM job, on any of its nodes: ``srun.SrunPlacement``; with the attach placement the stage
+peers are the user's ``swarm-peer`` tasks - ``hivemind_peer.run_task``, rank r serving the r-th entry of the
+config's ``placement_specs`` - which the launcher waits for and neither restarts nor kills: each task restarts its
+own peer):
 
 * ``bootstrap`` - the process that starts the DHT (``hivemind_peer bootstrap``) and writes the address file;
   every later process - stage peer or trainer - joins through any live entry of that file and appends its own

@@ -106,12 +106,14 @@ class ProcessGroups:
     def close(self, timeout_s: float = 10.0) -> None:
         """Kill every group, reap the leaders, and wait until no member of any group is left (and, where the
         placement has remote parts, until they are gone: ``srun.SrunPlacement.close``)."""
-        if hasattr(self.place, "close"):
-            self.place.close()
-        for pgid in self.pgids:
-            _kill_group(pgid)
-        for proc in self.procs:
-            proc.wait()
+        try:
+            if hasattr(self.place, "close"):
+                self.place.close()
+        finally:  # the local groups go whatever happened to the remote parts
+            for pgid in self.pgids:
+                _kill_group(pgid)
+            for proc in self.procs:
+                proc.wait()
         deadline = time.monotonic() + timeout_s
         while (left := leftover_processes(self.pgids)) and time.monotonic() < deadline:
             time.sleep(0.05)
