@@ -261,7 +261,7 @@ def test_local_gpu_jobs_hold_the_default_profiles_one_gpu(dry, tmp_path):
 # steps; the profile resubmits it (retries: 1), and the new job resumes from the stage shards.
 SWARM_RUN = "results/swarm/synthetic/swarm/v128"
 SWARM_STATE = "results/.state/swarm/synthetic/swarm/v128"
-SWARM_STEPS = 40
+SWARM_STEPS = 80  # the peers' first shards came as late as step 29 (of 40) on this loaded machine
 SWARM_OVERLAY = (f"pretrain:\n  budget: {{unit: tokens, value: {SWARM_STEPS * 32 * 128}}}\n"  # 32 x 128 tokens a step
                  "swarm:\n  transport: hivemind\n  placement: srun\n  peers_per_stage: 1\n  interface: lo\n"
                  "  checkpoint_every_s: 1.0\n")
@@ -316,7 +316,8 @@ def test_swarm_processes_run_as_job_steps_and_a_killed_rule_resumes(cluster, loc
             assert time.monotonic() < deadline, (work / "snakemake.log").read_text()[-4000:]
             steps = job_steps()
             steps_seen |= set(steps)
-            if trainer_killed is None and any(shards.glob("stage1.step*.pt")):  # training: kill trainer 1's step
+            if trainer_killed is None and (shards.parent / "trainer0.losses.jsonl").exists():  # training runs:
+                # SIGKILL trainer 1's step
                 trainer_killed = next((step for name, step in steps.items() if name.endswith(".trainer1.1")), None)
                 if trainer_killed:
                     run("scancel", "--signal=KILL", trainer_killed)
