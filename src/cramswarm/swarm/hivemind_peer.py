@@ -94,7 +94,7 @@ from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from cramswarm.swarm.averaging import StageAllReduce, average, chunk_timeout_s, codec, state_timeout_s
 from cramswarm.swarm.compression import decode, encode, wire_scheme
-from cramswarm.swarm.stages import build_stage
+from cramswarm.swarm.stages import SavedActivations, build_stage, rss_bytes
 from cramswarm.training import autocast, decay_groups, resolve_device, resolve_precision
 
 CHUNK_BYTES = 2**20        # streamed message chunk (well below p2pd's 4 MiB message limit)
@@ -109,6 +109,18 @@ DONE_FILE = "done"         # in a rendezvous folder: the run id of a coordinator
 # Set by a placement that puts a process on a host of its own (``cramswarm.testbed.swarm``): the multiaddrs its
 # DHT node listens on and those it announces (space-separated; e.g. a relay's address that other hosts must dial).
 LISTEN_ENV, ANNOUNCE_ENV = "CRAMSWARM_P2P_LISTEN", "CRAMSWARM_P2P_ANNOUNCE"
+
+
+_RUNTIME_RSS: list[int | None] = []
+
+
+def runtime_rss_bytes() -> int | None:
+    """This process's resident set size when its first stage peer was created, before the stage was built: the
+    runtime (Python, PyTorch, hivemind and the joined DHT node; not the ``p2pd`` daemon, a process of its own)
+    that the stage's memory comes on top of. Measured once per process (a peer moved to another stage keeps it)."""
+    if not _RUNTIME_RSS:
+        _RUNTIME_RSS.append(rss_bytes())
+    return _RUNTIME_RSS[0]
 
 
 class BootstrapError(RuntimeError):
@@ -339,6 +351,7 @@ class StagePeer(ServicerBase):
         cls._stub_type = None
 
     def __init__(self, cfg: dict, stage: int, uid: str, speed: float, node: DHTNode):
+        self.runtime_rss_bytes = runtime_rss_bytes()   # before anything of the stage is allocated
         recipe = cfg["recipe"]
         self.cfg, self.stage, self.uid, self.speed, self.node = cfg, stage, uid, speed, node
         self.run_id, self.num_stages = cfg["run_id"], cfg["stages"]
@@ -368,6 +381,7 @@ class StagePeer(ServicerBase):
         self.snapshot: tuple[int, torch.Tensor, int] | None = None  # (step, flat fp32 gradient sums, samples)
         self.averaged: tuple[bytes, torch.Tensor] | None = None     # (group id, flat averaged gradient)
         self.runners: dict[bytes, asyncio.Future] = {}
+        self.activation_bytes = 0   # the most bytes one backward call's forward saved for backward (SavedActivations)
 
     @property
     def is_last(self) -> bool:
@@ -408,8 +422,9 @@ class StagePeer(ServicerBase):
             x = x.detach().requires_grad_()
         out_meta: dict = {"samples": samples}
         with torch.enable_grad():
-            with autocast(self.precision, self.device):
+            with SavedActivations(self.params) as saved, autocast(self.precision, self.device):
                 out = self.module(x, tensors["labels"].to(self.device)) if self.is_last else self.module(x)
+            self.activation_bytes = max(self.activation_bytes, saved.bytes)
             if self.is_last:
                 (out.float() * samples).backward()  # sample-weighted, so replicas' sums average correctly
                 out_meta["loss"] = float(out.item())

@@ -35,9 +35,11 @@ and
   same step does too (counted: ``digest_mismatches``). The gradients it held are lost and counted
   (``lost_gradient_samples``), as in SWARM.
 
-Each peer writes its counters to ``peer-<uid>.json`` in the run's folder (atomically; with what it holds:
-``stages.stage_memory``, its stage's parameter and optimizer bytes and its peak RSS, and the seconds its backward
-calls waited for admission, ``admission_wait_s`` over ``held_calls`` calls) and, on the last stage, one line per
+Each peer writes its counters to ``peer-<uid>.json`` in the run's folder (atomically, after every step and shard
+write; with what it holds: ``stages.stage_memory``, its stage's parameter and optimizer bytes and its peak and
+current RSS; ``runtime_rss_bytes``, its RSS before the stage was built; ``activation_bytes``, the most one backward
+call saved for backward; and the seconds its backward calls waited for admission, ``admission_wait_s`` over
+``held_calls`` calls) and, on the last stage, one line per
 step (step, progress, mean loss of the group's samples, LR, samples) to ``log-<uid>.jsonl``. Every peer also
 writes one line per step it took to ``sync-<uid>.jsonl`` (``SYNC_LOG``): the wall-clock times (``time.time()``)
 of its phases - ``last_backward`` (the end of the last backward computation in its snapshot; None without one),
@@ -385,7 +387,8 @@ class SyncingStagePeer(StagePeer):
     def _write_counters(self) -> None:
         write_json(self.workdir / f"peer-{self.uid}.json",
                    {**self.counters, "step": self.step, "stepped_samples": self.stepped_samples,
-                    "stepped_microbatches": len(self.stepped_mbs), **stage_memory(self.module, self.optimizer)})
+                    "stepped_microbatches": len(self.stepped_mbs), **stage_memory(self.module, self.optimizer),
+                    "runtime_rss_bytes": self.runtime_rss_bytes, "activation_bytes": self.activation_bytes})
 
     def background_tasks(self) -> list[asyncio.Task]:
         tasks = [asyncio.create_task(self.sync_forever())]
@@ -460,6 +463,7 @@ class SyncingStagePeer(StagePeer):
             self.shard_step, self.last_write = step, time.monotonic()
             self.counters["shards_written"] += 1
             print(f"[{self.uid}] wrote {path.name}", flush=True)
+            self._write_counters()   # the peak with this write (the final shard follows the last step)
         except Exception as e:  # a full disk or a removed folder: training goes on, the next period tries again
             print(f"[{self.uid}] writing the stage shard failed: {e!r}", flush=True)
             self.last_write = time.monotonic()

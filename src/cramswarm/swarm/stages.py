@@ -237,6 +237,11 @@ def build_stage(arch: dict, vocab_size: int, seed: int, stage: int, num_stages: 
 
 
 STATE_BYTES_PER_PARAMETER = 16   # what a training peer holds per fp32 parameter: weight, gradient, AdamW's 2 moments
+# What a stage peer holds per fp32 parameter at its in-stage step, its peak: the weight (4), AdamW's two moments (8),
+# the flat gradient vector of the all-reduce (``StagePeer._take_snapshot``; 4; the gradients it was gathered from
+# are freed) and AdamW's temporary (its foreach step allocates the square root of the second moment: 4), plus the
+# per-sample-averaged copy of the gradient vector (4) that ``_take_snapshot`` returns (24 in all).
+PEAK_BYTES_PER_PARAMETER = 24
 
 
 def stage_state_bytes(arch: dict, vocab_size: int, num_stages: int, compression: str = "none") -> list[int]:
@@ -262,9 +267,51 @@ def check_memory_cap(state_bytes: list[int], cap_mb: float | None) -> None:
                          "AdamW moments); use more stages or a higher cap")
 
 
+def rss_bytes(field: str = "VmRSS") -> int | None:
+    """This process's resident set size now (``VmRSS``) or its peak (``VmHWM``), in bytes, from
+    ``/proc/self/status``; None where there is no such file (not Linux)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024   # kB
+    except OSError:
+        pass
+    return None
+
+
+class SavedActivations:
+    """Context manager counting the bytes autograd saves for backward in a forward pass run inside it: the
+    activations (and the decoder's logits) a backward call holds. Each storage counts once; storages of the
+    ``exclude`` tensors (the stage's parameters: counted as model state) do not count. The tensors themselves are
+    passed through unchanged (``torch.autograd.graph.saved_tensors_hooks`` with identity hooks)."""
+
+    def __init__(self, exclude: list[torch.Tensor] = ()):
+        self.exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self.seen: set[int] = set()
+        self.bytes = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self.exclude and key not in self.seen and tensor.device.type != "meta":
+            self.seen.add(key)
+            self.bytes += storage.nbytes()
+        return tensor
+
+    def __enter__(self) -> "SavedActivations":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+
 def stage_memory(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
     """What this process holds for its stage, for a peer's counters: its parameters' and the optimizer state's
-    bytes, its parameter count, and the process's peak resident set size so far (``ru_maxrss``), all in bytes."""
+    bytes, its parameter count, the process's peak resident set size so far (``ru_maxrss``) and its resident set
+    size now (``rss_bytes``, None off Linux), all in bytes."""
     import resource
 
     params = list(module.parameters())
@@ -274,6 +321,7 @@ def stage_memory(module: nn.Module, optimizer: torch.optim.Optimizer | None = No
         "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
         "optimizer_bytes": sum(t.numel() * t.element_size() for t in state),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,   # Linux: KiB
+        "rss_bytes": rss_bytes(),
     }
 
 
