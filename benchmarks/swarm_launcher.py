@@ -78,9 +78,11 @@ def arch(hidden: int, layers: int) -> dict:
     return base | dict(layers=layers, hidden_size=hidden, heads=2, intermediate_size=2 * hidden, max_positions=SEQ)
 
 
-def recipe(seconds: float, micro: int, batch_micro: int) -> dict:
+def recipe(seconds: float, micro: int, batch_micro: int, microbatches: int | None = None) -> dict:
     cfg = load_config([REPO / "config" / "config.yaml"])
-    return cfg["pretrain"] | dict(budget={"unit": "seconds", "value": seconds}, micro_batch_sequences=micro,
+    budget = ({"unit": "seconds", "value": seconds} if microbatches is None
+              else {"unit": "tokens", "value": microbatches * micro * SEQ})
+    return cfg["pretrain"] | dict(budget=budget, micro_batch_sequences=micro,
                                   batch_sequences=batch_micro * micro, lr=3e-3, batch_ramp_fraction=0.0,
                                   warmup_fraction=0.0, precision="bf16", device="cpu")
 
@@ -108,12 +110,14 @@ def lost_microbatches(state_dir: Path, trainers: int) -> tuple[int, int]:
 
 def run(name: str, args, *, speeds: list[float], peers_per_stage: list[int], seconds: float, routing: str = "weighted",
         kill_every_s: float | None = None, model: dict | None = None, vocab: int = VOCAB,
-        trainers: int | None = None, batch_micro: int | None = None, unit_time_s: float | None = -1.0) -> dict:
-    """One launcher run; returns its throughput, losses and counters."""
+        trainers: int | None = None, batch_micro: int | None = None, unit_time_s: float | None = -1.0,
+        microbatches: int | None = None) -> dict:
+    """One launcher run (a seconds budget, or with ``microbatches`` that many microbatches); returns its
+    throughput, losses and counters."""
     trainers = trainers or args.trainers
     state_dir = Path(tempfile.mkdtemp(prefix=f"swarm-launcher-{name}-"))
     plan = ht.SwarmPlan(arch=model or arch(args.hidden, args.layers), vocab_size=vocab,
-                        recipe=recipe(seconds, args.micro, batch_micro or args.batch_micro),
+                        recipe=recipe(seconds, args.micro, batch_micro or args.batch_micro, microbatches),
                         peers_per_stage=peers_per_stage, peer_speeds=speeds, trainers=trainers, routing=routing,
                         peer_unit_time_s=args.unit_time if unit_time_s == -1.0 else unit_time_s,
                         kill_every_s=kill_every_s, rejoin_after_s=args.rejoin_after, seed=args.seed,
@@ -122,7 +126,8 @@ def run(name: str, args, *, speeds: list[float], peers_per_stage: list[int], sec
     load_before = os.getloadavg()
     started = time.perf_counter()
     try:
-        stats = ht.run_swarm(plan, CountingSource(args.micro, SEQ, args.seed), BOUNDED, progress=False).stats
+        stats = ht.run_swarm(plan, CountingSource(args.micro, SEQ, args.seed), microbatches or BOUNDED,
+                             progress=False).stats
         finished, lost = lost_microbatches(state_dir, trainers)
     finally:
         if args.keep:
@@ -232,8 +237,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-vocab", type=int, default=32768, help="vocabulary of the memory run (the "
                                                                         "embeddings and decoder make its end "
                                                                         "stages large)")
+    parser.add_argument("--memory-microbatches", type=int, default=48, help="microbatches of the memory run (global "
+                        "batch 4 microbatches, so that every peer steps and holds its AdamW state; a count, not "
+                        "seconds, so that runs on a loaded host make the same calls); 0: --memory-duration seconds")
     parser.add_argument("--memory-duration", type=float, default=20.0, help="seconds of training of the memory run "
-                        "(global batch 4 microbatches, so that every peer steps and holds its AdamW state)")
+                        "with --memory-microbatches 0")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", action="store_true", help="keep each run's folder (logs, counters) for a look")
     parser.add_argument("--out", type=Path, help="also write every number to this JSON file")
@@ -280,10 +288,13 @@ def main(argv: list[str] | None = None) -> int:
     if "memory" in parts:
         stages = args.memory_stages
         model = arch(args.memory_hidden, 2 * stages)
+        count = args.memory_microbatches or None
         print(f"3. Memory: {stages} stages x 1 peer, hidden {args.memory_hidden}, {2 * stages} layers, vocabulary "
-              f"{args.memory_vocab}, {args.memory_duration:.0f} s", flush=True)
+              f"{args.memory_vocab}, " + (f"{count} microbatches" if count else f"{args.memory_duration:.0f} s"),
+              flush=True)
         row = run("memory", args, speeds=[1.0], peers_per_stage=[1] * stages, seconds=args.memory_duration,
-                  model=model, vocab=args.memory_vocab, trainers=2, batch_micro=4, unit_time_s=None)
+                  model=model, vocab=args.memory_vocab, trainers=2, batch_micro=4, unit_time_s=None,
+                  microbatches=count)
         peers = sorted((p for p in row["peer_memory"] if p.get("peak_rss_bytes")), key=lambda p: p["stage"])
         table = memory_table(peers)
         print(f"   {'peer':<8}{'stage':>6}{'parameters':>12}{'runtime':>9}{'peak RSS':>10}{'stage peak':>12}"

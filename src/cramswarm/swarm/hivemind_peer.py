@@ -111,7 +111,21 @@ DONE_FILE = "done"         # in a rendezvous folder: the run id of a coordinator
 LISTEN_ENV, ANNOUNCE_ENV = "CRAMSWARM_P2P_LISTEN", "CRAMSWARM_P2P_ANNOUNCE"
 
 
+# oneDNN primitives (CPU kernels built for one shape) a stage peer process caches; oneDNN's default is 1024. The
+# last stage decodes only the masked positions, a count that differs from microbatch to microbatch, so every new
+# count builds new decoder primitives; with the default cache they pile up (the 4-stage memory run of
+# benchmarks/swarm_launcher.py: about 2 MiB of cache and 16 MiB of RSS per backward call, hundreds of MiB in a
+# minute). 16 bounds that for a few per cent more CPU per call (primitives of the fixed shapes are rebuilt).
+# An ONEDNN_PRIMITIVE_CACHE_CAPACITY in the environment wins.
+PEER_KERNEL_CACHE = 16
+KERNEL_CACHE_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
 _RUNTIME_RSS: list[int | None] = []
+
+
+def bound_kernel_cache() -> None:
+    """Bound this process's oneDNN primitive cache (``PEER_KERNEL_CACHE``) unless the environment sets it. oneDNN
+    reads the variable when it builds its first primitive, so call this before the process computes anything."""
+    os.environ.setdefault(KERNEL_CACHE_ENV, str(PEER_KERNEL_CACHE))
 
 
 def runtime_rss_bytes() -> int | None:
@@ -439,22 +453,27 @@ class StagePeer(ServicerBase):
         return result, out_meta
 
     def _take_snapshot(self, step: int) -> tuple[torch.Tensor, int]:
-        """Move the accumulated gradients out of ``.grad`` into one flat fp32 vector (once per step; kept across
-        reduce retries); returns it divided by the local sample count."""
+        """Move the accumulated gradients out of ``.grad`` into one flat fp32 vector divided by the local sample
+        count (once per step; kept across reduce retries) and return it. Divided in place and returned as is: the
+        all-reduce only reads it (its result is a new tensor), and the step that consumes it (``_apply``: for a
+        group of one, the average is this vector) drops the snapshot, so no second copy of the gradients exists."""
         if self.snapshot is None or self.snapshot[0] != step:
             flat = torch.cat([p.grad.detach().float().reshape(-1).cpu() if p.grad is not None
                               else torch.zeros(p.numel()) for p in self.params])
-            self.snapshot = (step, flat, self.local_samples)
             for p in self.params:
                 p.grad = None
+            if self.local_samples:
+                flat.div_(self.local_samples)
+            self.snapshot = (step, flat, self.local_samples)
             self.local_samples = 0
         _, flat, samples = self.snapshot
-        return flat / samples if samples else flat.clone(), samples
+        return flat, samples
 
     def _apply(self, group_id: bytes, lr: float) -> dict:
         if self.averaged is None or self.averaged[0] != group_id:
             return {"status": "failed", "error": "no averaged gradients held for this group"}
         leftover = [p.grad for p in self.params]  # backward calls that arrived after the snapshot
+        self.snapshot = None   # the gradients are averaged: not needed again (a group of one averages in place)
         for p, g in zip(self.params, torch.split(self.averaged[1], [p.numel() for p in self.params])):
             p.grad = g.to(p.device, p.dtype).view_as(p)
         if self.grad_clip is not None:
@@ -471,10 +490,15 @@ class StagePeer(ServicerBase):
             digest.update(p.detach().cpu().numpy().tobytes())
         return {"status": "ok", "step": self.step, "digest": digest.hexdigest()}
 
+    def _state(self) -> dict:
+        """What a replica hands a joining one (and a shard holds): parameters, optimizer state, step and
+        ``_extra_state``; the tensors are the live ones (serialise it on the compute thread)."""
+        return {"module": self.module.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
+                **self._extra_state()}
+
     def _state_blob(self) -> tuple[bytes, int]:
         buffer = io.BytesIO()
-        torch.save({"module": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                    "step": self.step, **self._extra_state()}, buffer)
+        torch.save(self._state(), buffer)
         return buffer.getvalue(), self.step
 
     def _load_blob(self, blob: bytes) -> int:
@@ -709,6 +733,7 @@ async def serve_stage(args: argparse.Namespace) -> None:
     """Serve one stage until the coordinator is done (exit code 0), gone (``COORDINATOR_GONE``) or moves this
     peer to stage s (``MIGRATE_EXIT + s``)."""
     cfg = json.loads(Path(args.config).read_text())
+    bound_kernel_cache()
     torch.set_num_threads(1)
     watchdog = asyncio.create_task(exit_with_coordinator())
     if cfg.get("peer_sync"):  # the launcher's swarm: peers step by themselves (peer_sync), any live entry joins

@@ -142,11 +142,16 @@ def newest_shard(shard_dir: Path, stage: int) -> tuple[int, Path] | None:
     return (found[0][0], found[0][2]) if found else None
 
 
-def write_shard(shard_dir: Path, stage: int, uid: str, step: int, blob: bytes) -> Path:
-    """Write one stage shard atomically (``io.atomic_path``), then remove the stage's shards of older steps."""
+def write_shard(shard_dir: Path, stage: int, uid: str, step: int, blob: bytes | dict) -> Path:
+    """Write one stage shard atomically (``io.atomic_path``), then remove the stage's shards of older steps. ``blob``:
+    the serialised state, or the state itself (``StagePeer._state``), which ``torch.save`` writes to the file as it
+    serialises it, so no serialised copy of the stage is held in memory."""
     path = Path(shard_dir) / f"stage{stage}.step{step:08d}.{uid}.pt"
     with atomic_path(path) as tmp:
-        tmp.write_bytes(blob)
+        if isinstance(blob, dict):
+            torch.save(blob, tmp)
+        else:
+            tmp.write_bytes(blob)
     for old_step, _, old in shard_files(shard_dir, stage):
         if old_step < step:
             old.unlink(missing_ok=True)
@@ -458,8 +463,11 @@ class SyncingStagePeer(StagePeer):
 
     async def _write_shard(self) -> None:
         try:
-            blob, step = await self._run(self._state_blob)
-            path = await asyncio.to_thread(write_shard, self.shard_dir, self.stage, self.uid, step, blob)
+            def save() -> tuple[Path, int]:   # on the compute thread: the state of one moment, streamed to the file
+                state = self._state()
+                return write_shard(self.shard_dir, self.stage, self.uid, state["step"], state), state["step"]
+
+            path, step = await self._run(save)
             self.shard_step, self.last_write = step, time.monotonic()
             self.counters["shards_written"] += 1
             print(f"[{self.uid}] wrote {path.name}", flush=True)
@@ -558,6 +566,7 @@ class SyncingStagePeer(StagePeer):
                 await asyncio.sleep(0.2 + 0.3 * random.random())
                 continue
             phases["reduced"] = time.time()
+            flat = None   # the snapshot goes with the step (_apply); a group of more than one holds the average
             elapsed = max(float(group[uid].get("at", 0.0)) for uid in uids)  # the group's, for a seconds budget
             t, _ = step_target(self.cfg["recipe"], self.seq_len, self.stepped_samples, step, elapsed)
             recipe = self.cfg["recipe"]

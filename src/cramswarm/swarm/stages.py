@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cramswarm.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
+from cramswarm.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM, static_sparse_loss
 from cramswarm.swarm.compression import narrowing, split_narrowing
 
 
@@ -44,6 +44,7 @@ class Stage(nn.Module):
         super().__init__()
         self.index, self.num_stages = index, num_stages
         self.sparse_prediction = config.sparse_prediction
+        self.sparse_prediction_rate = config.sparse_prediction_rate
         self.embeddings = embeddings
         self.receive = receive   # widening projection of the narrowed tensor from the previous stage
         self.layers = nn.ModuleList(layers)
@@ -71,7 +72,11 @@ class Stage(nn.Module):
         if labels is None:
             raise ValueError(f"stage {self.index} is the last stage: it needs labels to compute the loss")
         hidden = self.final_norm(x)
-        # The same loss as CrammedBertForMaskedLM.forward (sparse: decode the masked positions only).
+        # The same loss as CrammedBertForMaskedLM.forward (sparse: decode the masked positions only; static: a fixed
+        # number of positions, the masked ones first).
+        if self.sparse_prediction == "static":
+            return static_sparse_loss(self.head, hidden.view(-1, hidden.shape[-1]), labels.view(-1),
+                                      self.sparse_prediction_rate)[0]
         if self.sparse_prediction:
             selected = labels.view(-1) != -100
             logits = self.head(hidden.view(-1, hidden.shape[-1])[selected])
@@ -237,11 +242,12 @@ def build_stage(arch: dict, vocab_size: int, seed: int, stage: int, num_stages: 
 
 
 STATE_BYTES_PER_PARAMETER = 16   # what a training peer holds per fp32 parameter: weight, gradient, AdamW's 2 moments
-# What a stage peer holds per fp32 parameter at its in-stage step, its peak: the weight (4), AdamW's two moments (8),
-# the flat gradient vector of the all-reduce (``StagePeer._take_snapshot``; 4; the gradients it was gathered from
-# are freed) and AdamW's temporary (its foreach step allocates the square root of the second moment: 4), plus the
-# per-sample-averaged copy of the gradient vector (4) that ``_take_snapshot`` returns (24 in all).
-PEAK_BYTES_PER_PARAMETER = 24
+# What a stage peer holds per fp32 parameter at its peak, its in-stage step: the weight (4) and AdamW's two moments
+# (8), and either the gradients (4) and the flat gradient vector gathered from them for the all-reduce (4; then
+# divided in place, ``StagePeer._take_snapshot``), or that vector (or, in a group of several, the average that
+# replaces it; 4) and AdamW's temporary (its foreach step allocates the square root of the second moment; 4).
+# Serving a state download (``StagePeer._state_blob``) also holds the serialised weights and moments (12 more).
+PEAK_BYTES_PER_PARAMETER = 20
 
 
 def stage_state_bytes(arch: dict, vocab_size: int, num_stages: int, compression: str = "none") -> list[int]:
