@@ -487,7 +487,7 @@ class StagePeer(ServicerBase):
         self.snapshot = self.averaged = None
         digest = hashlib.sha1()
         for p in self.params:
-            digest.update(p.detach().cpu().numpy().tobytes())
+            digest.update(p.detach().cpu().contiguous().numpy())   # its buffer, not a copy
         return {"status": "ok", "step": self.step, "digest": digest.hexdigest()}
 
     def _state(self) -> dict:

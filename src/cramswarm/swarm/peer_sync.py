@@ -312,7 +312,7 @@ class SyncingStagePeer(StagePeer):
     def _digest(self) -> str:
         digest = hashlib.sha1()
         for p in self.params:
-            digest.update(p.detach().cpu().numpy().tobytes())
+            digest.update(p.detach().cpu().contiguous().numpy())   # its buffer, not a copy
         return digest.hexdigest()
 
     def _held_samples(self) -> int:
