@@ -242,11 +242,17 @@ def main(argv: list[str] | None = None) -> int:
                         "seconds, so that runs on a loaded host make the same calls); 0: --memory-duration seconds")
     parser.add_argument("--memory-duration", type=float, default=20.0, help="seconds of training of the memory run "
                         "with --memory-microbatches 0")
+    parser.add_argument("--mmap-threshold", type=int, help="bytes: glibc serves allocations of at least this many "
+                        "bytes with their own mappings and unmaps them when freed (MALLOC_MMAP_THRESHOLD_ in the "
+                        "environment of every process the runs start); default: glibc's own, a threshold that rises "
+                        "with the largest block freed")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", action="store_true", help="keep each run's folder (logs, counters) for a look")
     parser.add_argument("--out", type=Path, help="also write every number to this JSON file")
     args = parser.parse_args(argv)
     parts = set(args.parts.split(","))
+    if args.mmap_threshold is not None:   # the launcher's processes inherit this process's environment
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
     start = time.perf_counter()
     report: dict = {"targets": TARGETS, "args": {k: str(v) for k, v in vars(args).items()}, "commit": commit(),
                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cores": os.cpu_count()}
@@ -305,12 +311,15 @@ def main(argv: list[str] | None = None) -> int:
                   f"{mib(e['predicted_bytes']):>11}{e['ratio'] if e['ratio'] is not None else '-':>7}")
         xs = [p["stage_parameter_count"] for p in peers]
         a, b = fit_line(xs, [p["peak_rss_bytes"] for p in peers])
+        measured = [e for e in table if e["stage_peak_bytes"] is not None]
+        c, r = fit_line([e["predicted_bytes"] for e in measured], [e["stage_peak_bytes"] for e in measured])
         print(f"   stage peak = peak RSS - the peer's runtime (its RSS before it built its stage); predicted = "
-              f"{PEAK_BYTES_PER_PARAMETER} bytes x parameters + activations (the most one backward call saved); "
-              f"least squares over the peers: peak RSS = {a / 2**20:.0f} MiB + {b:.1f} bytes x parameters",
-              flush=True)
+              f"{PEAK_BYTES_PER_PARAMETER} bytes x parameters + activations (the most one backward call saved)\n"
+              f"   least squares over the peers: stage peak = {c / 2**20:.0f} MiB + {r:.2f} x predicted; "
+              f"peak RSS = {a / 2**20:.0f} MiB + {b:.1f} bytes x parameters", flush=True)
         report["memory"] = {"run": row, "table": table, "peak_bytes_per_parameter": PEAK_BYTES_PER_PARAMETER,
                             "state_bytes_per_parameter": STATE_BYTES_PER_PARAMETER,
+                            "stage_peak_fit": {"intercept_bytes": round(c), "slope": round(r, 3)},
                             "intercept_bytes": round(a), "bytes_per_parameter": round(b, 2)}
 
     report["wall_s"] = round(time.perf_counter() - start, 1)
