@@ -195,3 +195,52 @@ def test_last_stage_with_static_sparse_prediction_decodes_the_models_fixed_count
         expected = model(ids, labels=labels).loss
     assert rows == [8]
     assert torch.allclose(loss, expected, rtol=1e-6, atol=1e-7), (loss, expected)
+
+
+def _peer(stage: int, stages: int = 2):
+    from cramswarm.swarm.hivemind_peer import StagePeer
+
+    recipe = {"device": "cpu", "precision": "fp32", "seed": 0, "weight_decay": 0.01, "lr": 1e-3,
+              "betas": [0.9, 0.98], "eps": 1e-12, "grad_clip_norm": 0.5}
+    cfg = {"recipe": recipe, "run_id": "t", "stages": stages, "arch": ARCH | {"layers": 2}, "vocab_size": VOCAB,
+           "compression": "none", "averaging_compression": "none", "link_mbit_s": None, "sync_timeout_s": 5.0}
+    return StagePeer(cfg, stage, "u", 1.0, node=None)
+
+
+def test_a_peers_gradient_snapshot_is_one_vector_divided_in_place_and_dropped_at_the_step():
+    """The in-stage step holds one flat copy of the gradients: the snapshot, divided by the samples in place, is
+    what the all-reduce reads (a retry gets the same vector) and, in a group of one, the average the step applies;
+    the step drops it."""
+    from cramswarm.swarm.compression import encode
+    from cramswarm.swarm.hivemind_peer import flatten_payload
+
+    peer = _peer(1)
+    for seed in (1, 2):
+        g = torch.Generator().manual_seed(seed)
+        tensors, meta = {"labels": torch.randint(5, VOCAB, (3, 8), generator=g)}, {}
+        flatten_payload("x", encode(torch.randn(3, 8, ARCH["hidden_size"], generator=g), "none"), tensors, meta)
+        peer._backward(tensors, meta)
+    sums = torch.cat([p.grad.reshape(-1).clone() for p in peer.params])
+    flat, samples = peer._take_snapshot(0)
+    assert samples == 6 and torch.equal(flat, sums / 6)
+    assert all(p.grad is None for p in peer.params) and peer.local_samples == 0
+    again, _ = peer._take_snapshot(0)   # a reduce retry
+    assert again is flat
+    before = [p.detach().clone() for p in peer.params]
+    peer.averaged = (b"group", flat)
+    assert peer._apply(b"group", 1e-3)["status"] == "ok"
+    assert peer.snapshot is None and peer.averaged is None
+    assert any(not torch.equal(a, p) for a, p in zip(before, peer.params))
+
+
+def test_a_stage_peer_bounds_the_onednn_primitive_cache_unless_the_environment_sets_it(monkeypatch):
+    import os
+
+    from cramswarm.swarm.hivemind_peer import KERNEL_CACHE_ENV, PEER_KERNEL_CACHE, bound_kernel_cache
+
+    monkeypatch.delenv(KERNEL_CACHE_ENV, raising=False)
+    bound_kernel_cache()
+    assert os.environ[KERNEL_CACHE_ENV] == str(PEER_KERNEL_CACHE)
+    monkeypatch.setenv(KERNEL_CACHE_ENV, "200")
+    bound_kernel_cache()
+    assert os.environ[KERNEL_CACHE_ENV] == "200"
