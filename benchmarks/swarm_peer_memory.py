@@ -42,7 +42,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=6, help="in-stage steps")
     parser.add_argument("--precision", default="bf16", help="the peers' autocast precision (bf16 | fp32)")
     args = parser.parse_args(argv)
-    start = rss_bytes()
     import torch
     from swarm_launcher import SEQ, arch, recipe
 
@@ -57,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = {"recipe": recipe(20, micro, args.batch) | {"precision": args.precision}, "run_id": "probe",
            "stages": stages, "arch": arch(width, 2 * stages), "vocab_size": 32768, "compression": "none",
            "averaging_compression": "none", "link_mbit_s": None, "sync_timeout_s": 30.0}
-    print(f"RSS {start / MIB:.1f} MiB at start, {rss_bytes() / MIB:.1f} MiB after the imports; oneDNN cache "
+    print(f"RSS {rss_bytes() / MIB:.1f} MiB after the imports; oneDNN cache "
           f"{hp.os.environ[hp.KERNEL_CACHE_ENV]}; MALLOC_MMAP_THRESHOLD_ "
           f"{hp.os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset')}")
     times: list[float] = []
