@@ -97,7 +97,23 @@ def main(argv: list[str] | None = None) -> int:
         peer.averaged = (b"probe", flat)
         del flat
         phase("step (AdamW)", peer._apply, b"probe", 1e-3)
-    phase("state blob", peer._state_blob)
+    # a state download (another replica joins): the serving side's messages, then the joining side's (here the same
+    # process: the RSS before each phase includes what the earlier one left)
+    import asyncio
+
+    from hivemind.utils.asyncio import as_aiter
+
+    def serve() -> list:
+        blob, _ = peer._state_blob()
+        return list(hp.respond({"blob": hp.blob_tensor(blob)}, {}))
+
+    def receive(messages: list) -> dict:
+        tensors, _ = asyncio.run(hp.unpack(as_aiter(*messages)))
+        messages.clear()   # what the joining side received is dropped once the tensor is whole
+        return tensors
+
+    tensors = phase("receive it", receive, phase("serve a download", serve))
+    phase("load it", peer._load_state_tensor, tensors.pop("blob"))
     print(f"activations: at most {peer.activation_bytes / MIB:.1f} MiB saved for backward by one call; median CPU "
           f"of a backward call {statistics.median(times) * 1000:.1f} ms; final RSS {rss_bytes() / MIB:.1f} MiB")
     return 0

@@ -76,6 +76,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -305,31 +306,77 @@ def restore_payload(name: str, tensors: dict[str, torch.Tensor], meta: dict) -> 
     return payload
 
 
+def _chunks(tensor: torch.Tensor) -> Iterator[runtime_pb2.Tensor]:
+    """The streamed parts of one tensor: hivemind's ``split_for_streaming`` of its uncompressed serialisation. A
+    uint8 tensor (a state blob, 12 bytes per parameter) is cut from its own buffer into the same messages, one at a
+    time, so its whole serialised copy never exists."""
+    if tensor.dtype != torch.uint8 or tensor.requires_grad:
+        yield from split_for_streaming(serialize_torch_tensor(tensor), CHUNK_BYTES)
+        return
+    view = memoryview(tensor.numpy()).cast("B")
+    yield runtime_pb2.Tensor(compression=runtime_pb2.CompressionType.NONE, buffer=view[:CHUNK_BYTES].tobytes(),
+                             chunks=len(range(0, len(view), CHUNK_BYTES)), size=list(tensor.shape), dtype="uint8",
+                             requires_grad=False)
+    for start in range(CHUNK_BYTES, len(view), CHUNK_BYTES):
+        yield runtime_pb2.Tensor(buffer=view[start:start + CHUNK_BYTES].tobytes())
+
+
 def pack(message_cls: type, tensors: dict[str, torch.Tensor], meta: dict) -> Iterator:
-    """Messages (``ExpertRequest`` or ``ExpertResponse``) carrying the tensors in chunks; meta rides on the first."""
+    """Messages (``ExpertRequest`` or ``ExpertResponse``) carrying the tensors in chunks; meta rides on the first.
+    Made as they are consumed: a reply streams a large tensor without holding all of its chunks."""
     names = list(tensors)
     header = MSGPackSerializer.dumps({"names": names, "meta": meta})
-    parts = [chunk for name in names
-             for chunk in split_for_streaming(serialize_torch_tensor(tensors[name].detach().contiguous()), CHUNK_BYTES)]
-    if not parts:
+    first = True
+    for name in names:
+        for part in _chunks(tensors[name].detach().contiguous()):
+            yield message_cls(tensors=[part], metadata=header if first else b"")
+            first = False
+    if first:
         yield message_cls(metadata=header)
-    for i, part in enumerate(parts):
-        yield message_cls(tensors=[part], metadata=header if i == 0 else b"")
+
+
+class _Assembly:
+    """One tensor being received: a uint8 tensor (a state blob) is copied chunk by chunk into its final storage,
+    any other keeps its chunks for ``combine_from_streaming``."""
+
+    def __init__(self, first: runtime_pb2.Tensor):
+        self.count, self.received = max(first.chunks, 1), 0
+        self.direct = first.compression == runtime_pb2.CompressionType.NONE and first.dtype == "uint8"
+        if self.direct:
+            self.out = torch.empty(tuple(first.size), dtype=torch.uint8)
+            self.flat, self.pos = self.out.view(-1).numpy(), 0
+        else:
+            self.parts: list = []
+
+    def add(self, part: runtime_pb2.Tensor) -> bool:
+        """Take the next chunk; whether the tensor is complete."""
+        if self.direct:
+            data = part.buffer
+            self.flat[self.pos:self.pos + len(data)] = memoryview(data).cast("B")
+            self.pos += len(data)
+        else:
+            self.parts.append(part)
+        self.received += 1
+        return self.received == self.count
+
+    def tensor(self) -> torch.Tensor:
+        return self.out if self.direct else deserialize_torch_tensor(combine_from_streaming(self.parts))
 
 
 async def unpack(stream: AsyncIterator) -> tuple[dict[str, torch.Tensor], dict]:
-    header, parts = None, []
+    header, tensors, assembly = None, {}, None
     async for message in stream:
         if header is None:
             header = MSGPackSerializer.loads(message.metadata)
-        parts.extend(message.tensors)
+        for part in message.tensors:
+            assembly = assembly or _Assembly(part)
+            if assembly.add(part):
+                tensors[header["names"][len(tensors)]] = assembly.tensor()
+                assembly = None
     if header is None:
         raise ConnectionError("empty message stream")
-    tensors, i = {}, 0
-    for name in header["names"]:
-        count = max(parts[i].chunks, 1)
-        tensors[name] = deserialize_torch_tensor(combine_from_streaming(parts[i:i + count]))
-        i += count
+    if assembly is not None or len(tensors) != len(header["names"]):
+        raise ConnectionError(f"message stream ended with {len(tensors)} of {len(header['names'])} tensors")
     return tensors, header["meta"]
 
 
@@ -341,8 +388,42 @@ def request(tensors: dict[str, torch.Tensor], meta: dict) -> AsyncIterator[runti
     return as_aiter(*pack(runtime_pb2.ExpertRequest, tensors, meta))
 
 
+class BufferReader(io.RawIOBase):
+    """A read-only, seekable file over a buffer (a numpy array, bytes, a memoryview) that reads from the buffer
+    itself, where ``io.BytesIO`` of anything but ``bytes`` copies it first."""
+
+    def __init__(self, buffer):
+        super().__init__()
+        self.view, self.pos = memoryview(buffer).cast("B"), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, target) -> int:
+        n = max(0, min(len(target), len(self.view) - self.pos))
+        target[:n] = self.view[self.pos:self.pos + n]
+        self.pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: len(self.view)}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+
 def blob_tensor(data: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+    """A read-only uint8 view of ``data`` (no copy; nothing writes to it)."""
+    if not data:
+        return torch.zeros(0, dtype=torch.uint8)
+    with warnings.catch_warnings():   # torch warns that the buffer of a bytes object is not writable
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(data, dtype=torch.uint8)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -502,7 +583,14 @@ class StagePeer(ServicerBase):
         return buffer.getvalue(), self.step
 
     def _load_blob(self, blob: bytes) -> int:
-        state = torch.load(io.BytesIO(blob), weights_only=True, map_location=self.device)
+        return self._load_state(torch.load(io.BytesIO(blob), weights_only=True, map_location=self.device))
+
+    def _load_state_tensor(self, blob: torch.Tensor) -> int:
+        """``_load_blob`` of a downloaded state (a uint8 tensor) without a bytes copy of it: ``torch.load`` reads the
+        tensor's own buffer (a state is 12 bytes per parameter)."""
+        return self._load_state(torch.load(BufferReader(blob.numpy()), weights_only=True, map_location=self.device))
+
+    def _load_state(self, state: dict) -> int:
         self.module.load_state_dict(state["module"])
         self.optimizer.load_state_dict(state["optimizer"])
         for p in self.params:
@@ -647,7 +735,7 @@ class StagePeer(ServicerBase):
 
         tensors = await asyncio.wait_for(fetch(), timeout=state_timeout_s(self.num_params, self.link_mbit_s,
                                                                            self.sync_timeout_s))
-        return await self._run(self._load_blob, tensors["blob"].numpy().tobytes())
+        return await self._run(self._load_state_tensor, tensors.pop("blob"))
 
     async def load_from_replica(self, give_up_after_s: float) -> None:
         """Download parameters + optimizer state from a live replica of this stage before serving."""
