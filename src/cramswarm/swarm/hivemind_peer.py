@@ -114,10 +114,10 @@ LISTEN_ENV, ANNOUNCE_ENV = "CRAMSWARM_P2P_LISTEN", "CRAMSWARM_P2P_ANNOUNCE"
 
 # oneDNN primitives (CPU kernels built for one shape) a stage peer process caches; oneDNN's default is 1024. The
 # last stage decodes only the masked positions, a count that differs from microbatch to microbatch, so every new
-# count builds new decoder primitives; with the default cache they pile up (the 4-stage memory run of
-# benchmarks/swarm_launcher.py: about 2 MiB of cache and 16 MiB of RSS per backward call, hundreds of MiB in a
-# minute). 16 bounds that for a few per cent more CPU per call (primitives of the fixed shapes are rebuilt).
-# An ONEDNN_PRIMITIVE_CACHE_CAPACITY in the environment wins.
+# count builds new decoder primitives; with the default cache they pile up (benchmarks/swarm_peer_memory.py on the
+# last stage of swarm_launcher.py's memory run: RSS still rising by about 16 MiB per backward call at the 24th).
+# 16 bounds that; the CPU per call stayed within the probe's noise. ONEDNN_PRIMITIVE_CACHE_CAPACITY in the
+# environment wins.
 PEER_KERNEL_CACHE = 16
 KERNEL_CACHE_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
 _RUNTIME_RSS: list[int | None] = []
