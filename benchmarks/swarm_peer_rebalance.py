@@ -15,12 +15,21 @@ every global batch), which the emulation and the simulator do not have: compare 
 absolute rates across transports. The compute per work unit that the hivemind peers measured themselves (speed /
 their published rate) is printed for reference.
 
+A fourth row, ``simulator (steps)``, gives the simulator what the hivemind run measured of its in-stage steps
+(``sim.run``'s ``step_stall_s`` and ``step_microbatches``: per stage, the mean stall and microbatches per step of
+the run's steps, first and last left out, from the peers' step lines) and the hivemind calls' shape (the last
+stage's forward and backward as one call), and calibrates only the compute per forward call (bisection) so that
+its rate before the move equals the hivemind run's. Its rate after the move is then a prediction, printed beside
+the hivemind run's with their ratio (issue 17: within 15 %). The emulation has no in-stage steps.
+
     python benchmarks/swarm_peer_rebalance.py [--microbatches 160] [--period 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 import re
 import statistics
 import time
@@ -74,6 +83,48 @@ def unit_seconds(stats: dict) -> float:
     return statistics.median(estimates)
 
 
+def measured_steps(stats: dict) -> tuple[list[float], list[float]]:
+    """Per stage, the mean stall (s) and microbatches per step over the hivemind run's steps, the first and last
+    of each stage left out (start-up and the final partial batch)."""
+    stalls, batches = [], []
+    for stage in range(len(PLACEMENT)):
+        entries = stats["step_stalls"].get(str(stage), [])
+        steady = entries[1:-1] or entries
+        if not steady:
+            raise RuntimeError(f"stage {stage} logged no step: raise --microbatches")
+        stalls.append(statistics.fmean(e["stall_s"] for e in steady))
+        batches.append(max(1.0, statistics.fmean(e["samples"] for e in steady) / MICRO))
+    return stalls, batches
+
+
+def sim_rates(setup: SwarmSetup, period_s: float, **options) -> tuple[list, float, float]:
+    """The simulator's moves and its rates before the first decision and from one period after it."""
+    result = sim.run(setup, **options)
+    timeline = [t for t, _ in result["timeline"][1:]]
+    moves = result["moves"]
+    decided = moves[0]["t_s"] if moves else float("inf")
+    return moves, *window_rates(timeline, decided, decided + period_s)
+
+
+def calibrated_steps(setup: SwarmSetup, period_s: float, before_mb_s: float, stalls, batches):
+    """(compute per forward call, moves, rate before, rate after) of the simulator with the measured steps, the
+    compute chosen so that its rate before the move is ``before_mb_s`` (it falls as the compute grows)."""
+    options = dict(step_stall_s=stalls, step_microbatches=batches, fused_last_stage=True)
+
+    def before(stage_time_s: float) -> float:
+        rate = sim_rates(dataclasses.replace(setup, stage_time_s=stage_time_s), period_s, **options)[1]
+        return rate if math.isfinite(rate) else 0.0
+
+    low, high = 1e-5, 0.05
+    while before(high) > before_mb_s and high < 10:
+        low, high = high, 2 * high
+    for _ in range(25):
+        middle = (low + high) / 2
+        low, high = (middle, high) if before(middle) > before_mb_s else (low, middle)
+    stage_time_s = (low + high) / 2
+    return (stage_time_s, *sim_rates(dataclasses.replace(setup, stage_time_s=stage_time_s), period_s, **options))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--microbatches", type=int, default=160, help="microbatches of the hivemind run")
@@ -105,6 +156,11 @@ def main() -> None:
         decided = result_moves[0]["t_s"] if result_moves else float("inf")
         rows.append((name, [(m["t_s"], m["from_stage"], m["to_stage"]) for m in result_moves],
                      *window_rates(timeline, decided, decided + args.period)))
+    stalls, per_step = measured_steps(stats)
+    step_time, step_moves, step_before, step_after = calibrated_steps(setup, args.period, rows[0][2], stalls,
+                                                                      per_step)
+    rows.append(("simulator (steps)", [(m["t_s"], m["from_stage"], m["to_stage"]) for m in step_moves],
+                 step_before, step_after))
     print(f"measured {time.strftime('%Y-%m-%d', time.gmtime(started))}: {args.microbatches} microbatches, "
           f"period {args.period} s; hivemind peers' own compute per work unit at speed 1: {t_unit * 1e3:.2f} ms; "
           f"emulation and simulator: {stage_time * 1e3:.1f} ms per forward call at speed 1")
@@ -114,6 +170,10 @@ def main() -> None:
         print(f"{name:22s} {shown:44s} {before:12.2f} {after:11.2f} {after / before:6.2f}")
     print(f"hivemind: lost microbatches {stats['lost_microbatches']}, {stats['wall_s']} s of training, "
           f"{stats['retries']} calls re-sent, lost gradient samples per stage {stats['lost_gradient_samples']}")
+    print(f"simulator (steps): measured stall per step {', '.join(f'{v:.2f}' for v in stalls)} s and microbatches "
+          f"per step {', '.join(f'{v:.1f}' for v in per_step)} (stages 0, 1); calibrated compute "
+          f"{step_time * 1e3:.2f} ms per forward call at speed 1; after the move: simulator / hivemind = "
+          f"{step_after / rows[0][3]:.3f}")
 
 
 if __name__ == "__main__":

@@ -339,6 +339,17 @@ def data_runs_json():
 
 # --- The papers' claims, checked (rule claims_table, src/cramswarm/report/claims.py) ----------------------------
 CLAIMS = f"results/claims/{SOURCE}"
+# the config files this run merged, in order, once each, relative to the working directory where they lie under it
+CONFIG_FILES = list(
+    dict.fromkeys(
+        (
+            Path(f).resolve().relative_to(Path.cwd())
+            if Path(f).resolve().is_relative_to(Path.cwd())
+            else Path(f).resolve()
+        ).as_posix()
+        for f in workflow.configfiles
+    )
+)
 
 
 def claim_roles():

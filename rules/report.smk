@@ -130,9 +130,10 @@ rule claims_table:
     params:
         manifest=lambda wildcards: json.dumps(claims_manifest()),  # a function: the pattern has {braces}
         stem=subpath(output.table, strip_suffix=".csv"),
+        configs=CONFIG_FILES,  # recorded with the committed copy (its provenance)
     shell:
         "python -m cramswarm claims --manifest {params.manifest:q} --out-stem {params.stem} "
-        "--copy-to {output.readme} > {log} 2>&1"
+        "--copy-to {output.readme} --config-files {params.configs:q} > {log} 2>&1"
 
 
 rule claims_available:  # no input or output: runs whenever asked, on whatever results exist
@@ -148,6 +149,7 @@ rule claims_available:  # no input or output: runs whenever asked, on whatever r
         manifest=lambda wildcards: json.dumps(claims_manifest()),  # a function: the pattern has {braces}
         stem=f"{CLAIMS}/claims",
         readme=f"results/readme/claims_{SOURCE}.csv",
+        configs=CONFIG_FILES,
     shell:
         "python -m cramswarm claims --manifest {params.manifest:q} --out-stem {params.stem} "
-        "--copy-to {params.readme} > {log} 2>&1"
+        "--copy-to {params.readme} --config-files {params.configs:q} > {log} 2>&1"

@@ -242,17 +242,9 @@ def swarm_experiment_runtime(wildcards):
         runs = len(settings.get("preemption_models", [None])) * len(settings["rebalance_periods_s"])
         seconds += 2e-5 * sum(settings["peer_counts"]) * settings["duration_s"] * runs
     elif section == "square_cube":
-        # compute: (repeats + 1) passes per width at about 0.15 TFLOP/s (one thread; 6.4 s for 4096 x 1024 tokens);
-        # calls: (calls + 1) per payload and link, measured at up to 2x their bytes' wire time, plus the delay
-        tokens = settings["batch_sequences"] * settings["seq_len_tokens"]
-        value_bytes = {"none": 4, "fp16": 2, "blockwise8": 1}
-        for width in settings["hidden_sizes"]:
-            seconds += (settings["repeats"] + 1) * 60 * width * width * tokens / 1.5e11
-            for scheme in settings["schemes"]:
-                for bandwidth in settings["bandwidths_mbit_s"]:
-                    for latency in settings["latencies_ms"]:
-                        wire = 2 * tokens * width * value_bytes[scheme] * 8 / (bandwidth * 1e6)
-                        seconds += (settings["calls"] + 1) * (2 * wire + 30 * latency / 1e3)
+        from cramswarm.swarm.study import square_cube_runtime_s
+
+        seconds += square_cube_runtime_s(settings)
     elif section == "compression":
         tokens = settings["steps"] * settings["micro_batch_sequences"] * config["packing"]["block_tokens"]
         seq = config["packing"]["block_tokens"]

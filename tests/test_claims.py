@@ -4,6 +4,7 @@ and what the `claims` target plans."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -267,12 +268,34 @@ def test_table_has_every_claim_and_csv_and_markdown_agree(manifest, tmp_path):
     assert not list((tmp_path / "out").glob(".*"))  # atomic writes leave no temporary file
 
 
-def test_cli_writes_the_table_and_its_readme_copy(manifest, tmp_path):
+def test_cli_writes_the_table_and_its_readme_copy_with_where_its_inputs_were_made(manifest, tmp_path):
+    from cramswarm.report import docs
+
+    # two of the inputs record their provenance (as fine-tuning results do), made on different machines
+    crammed = Path(manifest["finetune"]["pattern"].format(model="crammed", vocab=2048, task="sst2", seed=0))
+    baseline = Path(manifest["finetune"]["pattern"].format(model="no_pretrain", vocab=2048, task="mnli", seed=1))
+    for path, hardware, when in ((crammed, {"gpu": "NVIDIA H200", "cpu": "x"}, "2026-11-26T08:06:28+00:00"),
+                                 (baseline, {"gpu": None, "cpu": "Xeon"}, "2026-11-25T21:00:00+00:00")):
+        record = json.loads(path.read_text())
+        path.write_text(json.dumps(record | {"provenance": {"git_commit": "a" * 40, "hardware": hardware,
+                                                            "finished_utc": when}}))
+    config = tmp_path / "overlay.yaml"
+    config.write_text("glue: {seeds: [0, 1]}\n")
     out, copy = tmp_path / "claims" / "synthetic" / "claims", tmp_path / "readme" / "claims_synthetic.csv"
     subprocess.run([sys.executable, "-m", "cramswarm", "claims", "--manifest", json.dumps(manifest), "--out-stem",
-                    str(out), "--copy-to", str(copy)], check=True, capture_output=True)
+                    str(out), "--copy-to", str(copy), "--config-files", str(config)], check=True, capture_output=True)
     assert copy.read_bytes() == out.with_suffix(".csv").read_bytes()
     assert out.with_suffix(".md").read_text().startswith("| ID |")
+    entry = docs.load_provenance(copy.parent)["files"]["claims_synthetic.csv"]
+    assert entry["sha256"] == docs.sha256(copy) and entry["from"] == out.with_suffix(".csv").as_posix()
+    run = entry["run"]
+    assert run["git_commits"] == ["a" * 40] and run["hardware"] == ["NVIDIA H200", "Xeon"]
+    assert run["finished_utc"] == ["2026-11-25T21:00:00+00:00", "2026-11-26T08:06:28+00:00"]
+    assert run["config_files"] == [{"path": config.as_posix(), "sha256": docs.sha256(config)}]
+    assert run["source"] == "synthetic" and run["input_files"] > 100
+    # the block's provenance line is this file's own run, not the folder's study record
+    line = docs.render_block("claims:synthetic", copy.parent, tmp_path, tmp_path).splitlines()[-1]
+    assert "commit `aaaaaaaaaaaa`" in line and "NVIDIA H200, Xeon" in line and "overlay.yaml" in line, line
 
 
 def test_claims_target_plans_every_experiment_the_claims_read(tmp_path):

@@ -199,3 +199,15 @@ def test_hivemind_swarm_peers_train_on_the_gpu():
     losses = [row["loss"] for row in result.log]
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5, losses
     assert all(t.device.type == "cpu" for state in result.stage_states for t in state.values())
+
+
+def test_square_cube_measures_the_layer_on_the_gpu(tmp_path):
+    """swarm_study.square_cube with device cuda times the layer on the GPU and names it in the device column."""
+    import pandas as pd
+
+    from cramswarm.swarm import study
+
+    study.square_cube(tmp_path / "sq.csv", hidden_sizes=(256,), bandwidths_mbit_s=(100.0,), schemes=("none",),
+                      batch=2, seq_len=16, repeats=2, link="ideal", device="cuda")
+    frame = pd.read_csv(tmp_path / "sq.csv")
+    assert set(frame["device"]) == {torch.cuda.get_device_name()} and (frame["compute_s"] > 0).all()

@@ -258,6 +258,7 @@ def test_launcher_swarm_steps_every_sample_once_with_compressed_averaging():
     # each peer holds its own stage only: its parameter count is its stage's, its AdamW state two moments of it
     memory = stats["peer_memory"]
     assert sorted(m["stage"] for m in memory) == [0, 0, 1, 1], memory
+    assert len(stats["peer_devices"]) == 4 and set(stats["peer_devices"].values()) == {"cpu"}, stats["peer_devices"]
     for m in memory:
         assert m["stage_parameter_count"] == stats["stage_parameters"][m["stage"]], (m, stats["stage_parameters"])
         assert m["parameter_bytes"] == 4 * m["stage_parameter_count"], m

@@ -21,7 +21,7 @@ def study_dir(tmp_path_factory):
     """Every experiment's CSV at tiny sizes (~15 s in all), written once for the tests of this module."""
     out = tmp_path_factory.mktemp("study")
     study.square_cube(out / "square_cube.csv", hidden_sizes=(32, 64), bandwidths_mbit_s=(10.0, 100.0),
-                      batch=4, seq_len=32, repeats=1, head_dim=16)
+                      batch=4, seq_len=32, repeats=1, head_dim=16, link="ideal", device="cpu")
     study.wiring_throughput(out / "wiring_throughput.csv", duration_s=20.0, time_scale=0.05,
                             sweep_trainers_per_peer=(0.5, 2.0, 8.0))
     study.failures_timeline(out / "failures_timeline.csv", stages=2, peers_per_stage=2, trainers=4,
@@ -45,10 +45,11 @@ def study_dir(tmp_path_factory):
 def test_square_cube_columns_and_payloads(study_dir):
     frame = pd.read_csv(study_dir / "square_cube.csv")
     assert columns(study_dir / "square_cube.csv") == [
-        "hidden_size", "heads", "batch", "seq_len", "threads", "layer_params", "layer_flops", "compute_s", "scheme",
-        "activation_payload_bytes", "link", "bandwidth_mbit_s", "latency_ms", "comm_s", "compute_to_comm",
+        "hidden_size", "heads", "batch", "seq_len", "device", "threads", "layer_params", "layer_flops", "compute_s",
+        "scheme", "activation_payload_bytes", "link", "bandwidth_mbit_s", "latency_ms", "comm_s", "compute_to_comm",
         "utilisation", "device_tflops", "device_compute_s", "device_utilisation"]
     assert len(frame) == 2 * 3 * 2 and (frame["compute_s"] > 0).all() and set(frame["link"]) == {"ideal"}
+    assert set(frame["device"]) == {"cpu"}
     # the shares of time computing, on this CPU and at the stated device rate, from the same call time
     assert np.allclose(frame["utilisation"], frame["compute_s"] / (frame["compute_s"] + frame["comm_s"]))
     assert np.allclose(frame["device_compute_s"], frame["layer_flops"] / (frame["device_tflops"] * 1e12))
@@ -168,3 +169,26 @@ def test_report_writes_tables_figures_and_captions(study_dir, tmp_path):
 def test_report_needs_some_csv(tmp_path):
     with pytest.raises(FileNotFoundError, match="square_cube.csv"):
         swarm_figures.swarm_report(tmp_path, tmp_path / "out")
+
+
+def test_square_cube_caption_names_where_the_compute_was_measured(study_dir, tmp_path):
+    # the study's CSV (measured on the CPU), then the same rows as if a GPU had measured them
+    swarm_figures.square_cube_figure(study_dir / "square_cube.csv", tmp_path / "cpu")
+    assert "on this CPU (1 thread(s))" in (tmp_path / "cpu" / "square_cube.caption.rst").read_text()
+    gpu = pd.read_csv(study_dir / "square_cube.csv").assign(device="NVIDIA H200")
+    gpu.to_csv(tmp_path / "gpu.csv", index=False)
+    swarm_figures.square_cube_figure(tmp_path / "gpu.csv", tmp_path / "gpu")
+    caption = (tmp_path / "gpu" / "square_cube.caption.rst").read_text()
+    assert "on the NVIDIA H200 (timed between CUDA synchronisations)" in caption and "this CPU" not in caption
+
+
+def test_square_cube_runtime_bound_covers_compute_and_calls():
+    from conftest import DEFAULT
+
+    settings = DEFAULT["swarm_study"]["square_cube"]
+    base = study.square_cube_runtime_s(settings)
+    # the 4096-wide layer alone: (3 + 1) passes of 60 d^2 x 1024 tokens at 0.15 TFLOP/s
+    assert base > 4 * 60 * 4096**2 * 1024 / 1.5e11
+    assert study.square_cube_runtime_s(settings | {"hidden_sizes": [*settings["hidden_sizes"], 8192]}) > 2 * base
+    slower = settings | {"latencies_ms": [0.0, 500.0]}
+    assert study.square_cube_runtime_s(slower) - base > 30 * 0.45 * len(settings["hidden_sizes"])

@@ -810,6 +810,37 @@ def to_markdown(table: pd.DataFrame, *, columns: Iterable[str] = COLUMNS) -> str
     return "\n".join(lines) + "\n"
 
 
+def inputs_record(manifest: Mapping, claims: Iterable[Claim] = CLAIMS) -> dict:
+    """Where the table's numbers were made: over every input file present that records its provenance (the
+    fine-tuning results and pretraining summaries), the code commits, the hardware (GPU, else CPU) and the span of
+    finish times, with the count of files read."""
+    paths: set[str] = set()
+    for claim in claims:
+        try:
+            paths.update(claim.inputs(manifest))
+        except MissingInput:
+            continue
+    commits, hardware, finished, present = set(), set(), [], 0
+    for path in map(Path, sorted(paths)):
+        if not path.is_file():
+            continue
+        present += 1
+        if path.suffix != ".json":
+            continue
+        record = read_json_object(path, "claim input").get("provenance")
+        if not isinstance(record, Mapping):
+            continue
+        if record.get("git_commit"):
+            commits.add(record["git_commit"])
+        machine = record.get("hardware") or {}
+        if machine.get("gpu") or machine.get("cpu"):
+            hardware.add(machine.get("gpu") or machine["cpu"])
+        if record.get("finished_utc"):
+            finished.append(record["finished_utc"])
+    return {"git_commits": sorted(commits), "hardware": sorted(hardware), "input_files": present,
+            "finished_utc": [min(finished), max(finished)] if finished else None}
+
+
 def write_claims(manifest: Mapping, out_stem: str | os.PathLike) -> tuple[Path, ...]:
     """``<stem>.csv`` and ``<stem>.md``, atomically."""
     table = claims_table(manifest)

@@ -217,16 +217,22 @@ def docs(args) -> int:
     arg("--manifest", type=json_arg, required=True,
         help="JSON naming the result files per claim input (rules/common.smk: claims_manifest())"),
     arg("--out-stem", required=True, help="table path without suffix (.csv and .md)"),
-    arg("--copy-to", help="also copy the CSV to this path (the committed results/readme/ folder)"),
+    arg("--copy-to", help="also copy the CSV to this path (the committed results/readme/ folder) and record it in "
+        "that folder's provenance.json with where its inputs were made"),
+    arg("--config-files", nargs="*", default=[], help="the workflow's config files, recorded with the copy"),
 )
 def claims(args) -> int:
     from cramswarm.io import atomic_path
-    from cramswarm.report.claims import write_claims
+    from cramswarm.report.claims import inputs_record, write_claims
+    from cramswarm.report.docs import record_file, sha256
 
     paths = write_claims(args.manifest, args.out_stem)
     if args.copy_to:
         with atomic_path(Path(args.copy_to)) as tmp:
             tmp.write_bytes(paths[0].read_bytes())
+        configs = [{"path": Path(c).as_posix(), "sha256": sha256(c)} for c in args.config_files]
+        record_file(args.copy_to, paths[0], inputs_record(args.manifest) | {"source": args.manifest.get("source"),
+                                                                          "config_files": configs})
         paths = (*paths, Path(args.copy_to))
     for path in paths:
         print(path)

@@ -162,8 +162,8 @@ PAPER_BANDWIDTH_MBIT_S = 500.0
 
 def square_cube_figure(csv: str | os.PathLike, out_dir: str | os.PathLike) -> list[Path]:
     """M1: relative device utilisation (compute / (compute + call)) vs hidden size, one panel per bandwidth and
-    latency, one colour per scheme; solid: this CPU's measured compute, dashed: the layer's FLOPs at the stated
-    accelerator rate; the paper's Figure 1 values as black crosses on its bandwidth."""
+    latency, one colour per scheme; solid: the measured compute (CPU or GPU: the device column), dashed: the layer's
+    FLOPs at the stated accelerator rate; the paper's Figure 1 values as black crosses on its bandwidth."""
     data = _read(csv, ("hidden_size", "scheme", "bandwidth_mbit_s", "latency_ms", "link", "compute_s", "comm_s",
                        "utilisation", "device_tflops", "device_utilisation"))
     out = Path(out_dir)
@@ -174,6 +174,9 @@ def square_cube_figure(csv: str | os.PathLike, out_dir: str | os.PathLike) -> li
     panels = sorted({(b, ms) for b, ms in zip(data["bandwidth_mbit_s"], data["latency_ms"])})
     schemes = list(dict.fromkeys(data["scheme"]))
     first = data.iloc[0]
+    # where the compute was measured (the device column; CSVs written before it existed are the CPU's)
+    device = str(first["device"]) if "device" in data.columns else "cpu"
+    measured = "this CPU" if device == "cpu" else device
     with _style():
         colors = dict(zip(schemes, sns.color_palette(PALETTE, len(schemes))))
         fig = _new_figure(3.2 * len(panels) + 1.8, 3.8)
@@ -183,7 +186,7 @@ def square_cube_figure(csv: str | os.PathLike, out_dir: str | os.PathLike) -> li
             for scheme in schemes:
                 line = rows[rows["scheme"] == scheme].sort_values("hidden_size")
                 ax.plot(line["hidden_size"], 100 * line["utilisation"], marker="o", color=colors[scheme],
-                        label=f"{scheme}, this CPU")
+                        label=f"{scheme}, {measured}")
                 ax.plot(line["hidden_size"], 100 * line["device_utilisation"], marker=".", linestyle="--",
                         color=colors[scheme], label=f"{scheme}, {first['device_tflops']:g} TFLOP/s")
             if bandwidth == PAPER_BANDWIDTH_MBIT_S:
@@ -212,12 +215,17 @@ def square_cube_figure(csv: str | os.PathLike, out_dir: str | os.PathLike) -> li
            if links == "testbed" else
            "an ideal link: payload bytes both ways over the panel's bandwidth plus one round trip, no protocol"
            if links == "ideal" else f"links: {links}")
+    where = (f"this CPU ({int(first['threads'])} thread(s))" if device == "cpu" else
+             f"the {device} (timed between CUDA synchronisations)")
+    solid = ("the solid lines compare a CPU, tens of times slower than a V100, and so sit higher at every width." if
+             device == "cpu" else f"the solid lines use the {device}'s achieved rate, which itself rises with\nthe "
+             "width (small layers leave it idle between kernels), so they need not rise with d.")
     caption = f"""
 **Square-cube law (M1).** Relative device utilisation, the paper's Figure 1 metric: for a peer that receives a
 microbatch, computes one crammed-BERT layer (FFN 4d, heads of 64 features) forward and backward on it
 ({int(first['batch'])} x {int(first['seq_len'])} tokens) and sends the result on, compute / (compute + call). The call
 carries the encoded activation one way and a reply of the same size (the gradient) the other: {how}.
-Solid lines: compute measured under bf16 autocast on this CPU ({int(first['threads'])} thread(s)); dashed: the
+Solid lines: compute measured under bf16 autocast on {where}; dashed: the
 layer's FLOPs at a stated {first['device_tflops']:g} TFLOP/s (an assumed accelerator rate, about a quarter of a
 V100's fp16 tensor-core peak), with the same measured call. Compute grows as d^2 per token and the traffic as d,
 so utilisation rises with d; fp16 halves and blockwise 8-bit quarters the traffic; latency adds a fixed time per
@@ -225,8 +233,8 @@ call that only more compute per call hides.
 Paper, Figure 1 (right), black crosses (V100, 500 Mbit/s, one layer, its own microbatch size, not stated in the
 figure): 768 units 18 %, 4096 units 32 %, 12288 units 82 %, and the paper's 12 layers of 4096 units 89 % [paper:
 figure image, arXiv layout]; with 100 ms of latency, "base" layers 1.5-18 % and GPT-3-sized 48-82 % [secondary:
-third-party notes]. Like with like is the dashed line at 500 Mbit/s: a device rate against a real call;
-the solid lines compare a CPU, tens of times slower than a V100, and so sit higher at every width.
+third-party notes]. Like with like is the dashed line at 500 Mbit/s: a device rate against the same call;
+{solid}
 """
     return paths + _save_all(fig, out / "square_cube", caption)
 

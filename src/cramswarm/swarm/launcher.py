@@ -773,6 +773,7 @@ class Launcher:
         moves = self._moves()
         self.stats.update(self._trainer_stats())
         self.stats["first_logged_step"] = self._first_logged_step()
+        self.stats["peer_devices"] = {c["uid"]: c.get("device", "cpu") for c in counters}  # where each peer computed
         # a seconds budget: the trainers took microbatches until the deadline, and each one they took counts
         requested = self.total if data.bounded(self.total) else done
         self.stats.update(

@@ -230,7 +230,7 @@ class SyncingStagePeer(StagePeer):
                          "lost_gradient_samples": 0, "averaging_bytes_sent": 0, "averaging_values_sent": 0,
                          "averaging_param_steps": 0, "group_sizes": [], "failed_rounds": 0, "shards_written": 0,
                          "duplicate_samples": 0, "loaded_shard_step": None, "backward_samples": 0,
-                         "admission_wait_s": 0.0, "held_calls": 0}
+                         "admission_wait_s": 0.0, "held_calls": 0, "device": str(self.device)}
         self.stepped_mbs: set[int] = set()   # microbatches whose gradients the stage has stepped
         self.local_mbs: set[int] = set()     # ... accumulated here since the snapshot
         self.snapshot_mbs: set[int] = set()  # ... in the snapshot

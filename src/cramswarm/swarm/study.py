@@ -121,25 +121,30 @@ def periodic_kills(num_peers: int, duration_s: float, every_s: float, rejoin_aft
 # M1: the square-cube law
 # ------------------------------------------------------------------------------------------------------------
 
-def _layer_time_s(hidden: int, heads: int, batch: int, seq_len: int,
-                  repeats: int) -> tuple[float, torch.Tensor, int, float]:
-    """Fastest of ``repeats`` forward + backward passes of one crammed-BERT layer (bf16 autocast on CPU), the
-    layer's output activation (fp32), its parameter count and its training FLOPs on the microbatch (6 x the
-    matmul weights x tokens, plus the attention score and value matmuls, 3 x 4 x seq_len x hidden per token)."""
+def _layer_time_s(hidden: int, heads: int, batch: int, seq_len: int, repeats: int,
+                  device: torch.device | None = None) -> tuple[float, torch.Tensor, int, float]:
+    """Fastest of ``repeats`` forward + backward passes of one crammed-BERT layer on ``device`` (bf16 autocast;
+    on CUDA timed between synchronisations), the layer's output activation (fp32, on the CPU), its parameter
+    count and its training FLOPs on the microbatch (6 x the matmul weights x tokens, plus the attention score and
+    value matmuls, 3 x 4 x seq_len x hidden per token)."""
     from cramswarm.models.crammed_bert import CrammedBertConfig, Layer
 
     config = CrammedBertConfig(hidden_size=hidden, num_attention_heads=heads, intermediate_size=4 * hidden,
                                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    device = device or torch.device("cpu")
     torch.manual_seed(0)
-    layer = Layer(config)
-    x = torch.randn(batch, seq_len, hidden)
+    layer = Layer(config).to(device)
+    x = torch.randn(batch, seq_len, hidden, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     best, out = math.inf, None
     for _ in range(repeats + 1):   # the first pass warms up kernels and allocator and is not timed
         xi = x.clone().requires_grad_(True)
+        sync()
         start = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             y = layer(xi, None)
         y.float().sum().backward()
+        sync()
         elapsed = time.perf_counter() - start
         if out is not None:
             best = min(best, elapsed)
@@ -147,10 +152,28 @@ def _layer_time_s(hidden: int, heads: int, batch: int, seq_len: int,
     tokens = batch * seq_len
     matmul_weights = sum(m.weight.numel() for m in layer.modules() if isinstance(m, torch.nn.Linear))
     flops = 6 * matmul_weights * tokens + 12 * seq_len * hidden * tokens
-    return best, out, sum(p.numel() for p in layer.parameters()), float(flops)
+    return best, out.cpu(), sum(p.numel() for p in layer.parameters()), float(flops)
 
 
 SQUARE_CUBE_LINKS = ("auto", "ideal", "testbed")
+
+
+def square_cube_runtime_s(settings: dict) -> float:
+    """A generous bound on :func:`square_cube`'s seconds for a ``swarm_study.square_cube`` config section (the
+    workflow's runtime request): (repeats + 1) passes per width at about 0.15 TFLOP/s (one CPU thread: 6.4 s for
+    4096 x 1024 tokens; a GPU is far faster), and (calls + 1) calls per payload and link at up to twice their bytes'
+    wire time plus 30 x the one-way delay (TCP through the testbed's relay)."""
+    tokens = settings["batch_sequences"] * settings["seq_len_tokens"]
+    value_bytes = {"none": 4, "fp16": 2, "blockwise8": 1}
+    seconds = 0.0
+    for width in settings["hidden_sizes"]:
+        seconds += (settings["repeats"] + 1) * 60 * width * width * tokens / 1.5e11
+        for scheme in settings["schemes"]:
+            for bandwidth in settings["bandwidths_mbit_s"]:
+                for latency in settings["latencies_ms"]:
+                    wire = 2 * tokens * width * value_bytes[scheme] * 8 / (bandwidth * 1e6)
+                    seconds += (settings["calls"] + 1) * (2 * wire + 30 * latency / 1e3)
+    return seconds
 
 
 def _testbed_call_s(points: list[tuple[float, float]], sizes: list[int], calls: int) -> dict:
@@ -166,15 +189,15 @@ def _testbed_call_s(points: list[tuple[float, float]], sizes: list[int], calls: 
             for m in measured for size in sizes}
 
 
-def square_cube(out_csv: str | os.PathLike, *, hidden_sizes: Sequence[int] = (128, 256, 512, 1024),
-                bandwidths_mbit_s: Sequence[float] = (10.0, 100.0, 500.0), latencies_ms: Sequence[float] = (0.0,),
+def square_cube(out_csv: str | os.PathLike, *, hidden_sizes: Sequence[int] = (256, 768, 2048, 4096),
+                bandwidths_mbit_s: Sequence[float] = (100.0, 500.0), latencies_ms: Sequence[float] = (0.0,),
                 schemes: Sequence[str] = ("none", "fp16", "blockwise8"), batch: int = 8, seq_len: int = 128,
-                repeats: int = 3, head_dim: int = 64, threads: int | None = 1, link: str = "ideal",
-                calls: int = 5, device_tflops: float = 30.0) -> Path:
+                repeats: int = 3, head_dim: int = 64, threads: int | None = 1, link: str = "auto",
+                calls: int = 2, device_tflops: float = 30.0, device: str = "auto") -> Path:
     """M1. Per hidden size: the measured time of forward + backward of one crammed-BERT layer (FFN 4 d, heads of
-    ``head_dim``) on a ``batch x seq_len`` microbatch, and per scheme, bandwidth and one-way latency the time of
-    one call that carries the layer's boundary traffic: the encoded activation one way, a reply of the same size
-    (the gradient) the other.
+    ``head_dim``) on a ``batch x seq_len`` microbatch on ``device`` (cpu | cuda | auto: cuda where torch sees
+    one), and per scheme, bandwidth and one-way latency the time of one call that carries the layer's boundary
+    traffic: the encoded activation one way, a reply of the same size (the gradient) the other.
 
     ``link``: ``ideal`` - the call takes 2 x bytes x 8 / bandwidth + 2 x latency (no protocol, no overhead);
     ``testbed`` - the call is a real hivemind call between processes on two hosts of the multi-host testbed
@@ -183,12 +206,14 @@ def square_cube(out_csv: str | os.PathLike, *, hidden_sizes: Sequence[int] = (12
     ``link`` column says which ran.
 
     Utilisation is the paper's relative device utilisation for a peer that receives a microbatch, computes and
-    sends it on: compute / (compute + call). ``utilisation`` uses this CPU's measured compute (``threads``
-    intra-op threads, see :func:`torch_threads`); ``device_utilisation`` the layer's FLOPs at ``device_tflops``
-    TFLOP/s, a stated accelerator rate (the paper's V100s; the default 30 is about a quarter of a V100's fp16
-    tensor-core peak), with the same measured call.
+    sends it on: compute / (compute + call). ``utilisation`` uses the measured compute (on the CPU with
+    ``threads`` intra-op threads, see :func:`torch_threads`; the ``device`` column names the CPU or the GPU);
+    ``device_utilisation`` the layer's FLOPs at ``device_tflops`` TFLOP/s, a stated accelerator rate (the paper's
+    V100s; the default 30 is about a quarter of a V100's fp16 tensor-core peak), with the same measured call.
 
-    Columns: hidden_size, heads, batch, seq_len, threads, layer_params, layer_flops, compute_s, scheme,
+    The keyword defaults are the schema's (``swarm_study.square_cube``).
+
+    Columns: hidden_size, heads, batch, seq_len, device, threads, layer_params, layer_flops, compute_s, scheme,
     activation_payload_bytes, link, bandwidth_mbit_s, latency_ms, comm_s, compute_to_comm (compute_s / comm_s),
     utilisation, device_tflops, device_compute_s, device_utilisation.
     """
@@ -203,11 +228,15 @@ def square_cube(out_csv: str | os.PathLike, *, hidden_sizes: Sequence[int] = (12
         link = "ideal" if reason else "testbed"
         if reason:
             print(f"swarm_study.square_cube.link=auto: ideal links (no testbed here: {reason})", flush=True)
+    from cramswarm.training import resolve_device
+
+    dev = resolve_device(device)
+    device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     measured = []
     for hidden in hidden_sizes:
         heads = max(1, hidden // head_dim)
         with torch_threads(threads):
-            compute_s, activation, params, flops = _layer_time_s(hidden, heads, batch, seq_len, repeats)
+            compute_s, activation, params, flops = _layer_time_s(hidden, heads, batch, seq_len, repeats, dev)
         payloads = {scheme: payload_bytes(encode(activation, scheme)) for scheme in schemes}
         measured.append((hidden, heads, compute_s, params, flops, payloads))
     points = [(float(bw), float(ms)) for bw in bandwidths_mbit_s for ms in latencies_ms]
@@ -224,6 +253,7 @@ def square_cube(out_csv: str | os.PathLike, *, hidden_sizes: Sequence[int] = (12
             for bandwidth, latency in points:
                 comm_s = call_s[(bandwidth, latency, nbytes)]
                 rows.append({"hidden_size": hidden, "heads": heads, "batch": batch, "seq_len": seq_len,
+                             "device": device_name,
                              "threads": torch.get_num_threads() if threads is None else threads,
                              "layer_params": params, "layer_flops": flops, "compute_s": compute_s,
                              "scheme": scheme, "activation_payload_bytes": nbytes, "link": link,

@@ -240,6 +240,9 @@ def swarm_pretrain(
     # every transport logs one row per optimizer step; the budget counts every microbatch handed out
     tokens, steps = stats["microbatches_requested"] * micro * block_tokens, len(result.log)
     wall_s = stats["wall_s"]
+    # the hardware the stage peers trained on, where this host has it (evaluation above is on the CPU)
+    on_gpu = any(str(d).startswith("cuda") for d in (stats.get("peer_devices") or {}).values())
+    peers_device = "cuda" if on_gpu and torch.cuda.is_available() else "cpu"
     summary = {
         "run": run,
         "steps": steps,
@@ -258,7 +261,7 @@ def swarm_pretrain(
         "swarm": swarm,
         "swarm_stats": stats,
         "pretrained": True,
-        "provenance": provenance({"recipe": recipe, "arch": arch, "swarm": swarm}, recipe["seed"], str(device)),
+        "provenance": provenance({"recipe": recipe, "arch": arch, "swarm": swarm}, recipe["seed"], peers_device),
     }
     write_json(out_dir / "summary.json", summary)
     if state_dir is not None and stats.get("roles") == "launcher" and state_dir.is_dir():  # left to us: outputs first
