@@ -40,6 +40,7 @@ from cramswarm.swarm import hivemind_transport as ht  # noqa: E402
 from cramswarm.swarm import launcher as launcher_mod  # noqa: E402
 from cramswarm.swarm.peer_sync import (  # noqa: E402
     MIN_GATHER_S,
+    load_shard,
     newest_shard,
     shard_files,
     stage_stalls,
@@ -526,6 +527,26 @@ def test_shard_files_keep_the_newest_step_of_each_stage(tmp_path):
     write_shard(tmp_path, 2, "s2r1.0", 7, b"e")  # a task's uid (s<stage>r<rank>.<incarnation>)
     assert shard_files(tmp_path, 2) == [(7, "s2r1.0", tmp_path / "stage2.step00000007.s2r1.0.pt")]
     assert not list(tmp_path.glob(".*"))  # no temporary file left
+
+
+def test_a_shard_written_from_the_state_itself_loads_as_the_serialised_one(tmp_path):
+    """A peer hands ``write_shard`` its live state (streamed to the file, no serialised copy in memory); the shard
+    loads to the same values as one written from the serialised bytes."""
+    layer = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-3)
+    layer(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    state = {"module": layer.state_dict(), "optimizer": optimizer.state_dict(), "step": 2, "stepped_samples": 16,
+             "stepped_mbs": [0, 1]}
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    from_bytes = load_shard(write_shard(tmp_path / "a", 0, "s0p1", 2, buffer.getvalue()))
+    from_state = load_shard(write_shard(tmp_path / "b", 0, "s0p1", 2, state))
+    assert from_state.keys() == from_bytes.keys() and from_state["stepped_mbs"] == [0, 1]
+    assert all(torch.equal(from_state["module"][k], v) for k, v in from_bytes["module"].items())
+    assert torch.equal(from_state["optimizer"]["state"][0]["exp_avg_sq"],
+                       from_bytes["optimizer"]["state"][0]["exp_avg_sq"])
+    assert not list((tmp_path / "b").glob(".*"))  # no temporary file left
 
 
 def test_a_rerun_resumes_each_trainer_at_the_first_microbatch_not_every_stage_stepped(tmp_path):

@@ -122,7 +122,8 @@ LOCK_FILE = "launcher.lock"
 TIME_FILE = "launcher.json"  # in a state folder: training seconds so far, first start (wall clock)
 STALE_WAIT_S = 45.0       # a resuming launcher waits this long for the killed run's processes to be gone
 KILLED_STEP = 128 + signal.SIGKILL  # srun's exit code for a task SIGKILLed (its step's, srun placement)
-PEER_MEMORY_KEYS = ("uid", "stage", "stage_parameter_count", "parameter_bytes", "optimizer_bytes", "peak_rss_bytes")
+PEER_MEMORY_KEYS = ("uid", "stage", "stage_parameter_count", "parameter_bytes", "optimizer_bytes", "peak_rss_bytes",
+                    "rss_bytes", "runtime_rss_bytes", "activation_bytes")
 
 
 class ResumeMismatch(ValueError):
