@@ -22,10 +22,12 @@ microbatches).
    state before it serves. Prints the ratio (target >= 70 %) and the microbatches lost: a microbatch a trainer took
    and never finished, i.e. a gap in a trainer's shard before its last finished microbatch (must be 0).
 3. Memory: ``--memory-stages`` stages x 1 peer of a model whose stages differ in size (the embeddings on the first
-   stage, the untied decoder on the last), trained briefly; each peer's peak RSS (``ru_maxrss`` of its process,
-   reported in ``peer_memory``) against its stage's parameters and model state (16 bytes per parameter). Prints a
-   least-squares line RSS = a + b x parameters over the peers; a is the process's runtime (Python, PyTorch,
-   hivemind), b its bytes per parameter of its stage.
+   stage, the untied decoder on the last), trained briefly; per peer (its ``peer_memory`` counters): its peak RSS
+   (``ru_maxrss``), its runtime (the RSS its process held before it built its stage: Python, PyTorch, hivemind
+   and the joined DHT node; the ``p2pd`` daemon is a process of its own, not counted), the stage's peak (peak RSS
+   less runtime) against the stage's predicted bytes (``stages.PEAK_BYTES_PER_PARAMETER`` x its parameters + the
+   activations one backward call saved for backward, as the peer measured them), and the ratio of the two. Also
+   the least-squares line peak RSS = a + b x parameters over the peers.
 
 Throughput is microbatches finished per second of training time (the launcher's clock starts once every trainer
 has joined, so process start-up does not count); ``steady`` also leaves out the first ``--warmup`` seconds.
@@ -58,7 +60,7 @@ from cramswarm.config import load_config  # noqa: E402
 from cramswarm.swarm import hivemind_transport as ht  # noqa: E402
 from cramswarm.swarm.data import BOUNDED  # noqa: E402
 from cramswarm.swarm.policies import RetryPolicy  # noqa: E402
-from cramswarm.swarm.stages import STATE_BYTES_PER_PARAMETER  # noqa: E402
+from cramswarm.swarm.stages import PEAK_BYTES_PER_PARAMETER, STATE_BYTES_PER_PARAMETER  # noqa: E402
 from cramswarm.swarm.toy import CountingSource  # noqa: E402
 from cramswarm.swarm.trainer import losses_path, shard  # noqa: E402
 
@@ -76,9 +78,11 @@ def arch(hidden: int, layers: int) -> dict:
     return base | dict(layers=layers, hidden_size=hidden, heads=2, intermediate_size=2 * hidden, max_positions=SEQ)
 
 
-def recipe(seconds: float, micro: int, batch_micro: int) -> dict:
+def recipe(seconds: float, micro: int, batch_micro: int, microbatches: int | None = None) -> dict:
     cfg = load_config([REPO / "config" / "config.yaml"])
-    return cfg["pretrain"] | dict(budget={"unit": "seconds", "value": seconds}, micro_batch_sequences=micro,
+    budget = ({"unit": "seconds", "value": seconds} if microbatches is None
+              else {"unit": "tokens", "value": microbatches * micro * SEQ})
+    return cfg["pretrain"] | dict(budget=budget, micro_batch_sequences=micro,
                                   batch_sequences=batch_micro * micro, lr=3e-3, batch_ramp_fraction=0.0,
                                   warmup_fraction=0.0, precision="bf16", device="cpu")
 
@@ -106,12 +110,14 @@ def lost_microbatches(state_dir: Path, trainers: int) -> tuple[int, int]:
 
 def run(name: str, args, *, speeds: list[float], peers_per_stage: list[int], seconds: float, routing: str = "weighted",
         kill_every_s: float | None = None, model: dict | None = None, vocab: int = VOCAB,
-        trainers: int | None = None, batch_micro: int | None = None, unit_time_s: float | None = -1.0) -> dict:
-    """One launcher run; returns its throughput, losses and counters."""
+        trainers: int | None = None, batch_micro: int | None = None, unit_time_s: float | None = -1.0,
+        microbatches: int | None = None) -> dict:
+    """One launcher run (a seconds budget, or with ``microbatches`` that many microbatches); returns its
+    throughput, losses and counters."""
     trainers = trainers or args.trainers
     state_dir = Path(tempfile.mkdtemp(prefix=f"swarm-launcher-{name}-"))
     plan = ht.SwarmPlan(arch=model or arch(args.hidden, args.layers), vocab_size=vocab,
-                        recipe=recipe(seconds, args.micro, batch_micro or args.batch_micro),
+                        recipe=recipe(seconds, args.micro, batch_micro or args.batch_micro, microbatches),
                         peers_per_stage=peers_per_stage, peer_speeds=speeds, trainers=trainers, routing=routing,
                         peer_unit_time_s=args.unit_time if unit_time_s == -1.0 else unit_time_s,
                         kill_every_s=kill_every_s, rejoin_after_s=args.rejoin_after, seed=args.seed,
@@ -120,7 +126,8 @@ def run(name: str, args, *, speeds: list[float], peers_per_stage: list[int], sec
     load_before = os.getloadavg()
     started = time.perf_counter()
     try:
-        stats = ht.run_swarm(plan, CountingSource(args.micro, SEQ, args.seed), BOUNDED, progress=False).stats
+        stats = ht.run_swarm(plan, CountingSource(args.micro, SEQ, args.seed), microbatches or BOUNDED,
+                             progress=False).stats
         finished, lost = lost_microbatches(state_dir, trainers)
     finally:
         if args.keep:
@@ -172,6 +179,27 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return my - b * mx, b
 
 
+def mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f}"
+
+
+def memory_table(peers: list[dict]) -> list[dict]:
+    """Per peer (its ``peer_memory`` counters): its stage's peak, the peak RSS less the runtime the process held
+    before it built its stage, against the prediction ``PEAK_BYTES_PER_PARAMETER`` x the stage's parameters + the
+    activations of one backward call (what its forward saved for backward, the last stage's logits included), and
+    their ratio."""
+    rows = []
+    for p in peers:
+        runtime, peak = p.get("runtime_rss_bytes"), p["peak_rss_bytes"]
+        stage_peak = peak - runtime if runtime is not None else None
+        predicted = PEAK_BYTES_PER_PARAMETER * p["stage_parameter_count"] + (p.get("activation_bytes") or 0)
+        rows.append({"uid": p["uid"], "stage": p["stage"], "parameters": p["stage_parameter_count"],
+                     "runtime_rss_bytes": runtime, "peak_rss_bytes": peak, "stage_peak_bytes": stage_peak,
+                     "activation_bytes": p.get("activation_bytes"), "predicted_bytes": predicted,
+                     "ratio": round(stage_peak / predicted, 2) if stage_peak is not None else None})
+    return rows
+
+
 def commit() -> str:
     try:
         return subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -209,13 +237,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-vocab", type=int, default=32768, help="vocabulary of the memory run (the "
                                                                         "embeddings and decoder make its end "
                                                                         "stages large)")
+    parser.add_argument("--memory-microbatches", type=int, default=48, help="microbatches of the memory run (global "
+                        "batch 4 microbatches, so that every peer steps and holds its AdamW state; a count, not "
+                        "seconds, so that runs on a loaded host make the same calls); 0: --memory-duration seconds")
     parser.add_argument("--memory-duration", type=float, default=20.0, help="seconds of training of the memory run "
-                        "(global batch 4 microbatches, so that every peer steps and holds its AdamW state)")
+                        "with --memory-microbatches 0")
+    parser.add_argument("--mmap-threshold", type=int, help="bytes: glibc serves allocations of at least this many "
+                        "bytes with their own mappings and unmaps them when freed (MALLOC_MMAP_THRESHOLD_ in the "
+                        "environment of every process the runs start); default: glibc's own, a threshold that rises "
+                        "with the largest block freed")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", action="store_true", help="keep each run's folder (logs, counters) for a look")
     parser.add_argument("--out", type=Path, help="also write every number to this JSON file")
     args = parser.parse_args(argv)
     parts = set(args.parts.split(","))
+    if args.mmap_threshold is not None:   # the launcher's processes inherit this process's environment
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
     start = time.perf_counter()
     report: dict = {"targets": TARGETS, "args": {k: str(v) for k, v in vars(args).items()}, "commit": commit(),
                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cores": os.cpu_count()}
@@ -257,24 +294,33 @@ def main(argv: list[str] | None = None) -> int:
     if "memory" in parts:
         stages = args.memory_stages
         model = arch(args.memory_hidden, 2 * stages)
+        count = args.memory_microbatches or None
         print(f"3. Memory: {stages} stages x 1 peer, hidden {args.memory_hidden}, {2 * stages} layers, vocabulary "
-              f"{args.memory_vocab}, {args.memory_duration:.0f} s", flush=True)
-        row = run("memory", args, speeds=[1.0], peers_per_stage=[1] * stages, seconds=args.memory_duration,
-                  model=model, vocab=args.memory_vocab, trainers=2, batch_micro=4, unit_time_s=None)
-        peers = sorted((p for p in row["peer_memory"] if p.get("peak_rss_bytes")), key=lambda p: p["stage"])
-        xs = [p["stage_parameter_count"] for p in peers]
-        ys = [p["peak_rss_bytes"] for p in peers]
-        a, b = fit_line(xs, ys)
-        print(f"   {'peer':<8}{'stage':>6}{'parameters':>12}{'state MiB':>11}{'peak RSS MiB':>14}{'fit MiB':>9}")
-        for p, x, y in zip(peers, xs, ys):
-            print(f"   {p['uid']:<8}{p['stage']:>6}{x:>12,}{STATE_BYTES_PER_PARAMETER * x / 2**20:>11.1f}"
-                  f"{y / 2**20:>14.1f}{(a + b * x) / 2**20:>9.1f}")
-        residual = max(abs(y - (a + b * x)) for x, y in zip(xs, ys)) if peers else float("nan")
-        print(f"   peak RSS = {a / 2**20:.0f} MiB + {b:.1f} bytes x stage parameters (max residual "
-              f"{residual / 2**20:.1f} MiB; model state is {STATE_BYTES_PER_PARAMETER} bytes per parameter)",
+              f"{args.memory_vocab}, " + (f"{count} microbatches" if count else f"{args.memory_duration:.0f} s"),
               flush=True)
-        report["memory"] = {"run": row, "intercept_bytes": round(a), "bytes_per_parameter": round(b, 2),
-                            "max_residual_bytes": round(residual)}
+        row = run("memory", args, speeds=[1.0], peers_per_stage=[1] * stages, seconds=args.memory_duration,
+                  model=model, vocab=args.memory_vocab, trainers=2, batch_micro=4, unit_time_s=None,
+                  microbatches=count)
+        peers = sorted((p for p in row["peer_memory"] if p.get("peak_rss_bytes")), key=lambda p: p["stage"])
+        table = memory_table(peers)
+        print(f"   {'peer':<8}{'stage':>6}{'parameters':>12}{'runtime':>9}{'peak RSS':>10}{'stage peak':>12}"
+              f"{'activations':>13}{'predicted':>11}{'ratio':>7}   (MiB)")
+        for e in table:
+            print(f"   {e['uid']:<8}{e['stage']:>6}{e['parameters']:>12,}{mib(e['runtime_rss_bytes']):>9}"
+                  f"{mib(e['peak_rss_bytes']):>10}{mib(e['stage_peak_bytes']):>12}{mib(e['activation_bytes']):>13}"
+                  f"{mib(e['predicted_bytes']):>11}{e['ratio'] if e['ratio'] is not None else '-':>7}")
+        xs = [p["stage_parameter_count"] for p in peers]
+        a, b = fit_line(xs, [p["peak_rss_bytes"] for p in peers])
+        measured = [e for e in table if e["stage_peak_bytes"] is not None]
+        c, r = fit_line([e["predicted_bytes"] for e in measured], [e["stage_peak_bytes"] for e in measured])
+        print(f"   stage peak = peak RSS - the peer's runtime (its RSS before it built its stage); predicted = "
+              f"{PEAK_BYTES_PER_PARAMETER} bytes x parameters + activations (the most one backward call saved)\n"
+              f"   least squares over the peers: stage peak = {c / 2**20:.0f} MiB + {r:.2f} x predicted; "
+              f"peak RSS = {a / 2**20:.0f} MiB + {b:.1f} bytes x parameters", flush=True)
+        report["memory"] = {"run": row, "table": table, "peak_bytes_per_parameter": PEAK_BYTES_PER_PARAMETER,
+                            "state_bytes_per_parameter": STATE_BYTES_PER_PARAMETER,
+                            "stage_peak_fit": {"intercept_bytes": round(c), "slope": round(r, 3)},
+                            "intercept_bytes": round(a), "bytes_per_parameter": round(b, 2)}
 
     report["wall_s"] = round(time.perf_counter() - start, 1)
     print(f"done in {report['wall_s']:.0f} s (commit {report['commit']}, {report['date']}, load average "

@@ -266,9 +266,10 @@ def swarm_json(wildcards):
     return json.dumps(config["swarm"], sort_keys=True)
 
 
-# swarm.placement srun: the job is one SLURM job of stages x peers_per_stage tasks (across nodes); the coordinator
-# runs in its batch step and starts the peers as one srun job step. `mpi` tells the SLURM plugin the rule calls srun
-# itself (its job step runs the rule as is, not under `srun -n1`). Other placements run one process (and peers).
+# swarm.placement srun: the job is one SLURM job of stages x peers_per_stage tasks (across nodes: one CPU per stage
+# peer); the launcher runs in its batch step and starts every process (bootstrap, peers, trainers) as its own srun
+# job step (--overlap: the trainers and the bootstrap share the peers' CPUs). `mpi` tells the SLURM plugin the rule
+# calls srun itself (its job step runs the rule as is, not under `srun -n1`). Other placements run one process.
 SWARM_TASKS = config["swarm"]["stages"] * config["swarm"]["peers_per_stage"]
 SWARM_SRUN = config["swarm"]["placement"] == "srun"
 SWARM_SLURM = {"tasks": SWARM_TASKS, "mpi": "srun"} if SWARM_SRUN else {}

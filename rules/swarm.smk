@@ -20,7 +20,7 @@ rule swarm_pretrain:
         "results/benchmarks/swarm_pretrain/{source}/{model}/v{vocab}.tsv"
     conda:
         "../envs/cramswarm.yaml"
-    threads: 1 if SWARM_SRUN else 2  # srun: CPUs per task (one peer each); else: the local replicas and trainers
+    threads: 1 if SWARM_SRUN else 2  # srun: CPUs per task (one per stage peer); else: the local replicas and trainers
     resources:
         **SWARM_SLURM,
         gpu=pretrain_gpus,
@@ -31,7 +31,7 @@ rule swarm_pretrain:
         arch=arch_json,
         swarm=swarm_json,
         out_dir=subpath(output.model, parent=True),
-        # where attach/srun peers meet the coordinator (config.json + DHT address file), and the launcher's
+        # where attach peers meet the coordinator (config.json + DHT address file), and the launcher's
         # resumable state (stage shards, trainer progress: a rerun after this job was killed resumes); not an output
         rendezvous="results/.state/swarm/{source}/{model}/v{vocab}",
     shell:

@@ -211,3 +211,15 @@ def test_square_cube_measures_the_layer_on_the_gpu(tmp_path):
                       batch=2, seq_len=16, repeats=2, link="ideal", device="cuda")
     frame = pd.read_csv(tmp_path / "sq.csv")
     assert set(frame["device"]) == {torch.cuda.get_device_name()} and (frame["compute_s"] > 0).all()
+
+
+def test_blockwise8_on_the_gpu_is_the_cpus_code():
+    """A stage peer encodes and decodes where it computes: on CUDA the codes, scales and values are the CPU's."""
+    from cramswarm.swarm.compression import decode, encode, payload_to
+
+    x = torch.randn(256, 128, 96) * 3
+    on_cpu, on_gpu = encode(x, "blockwise8"), encode(x.cuda(), "blockwise8")
+    assert on_gpu["codes"].is_cuda
+    back = payload_to(on_gpu, "cpu")
+    assert torch.equal(back["codes"], on_cpu["codes"]) and torch.equal(back["absmax"], on_cpu["absmax"])
+    assert torch.equal(decode(payload_to(on_cpu, "cuda")).cpu(), decode(on_cpu))

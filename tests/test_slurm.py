@@ -254,33 +254,122 @@ def test_local_gpu_jobs_hold_the_default_profiles_one_gpu(dry, tmp_path):
     assert "gpu=0" in planned_resources(dry, finetune, *TINY, str(cpu), environ=with_gpu)["finetune_model"]
 
 
-# SWARM with swarm.placement srun: one SLURM job whose tasks are the stage peers (2 stages x 1 peer, one CPU each
-# on the 2-CPU test node); the coordinator runs in the job's batch step and starts them as one srun job step.
+# SWARM with swarm.placement srun: one SLURM job (2 stages x 1 peer: --ntasks=2, one CPU each on the 2-CPU test
+# node) whose batch step runs the launcher; every process it starts (bootstrap DHT, stage peers, trainers) is its own
+# srun job step (--overlap: they share the job's CPUs). Mid-run the test SIGKILLs a trainer's step (scancel): the
+# launcher starts it again as a new step. Then it SIGKILLs the rule's process: the job fails and SLURM ends its
+# steps; the profile resubmits it (retries: 1), and the new job resumes from the stage shards.
 SWARM_RUN = "results/swarm/synthetic/swarm/v128"
-SWARM_OVERLAY = ("pretrain:\n  budget: {unit: tokens, value: 81920}\n"  # 20 steps of 32 x 128 tokens
-                 "swarm:\n  transport: hivemind\n  placement: srun\n  peers_per_stage: 1\n  interface: lo\n")
+SWARM_STATE = "results/.state/swarm/synthetic/swarm/v128"
+SWARM_STEPS = 80  # the peers' first shards came as late as step 29 (of 40) on this loaded machine
+SWARM_OVERLAY = (f"pretrain:\n  budget: {{unit: tokens, value: {SWARM_STEPS * 32 * 128}}}\n"  # 32 x 128 tokens a step
+                 "swarm:\n  transport: hivemind\n  placement: srun\n  peers_per_stage: 1\n  interface: lo\n"
+                 "  checkpoint_every_s: 1.0\n")
 
 
-def test_swarm_peers_run_as_the_tasks_of_one_slurm_job(cluster, local, tmp_path_factory):
+def job_steps() -> dict[str, str]:
+    """Step name -> <job>.<step> of every job step SLURM lists now (squeue lists running steps only)."""
+    out = run("squeue", "-h", "--steps", "-o", "%i %j", check=False).stdout
+    return {name: step for step, _, name in (line.strip().partition(" ") for line in out.splitlines())}
+
+
+def step_processes(job_id: str) -> dict[psutil.Process, list[psutil.Process]]:
+    """The processes of a job's srun steps: each step's slurmstepd -> everything under it."""
+    found = {}
+    for proc in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            title = " ".join(proc.info["cmdline"] or [])  # ["slurmstepd: [1.0]", "", ...], ["slurmstepd:", "[1.batch]"]
+            if title.startswith(f"slurmstepd: [{job_id}.") and "batch" not in title:
+                found[proc] = proc.children(recursive=True)
+    return found
+
+
+def mid_run_shards(shards: Path) -> bool:
+    """Whether both stages have written a shard of a step before the last quarter (the trainers still run)."""
+    steps = [[int(p.name.split(".")[1][len("step"):]) for p in shards.glob(f"stage{s}.step*.pt")] for s in (0, 1)]
+    return all(found and max(found) < SWARM_STEPS * 3 // 4 for found in steps)
+
+
+def rule_process(job_id: str):
+    """The swarm-pretrain command's process in a job's batch step (None when there is none)."""
+    for proc in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if " ".join(proc.info["cmdline"] or []).startswith(f"slurmstepd: [{job_id}.batch]"):
+                return next((p for p in proc.children(recursive=True) if "swarm-pretrain" in p.cmdline()), None)
+    return None
+
+
+def test_swarm_processes_run_as_job_steps_and_a_killed_rule_resumes(cluster, local, tmp_path_factory):
     work = copy_workflow(tmp_path_factory.mktemp("swarm_srun"))
     (work / "slurm_test.yaml").write_text(SWARM_OVERLAY)
     for folder in ("results/data", "results/tokenizers", "results/packed"):
         shutil.copytree(local / folder, work / folder)  # keeps the times: only swarm_pretrain is to run
     assert planned_jobs(work, f"{SWARM_RUN}/summary.json", *CONFIG) == Counter({"swarm_pretrain": 1})
-    proc = snakemake(work, *PROFILE, f"{SWARM_RUN}/summary.json", *CONFIG, check=False, timeout=900,
-                     env=env(**CPU_CLUSTER))
-    log = (work / "logs/swarm_pretrain/synthetic/swarm/v128.log")
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:] + (log.read_text()[-4000:] if log.exists() else "")
-    job = next(job for job in cluster.jobs() if rule_of(job) == "swarm_pretrain")
-    assert job["state"] == "COMPLETED" and "cpu=2" in job["tres"], job  # --ntasks=2, one CPU per task
+    cmd = ["snakemake", *PROFILE, f"{SWARM_RUN}/summary.json", *CONFIG]
+    shards = work / SWARM_STATE / "launcher" / "shards"
+    steps_seen: set[str] = set()
+    with open(work / "snakemake.log", "w") as out:
+        proc = subprocess.Popen(cmd, cwd=work, env=env(**CPU_CLUSTER), stdout=out, stderr=subprocess.STDOUT)
+    first, first_steps, trainer_killed, seen_shards, deadline = None, [], None, [], time.monotonic() + 900
+    try:
+        while proc.poll() is None:
+            assert time.monotonic() < deadline, (work / "snakemake.log").read_text()[-4000:]
+            steps = job_steps()
+            steps_seen |= set(steps)
+            if trainer_killed is None and (shards.parent / "trainer0.losses.jsonl").exists():  # training runs:
+                # SIGKILL trainer 1's step
+                trainer_killed = next((step for name, step in steps.items() if name.endswith(".trainer1.1")), None)
+                if trainer_killed:
+                    run("scancel", "--signal=KILL", trainer_killed)
+            restarted = any(name.endswith(".trainer1.2") for name in steps_seen)
+            if seen_shards[-1:] != [sorted(p.name for p in shards.glob("*.pt"))]:
+                seen_shards.append(sorted(p.name for p in shards.glob("*.pt")))
+            if first is None and restarted and mid_run_shards(shards):
+                job = next(job for job in cluster.jobs() if rule_of(job) == "swarm_pretrain")
+                victim = rule_process(job["id"])
+                if victim is not None:  # the first job's steps' processes, then SIGKILL of the rule's process
+                    first, first_steps = job, step_processes(job["id"])
+                    victim.kill()
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = work / "logs/swarm_pretrain/synthetic/swarm/v128.log"
+    output = (work / "snakemake.log").read_text()[-4000:] + (log.read_text()[-4000:] if log.exists() else "")
+    assert first is not None and trainer_killed is not None, f"{seen_shards}\n{steps_seen}\n{output}"
+    assert proc.returncode == 0, output
+    # the first job failed with its rule's process and took every process of its steps with it: 5 steps
+    # (bootstrap, 2 peers, 2 trainers), each a slurmstepd with its task (and the task's p2pd) under it
+    assert len(first_steps) == 5 and all(first_steps.values()), first_steps
+    gone, alive = psutil.wait_procs([p for stepd, tasks in first_steps.items() for p in (stepd, *tasks)], timeout=60)
+    assert alive == [], alive
+    jobs = {job["id"]: job for job in cluster.jobs() if rule_of(job) == "swarm_pretrain"}
+    assert len(jobs) == 2 and jobs.pop(first["id"])["state"] != "COMPLETED", cluster.jobs()
+    second = next(iter(jobs.values()))
+    assert second["state"] == "COMPLETED" and "cpu=2" in second["tres"], second  # --ntasks=2: the peers' CPUs
+    # every process was its own job step, <run id>.<process>.<start>; the killed trainer's step started again (a
+    # resumed trainer whose shard is done exits at once: its step may come and go between two looks)
+    runs: dict[str, set[str]] = {}
+    for name in steps_seen:
+        if name.startswith("cs"):
+            runs.setdefault(name.split(".", 1)[0], set()).add(name.split(".", 1)[1])
+    assert len(runs) == 2, steps_seen
+    before, after = sorted(runs.values(), key=lambda names: "trainer1.2" not in names)
+    assert {"bootstrap.1", "s0p1.1", "s1p2.1", "trainer0.1", "trainer1.1", "trainer1.2"} <= before, steps_seen
+    # the resumed launcher's peers take fresh uids (s0p3, s1p4: the first life's logs stay)
+    assert "bootstrap.1" in after and {name.split("p")[0] for name in after if name.startswith("s")} == {"s0", "s1"}
+    # the second job resumed from the first one's shards and ran under the launcher, nothing lost
     stats = json.loads((work / SWARM_RUN / "summary.json").read_text())["swarm_stats"]
-    assert stats["placement"] == "srun"
+    assert stats["placement"] == "srun" and stats["roles"] == "launcher"
+    assert stats["resumed"]["shard_steps"][0] > 0 and stats["resumed"]["shard_steps"][1] > 0, stats["resumed"]
     assert stats["microbatches_requested"] == stats["microbatches_done"] > 0 and stats["lost_microbatches"] == 0
-    # the peers' uids carry the rank each task read from SLURM_PROCID (no --rank is passed): ranks 0 and 1
-    assert sorted(uid for steps in stats["replica_steps"].values() for uid in steps) == ["s0r0.0", "s1r1.0"], stats
-    # the tasks left with the run: their supervisors and peers are gone, and no rendezvous outlived it as output
-    assert processes_naming(str(work / "results/.state/swarm")) == []
-    assert not (work / "results/swarm/synthetic/swarm/v128/dht_addrs.txt").exists()
+    total = stats["microbatches_requested"]  # each stepped exactly once on every stage, across both jobs
+    assert stats["stepped_microbatches"] == [total, total] and stats["assembled_from"] == ["shard", "shard"]
+    # nothing outlived the run: no process, no job step, no state folder
+    assert processes_naming(str(work / SWARM_STATE)) == []
+    assert not any(name.startswith("cs") for name in job_steps())
+    assert not (work / SWARM_STATE / "launcher").exists()
 
 
 def processes_naming(text):

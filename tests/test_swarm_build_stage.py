@@ -7,6 +7,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from cramswarm.swarm.stages import (
     STATE_BYTES_PER_PARAMETER,
+    SavedActivations,
     build_stage,
     build_swarm_model,
     check_memory_cap,
@@ -147,3 +148,99 @@ def test_hivemind_run_refuses_a_cap_below_a_stage_at_its_start():
                         peer_memory_cap_mb=min(stage_state_bytes(arch, VOCAB, 2)) / 2 / 2**20)
     with pytest.raises(ValueError, match="swarm.peer_memory_cap_mb"):
         ht.run_swarm(plan, iter([]), 1, progress=False)
+
+
+def test_last_stage_decodes_only_the_masked_positions():
+    """The last stage's decoder (and so its logits, microbatch x positions x vocabulary) sees the masked rows only:
+    its input has as many rows as labels that are not -100, and the loss is the whole model's."""
+    arch = ARCH | {"layers": 2}
+    model = build_swarm_model(arch, VOCAB, 0, 1, "none")
+    last = build_stage(arch, VOCAB, 0, 1, 2)
+    hidden = split_model(model, 2)[0](torch.randint(5, VOCAB, (3, 16)))
+    rows = []
+    last.head.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[0]))
+    labels = torch.full((3, 16), -100)
+    labels[0, :4], labels[2, 7] = torch.randint(5, VOCAB, (4,)), 9
+    last(hidden.detach(), labels)
+    assert rows == [5]
+
+
+def test_saved_activations_counts_what_backward_holds_but_not_the_parameters():
+    layer = torch.nn.Linear(64, 32)
+    x = torch.randn(10, 64, requires_grad=True)
+    with SavedActivations(list(layer.parameters())) as saved:
+        out = torch.relu(layer(x))
+    # the linear layer saves its input (10 x 64) and its weight (excluded); relu saves its output (10 x 32)
+    assert saved.bytes == 4 * (10 * 64 + 10 * 32)
+    out.sum().backward()   # the tensors pass through unchanged
+    assert torch.allclose(x.grad, (out > 0).float() @ layer.weight)
+    with SavedActivations() as everything:
+        torch.relu(layer(x))
+    assert everything.bytes == saved.bytes + 4 * 64 * 32
+
+
+def test_last_stage_with_static_sparse_prediction_decodes_the_models_fixed_count():
+    """``sparse_prediction: static``: the last stage decodes round(rate x positions) rows, as the whole model does,
+    so its loss is the model's even where more positions are masked than fit (the boolean gather would take all)."""
+    arch = ARCH | {"layers": 2, "sparse_prediction": "static", "sparse_prediction_rate": 0.25}
+    model = build_swarm_model(arch, VOCAB, 0, 1, "none")
+    first, last = split_model(model, 2)
+    ids = torch.randint(5, VOCAB, (2, 16))
+    labels = torch.full((2, 16), -100)
+    labels[:, :12] = torch.randint(5, VOCAB, (2, 12))   # 24 masked of 32 positions, 8 decoded
+    rows = []
+    last.head.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[0]))
+    with torch.no_grad():
+        loss = last(first(ids), labels)
+        expected = model(ids, labels=labels).loss
+    assert rows == [8]
+    assert torch.allclose(loss, expected, rtol=1e-6, atol=1e-7), (loss, expected)
+
+
+def _peer(stage: int, stages: int = 2):
+    from cramswarm.swarm.hivemind_peer import StagePeer
+
+    recipe = {"device": "cpu", "precision": "fp32", "seed": 0, "weight_decay": 0.01, "lr": 1e-3,
+              "betas": [0.9, 0.98], "eps": 1e-12, "grad_clip_norm": 0.5}
+    cfg = {"recipe": recipe, "run_id": "t", "stages": stages, "arch": ARCH | {"layers": 2}, "vocab_size": VOCAB,
+           "compression": "none", "averaging_compression": "none", "link_mbit_s": None, "sync_timeout_s": 5.0}
+    return StagePeer(cfg, stage, "u", 1.0, node=None)
+
+
+def test_a_peers_gradient_snapshot_is_one_vector_divided_in_place_and_dropped_at_the_step():
+    """The in-stage step holds one flat copy of the gradients: the snapshot, divided by the samples in place, is
+    what the all-reduce reads (a retry gets the same vector) and, in a group of one, the average the step applies;
+    the step drops it."""
+    from cramswarm.swarm.compression import encode
+    from cramswarm.swarm.hivemind_peer import flatten_payload
+
+    peer = _peer(1)
+    for seed in (1, 2):
+        g = torch.Generator().manual_seed(seed)
+        tensors, meta = {"labels": torch.randint(5, VOCAB, (3, 8), generator=g)}, {}
+        flatten_payload("x", encode(torch.randn(3, 8, ARCH["hidden_size"], generator=g), "none"), tensors, meta)
+        peer._backward(tensors, meta)
+    sums = torch.cat([p.grad.reshape(-1).clone() for p in peer.params])
+    flat, samples = peer._take_snapshot(0)
+    assert samples == 6 and torch.equal(flat, sums / 6)
+    assert all(p.grad is None for p in peer.params) and peer.local_samples == 0
+    again, _ = peer._take_snapshot(0)   # a reduce retry
+    assert again is flat
+    before = [p.detach().clone() for p in peer.params]
+    peer.averaged = (b"group", flat)
+    assert peer._apply(b"group", 1e-3)["status"] == "ok"
+    assert peer.snapshot is None and peer.averaged is None
+    assert any(not torch.equal(a, p) for a, p in zip(before, peer.params))
+
+
+def test_a_stage_peer_bounds_the_onednn_primitive_cache_unless_the_environment_sets_it(monkeypatch):
+    import os
+
+    from cramswarm.swarm.hivemind_peer import KERNEL_CACHE_ENV, PEER_KERNEL_CACHE, bound_kernel_cache
+
+    monkeypatch.delenv(KERNEL_CACHE_ENV, raising=False)
+    bound_kernel_cache()
+    assert os.environ[KERNEL_CACHE_ENV] == str(PEER_KERNEL_CACHE)
+    monkeypatch.setenv(KERNEL_CACHE_ENV, "200")
+    bound_kernel_cache()
+    assert os.environ[KERNEL_CACHE_ENV] == "200"

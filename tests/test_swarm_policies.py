@@ -15,6 +15,7 @@ from cramswarm.swarm.compression import (
     decode,
     encode,
     payload_bytes,
+    payload_to,
     roundtrip,
 )
 from cramswarm.swarm.policies import (
@@ -297,6 +298,28 @@ def test_encode_decode_keeps_shape_dtype_and_odd_sizes(scheme):
     assert rel_error(y.float(), x.float()) < 0.02
     zeros = torch.zeros(4, 4)
     assert torch.equal(roundtrip(zeros, scheme), zeros)
+
+
+@pytest.mark.parametrize("numel", [4 * 4096, 4 * 4096 + 5])
+def test_blockwise8_is_the_reference_code_and_leaves_its_input_alone(numel):
+    """The in-place codec gives exactly the out-of-place reference formula, whole blocks (a view of the input) or
+    not, and never writes to the tensor it encodes."""
+    x = torch.randn(numel) * 3
+    before = x.clone()
+    payload = encode(x, "blockwise8")
+    assert torch.equal(x, before)
+    blocks = -(-numel // 4096)
+    padded = torch.zeros(blocks * 4096)
+    padded[:numel] = x
+    padded = padded.view(blocks, 4096)
+    absmax = padded.abs().amax(dim=1)
+    scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
+    codes = (torch.round(padded / scale[:, None]).clamp(-127, 127) + 128).to(torch.uint8).reshape(-1)[:numel]
+    assert torch.equal(payload["codes"], codes) and torch.equal(payload["absmax"], absmax)
+    values = ((codes.float() - 128.0) * (absmax / 127.0).repeat_interleave(4096)[:numel])
+    assert torch.equal(decode(payload), values)
+    moved = payload_to(payload, "cpu")
+    assert moved["block_size"] == 4096 and torch.equal(moved["codes"], payload["codes"])
 
 
 def test_unknown_scheme_is_named():

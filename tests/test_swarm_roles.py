@@ -7,10 +7,12 @@ import contextlib
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,12 +23,24 @@ import torch
 pytest.importorskip("hivemind", reason="hivemind is not installed: transport 1 (real hivemind processes) is untested")
 
 from conftest import ARCH, recipe  # noqa: E402
-from test_swarm_hivemind import MICRO, TINY, VOCAB, batches, own_p2p_daemons, plan, source  # noqa: E402
+from test_swarm_hivemind import (  # noqa: E402
+    MICRO,
+    TINY,
+    VOCAB,
+    batches,
+    own_p2p_daemons,
+    plan,
+    processes_naming,
+    source,
+    start_tasks,
+    wait_all,
+)
 
 from cramswarm.swarm import hivemind_transport as ht  # noqa: E402
 from cramswarm.swarm import launcher as launcher_mod  # noqa: E402
 from cramswarm.swarm.peer_sync import (  # noqa: E402
     MIN_GATHER_S,
+    load_shard,
     newest_shard,
     shard_files,
     stage_stalls,
@@ -391,8 +405,13 @@ def test_train_runs_under_the_launcher_only_where_the_launcher_supports_the_plan
     seconds = plan().recipe | {"budget": {"unit": "seconds", "value": 60}}
     assert ht.decentralised_supported(plan(recipe=seconds), 1 << 62) is None
     assert ht.decentralised_supported(plan(), 10**9) is None
+    # srun: every process the launcher starts is its own job step (srun.SrunPlacement; tests/test_slurm.py);
+    # attach: the user's swarm-peer tasks serve the stages, but the launcher kills only what it started
+    assert ht.decentralised_supported(plan(placement="srun", rendezvous=Path("r")), 96) is None
+    assert ht.decentralised_supported(plan(placement="attach", rendezvous=Path("r")), 96) is None
     reasons = {
-        "placement=attach": ht.decentralised_supported(plan(placement="attach"), 96),
+        "placement=attach with kill_every_s": ht.decentralised_supported(plan(placement="attach", kill_every_s=4.0),
+                                                                         96),
         "throughput emulation": ht.decentralised_supported(plan(emulate={"stage_time_s": 0.01}), 96),
         "peers_per_stage": ht.decentralised_supported(plan(peers_per_stage=[1, 0]), 96),
     }
@@ -400,6 +419,43 @@ def test_train_runs_under_the_launcher_only_where_the_launcher_supports_the_plan
     # the launcher's trainers make their own microbatches: an iterator of them cannot be handed on
     with pytest.raises(TypeError, match="give it a microbatch source"):
         ht.run_swarm(plan(decentralised=True), batches(), 8, progress=False)
+
+
+@pytest.mark.slow
+def test_attached_peers_serve_the_launchers_swarm_and_their_tasks_restart_them(tmp_path):
+    """placement attach under the launcher: the stage peers are `swarm-peer` tasks started apart from it (here before
+    it), which find the run through its folder; the launcher starts only the bootstrap DHT and the trainers. One
+    task's peer is SIGKILLed from outside once training runs: its task starts it again, nothing is lost."""
+    total, state, logs = 320, tmp_path / "state", tmp_path / "logs"
+    tasks = start_tasks(state, range(3), logs)  # ranks 0, 1: stage 0; rank 2: stage 1
+
+    def kill_rank1s_peer():  # SIGKILL of the process group of rank 1's peer (the peer and its p2pd)
+        deadline = time.monotonic() + 600
+        while not (state / "trainer0.losses.jsonl").exists() and not (state / "done").exists():
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.2)
+        children = psutil.Process(tasks[1].pid).children()
+        if children:
+            os.killpg(children[0].pid, signal.SIGKILL)
+
+    outside = threading.Thread(target=kill_rank1s_peer, daemon=True)
+    outside.start()
+    try:
+        result, stats = launch(total, placement="attach", rendezvous=state, state_dir=state, interface="lo",
+                               peers_per_stage=[2, 1], rejoin_after_s=0.2)
+    finally:
+        for task in tasks:
+            if task.poll() is None and not (state / "done").exists():
+                os.killpg(task.pid, signal.SIGKILL)
+    assert stats["placement"] == "attach" and stats["peers_killed"] == 0 and stats["rejoins"] == 0  # not the launcher's
+    uids = sorted(uid for steps in stats["replica_steps"].values() for uid in steps)
+    assert [uid.split(".")[0] for uid in uids] == ["s0r0", "s0r1", "s1r2"], uids
+    rank1 = (logs / "rank1.log").read_text()
+    assert re.search(r"\[rank 1\] peer s0r1\.0 ended with code -9", rank1), rank1[-3000:]
+    # the tasks read the launcher's `done` and exit 0; none of their processes, nor the launcher's, is left
+    wait_all(tasks, logs)
+    assert processes_naming(str(state)) == []
 
 
 @pytest.mark.slow
@@ -471,6 +527,26 @@ def test_shard_files_keep_the_newest_step_of_each_stage(tmp_path):
     write_shard(tmp_path, 2, "s2r1.0", 7, b"e")  # a task's uid (s<stage>r<rank>.<incarnation>)
     assert shard_files(tmp_path, 2) == [(7, "s2r1.0", tmp_path / "stage2.step00000007.s2r1.0.pt")]
     assert not list(tmp_path.glob(".*"))  # no temporary file left
+
+
+def test_a_shard_written_from_the_state_itself_loads_as_the_serialised_one(tmp_path):
+    """A peer hands ``write_shard`` its live state (streamed to the file, no serialised copy in memory); the shard
+    loads to the same values as one written from the serialised bytes."""
+    layer = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-3)
+    layer(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    state = {"module": layer.state_dict(), "optimizer": optimizer.state_dict(), "step": 2, "stepped_samples": 16,
+             "stepped_mbs": [0, 1]}
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    from_bytes = load_shard(write_shard(tmp_path / "a", 0, "s0p1", 2, buffer.getvalue()))
+    from_state = load_shard(write_shard(tmp_path / "b", 0, "s0p1", 2, state))
+    assert from_state.keys() == from_bytes.keys() and from_state["stepped_mbs"] == [0, 1]
+    assert all(torch.equal(from_state["module"][k], v) for k, v in from_bytes["module"].items())
+    assert torch.equal(from_state["optimizer"]["state"][0]["exp_avg_sq"],
+                       from_bytes["optimizer"]["state"][0]["exp_avg_sq"])
+    assert not list((tmp_path / "b").glob(".*"))  # no temporary file left
 
 
 def test_a_rerun_resumes_each_trainer_at_the_first_microbatch_not_every_stage_stepped(tmp_path):
@@ -645,15 +721,16 @@ def test_swarm_pretrain_gives_the_launcher_the_rules_state_folder(monkeypatch, t
                   total_microbatches=96, progress=False, source=source())
     ht.train(swarm=swarm, rendezvous=tmp_path, **common)
     ht.train(swarm=swarm, **common)
-    ht.train(swarm=swarm | {"placement": "attach"}, rendezvous=tmp_path, **common)  # the coordinator's
+    ht.train(swarm=swarm | {"placement": "attach", "kill_every_s": 4.0}, rendezvous=tmp_path, **common)  # coordinator's
+    ht.train(swarm=swarm | {"placement": "srun"}, rendezvous=tmp_path, **common)  # the launcher's, as job steps
     ht.train(swarm=swarm | {"rebalance_period_s": 5.0}, rendezvous=tmp_path, **common)  # the peers rebalance
     ht.train(swarm=swarm, rendezvous=tmp_path, **(common | {"source": None}))  # no source: the coordinator's
     assert [(p.decentralised, p.state_dir) for p in seen] == [(True, tmp_path / "launcher"), (True, None),
                                                               (False, None), (True, tmp_path / "launcher"),
-                                                              (False, None)]
+                                                              (True, tmp_path / "launcher"), (False, None)]
     assert seen[0].checkpoint_every_s == 7.0
     # the launcher gets the source (its trainers make their microbatches), the coordinator the iterator
-    assert [hasattr(data, "spec") for data in handed] == [True, True, False, True, False]
+    assert [hasattr(data, "spec") for data in handed] == [True, True, False, True, True, False]
 
 
 # -- the rule's outputs, then its state folder --------------------------------------------------------------------

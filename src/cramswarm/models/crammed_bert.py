@@ -399,18 +399,25 @@ class CrammedBertForMaskedLM(CrammedBertPreTrainedModel):
         return MaskedLMOutput(loss=loss, logits=logits)
 
     def _static_sparse(self, hidden: torch.Tensor, labels: torch.Tensor) -> MaskedLMOutput:
-        """Decode a fixed number of positions: the masked ones in position order, then unmasked ones (label -100,
-        no share of the loss) to fill up, or the first masked ones only where more are masked than fit. With at
-        least as many slots as masked positions the loss is the boolean gather's; the count comes from shapes
-        alone, so nothing is read back from the device and ``torch.compile`` sees one static graph."""
-        positions = labels.shape[0]
-        count = min(positions, max(1, round(self.config.sparse_prediction_rate * positions)))
-        order = torch.arange(positions, 0, -1, device=labels.device)  # earlier positions rank higher
-        key = torch.where(labels != -100, order + positions, order)  # masked positions above all others
-        chosen = torch.topk(key, count, sorted=True).indices
-        logits = self.head(hidden[chosen])
-        loss = F.cross_entropy(logits.float(), labels[chosen], ignore_index=-100)
+        loss, logits = static_sparse_loss(self.head, hidden, labels, self.config.sparse_prediction_rate)
         return MaskedLMOutput(loss=loss, logits=logits)
+
+
+def static_sparse_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
+                       rate: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, logits) of ``sparse_prediction: static`` over flat ``hidden`` (positions x width) and ``labels``:
+    decode a fixed number of positions, ``round(rate x positions)``: the masked ones in position order, then
+    unmasked ones (label -100, no share of the loss) to fill up, or the first masked ones only where more are masked
+    than fit. With at least as many slots as masked positions the loss is the boolean gather's; the count comes
+    from shapes alone, so nothing is read back from the device and ``torch.compile`` sees one static graph. (The
+    swarm's last stage computes its loss with this too.)"""
+    positions = labels.shape[0]
+    count = min(positions, max(1, round(rate * positions)))
+    order = torch.arange(positions, 0, -1, device=labels.device)  # earlier positions rank higher
+    key = torch.where(labels != -100, order + positions, order)  # masked positions above all others
+    chosen = torch.topk(key, count, sorted=True).indices
+    logits = head(hidden[chosen])
+    return F.cross_entropy(logits.float(), labels[chosen], ignore_index=-100), logits
 
 
 class CrammedBertForSequenceClassification(CrammedBertPreTrainedModel):

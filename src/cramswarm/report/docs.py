@@ -102,8 +102,8 @@ def provenance_line(files: Iterable[Path], results_dir: Path, *, writer: str, ex
 
 def _own_run(run: dict) -> str:
     """A file's own run record (:func:`record_file`) as words."""
-    commits = ", ".join(f"`{c[:12]}`" for c in run.get("git_commits", [])) or "not recorded"
-    bits = [f"results made at commit {commits}" if commits else None,
+    commits = ", ".join(f"`{c[:12]}`" for c in run.get("git_commits", []))
+    bits = [f"results made at commit {commits}" if commits else "the results' commit not recorded",
             f"on {', '.join(run['hardware'])}" if run.get("hardware") else None,
             f"finished {run['finished_utc'][0][:16]} to {run['finished_utc'][1][:16]} UTC"
             if run.get("finished_utc") else None,

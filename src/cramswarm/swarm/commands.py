@@ -29,9 +29,9 @@ EXPERIMENTS = {
     arg("--vocab-size", type=int, help="vocab size this run expects; the tokenizer must match"),
     arg(
         "--rendezvous",
-        help="swarm.placement attach/srun: folder (shared filesystem) where the peers find config.json and the DHT "
-        "address file; under the launcher: its launcher/ subfolder holds the resumable state (stage shards), so a "
-        "rerun after a kill resumes",
+        help="swarm.placement attach: folder (shared filesystem) where the peers find config.json and the DHT "
+        "address file; under the launcher (placements local and srun): its launcher/ subfolder holds the resumable "
+        "state (stage shards), so a rerun after a kill resumes",
     ),
     arg("--threads", type=int, default=1),
     arg("--quiet", action="store_true", help="no progress bar"),
@@ -50,7 +50,7 @@ def swarm_pretrain(args) -> int:
 
 @command(
     "swarm-peer",
-    "serve as one peer of a running swarm-pretrain (swarm.placement attach or srun)",
+    "serve as one peer of a running swarm-pretrain (swarm.placement attach)",
     arg(
         "--rendezvous",
         required=True,

@@ -43,7 +43,8 @@ def _check(scheme: str) -> None:
 
 
 def encode(t: torch.Tensor, scheme: str, *, block_size: int = 4096) -> dict:
-    """The payload that would travel over the network: tensors plus shape/dtype metadata."""
+    """The payload that would travel over the network: tensors plus shape/dtype metadata, on ``t``'s device (a
+    peer encodes where it computed and moves only the payload)."""
     _check(scheme)
     payload = {"scheme": scheme, "shape": tuple(t.shape), "dtype": str(t.dtype)}
     flat = t.detach().reshape(-1)
@@ -55,28 +56,45 @@ def encode(t: torch.Tensor, scheme: str, *, block_size: int = 4096) -> dict:
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         flat = flat.float()
-        blocks = math.ceil(flat.numel() / block_size) if flat.numel() else 0
-        padded = torch.zeros(blocks * block_size)
-        padded[: flat.numel()] = flat
-        padded = padded.view(blocks, block_size)
-        absmax = padded.abs().amax(dim=1)
+        numel = flat.numel()
+        blocks = math.ceil(numel / block_size) if numel else 0
+        if blocks * block_size == numel:   # whole blocks: a view, no padded copy (never written to)
+            padded = flat.view(blocks, block_size)
+        else:
+            padded = flat.new_zeros(blocks * block_size)
+            padded[:numel] = flat
+            padded = padded.view(blocks, block_size)
+        low, high = torch.aminmax(padded, dim=1) if blocks else (padded.sum(1), padded.sum(1))
+        absmax = torch.maximum(high, -low)   # max |x| per block, without an |x| copy of the tensor
         scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
-        codes = torch.round(padded / scale[:, None]).clamp_(-127, 127) + 128
+        # round(x / scale) in [-127, 127], + 128: one new tensor, the rest in place (the same values as out of place)
+        codes = (padded / scale[:, None]).round_().clamp_(-127, 127).add_(128)
         # only the tensor's own codes travel (the last block's zero padding is restored on decode)
-        payload.update(codes=codes.to(torch.uint8).reshape(-1)[: flat.numel()].clone(), absmax=absmax,
+        codes = codes.to(torch.uint8).reshape(-1)
+        payload.update(codes=codes[:numel].clone() if codes.numel() != numel else codes, absmax=absmax,
                        block_size=block_size)
     return payload
 
 
 def decode(payload: dict) -> torch.Tensor:
+    """The tensor a payload carries, on the payload's device."""
     dtype, shape = _DTYPES[payload["dtype"]], payload["shape"]
     if payload["scheme"] == "blockwise8":
         numel, size = math.prod(shape), payload["block_size"]
-        codes = torch.full((payload["absmax"].numel() * size,), 128.0)
-        codes[:numel] = payload["codes"].float()
-        values = ((codes.view(-1, size) - 128.0) * (payload["absmax"] / 127.0)[:, None]).reshape(-1)
+        absmax = payload["absmax"]
+        if absmax.numel() * size == numel:
+            codes = payload["codes"].float()
+        else:
+            codes = torch.full((absmax.numel() * size,), 128.0, device=absmax.device)
+            codes[:numel] = payload["codes"].float()
+        values = codes.view(-1, size).sub_(128.0).mul_((absmax / 127.0)[:, None]).reshape(-1)
         return values[:numel].reshape(shape).to(dtype)
     return payload["values"].reshape(shape).to(dtype)
+
+
+def payload_to(payload: dict, device: torch.device | str) -> dict:
+    """The payload with its tensors on ``device`` (metadata as is)."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in payload.items()}
 
 
 def payload_bytes(payload: dict) -> int:

@@ -76,6 +76,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -93,8 +94,8 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from cramswarm.swarm.averaging import StageAllReduce, average, chunk_timeout_s, codec, state_timeout_s
-from cramswarm.swarm.compression import decode, encode, wire_scheme
-from cramswarm.swarm.stages import build_stage
+from cramswarm.swarm.compression import decode, encode, payload_to, wire_scheme
+from cramswarm.swarm.stages import SavedActivations, build_stage, rss_bytes
 from cramswarm.training import autocast, decay_groups, resolve_device, resolve_precision
 
 CHUNK_BYTES = 2**20        # streamed message chunk (well below p2pd's 4 MiB message limit)
@@ -109,6 +110,32 @@ DONE_FILE = "done"         # in a rendezvous folder: the run id of a coordinator
 # Set by a placement that puts a process on a host of its own (``cramswarm.testbed.swarm``): the multiaddrs its
 # DHT node listens on and those it announces (space-separated; e.g. a relay's address that other hosts must dial).
 LISTEN_ENV, ANNOUNCE_ENV = "CRAMSWARM_P2P_LISTEN", "CRAMSWARM_P2P_ANNOUNCE"
+
+
+# oneDNN primitives (CPU kernels built for one shape) a stage peer process caches; oneDNN's default is 1024. The
+# last stage decodes only the masked positions, a count that differs from microbatch to microbatch, so every new
+# count builds new decoder primitives; with the default cache they pile up (benchmarks/swarm_peer_memory.py on the
+# last stage of swarm_launcher.py's memory run: RSS still rising by about 16 MiB per backward call at the 24th).
+# 16 bounds that; the CPU per call stayed within the probe's noise. ONEDNN_PRIMITIVE_CACHE_CAPACITY in the
+# environment wins.
+PEER_KERNEL_CACHE = 16
+KERNEL_CACHE_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
+_RUNTIME_RSS: list[int | None] = []
+
+
+def bound_kernel_cache() -> None:
+    """Bound this process's oneDNN primitive cache (``PEER_KERNEL_CACHE``) unless the environment sets it. oneDNN
+    reads the variable when it builds its first primitive, so call this before the process computes anything."""
+    os.environ.setdefault(KERNEL_CACHE_ENV, str(PEER_KERNEL_CACHE))
+
+
+def runtime_rss_bytes() -> int | None:
+    """This process's resident set size when its first stage peer was created, before the stage was built: the
+    runtime (Python, PyTorch, hivemind and the joined DHT node; not the ``p2pd`` daemon, a process of its own)
+    that the stage's memory comes on top of. Measured once per process (a peer moved to another stage keeps it)."""
+    if not _RUNTIME_RSS:
+        _RUNTIME_RSS.append(rss_bytes())
+    return _RUNTIME_RSS[0]
 
 
 class BootstrapError(RuntimeError):
@@ -279,31 +306,77 @@ def restore_payload(name: str, tensors: dict[str, torch.Tensor], meta: dict) -> 
     return payload
 
 
+def _chunks(tensor: torch.Tensor) -> Iterator[runtime_pb2.Tensor]:
+    """The streamed parts of one tensor: hivemind's ``split_for_streaming`` of its uncompressed serialisation. A
+    uint8 tensor (a state blob, 12 bytes per parameter) is cut from its own buffer into the same messages, one at a
+    time, so its whole serialised copy never exists."""
+    if tensor.dtype != torch.uint8 or tensor.requires_grad:
+        yield from split_for_streaming(serialize_torch_tensor(tensor), CHUNK_BYTES)
+        return
+    view = memoryview(tensor.numpy()).cast("B")
+    yield runtime_pb2.Tensor(compression=runtime_pb2.CompressionType.NONE, buffer=view[:CHUNK_BYTES].tobytes(),
+                             chunks=len(range(0, len(view), CHUNK_BYTES)), size=list(tensor.shape), dtype="uint8",
+                             requires_grad=False)
+    for start in range(CHUNK_BYTES, len(view), CHUNK_BYTES):
+        yield runtime_pb2.Tensor(buffer=view[start:start + CHUNK_BYTES].tobytes())
+
+
 def pack(message_cls: type, tensors: dict[str, torch.Tensor], meta: dict) -> Iterator:
-    """Messages (``ExpertRequest`` or ``ExpertResponse``) carrying the tensors in chunks; meta rides on the first."""
+    """Messages (``ExpertRequest`` or ``ExpertResponse``) carrying the tensors in chunks; meta rides on the first.
+    Made as they are consumed: a reply streams a large tensor without holding all of its chunks."""
     names = list(tensors)
     header = MSGPackSerializer.dumps({"names": names, "meta": meta})
-    parts = [chunk for name in names
-             for chunk in split_for_streaming(serialize_torch_tensor(tensors[name].detach().contiguous()), CHUNK_BYTES)]
-    if not parts:
+    first = True
+    for name in names:
+        for part in _chunks(tensors[name].detach().contiguous()):
+            yield message_cls(tensors=[part], metadata=header if first else b"")
+            first = False
+    if first:
         yield message_cls(metadata=header)
-    for i, part in enumerate(parts):
-        yield message_cls(tensors=[part], metadata=header if i == 0 else b"")
+
+
+class _Assembly:
+    """One tensor being received: a uint8 tensor (a state blob) is copied chunk by chunk into its final storage,
+    any other keeps its chunks for ``combine_from_streaming``."""
+
+    def __init__(self, first: runtime_pb2.Tensor):
+        self.count, self.received = max(first.chunks, 1), 0
+        self.direct = first.compression == runtime_pb2.CompressionType.NONE and first.dtype == "uint8"
+        if self.direct:
+            self.out = torch.empty(tuple(first.size), dtype=torch.uint8)
+            self.flat, self.pos = self.out.view(-1).numpy(), 0
+        else:
+            self.parts: list = []
+
+    def add(self, part: runtime_pb2.Tensor) -> bool:
+        """Take the next chunk; whether the tensor is complete."""
+        if self.direct:
+            data = part.buffer
+            self.flat[self.pos:self.pos + len(data)] = memoryview(data).cast("B")
+            self.pos += len(data)
+        else:
+            self.parts.append(part)
+        self.received += 1
+        return self.received == self.count
+
+    def tensor(self) -> torch.Tensor:
+        return self.out if self.direct else deserialize_torch_tensor(combine_from_streaming(self.parts))
 
 
 async def unpack(stream: AsyncIterator) -> tuple[dict[str, torch.Tensor], dict]:
-    header, parts = None, []
+    header, tensors, assembly = None, {}, None
     async for message in stream:
         if header is None:
             header = MSGPackSerializer.loads(message.metadata)
-        parts.extend(message.tensors)
+        for part in message.tensors:
+            assembly = assembly or _Assembly(part)
+            if assembly.add(part):
+                tensors[header["names"][len(tensors)]] = assembly.tensor()
+                assembly = None
     if header is None:
         raise ConnectionError("empty message stream")
-    tensors, i = {}, 0
-    for name in header["names"]:
-        count = max(parts[i].chunks, 1)
-        tensors[name] = deserialize_torch_tensor(combine_from_streaming(parts[i:i + count]))
-        i += count
+    if assembly is not None or len(tensors) != len(header["names"]):
+        raise ConnectionError(f"message stream ended with {len(tensors)} of {len(header['names'])} tensors")
     return tensors, header["meta"]
 
 
@@ -315,8 +388,42 @@ def request(tensors: dict[str, torch.Tensor], meta: dict) -> AsyncIterator[runti
     return as_aiter(*pack(runtime_pb2.ExpertRequest, tensors, meta))
 
 
+class BufferReader(io.RawIOBase):
+    """A read-only, seekable file over a buffer (a numpy array, bytes, a memoryview) that reads from the buffer
+    itself, where ``io.BytesIO`` of anything but ``bytes`` copies it first."""
+
+    def __init__(self, buffer):
+        super().__init__()
+        self.view, self.pos = memoryview(buffer).cast("B"), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, target) -> int:
+        n = max(0, min(len(target), len(self.view) - self.pos))
+        target[:n] = self.view[self.pos:self.pos + n]
+        self.pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: len(self.view)}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+
 def blob_tensor(data: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+    """A read-only uint8 view of ``data`` (no copy; nothing writes to it)."""
+    if not data:
+        return torch.zeros(0, dtype=torch.uint8)
+    with warnings.catch_warnings():   # torch warns that the buffer of a bytes object is not writable
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(data, dtype=torch.uint8)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -339,6 +446,7 @@ class StagePeer(ServicerBase):
         cls._stub_type = None
 
     def __init__(self, cfg: dict, stage: int, uid: str, speed: float, node: DHTNode):
+        self.runtime_rss_bytes = runtime_rss_bytes()   # before anything of the stage is allocated
         recipe = cfg["recipe"]
         self.cfg, self.stage, self.uid, self.speed, self.node = cfg, stage, uid, speed, node
         self.run_id, self.num_stages = cfg["run_id"], cfg["stages"]
@@ -368,6 +476,7 @@ class StagePeer(ServicerBase):
         self.snapshot: tuple[int, torch.Tensor, int] | None = None  # (step, flat fp32 gradient sums, samples)
         self.averaged: tuple[bytes, torch.Tensor] | None = None     # (group id, flat averaged gradient)
         self.runners: dict[bytes, asyncio.Future] = {}
+        self.activation_bytes = 0   # the most bytes one backward call's forward saved for backward (SavedActivations)
 
     @property
     def is_last(self) -> bool:
@@ -388,15 +497,19 @@ class StagePeer(ServicerBase):
         time.sleep(max(0.0, max(seconds, floor) / self.speed - seconds))
 
     def _input(self, tensors: dict[str, torch.Tensor], meta: dict) -> torch.Tensor:
-        x = tensors["input_ids"] if self.stage == 0 else decode(restore_payload("x", tensors, meta))
-        return x.to(self.device)
+        if self.stage == 0:
+            return tensors["input_ids"].to(self.device)
+        # decoded where the stage computes: only the payload (codes, scales) crosses to the device
+        return decode(payload_to(restore_payload("x", tensors, meta), self.device))
 
     def _forward(self, tensors: dict[str, torch.Tensor], meta: dict) -> tuple[dict, dict]:
         start = time.perf_counter()
         with torch.no_grad(), autocast(self.precision, self.device):
             out = self.module(self._input(tensors, meta))
         result, out_meta = {}, {}
-        flatten_payload("y", encode(out.float().cpu(), self.scheme), result, out_meta)
+        # encoded where it was computed: only the payload crosses to host memory (an 8-bit payload is a quarter of
+        # the fp32 activation; on a GPU the codec's passes over the tensor take no CPU time)
+        flatten_payload("y", payload_to(encode(out.float(), self.scheme), "cpu"), result, out_meta)
         self._emulate_speed(time.perf_counter() - start, 1.0)
         return result, out_meta
 
@@ -408,38 +521,44 @@ class StagePeer(ServicerBase):
             x = x.detach().requires_grad_()
         out_meta: dict = {"samples": samples}
         with torch.enable_grad():
-            with autocast(self.precision, self.device):
+            with SavedActivations(self.params) as saved, autocast(self.precision, self.device):
                 out = self.module(x, tensors["labels"].to(self.device)) if self.is_last else self.module(x)
+            self.activation_bytes = max(self.activation_bytes, saved.bytes)
             if self.is_last:
                 (out.float() * samples).backward()  # sample-weighted, so replicas' sums average correctly
                 out_meta["loss"] = float(out.item())
             else:
-                grad = decode(restore_payload("g", tensors, meta))
-                out.backward(grad.to(self.device, out.dtype))
+                grad = decode(payload_to(restore_payload("g", tensors, meta), self.device))
+                out.backward(grad.to(out.dtype))
         self.local_samples += samples
         result: dict = {}
         if x.is_floating_point():
-            flatten_payload("g", encode(x.grad.float().cpu(), self.scheme), result, out_meta)
+            flatten_payload("g", payload_to(encode(x.grad.float(), self.scheme), "cpu"), result, out_meta)
         self._emulate_speed(time.perf_counter() - start, 3.0 if self.is_last else 2.0)
         return result, out_meta
 
     def _take_snapshot(self, step: int) -> tuple[torch.Tensor, int]:
-        """Move the accumulated gradients out of ``.grad`` into one flat fp32 vector (once per step; kept across
-        reduce retries); returns it divided by the local sample count."""
+        """Move the accumulated gradients out of ``.grad`` into one flat fp32 vector divided by the local sample
+        count (once per step; kept across reduce retries) and return it. Divided in place and returned as is: the
+        all-reduce only reads it (its result is a new tensor), and the step that consumes it (``_apply``: for a
+        group of one, the average is this vector) drops the snapshot, so no second copy of the gradients exists."""
         if self.snapshot is None or self.snapshot[0] != step:
             flat = torch.cat([p.grad.detach().float().reshape(-1).cpu() if p.grad is not None
                               else torch.zeros(p.numel()) for p in self.params])
-            self.snapshot = (step, flat, self.local_samples)
             for p in self.params:
                 p.grad = None
+            if self.local_samples:
+                flat.div_(self.local_samples)
+            self.snapshot = (step, flat, self.local_samples)
             self.local_samples = 0
         _, flat, samples = self.snapshot
-        return flat / samples if samples else flat.clone(), samples
+        return flat, samples
 
     def _apply(self, group_id: bytes, lr: float) -> dict:
         if self.averaged is None or self.averaged[0] != group_id:
             return {"status": "failed", "error": "no averaged gradients held for this group"}
         leftover = [p.grad for p in self.params]  # backward calls that arrived after the snapshot
+        self.snapshot = None   # the gradients are averaged: not needed again (a group of one averages in place)
         for p, g in zip(self.params, torch.split(self.averaged[1], [p.numel() for p in self.params])):
             p.grad = g.to(p.device, p.dtype).view_as(p)
         if self.grad_clip is not None:
@@ -453,17 +572,29 @@ class StagePeer(ServicerBase):
         self.snapshot = self.averaged = None
         digest = hashlib.sha1()
         for p in self.params:
-            digest.update(p.detach().cpu().numpy().tobytes())
+            digest.update(p.detach().cpu().contiguous().numpy())   # its buffer, not a copy
         return {"status": "ok", "step": self.step, "digest": digest.hexdigest()}
+
+    def _state(self) -> dict:
+        """What a replica hands a joining one (and a shard holds): parameters, optimizer state, step and
+        ``_extra_state``; the tensors are the live ones (serialise it on the compute thread)."""
+        return {"module": self.module.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
+                **self._extra_state()}
 
     def _state_blob(self) -> tuple[bytes, int]:
         buffer = io.BytesIO()
-        torch.save({"module": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                    "step": self.step, **self._extra_state()}, buffer)
+        torch.save(self._state(), buffer)
         return buffer.getvalue(), self.step
 
     def _load_blob(self, blob: bytes) -> int:
-        state = torch.load(io.BytesIO(blob), weights_only=True, map_location=self.device)
+        return self._load_state(torch.load(io.BytesIO(blob), weights_only=True, map_location=self.device))
+
+    def _load_state_tensor(self, blob: torch.Tensor) -> int:
+        """``_load_blob`` of a downloaded state (a uint8 tensor) without a bytes copy of it: ``torch.load`` reads the
+        tensor's own buffer (a state is 12 bytes per parameter)."""
+        return self._load_state(torch.load(BufferReader(blob.numpy()), weights_only=True, map_location=self.device))
+
+    def _load_state(self, state: dict) -> int:
         self.module.load_state_dict(state["module"])
         self.optimizer.load_state_dict(state["optimizer"])
         for p in self.params:
@@ -608,7 +739,7 @@ class StagePeer(ServicerBase):
 
         tensors = await asyncio.wait_for(fetch(), timeout=state_timeout_s(self.num_params, self.link_mbit_s,
                                                                            self.sync_timeout_s))
-        return await self._run(self._load_blob, tensors["blob"].numpy().tobytes())
+        return await self._run(self._load_state_tensor, tensors.pop("blob"))
 
     async def load_from_replica(self, give_up_after_s: float) -> None:
         """Download parameters + optimizer state from a live replica of this stage before serving."""
@@ -673,27 +804,45 @@ class EmulatedStagePeer(StagePeer):
 # Entry points
 # --------------------------------------------------------------------------------------------------------------
 async def exit_with_coordinator() -> None:
-    """Kill this process's whole group (itself and its p2pd) once the coordinator that started it is gone."""
-    coordinator = int(os.environ.get("CRAMSWARM_COORDINATOR_PID", "0"))
-    while coordinator:
+    """Kill this process's whole group (itself and its p2pd) once the coordinator that started it is gone. Without
+    ``CRAMSWARM_COORDINATOR_PID`` (unset or empty: a process whose parent is not its starter, e.g. an srun job
+    step's task) it waits forever; such a process leaves on the coordinator's DHT heartbeat instead."""
+    coordinator = int(os.environ.get("CRAMSWARM_COORDINATOR_PID") or "0")
+    if not coordinator:
+        await asyncio.Event().wait()
+    while True:
         await asyncio.sleep(1.0)
         if os.getppid() != coordinator:
             os.killpg(os.getpgid(0), signal.SIGKILL)
 
 
-async def serve_bootstrap(addr_file: str, host: str) -> None:
+async def serve_bootstrap(addr_file: str, host: str, run_id: str | None = None,
+                          grace_s: float = COORDINATOR_GRACE_S) -> None:
+    """The DHT's first node; it writes the address file. With ``run_id`` it also leaves once the launcher of that
+    run says ``done`` or its heartbeat has been missing ``grace_s`` (the srun placement: no parent to watch)."""
     node = await join_dht(None, client_mode=False, host=host)
     maddrs = sorted((str(m) for m in await node.p2p.get_visible_maddrs()), key=lambda m: m.startswith("/ip4/127."))
     write_addr_file(addr_file, maddrs)
     print(f"bootstrap DHT at {maddrs}", flush=True)
-    await exit_with_coordinator()
-    await asyncio.Event().wait()
+    watches = [asyncio.create_task(exit_with_coordinator())]
+    if run_id is not None:
+        watches.append(asyncio.create_task(watch_coordinator(node, run_id, grace_s)))
+    done, _ = await asyncio.wait(watches, return_when=asyncio.FIRST_COMPLETED)
+    for task in done:
+        with contextlib.suppress(CoordinatorGone):
+            task.result()
+    for daemon in psutil.Process().children():  # its p2pd
+        with contextlib.suppress(psutil.Error):
+            daemon.kill()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 async def serve_stage(args: argparse.Namespace) -> None:
     """Serve one stage until the coordinator is done (exit code 0), gone (``COORDINATOR_GONE``) or moves this
     peer to stage s (``MIGRATE_EXIT + s``)."""
     cfg = json.loads(Path(args.config).read_text())
+    bound_kernel_cache()
     torch.set_num_threads(1)
     watchdog = asyncio.create_task(exit_with_coordinator())
     if cfg.get("peer_sync"):  # the launcher's swarm: peers step by themselves (peer_sync), any live entry joins
@@ -875,6 +1024,10 @@ def main(argv: list[str] | None = None) -> None:
     boot = roles.add_parser("bootstrap", help="run the bootstrap DHT node and write its address file")
     boot.add_argument("--addr-file", required=True)
     boot.add_argument("--host", default="127.0.0.1", help="IPv4 address to listen on (0.0.0.0: all interfaces)")
+    boot.add_argument("--interface", help="listen on this network interface's IPv4 address (looked up here)")
+    boot.add_argument("--run-id", help="leave once this run's launcher says done or its heartbeat is missing")
+    boot.add_argument("--grace-s", type=float, default=COORDINATOR_GRACE_S,
+                      help="seconds the heartbeat may be missing (with --run-id)")
     stage = roles.add_parser("stage", help="serve one pipeline stage")
     stage.add_argument("--config", required=True)
     stage.add_argument("--stage", type=int, required=True)
@@ -894,7 +1047,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--speed must be positive, got {args.speed}")
     try:
         if args.role == "bootstrap":
-            asyncio.run(serve_bootstrap(args.addr_file, args.host))
+            asyncio.run(serve_bootstrap(args.addr_file, listen_host({"host": args.host, "interface": args.interface}),
+                                        args.run_id, args.grace_s))
         asyncio.run(serve_stage(args))
     except BootstrapError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)

@@ -3,8 +3,10 @@
 Two ways to run a swarm: ``run_swarm`` hands a plan with ``decentralised`` set to the launcher (``launcher``:
 independent trainer processes, in-stage steps decided by the stage peers, no process whose state training needs;
 ``train`` sets it wherever ``decentralised_supported`` allows; there the stage peers also decide rebalancing,
-``peer_rebalance``; its trainers make their own microbatches from a source, ``data``), and runs every other plan -
-the attach / srun placements, the throughput emulation of ``run`` - with the coordinator below.
+``peer_rebalance``; its trainers make their own microbatches from a source, ``data``; the local and srun
+placements), and runs every other plan - the attach placement, a plan without a microbatch source, the throughput
+emulation of ``run`` - with the coordinator below (its srun code, one job step of all peers, serves those plans
+only when ``train`` is given no source).
 The trainers' call and microbatch code is ``trainer.StageClient`` in both; the coordinator adds its window
 through StageClient's hooks.
 
@@ -158,13 +160,14 @@ class SwarmPlan:
     rebalance_period_s: float | None = None
     seed: int = 0
     addr_file: Path | None = None   # join an existing swarm's bootstrap instead of starting one
-    placement: str = "local"        # local: start the peers here | attach: wait for peers started elsewhere
-                                    # (`swarm-peer` tasks) | srun: start them as one srun job step (SLURM tasks)
+    placement: str = "local"        # local: start the processes here | attach: wait for peers started elsewhere
+                                    # (`swarm-peer` tasks) | srun: the launcher starts each process as its own job
+                                    # step (srun.SrunPlacement; the coordinator: the peers as one srun job step)
     rendezvous: Path | None = None  # attach/srun: folder for config.json + dht_addrs.txt, on a shared filesystem
     host: str = "127.0.0.1"         # IPv4 address every process listens on (0.0.0.0: all interfaces)
     interface: str | None = None    # listen on this network interface's IPv4 address instead (looked up per host)
-    srun_args: list[str] = field(default_factory=list)  # srun: extra options of the peers' job step
-    coordinator_grace_s: float = 30.0  # attach/srun peers exit once this process's heartbeat is missing this long
+    srun_args: list[str] = field(default_factory=list)  # srun: extra options of the peers' job step(s)
+    coordinator_grace_s: float = 30.0  # attach/srun processes exit once this process's heartbeat is missing this long
     emulate: dict | None = None     # throughput emulation (``run``): stage_time_s, backward_factor, activation_bytes
     startup_timeout_s: float = 180.0
     join_timeout_s: float = 15.0
@@ -616,7 +619,7 @@ class Coordinator(StageClient):
             self.retired.add(uid)
             if self.local:
                 victim = self._process(uid)
-                ProcessGroups.kill(victim.proc)
+                self.groups.kill(victim.proc)
                 self._spawn(self._rejoin(stage, victim.speed, self.plan.rejoin_after_s, "rejoins"))
             else:
                 with contextlib.suppress(Exception):
@@ -658,7 +661,7 @@ class Coordinator(StageClient):
                 mover = self._process(move.uid)
                 if mover is None:
                     continue
-                ProcessGroups.kill(mover.proc)
+                self.groups.kill(mover.proc)
                 self.retired.add(move.uid)
             else:  # the peer exits; its task restarts it on the new stage
                 try:
@@ -898,7 +901,7 @@ class ThroughputCoordinator(Coordinator):
     async def _failure(self, peer: PeerProcess, event: FailureEvent) -> None:
         await asyncio.sleep(event.at_s)
         if peer.alive:
-            ProcessGroups.kill(peer.proc)
+            self.groups.kill(peer.proc)
             self.stats["peers_killed"] += 1
             if event.rejoin_after_s is not None:
                 await self._rejoin(peer.stage, peer.speed, event.rejoin_after_s, "rejoins")
@@ -931,13 +934,16 @@ _own_daemons = own_daemons  # the tests' name for it
 
 def decentralised_supported(plan: SwarmPlan, total_microbatches: int) -> str | None:
     """Why the launcher (independent trainer processes, steps decided by the stage peers) cannot run ``plan``
-    yet, or None. The attach/srun placements (their peers are started elsewhere, not by the launcher) and the
-    throughput emulation still need the coordinator. Any budget and any amount of data run under the launcher:
-    its trainers read the training blocks and mask their microbatches themselves (``data``), and with a seconds
+    yet, or None. Every placement runs under it (srun: every process it starts is its own job step,
+    ``srun.SrunPlacement``; attach: the user's ``swarm-peer`` tasks serve the stages, the launcher starts the
+    bootstrap and the trainers) but attach with ``kill_every_s`` (the launcher kills only what it started), which
+    the coordinator runs through the peers' ``die`` RPC, as it runs the throughput emulation. Any budget and any
+    amount of data run under the launcher: its trainers read the training blocks and mask their microbatches
+    themselves (``data``), and with a seconds
     budget they stop at the launcher's deadline (rebalancing is decided by the stage peers: ``peer_rebalance``).
     ``total_microbatches`` is kept for the callers; no count is refused."""
-    if plan.placement != "local":
-        return f"swarm.placement={plan.placement} (the launcher starts its peers itself: local only)"
+    if plan.placement == "attach" and plan.kill_every_s:
+        return "swarm.placement=attach with kill_every_s (the launcher kills only the processes it started)"
     if plan.emulate is not None:
         return "throughput emulation (hivemind_transport.run) uses the coordinator"
     if min(plan.peers_per_stage, default=0) < 1:

@@ -1,8 +1,12 @@
 """The launcher of a hivemind swarm: starts the processes, restarts the dead, gathers the result - no training.
 
-``hivemind_transport.run_swarm`` uses it for plans with ``decentralised`` set (``train`` sets it for the local
-placement, any budget; see ``hivemind_transport.decentralised_supported``).
-Processes (each its own process-group leader, ``processes.ProcessGroups``):
+``hivemind_transport.run_swarm`` uses it for plans with ``decentralised`` set (``train`` sets it for every
+placement, any budget, but attach with ``kill_every_s``; see ``hivemind_transport.decentralised_supported``).
+Processes (each its own process-group leader, ``processes.ProcessGroups``; with the srun placement each also its
+own job step of the SLURM job, on any of its nodes: ``srun.SrunPlacement``; with the attach placement the stage
+peers are the user's ``swarm-peer`` tasks - ``hivemind_peer.run_task``, rank r serving the r-th entry of the
+config's ``placement_specs`` - which the launcher waits for and neither restarts nor kills: each task restarts its
+own peer):
 
 * ``bootstrap`` - the process that starts the DHT (``hivemind_peer bootstrap``) and writes the address file;
   every later process - stage peer or trainer - joins through any live entry of that file and appends its own
@@ -84,6 +88,7 @@ from cramswarm.swarm.hivemind_peer import (
     ADDR_FILE,
     CONFIG_FILE,
     DECLARE_PERIOD_S,
+    DONE_FILE,
     RECORD_TTL_S,
     coordinator_key,
     join_dht,
@@ -116,7 +121,9 @@ RESUME_FILE = "resume.json"  # in a state folder: what the run was started with 
 LOCK_FILE = "launcher.lock"
 TIME_FILE = "launcher.json"  # in a state folder: training seconds so far, first start (wall clock)
 STALE_WAIT_S = 45.0       # a resuming launcher waits this long for the killed run's processes to be gone
-PEER_MEMORY_KEYS = ("uid", "stage", "stage_parameter_count", "parameter_bytes", "optimizer_bytes", "peak_rss_bytes")
+KILLED_STEP = 128 + signal.SIGKILL  # srun's exit code for a task SIGKILLed (its step's, srun placement)
+PEER_MEMORY_KEYS = ("uid", "stage", "stage_parameter_count", "parameter_bytes", "optimizer_bytes", "peak_rss_bytes",
+                    "rss_bytes", "runtime_rss_bytes", "activation_bytes")
 
 
 class ResumeMismatch(ValueError):
@@ -155,7 +162,12 @@ class Launcher:
             self.workdir = Path(tempfile.mkdtemp(prefix="cramswarm-swarm-"))
         self.shard_dir = self.workdir / "shards"
         self.run_id = f"cs{os.getpid()}x{self.rng.getrandbits(32):08x}"
-        self.groups = ProcessGroups(self.workdir, place=plan.hosts)
+        self.place = plan.hosts
+        if self.place is None and plan.placement == "srun":  # each process its own job step (srun.SrunPlacement)
+            from cramswarm.swarm.srun import SrunPlacement
+
+            self.place = SrunPlacement(self.run_id, plan.srun_args)
+        self.groups = ProcessGroups(self.workdir, place=self.place)
         self.host = listen_host({"host": plan.host, "interface": plan.interface})
         self.node = None
         self.phase = "starting"
@@ -261,7 +273,7 @@ class Launcher:
                                                             "stats": {"retries": 0, "timeouts": 0, "errors": 0}})
             after.append(done)
         last_step = shards[-1][0] if shards[-1] else 0
-        for path in self.workdir.glob(f"log-s{self.plan.stages - 1}p*.jsonl"):  # steps the shard holds
+        for path in self.workdir.glob(f"log-s{self.plan.stages - 1}[pr]*.jsonl"):  # steps the shard holds
             kept = [line for line in path.read_text().splitlines() if _step_of(line) <= last_step]
             write_text(path, "".join(f"{line}\n" for line in kept))
         used = [int(p.stem.split("p")[-1]) for p in self.workdir.glob("s*p*.log") if p.stem.split("p")[-1].isdigit()]
@@ -322,7 +334,10 @@ class Launcher:
                "seed": p.seed, "shard_dir": str(self.shard_dir), "checkpoint_every_s": p.checkpoint_every_s,
                "rebalance_period_s": p.rebalance_period_s, "peer_memory_cap_mb": p.peer_memory_cap_mb,
                "data": self.source.spec(), "microbatches": self.total, "routing": p.routing,
-               "peer_unit_time_s": p.peer_unit_time_s}
+               "peer_unit_time_s": p.peer_unit_time_s, "rejoin_after_s": p.rejoin_after_s,
+               # attach: rank r's task serves (stage, speed) of the r-th peer in stage order (hivemind_peer.run_task)
+               "placement_specs": [[s, p.peer_speeds[i % len(p.peer_speeds)]] for i, s in enumerate(
+                   s for s, n in enumerate(p.peers_per_stage) for _ in range(n))]}
         path = self.workdir / CONFIG_FILE
         tmp = self.workdir / f".{CONFIG_FILE}.tmp"
         tmp.write_text(json.dumps(cfg))
@@ -375,8 +390,11 @@ class Launcher:
 
     async def _start_dht(self) -> None:
         self.addr_file = self.workdir / ADDR_FILE
-        self.bootstrap, log = self.groups.spawn(["bootstrap", "--addr-file", str(self.addr_file), "--host",
-                                                 self.host], "bootstrap")
+        args = ["bootstrap", "--addr-file", str(self.addr_file), "--host", self.host]
+        if self.plan.placement == "srun":  # on any node: its own interface's address; no parent to watch
+            args += ["--interface", self.plan.interface] if self.plan.interface else []
+            args += ["--run-id", self.run_id, "--grace-s", repr(self.plan.coordinator_grace_s)]
+        self.bootstrap, log = self.groups.spawn(args, "bootstrap")
         deadline = time.monotonic() + self.plan.startup_timeout_s
         while not self.addr_file.exists():
             if self.bootstrap.poll() is not None or time.monotonic() > deadline:
@@ -411,6 +429,23 @@ class Launcher:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"stage peers {[p.uid for p in missing]} did not declare themselves within "
                                    f"{self.plan.startup_timeout_s:.0f} s (logs in {self.workdir})")
+            await asyncio.sleep(0.5)
+
+    async def _wait_attached(self) -> None:
+        """attach: wait until every stage has its ``peers_per_stage`` declared peers, started by the user as
+        ``swarm-peer --rendezvous <this run's folder> --rank R`` tasks (each restarts its own peer when it dies)."""
+        print(f"waiting for {self.plan.peers} peers: run `python -m cramswarm swarm-peer --rendezvous {self.workdir} "
+              f"--rank R` for R = 0 .. {self.plan.peers - 1}", file=sys.stderr, flush=True)
+        deadline = time.monotonic() + self.plan.startup_timeout_s
+        while True:
+            counts = [len(await stage_records(self.node, self.run_id, s)) for s in range(self.plan.stages)]
+            missing = {s: n - c for s, (n, c) in enumerate(zip(self.plan.peers_per_stage, counts)) if c < n}
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                lacking = ", ".join(f"stage {s}: {counts[s]} of {self.plan.peers_per_stage[s]}" for s in missing)
+                raise TimeoutError(f"swarm.placement=attach: not every stage's peers declared themselves within "
+                                   f"{self.plan.startup_timeout_s:.0f} s ({lacking}); rendezvous {self.workdir}")
             await asyncio.sleep(0.5)
 
     async def _restart_peer(self, peer: PeerProcess) -> None:
@@ -472,7 +507,7 @@ class Launcher:
 
     def _kill_peer(self, peer: PeerProcess) -> None:
         self.retired.add(peer.uid)
-        ProcessGroups.kill(peer.proc)
+        self.groups.kill(peer.proc)
         self.stats["peers_killed"] += 1
         self.stats["killed"].append({"uid": peer.uid, "stage": peer.stage, "t_s": round(self.elapsed(), 2)})
         self._spawn(self._restart_peer(peer))
@@ -494,12 +529,12 @@ class Launcher:
             await asyncio.sleep(0.1)
         await asyncio.sleep(at_s)
         if target == "bootstrap":
-            ProcessGroups.kill(self.bootstrap)
+            self.groups.kill(self.bootstrap)
             self.stats["bootstrap_killed"] += 1
         elif target.startswith("trainer"):
             rank = int(target[len("trainer"):])
             if rank not in self.finished and self.trainers[rank].poll() is None:
-                ProcessGroups.kill(self.trainers[rank])
+                self.groups.kill(self.trainers[rank])
                 self.stats["killed"].append({"uid": target, "t_s": round(self.elapsed(), 2)})
         elif target == "peer":
             candidates = await self._killable()
@@ -514,8 +549,8 @@ class Launcher:
             for uid, peer in list(self.peers.items()):
                 if peer.stage == stage and peer.alive and uid not in self.retired and uid != keep and keep:
                     self._kill_peer(peer)
-        elif self.plan.hosts is not None:  # the placement's own faults (a testbed link cut)
-            await asyncio.to_thread(self.plan.hosts.fault, target)
+        elif hasattr(self.place, "fault"):  # the placement's own faults (a testbed link cut)
+            await asyncio.to_thread(self.place.fault, target)
             self.stats.setdefault("host_faults", []).append({"target": target, "t_s": round(self.elapsed(), 2)})
         else:
             raise ValueError(f"unknown fault target {target!r}")
@@ -542,10 +577,11 @@ class Launcher:
                 for rank, proc in list(self.trainers.items()):
                     if rank in self.finished or proc is None or (code := proc.poll()) is None:
                         continue
-                    ProcessGroups.kill(proc)  # its p2pd
+                    self.groups.kill(proc)  # its p2pd
                     if code == 0:
                         self.finished.add(rank)
-                    elif code < 0:  # killed by a signal: restart with the same rank, it resumes its shard
+                    elif code < 0 or (code == KILLED_STEP and self.plan.placement == "srun"):
+                        # killed by a signal: restart with the same rank, it resumes its shard
                         self.trainers[rank] = None
                         self._spawn(self._restart_trainer(rank))
                     else:
@@ -633,7 +669,7 @@ class Launcher:
     # -- results --------------------------------------------------------------------------------------------
     def _log(self) -> list[dict]:
         rows = {}
-        for path in sorted(self.workdir.glob(f"log-s{self.plan.stages - 1}p*.jsonl")):
+        for path in sorted(self.workdir.glob(f"log-s{self.plan.stages - 1}[pr]*.jsonl")):
             for line in path.read_text().splitlines():
                 with contextlib.suppress(ValueError):
                     row = json.loads(line)
@@ -722,10 +758,13 @@ class Launcher:
             self.config = self._write_config(seq_len)
             await self._start_dht()
             self._spawn(self._heartbeat_forever())
-            speeds = self.plan.peer_speeds
-            specs = [s for s, n in enumerate(self.plan.peers_per_stage) for _ in range(n)]
-            peers = [self._start_peer(s, speeds[i % len(speeds)], load_state=False) for i, s in enumerate(specs)]
-            await self._wait_declared(peers)
+            if self.plan.placement == "attach":  # the user's swarm-peer tasks serve the stages
+                await self._wait_attached()
+            else:
+                speeds = self.plan.peer_speeds
+                specs = [s for s, n in enumerate(self.plan.peers_per_stage) for _ in range(n)]
+                peers = [self._start_peer(s, speeds[i % len(speeds)], load_state=False) for i, s in enumerate(specs)]
+                await self._wait_declared(peers)
             self.phase = "training"
             await self._beat()
             for rank in range(self.plan.trainers):
@@ -776,7 +815,7 @@ class Launcher:
         # a seconds budget: the trainers took microbatches until the deadline, and each one they took counts
         requested = self.total if data.bounded(self.total) else done
         self.stats.update(
-            transport="hivemind", placement="local", roles="launcher", microbatches_done=done,
+            transport="hivemind", placement=self.plan.placement, roles="launcher", microbatches_done=done,
             microbatches_requested=requested, lost_microbatches=requested - done,
             microbatches_with_loss=len(losses), trainer_losses=[losses[i] for i in sorted(losses)],
             shard_sizes=[len(shard(self.total, r, self.plan.trainers)) if data.bounded(self.total) else None
@@ -808,6 +847,7 @@ class Launcher:
         await asyncio.gather(*self.tasks, return_exceptions=True)
         if self.node is not None:
             self.phase = "done"
+            write_text(self.workdir / DONE_FILE, self.run_id + "\n")  # attach: a task whose peer died last exits 0
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._beat(), timeout=5.0)
         self.groups.close()

@@ -35,9 +35,11 @@ and
   same step does too (counted: ``digest_mismatches``). The gradients it held are lost and counted
   (``lost_gradient_samples``), as in SWARM.
 
-Each peer writes its counters to ``peer-<uid>.json`` in the run's folder (atomically; with what it holds:
-``stages.stage_memory``, its stage's parameter and optimizer bytes and its peak RSS, and the seconds its backward
-calls waited for admission, ``admission_wait_s`` over ``held_calls`` calls) and, on the last stage, one line per
+Each peer writes its counters to ``peer-<uid>.json`` in the run's folder (atomically, after every step and shard
+write; with what it holds: ``stages.stage_memory``, its stage's parameter and optimizer bytes and its peak and
+current RSS; ``runtime_rss_bytes``, its RSS before the stage was built; ``activation_bytes``, the most one backward
+call saved for backward; and the seconds its backward calls waited for admission, ``admission_wait_s`` over
+``held_calls`` calls) and, on the last stage, one line per
 step (step, progress, mean loss of the group's samples, LR, samples) to ``log-<uid>.jsonl``. Every peer also
 writes one line per step it took to ``sync-<uid>.jsonl`` (``SYNC_LOG``): the wall-clock times (``time.time()``)
 of its phases - ``last_backward`` (the end of the last backward computation in its snapshot; None without one),
@@ -140,11 +142,16 @@ def newest_shard(shard_dir: Path, stage: int) -> tuple[int, Path] | None:
     return (found[0][0], found[0][2]) if found else None
 
 
-def write_shard(shard_dir: Path, stage: int, uid: str, step: int, blob: bytes) -> Path:
-    """Write one stage shard atomically (``io.atomic_path``), then remove the stage's shards of older steps."""
+def write_shard(shard_dir: Path, stage: int, uid: str, step: int, blob: bytes | dict) -> Path:
+    """Write one stage shard atomically (``io.atomic_path``), then remove the stage's shards of older steps. ``blob``:
+    the serialised state, or the state itself (``StagePeer._state``), which ``torch.save`` writes to the file as it
+    serialises it, so no serialised copy of the stage is held in memory."""
     path = Path(shard_dir) / f"stage{stage}.step{step:08d}.{uid}.pt"
     with atomic_path(path) as tmp:
-        tmp.write_bytes(blob)
+        if isinstance(blob, dict):
+            torch.save(blob, tmp)
+        else:
+            tmp.write_bytes(blob)
     for old_step, _, old in shard_files(shard_dir, stage):
         if old_step < step:
             old.unlink(missing_ok=True)
@@ -305,7 +312,7 @@ class SyncingStagePeer(StagePeer):
     def _digest(self) -> str:
         digest = hashlib.sha1()
         for p in self.params:
-            digest.update(p.detach().cpu().numpy().tobytes())
+            digest.update(p.detach().cpu().contiguous().numpy())   # its buffer, not a copy
         return digest.hexdigest()
 
     def _held_samples(self) -> int:
@@ -385,7 +392,8 @@ class SyncingStagePeer(StagePeer):
     def _write_counters(self) -> None:
         write_json(self.workdir / f"peer-{self.uid}.json",
                    {**self.counters, "step": self.step, "stepped_samples": self.stepped_samples,
-                    "stepped_microbatches": len(self.stepped_mbs), **stage_memory(self.module, self.optimizer)})
+                    "stepped_microbatches": len(self.stepped_mbs), **stage_memory(self.module, self.optimizer),
+                    "runtime_rss_bytes": self.runtime_rss_bytes, "activation_bytes": self.activation_bytes})
 
     def background_tasks(self) -> list[asyncio.Task]:
         tasks = [asyncio.create_task(self.sync_forever())]
@@ -455,11 +463,15 @@ class SyncingStagePeer(StagePeer):
 
     async def _write_shard(self) -> None:
         try:
-            blob, step = await self._run(self._state_blob)
-            path = await asyncio.to_thread(write_shard, self.shard_dir, self.stage, self.uid, step, blob)
+            def save() -> tuple[Path, int]:   # on the compute thread: the state of one moment, streamed to the file
+                state = self._state()
+                return write_shard(self.shard_dir, self.stage, self.uid, state["step"], state), state["step"]
+
+            path, step = await self._run(save)
             self.shard_step, self.last_write = step, time.monotonic()
             self.counters["shards_written"] += 1
             print(f"[{self.uid}] wrote {path.name}", flush=True)
+            self._write_counters()   # the peak with this write (the final shard follows the last step)
         except Exception as e:  # a full disk or a removed folder: training goes on, the next period tries again
             print(f"[{self.uid}] writing the stage shard failed: {e!r}", flush=True)
             self.last_write = time.monotonic()
@@ -554,6 +566,7 @@ class SyncingStagePeer(StagePeer):
                 await asyncio.sleep(0.2 + 0.3 * random.random())
                 continue
             phases["reduced"] = time.time()
+            flat = None   # the snapshot goes with the step (_apply); a group of more than one holds the average
             elapsed = max(float(group[uid].get("at", 0.0)) for uid in uids)  # the group's, for a seconds budget
             t, _ = step_target(self.cfg["recipe"], self.seq_len, self.stepped_samples, step, elapsed)
             recipe = self.cfg["recipe"]

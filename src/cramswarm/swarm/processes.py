@@ -80,6 +80,8 @@ class ProcessGroups:
             proc = subprocess.Popen([*prefix, *launcher, *args], stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                     start_new_session=True)
+        if hasattr(self.place, "started_process"):  # e.g. srun.SrunPlacement: which job step the client runs
+            self.place.started_process(proc)
         _LIVE_GROUPS.add(proc.pid)
         self.pgids.append(proc.pid)
         self.procs.append(proc)
@@ -94,17 +96,24 @@ class ProcessGroups:
         self.peers.append(peer)
         return peer
 
-    @staticmethod
-    def kill(proc: subprocess.Popen) -> None:
+    def kill(self, proc: subprocess.Popen) -> None:
+        """SIGKILL a process and its group (first its remote part where the placement has one: a job step)."""
+        if hasattr(self.place, "kill"):
+            self.place.kill(proc)
         _kill_group(proc.pid)
         proc.wait()
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Kill every group, reap the leaders, and wait until no member of any group is left."""
-        for pgid in self.pgids:
-            _kill_group(pgid)
-        for proc in self.procs:
-            proc.wait()
+        """Kill every group, reap the leaders, and wait until no member of any group is left (and, where the
+        placement has remote parts, until they are gone: ``srun.SrunPlacement.close``)."""
+        try:
+            if hasattr(self.place, "close"):
+                self.place.close()
+        finally:  # the local groups go whatever happened to the remote parts
+            for pgid in self.pgids:
+                _kill_group(pgid)
+            for proc in self.procs:
+                proc.wait()
         deadline = time.monotonic() + timeout_s
         while (left := leftover_processes(self.pgids)) and time.monotonic() < deadline:
             time.sleep(0.05)

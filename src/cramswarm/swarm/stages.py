@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cramswarm.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
+from cramswarm.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM, static_sparse_loss
 from cramswarm.swarm.compression import narrowing, split_narrowing
 
 
@@ -44,6 +44,7 @@ class Stage(nn.Module):
         super().__init__()
         self.index, self.num_stages = index, num_stages
         self.sparse_prediction = config.sparse_prediction
+        self.sparse_prediction_rate = config.sparse_prediction_rate
         self.embeddings = embeddings
         self.receive = receive   # widening projection of the narrowed tensor from the previous stage
         self.layers = nn.ModuleList(layers)
@@ -71,7 +72,11 @@ class Stage(nn.Module):
         if labels is None:
             raise ValueError(f"stage {self.index} is the last stage: it needs labels to compute the loss")
         hidden = self.final_norm(x)
-        # The same loss as CrammedBertForMaskedLM.forward (sparse: decode the masked positions only).
+        # The same loss as CrammedBertForMaskedLM.forward (sparse: decode the masked positions only; static: a fixed
+        # number of positions, the masked ones first).
+        if self.sparse_prediction == "static":
+            return static_sparse_loss(self.head, hidden.view(-1, hidden.shape[-1]), labels.view(-1),
+                                      self.sparse_prediction_rate)[0]
         if self.sparse_prediction:
             selected = labels.view(-1) != -100
             logits = self.head(hidden.view(-1, hidden.shape[-1])[selected])
@@ -237,6 +242,12 @@ def build_stage(arch: dict, vocab_size: int, seed: int, stage: int, num_stages: 
 
 
 STATE_BYTES_PER_PARAMETER = 16   # what a training peer holds per fp32 parameter: weight, gradient, AdamW's 2 moments
+# What a stage peer holds per fp32 parameter at its peak, its in-stage step: the weight (4) and AdamW's two moments
+# (8), and either the gradients (4) and the flat gradient vector gathered from them for the all-reduce (4; then
+# divided in place, ``StagePeer._take_snapshot``), or that vector (or, in a group of several, the average that
+# replaces it; 4) and AdamW's temporary (its foreach step allocates the square root of the second moment; 4).
+# Serving a state download (``StagePeer._state_blob``) also holds the serialised weights and moments (12 more).
+PEAK_BYTES_PER_PARAMETER = 20
 
 
 def stage_state_bytes(arch: dict, vocab_size: int, num_stages: int, compression: str = "none") -> list[int]:
@@ -262,9 +273,51 @@ def check_memory_cap(state_bytes: list[int], cap_mb: float | None) -> None:
                          "AdamW moments); use more stages or a higher cap")
 
 
+def rss_bytes(field: str = "VmRSS") -> int | None:
+    """This process's resident set size now (``VmRSS``) or its peak (``VmHWM``), in bytes, from
+    ``/proc/self/status``; None where there is no such file (not Linux)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024   # kB
+    except OSError:
+        pass
+    return None
+
+
+class SavedActivations:
+    """Context manager counting the bytes autograd saves for backward in a forward pass run inside it: the
+    activations (and the decoder's logits) a backward call holds. Each storage counts once; storages of the
+    ``exclude`` tensors (the stage's parameters: counted as model state) do not count. The tensors themselves are
+    passed through unchanged (``torch.autograd.graph.saved_tensors_hooks`` with identity hooks)."""
+
+    def __init__(self, exclude: list[torch.Tensor] = ()):
+        self.exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self.seen: set[int] = set()
+        self.bytes = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self.exclude and key not in self.seen and tensor.device.type != "meta":
+            self.seen.add(key)
+            self.bytes += storage.nbytes()
+        return tensor
+
+    def __enter__(self) -> "SavedActivations":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+
 def stage_memory(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
     """What this process holds for its stage, for a peer's counters: its parameters' and the optimizer state's
-    bytes, its parameter count, and the process's peak resident set size so far (``ru_maxrss``), all in bytes."""
+    bytes, its parameter count, the process's peak resident set size so far (``ru_maxrss``) and its resident set
+    size now (``rss_bytes``, None off Linux), all in bytes."""
     import resource
 
     params = list(module.parameters())
@@ -274,6 +327,7 @@ def stage_memory(module: nn.Module, optimizer: torch.optim.Optimizer | None = No
         "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
         "optimizer_bytes": sum(t.numel() * t.element_size() for t in state),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,   # Linux: KiB
+        "rss_bytes": rss_bytes(),
     }
 
 

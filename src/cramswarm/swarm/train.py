@@ -9,8 +9,9 @@ optimizer steps or seconds, checked before each step; a step has ``accumulation_
 or step budget fixes the number of microbatches in advance. Training runs on a transport chosen by
 ``swarm["transport"]``: ``emulation`` (threads in this process, ``cramswarm.swarm.emulation.train``) or
 ``hivemind`` (one process per peer, ``cramswarm.swarm.hivemind_transport.train``, imported only when asked for;
-its peers are started by this process, or - ``swarm["placement"]`` ``attach`` / ``srun`` - by ``swarm-peer`` tasks
-that meet it through the ``rendezvous`` folder, e.g. the tasks of a multi-node SLURM job).
+its processes are started by this process's launcher - ``swarm["placement"]`` ``local``, or ``srun``: each as a
+job step of the SLURM job it runs in - or, with ``attach``, its peers by ``swarm-peer`` tasks that meet the
+coordinator through the ``rendezvous`` folder).
 The stages are then assembled into one crammed-BERT checkpoint (``stages.assemble_model``), written with
 ``pretrain.save_checkpoint``, with ``train_log.csv`` (pretrain's columns; rows every ``log_every_steps`` steps,
 window means; the held-out loss is evaluated once, at the end) and ``summary.json``, each written atomically.
@@ -181,7 +182,8 @@ def swarm_pretrain(
     rendezvous: str | Path | None = None,
 ) -> dict:
     """Pretrain with SWARM until the budget is spent; write the checkpoint, train_log.csv and summary.json.
-    ``rendezvous``: the folder where peers of the attach/srun placements find the swarm (shared filesystem)."""
+    ``rendezvous``: the folder where peers of the attach placement find the swarm, and whose ``launcher/`` holds
+    the launcher's resumable state (a shared filesystem for attach and srun)."""
     validate(arch, swarm)
     out_dir = Path(out_dir)
     settings = _settings(recipe, arch, swarm, run)
