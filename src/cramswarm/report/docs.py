@@ -124,11 +124,10 @@ def record_file(path: str | os.PathLike, origin: str | os.PathLike, run: dict) -
         "from": Path(origin).as_posix(), "sha256": sha256(path),
         "run": run | {"written_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")},
     }
-    target = out / PROVENANCE
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-    tmp.replace(target)
-    return target
+    from cramswarm.io import write_json
+
+    write_json(out / PROVENANCE, record)
+    return out / PROVENANCE
 
 
 def _missing(path: Path, results_dir: Path, command: str) -> str:
