@@ -96,7 +96,10 @@ def run(args) -> int:
             launch(ready.pop(0))
         if late:
             for proc, _ in running.values():
-                os.killpg(proc.pid, signal.SIGINT)  # pretraining saves its resumable state on SIGINT
+                # SIGTERM, as Snakemake stops its jobs (the swarm launcher passes it on to its processes); not SIGINT,
+                # which a shell started with `nohup ... &` has its children ignore. Pretraining's resumable state is
+                # the one it saved last (pretrain.resume_every_seconds).
+                os.killpg(proc.pid, signal.SIGTERM)
             for i, (proc, _) in list(running.items()):
                 try:
                     proc.wait(timeout=20)
