@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -611,6 +612,27 @@ def test_a_rerun_with_other_settings_or_data_is_refused_naming_what_differs(tmp_
             launcher_mod.Launcher(plan(decentralised=True, state_dir=state), source(), total, progress=False)
     finally:
         os.close(holder.lock_fd)
+
+
+def test_local_peers_are_spread_over_the_hosts_gpus_and_srun_peers_keep_slurms(tmp_path, monkeypatch):
+    """The launcher's local placement gives peer i GPU i mod (the host's GPUs) alone, as docs/swarm.md says; a CPU
+    recipe leaves the environment alone (checked on the processes' start arguments, no process started)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the launcher's run folder
+    started: list[str | None] = []
+    monkeypatch.setattr(ht.ProcessGroups, "start_peer", lambda self, uid, *a, gpu=None: started.append(gpu) or
+                        ht.PeerProcess(uid, 0, 1.0, None, tmp_path / "log"))
+    for device, expected in (("auto", ["2", "5", "2"]), ("cpu", [None, None, None])):
+        started.clear()
+        launcher = launcher_mod.Launcher(plan(decentralised=True, recipe=plan().recipe | {"device": device}), source(),
+                                         8, progress=False)
+        launcher.config, launcher.addr_file = tmp_path / "config.json", tmp_path / "addresses"  # run() writes them
+        for stage in (0, 1, 0):
+            launcher._start_peer(stage, 1.0, load_state=False)
+        assert started == expected, device
+        launcher.place = object()  # any placement of its own (testbed host, srun step): no GPU chosen here
+        launcher._start_peer(1, 1.0, load_state=False)
+        assert started[-1] is None
 
 
 def start_until_shards(command: list[str], log: Path, state: Path, within_s: float, env=None) -> subprocess.Popen:

@@ -119,13 +119,15 @@ from cramswarm.swarm.policies import (
     StageSync,
     make_balancer,
 )
-from cramswarm.swarm.processes import (  # noqa: F401 (leftover_processes, _LIVE_GROUPS: the tests' names)
+from cramswarm.swarm.processes import (  # noqa: F401 (leftover_processes, _LIVE_GROUPS, visible_gpus: the tests' names)
     _LIVE_GROUPS,
     PEER_MODULE,
     PeerProcess,
     ProcessGroups,
     leftover_processes,
     own_daemons,
+    peer_gpu,
+    visible_gpus,
 )
 from cramswarm.swarm.stages import (
     build_swarm_model,
@@ -222,14 +224,6 @@ def stage_parameter_counts(arch: dict, vocab_size: int, stages: int, compression
     return [sum(p.numel() for p in stage.parameters() if p.requires_grad) for stage in split_model(model, stages)]
 
 
-def visible_gpus() -> list[str]:
-    """This process's GPUs as CUDA_VISIBLE_DEVICES entries (the variable's own list where it is set)."""
-    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if listed:
-        return [g.strip() for g in listed.split(",") if g.strip()]
-    return [str(i) for i in range(torch.cuda.device_count())]
-
-
 def rank_of_uid(uid: str) -> int | None:
     """The rank in a ``swarm-peer`` task's uid (``s<stage>r<rank>.<incarnation>``); None for local peers."""
     head, _, rest = uid.partition("r")
@@ -300,14 +294,9 @@ class Coordinator(StageClient):
 
     def _start_peer(self, stage: int, speed: float, load_state: bool) -> PeerProcess:
         uid = self._new_uid(stage)
-        gpus = self._host_gpus()  # peer i computes on GPU i mod (GPUs here), when it computes on a GPU at all
+        device = self.plan.recipe.get("device", "cpu") if self.training else "cpu"
         return self.groups.start_peer(uid, stage, speed, self.folder / CONFIG_FILE, self.addr_file, load_state,
-                                      gpu=gpus[(self.next_uid - 1) % len(gpus)] if gpus else None)
-
-    def _host_gpus(self) -> list[str]:
-        if self.training and self.plan.recipe.get("device", "cpu") != "cpu" and torch.cuda.is_available():
-            return visible_gpus()
-        return []
+                                      gpu=peer_gpu(self.next_uid, device))
 
     def _write_config(self) -> None:
         """The peers' config.json (attach/srun: first clearing a rendezvous folder of an earlier run)."""

@@ -111,7 +111,7 @@ from cramswarm.swarm.peer_sync import (
     stage_stalls,
 )
 from cramswarm.swarm.policies import NoPeersError
-from cramswarm.swarm.processes import PeerProcess, ProcessGroups, own_daemons
+from cramswarm.swarm.processes import PeerProcess, ProcessGroups, own_daemons, peer_gpu
 from cramswarm.swarm.trainer import EXIT_NO_PEERS, losses_path, progress_path, shard
 
 TRAINER_MODULE = [sys.executable, "-m", "cramswarm.swarm.trainer"]
@@ -347,8 +347,10 @@ class Launcher:
     # -- processes ------------------------------------------------------------------------------------------
     def _start_peer(self, stage: int, speed: float, load_state: bool) -> PeerProcess:
         self.next_uid += 1
+        # local placement: peer i sees GPU i mod (this host's GPUs) alone; srun: the step's own (SLURM's --gpus-*)
+        gpu = peer_gpu(self.next_uid, self.plan.recipe.get("device", "cpu")) if self.place is None else None
         peer = self.groups.start_peer(f"s{stage}p{self.next_uid}", stage, speed, self.config, self.addr_file,
-                                      load_state)
+                                      load_state, gpu=gpu)
         self.peers[peer.uid] = peer
         return peer
 

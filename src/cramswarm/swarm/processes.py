@@ -35,6 +35,26 @@ def _kill_leftover_groups() -> None:
         _kill_group(pgid)
 
 
+def visible_gpus() -> list[str]:
+    """This process's GPUs as CUDA_VISIBLE_DEVICES entries (the variable's own list where it is set)."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed:
+        return [g.strip() for g in listed.split(",") if g.strip()]
+    import torch  # here, not at the top: the launcher's peers import this module before they pick a device
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def peer_gpu(peer_number: int, device: str) -> str | None:
+    """The GPU the ``peer_number``-th peer started on this host sees alone (``CUDA_VISIBLE_DEVICES``): this host's
+    GPUs in turn, when the recipe's ``device`` is not ``cpu`` and there is a GPU; None (the environment as it is)
+    otherwise. Used by the local placements of the launcher and the coordinator; under srun, SLURM assigns them."""
+    if device == "cpu":
+        return None
+    gpus = visible_gpus()
+    return gpus[(peer_number - 1) % len(gpus)] if gpus else None
+
+
 @dataclass
 class PeerProcess:
     uid: str
