@@ -16,20 +16,24 @@ and
   training start less the training seconds of a resumed run's earlier lives); each ready record carries its
   peer's training time at its snapshot (``at``) and a step's progress is the latest ``at`` of its group (hashed
   into the group id, so every member computes the same learning rate);
-* to step, it lets the backward calls it admitted finish, then moves its accumulated gradients aside (backward
-  calls arriving later count toward the next step),
-  marks its record ready and waits until every peer with a record at its step is ready (at most
-  ``GATHER_S``). The group is **deterministic, from the DHT records** (the ready records at this step, ordered by
-  uid; the group id hashes their uids and sample counts), not hivemind's matchmaking: ``DecentralizedAverager``'s
-  matchmaking needs its own averager process per peer with its own copy of the gradients and forms groups by
-  time windows, while here every replica of a stage must take part in every step or fall behind; a group read
-  from the records that every member reads alike is enough, and a member that read a different set simply fails
-  the all-reduce (group ids differ) and tries again with a fresh read (records of dead peers expire within
-  ``PROGRESS_TTL_S``);
+* to step, it lets the backward calls it admitted finish, then moves its accumulated gradients aside (backward calls
+  arriving later count toward the next step), marks its record ready and waits until every peer with a record at its
+  step is ready, or until the wait for those not ready passed (``policies.gather_wait_s``): at least ``GATHER_S``;
+  longer for a live peer that is still computing calls it admitted (its record publishes its queue, seconds per call
+  and whether it has noticed the step), plus ``CALL_ROUND_TRIPS`` of the DHT round trip this peer measures on its
+  own reads (``rtt_s``); at most ``sync_timeout_s`` + ``NOTICE_S``. A busy peer keeps its record fresh while it
+  finishes its calls, snapshots and all-reduces (a heartbeat), so it is not taken for dead; a dead one's record
+  expires within ``PROGRESS_TTL_S`` and the others go on without it. The group is **deterministic, from the DHT
+  records** (the ready records at this step, ordered by uid; the group id hashes their uids and sample counts), not
+  hivemind's matchmaking: ``DecentralizedAverager``'s matchmaking needs its own averager process per peer with its
+  own copy of the gradients and forms groups by time windows, while here every replica of a stage must take part in
+  every step or fall behind; a group read from the records that every member reads alike is enough, and a member
+  that read a different set simply fails the all-reduce (group ids differ) and tries again with a fresh read
+  (records of dead peers expire within ``PROGRESS_TTL_S``);
 * the group all-reduces the gradients with ``averaging.StageAllReduce`` (compressed by
   ``swarm.averaging_compression``, weighted by each member's samples, the same decompressed average everywhere,
-  bounded by ``averaging.averaging_timeout_s``), and each member clips and takes its AdamW step: the same step
-  from the same state, so replicas stay bitwise equal;
+  bounded by ``averaging.averaging_timeout_s`` with the measured round trip), and each member clips and takes
+  its AdamW step: the same step from the same state, so replicas stay bitwise equal;
 * a peer that sees a record at a later step (it was left out of a group, or its all-reduce failed) downloads the
   state of the most advanced replica; a peer whose parameter digest differs from that of the lowest uid at the
   same step does too (counted: ``digest_mismatches``). The gradients it held are lost and counted
@@ -81,13 +85,17 @@ from cramswarm.io import atomic_path, write_json
 from cramswarm.swarm.averaging import averaging_timeout_s
 from cramswarm.swarm.hivemind_peer import DECLARE_PERIOD_S, RECORD_TTL_S, StagePeer, respond, stage_key, unpack
 from cramswarm.swarm.peer_rebalance import LoadMeter, PeerRebalancer, call_units
+from cramswarm.swarm.policies import PendingPeer, gather_wait_s
 from cramswarm.swarm.stages import stage_memory
 from cramswarm.training import accumulation_at, budget_progress, lr_multiplier
 
 PROGRESS_PERIOD_S = 0.25  # a peer publishes its progress record and reads its stage's this often ...
 PROGRESS_TTL_S = 2.0      # ... with this expiration: a dead peer drops out of its stage's groups within it
-GATHER_S = 2.0            # a ready peer waits at most this long for the other peers at its step to be ready
-MIN_GATHER_S = 0.3        # ... and at least this long (records of peers that became ready at once)
+GATHER_S = 2.0            # a ready peer waits at least this long for the other live peers at its step ...
+MIN_GATHER_S = 0.3        # ... (once all are ready: at least this long, for records of peers ready at once) ...
+NOTICE_S = 4 * PROGRESS_PERIOD_S  # ... longer for one not ready yet: it notices the step within this (+ round trips)
+RTT_ALPHA = 0.2           # weight of a new DHT read's duration in the peer's round-trip estimate (rtt_s)
+CALL_S_ALPHA = 0.3        # weight of a new call's compute seconds in the peer's seconds per call (call_s)
 ZERO_WEIGHT = 1e-6        # all-reduce weight of a member without samples (see _step)
 FLUSH_CHECK_S = 1.0       # a peer reads the launcher's flush record at most this often
 SHARD_GLOB = "stage{stage}.step*.pt"
@@ -226,6 +234,8 @@ class SyncingStagePeer(StagePeer):
         self.nudge = asyncio.Event()  # wakes the synchronisation loop early (this peer's count reached the batch)
         self.last_backward: float | None = None      # wall time the last accumulated backward computation ended
         self.snapshot_backward: float | None = None  # ... of those in the snapshot
+        self.call_s: float | None = None  # recent compute seconds per call (published: others' gather waits)
+        self.rtt_s = 0.0           # estimated from this peer's own DHT reads (gather waits, averaging bounds)
         self.counters = {"uid": uid, "stage": stage, "steps_taken": 0, "resyncs": 0, "digest_mismatches": 0,
                          "lost_gradient_samples": 0, "averaging_bytes_sent": 0, "averaging_values_sent": 0,
                          "averaging_param_steps": 0, "group_sizes": [], "failed_rounds": 0, "shards_written": 0,
@@ -249,8 +259,12 @@ class SyncingStagePeer(StagePeer):
         start = time.perf_counter()
         result, out_meta = super()._forward(tensors, meta)
         samples = out_meta["payloads"]["y"]["shape"][0]
-        self.meter.served(call_units("forward", samples, self.is_last), time.perf_counter() - start)
+        self._served(call_units("forward", samples, self.is_last), time.perf_counter() - start)
         return result, out_meta
+
+    def _served(self, units: float, seconds: float) -> None:
+        self.meter.served(units, seconds)
+        self.call_s = seconds if self.call_s is None else (1 - CALL_S_ALPHA) * self.call_s + CALL_S_ALPHA * seconds
 
     def _backward(self, tensors: dict[str, torch.Tensor], meta: dict) -> tuple[dict, dict]:
         start = time.perf_counter()
@@ -258,7 +272,7 @@ class SyncingStagePeer(StagePeer):
         if mb is not None and (mb in self.stepped_mbs or mb in self.local_mbs or mb in self.snapshot_mbs):
             return self._duplicate_backward(tensors, meta)
         result, out_meta = super()._backward(tensors, meta)
-        self.meter.served(call_units("backward", out_meta["samples"], self.is_last), time.perf_counter() - start)
+        self._served(call_units("backward", out_meta["samples"], self.is_last), time.perf_counter() - start)
         if "loss" in out_meta:
             self.local_loss += out_meta["loss"] * out_meta["samples"]
         if mb is not None:
@@ -382,12 +396,40 @@ class SyncingStagePeer(StagePeer):
     # -- records ----------------------------------------------------------------------------------------------
     async def _publish(self) -> None:
         value = {"peer": self.peer_id, "step": self.step, "samples": self._held_samples(),
-                 "stepped": self.stepped_samples, "digest": self.digest, "ready": False}
+                 "stepped": self.stepped_samples, "digest": self.digest, "ready": False,
+                 "queue": self.meter.queue, "call_s": self.call_s, "closing": self.closing}
         if self.ready is not None and self.ready[0] == self.step:
             value.update(ready=True, snap=self.ready[1], loss=self.ready[2], at=self.ready[3],
                          mbs=sorted(self.snapshot_mbs))
         await self.node.store(progress_key(self.run_id, self.stage), subkey=self.uid, value=value,
                               expiration_time=get_dht_time() + PROGRESS_TTL_S)
+
+    async def _records(self) -> dict[str, dict]:
+        """The stage's progress records; the read's duration updates this peer's round-trip estimate ``rtt_s``
+        (a DHT read takes at least one round trip to the peers holding the key, more under load: an upper
+        estimate, which is what the bounds need)."""
+        start = time.monotonic()
+        records = await progress_records(self.node, self.run_id, self.stage)
+        took = time.monotonic() - start
+        self.rtt_s = took if self.rtt_s == 0.0 else (1 - RTT_ALPHA) * self.rtt_s + RTT_ALPHA * took
+        return records
+
+    @contextlib.asynccontextmanager
+    async def _heartbeat(self):
+        """Keep this peer's progress record fresh while it is busy with a step (finishing its admitted calls, its
+        snapshot, the all-reduce): a record that expired would read as a dead peer, and the others would step
+        without it."""
+        async def beat() -> None:
+            while True:
+                await asyncio.sleep(PROGRESS_PERIOD_S)
+                with contextlib.suppress(Exception):
+                    await self._publish()
+
+        task = asyncio.create_task(beat())
+        try:
+            yield
+        finally:
+            task.cancel()
 
     def _write_counters(self) -> None:
         write_json(self.workdir / f"peer-{self.uid}.json",
@@ -424,7 +466,7 @@ class SyncingStagePeer(StagePeer):
 
     async def _round(self) -> None:
         await self._publish()
-        records = await progress_records(self.node, self.run_id, self.stage)
+        records = await self._records()
         if await self._catch_up(records):
             return
         at_step = [r for uid, r in records.items() if r["step"] == self.step and uid != self.uid]
@@ -503,26 +545,36 @@ class SyncingStagePeer(StagePeer):
         return True
 
     async def _gather(self, step: int) -> dict[str, dict] | None:
-        """The ready records at ``step`` once every record at it is ready (or ``GATHER_S`` passed); None once a
-        replica is past ``step`` (this peer then catches up)."""
+        """The ready records at ``step`` once every record at it is ready, or once the wait for those not ready
+        passed (``policies.gather_wait_s``: at least ``GATHER_S``, longer for a live peer that is still
+        computing the calls it admitted, at most ``sync_timeout_s`` + ``NOTICE_S``); None once a replica is past
+        ``step`` (this peer then catches up)."""
         started = time.monotonic()
         while True:
             await self._publish()
-            records = await progress_records(self.node, self.run_id, self.stage)
+            records = await self._records()
             if any(r["step"] > step for r in records.values()):
                 return None
             at_step = {uid: r for uid, r in records.items() if r["step"] == step}
             ready = {uid: r for uid, r in at_step.items() if r.get("ready")}
             waited = time.monotonic() - started
-            if waited >= GATHER_S and self.uid not in ready:  # this peer's own record not read back yet
+            pending = [PendingPeer(int(r.get("queue", 0)), r.get("call_s"), bool(r.get("closing")))
+                       for uid, r in at_step.items() if uid not in ready and uid != self.uid]
+            wait_s = gather_wait_s(waited, pending, self.rtt_s, floor_s=GATHER_S, notice_s=NOTICE_S,
+                                   cap_s=self.sync_timeout_s + NOTICE_S)
+            if waited >= wait_s and self.uid not in ready:  # this peer's own record not read back yet
                 ready[self.uid] = {"peer": self.peer_id, "snap": self.ready[1], "loss": self.ready[2],
                                    "at": self.ready[3],
                                    "mbs": sorted(self.snapshot_mbs)}
-            if self.uid in ready and ((len(ready) == len(at_step) and waited >= MIN_GATHER_S) or waited >= GATHER_S):
+            if self.uid in ready and ((len(ready) == len(at_step) and waited >= MIN_GATHER_S) or waited >= wait_s):
                 return ready
             await asyncio.sleep(0.1)
 
     async def _step(self) -> None:
+        async with self._heartbeat():
+            await self._step_beating()
+
+    async def _step_beating(self) -> None:
         step = self.step
         phases = {"close": time.time()}
         self.closing = True  # the calls this peer admitted (and published) belong to this step: let them finish
@@ -552,7 +604,7 @@ class SyncingStagePeer(StagePeer):
             peers = [PeerID.from_base58(group[uid]["peer"]) for uid in uids]
             traffic: dict = {}
             bound = averaging_timeout_s(self.num_params, len(peers), self.averaging_scheme, self.link_mbit_s,
-                                        2 * self.sync_timeout_s)
+                                        2 * self.sync_timeout_s, self.rtt_s)
             try:
                 # a member without samples gets a weight of 1e-6, not 0: a reducer that (a sender having died)
                 # finalises with the parts of such members alone would otherwise divide 0 by 0
