@@ -21,15 +21,16 @@ and
   step is ready, or until the wait for those not ready passed (``policies.gather_wait_s``): at least ``GATHER_S``;
   longer for a live peer that is still computing calls it admitted (its record publishes its queue, seconds per call
   and whether it has noticed the step), plus ``CALL_ROUND_TRIPS`` of the DHT round trip this peer measures on its
-  own reads (``rtt_s``); at most ``sync_timeout_s`` + ``NOTICE_S``. A busy peer keeps its record fresh while it
-  finishes its calls, snapshots and all-reduces (a heartbeat), so it is not taken for dead; a dead one's record
-  expires within ``PROGRESS_TTL_S`` and the others go on without it. The group is **deterministic, from the DHT
-  records** (the ready records at this step, ordered by uid; the group id hashes their uids and sample counts), not
-  hivemind's matchmaking: ``DecentralizedAverager``'s matchmaking needs its own averager process per peer with its
-  own copy of the gradients and forms groups by time windows, while here every replica of a stage must take part in
-  every step or fall behind; a group read from the records that every member reads alike is enough, and a member
-  that read a different set simply fails the all-reduce (group ids differ) and tries again with a fresh read
-  (records of dead peers expire within ``PROGRESS_TTL_S``);
+  own reads (``rtt_s``); at most ``sync_timeout_s`` + ``NOTICE_S``. A peer keeps its record fresh from a task of its
+  own (``publish_forever``; stores are not waited for), also while it finishes its calls, snapshots and all-reduces
+  or a DHT operation is slow, so it is not taken for dead; a dead one's record expires within ``PROGRESS_TTL_S`` and
+  the others go on without it. The group is **deterministic, from the DHT records** (the ready records at this step,
+  ordered by uid; the group id hashes their uids and sample counts), not hivemind's matchmaking:
+  ``DecentralizedAverager``'s matchmaking needs its own averager process per peer with its own copy of the gradients
+  and forms groups by time windows, while here every replica of a stage must take part in every step or fall behind;
+  a group read from the records that every member reads alike is enough, and a member that read a different set
+  simply fails the all-reduce (group ids differ) and tries again with a fresh read (records of dead peers expire
+  within ``PROGRESS_TTL_S``);
 * the group all-reduces the gradients with ``averaging.StageAllReduce`` (compressed by
   ``swarm.averaging_compression``, weighted by each member's samples, the same decompressed average everywhere,
   bounded by ``averaging.averaging_timeout_s`` with the measured round trip), and each member clips and takes
@@ -95,6 +96,7 @@ GATHER_S = 2.0            # a ready peer waits at least this long for the other 
 MIN_GATHER_S = 0.3        # ... (once all are ready: at least this long, for records of peers ready at once) ...
 NOTICE_S = 4 * PROGRESS_PERIOD_S  # ... longer for one not ready yet: it notices the step within this (+ round trips)
 RTT_ALPHA = 0.2           # weight of a new DHT read's duration in the peer's round-trip estimate (rtt_s)
+MAX_STORES = 4            # progress-record stores in flight at most (a slow store does not hold up the next)
 CALL_S_ALPHA = 0.3        # weight of a new call's compute seconds in the peer's seconds per call (call_s)
 ZERO_WEIGHT = 1e-6        # all-reduce weight of a member without samples (see _step)
 FLUSH_CHECK_S = 1.0       # a peer reads the launcher's flush record at most this often
@@ -236,6 +238,7 @@ class SyncingStagePeer(StagePeer):
         self.snapshot_backward: float | None = None  # ... of those in the snapshot
         self.call_s: float | None = None  # recent compute seconds per call (published: others' gather waits)
         self.rtt_s = 0.0           # estimated from this peer's own DHT reads (gather waits, averaging bounds)
+        self.stores: set[asyncio.Task] = set()  # progress-record stores in flight (_publish)
         self.counters = {"uid": uid, "stage": stage, "steps_taken": 0, "resyncs": 0, "digest_mismatches": 0,
                          "lost_gradient_samples": 0, "averaging_bytes_sent": 0, "averaging_values_sent": 0,
                          "averaging_param_steps": 0, "group_sizes": [], "failed_rounds": 0, "shards_written": 0,
@@ -395,14 +398,41 @@ class SyncingStagePeer(StagePeer):
 
     # -- records ----------------------------------------------------------------------------------------------
     async def _publish(self) -> None:
+        """Store this peer's progress record, without waiting for the store: a DHT store can take seconds (it
+        waits for every node it asked, a silently cut one until hivemind's RPC timeout), and a round or a gather
+        that waited for it would read stale records and let this peer's record expire meanwhile. At most
+        ``MAX_STORES`` stores are in flight; the latest has the latest expiration, which the DHT keeps."""
+        if len(self.stores) >= MAX_STORES:
+            return
+        task = asyncio.create_task(self._store_record())
+        self.stores.add(task)
+        task.add_done_callback(self.stores.discard)
+
+    async def publish_forever(self) -> None:
+        """Keep this peer's record fresh every ``PROGRESS_PERIOD_S`` whatever the synchronisation loop is busy
+        with (its admitted calls, its snapshot, an all-reduce, a slow DHT read): an expired record reads as a dead
+        peer, and the others would step without it. Cancelled (the peer moves to another stage or stops), it
+        cancels its stores in flight too, so none lands after the peer withdrew its record."""
+        try:
+            while True:
+                await self._publish()
+                await asyncio.sleep(PROGRESS_PERIOD_S)
+        finally:
+            for task in list(self.stores):
+                task.cancel()
+
+    async def _store_record(self) -> None:
         value = {"peer": self.peer_id, "step": self.step, "samples": self._held_samples(),
                  "stepped": self.stepped_samples, "digest": self.digest, "ready": False,
                  "queue": self.meter.queue, "call_s": self.call_s, "closing": self.closing}
         if self.ready is not None and self.ready[0] == self.step:
             value.update(ready=True, snap=self.ready[1], loss=self.ready[2], at=self.ready[3],
                          mbs=sorted(self.snapshot_mbs))
-        await self.node.store(progress_key(self.run_id, self.stage), subkey=self.uid, value=value,
-                              expiration_time=get_dht_time() + PROGRESS_TTL_S)
+        try:
+            await self.node.store(progress_key(self.run_id, self.stage), subkey=self.uid, value=value,
+                                  expiration_time=get_dht_time() + PROGRESS_TTL_S)
+        except Exception as e:  # the next period stores again
+            print(f"[{self.uid}] storing the progress record failed: {e!r}", flush=True)
 
     async def _records(self) -> dict[str, dict]:
         """The stage's progress records; the read's duration updates this peer's round-trip estimate ``rtt_s``
@@ -414,23 +444,6 @@ class SyncingStagePeer(StagePeer):
         self.rtt_s = took if self.rtt_s == 0.0 else (1 - RTT_ALPHA) * self.rtt_s + RTT_ALPHA * took
         return records
 
-    @contextlib.asynccontextmanager
-    async def _heartbeat(self):
-        """Keep this peer's progress record fresh while it is busy with a step (finishing its admitted calls, its
-        snapshot, the all-reduce): a record that expired would read as a dead peer, and the others would step
-        without it."""
-        async def beat() -> None:
-            while True:
-                await asyncio.sleep(PROGRESS_PERIOD_S)
-                with contextlib.suppress(Exception):
-                    await self._publish()
-
-        task = asyncio.create_task(beat())
-        try:
-            yield
-        finally:
-            task.cancel()
-
     def _write_counters(self) -> None:
         write_json(self.workdir / f"peer-{self.uid}.json",
                    {**self.counters, "step": self.step, "stepped_samples": self.stepped_samples,
@@ -438,7 +451,7 @@ class SyncingStagePeer(StagePeer):
                     "runtime_rss_bytes": self.runtime_rss_bytes, "activation_bytes": self.activation_bytes})
 
     def background_tasks(self) -> list[asyncio.Task]:
-        tasks = [asyncio.create_task(self.sync_forever())]
+        tasks = [asyncio.create_task(self.sync_forever()), asyncio.create_task(self.publish_forever())]
         if self.cfg.get("rebalance_period_s"):  # this peer decides moves with its stage's and the others' peers
             tasks.append(asyncio.create_task(PeerRebalancer(self, self.cfg["rebalance_period_s"]).run()))
         return tasks
@@ -571,10 +584,6 @@ class SyncingStagePeer(StagePeer):
             await asyncio.sleep(0.1)
 
     async def _step(self) -> None:
-        async with self._heartbeat():
-            await self._step_beating()
-
-    async def _step_beating(self) -> None:
         step = self.step
         phases = {"close": time.time()}
         self.closing = True  # the calls this peer admitted (and published) belong to this step: let them finish
