@@ -38,7 +38,11 @@ and
 * a peer that sees a record at a later step (it was left out of a group, or its all-reduce failed) downloads the
   state of the most advanced replica; a peer whose parameter digest differs from that of the lowest uid at the
   same step does too (counted: ``digest_mismatches``). The gradients it held are lost and counted
-  (``lost_gradient_samples``), as in SWARM.
+  (``lost_gradient_samples``), as in SWARM. While it downloads, its record names the step of the state it is
+  loading (``loading``), its backward calls wait for admission (at most ``sync_timeout_s``), and the peers at that
+  step hold their step for it (``loading_holds``; at most ``averaging.state_timeout_s``, the download's own
+  bound): on a slow link a download can take longer than a step, and a state a step old on arrival would make it
+  download again, and again, dropping the gradients it served meanwhile each time.
 
 Each peer writes its counters to ``peer-<uid>.json`` in the run's folder (atomically, after every step and shard
 write; with what it holds: ``stages.stage_memory``, its stage's parameter and optimizer bytes and its peak and
@@ -83,7 +87,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
 from cramswarm.io import atomic_path, write_json
-from cramswarm.swarm.averaging import averaging_timeout_s
+from cramswarm.swarm.averaging import averaging_timeout_s, state_timeout_s
 from cramswarm.swarm.hivemind_peer import DECLARE_PERIOD_S, RECORD_TTL_S, StagePeer, respond, stage_key, unpack
 from cramswarm.swarm.peer_rebalance import LoadMeter, PeerRebalancer, call_units
 from cramswarm.swarm.policies import PendingPeer, gather_wait_s
@@ -184,6 +188,16 @@ def step_target(recipe: dict, seq_len: int, stepped_samples: int, step: int,
     return t, size * micro
 
 
+def loading_holds(records: dict[str, dict], uid: str, step: int, seen: dict[tuple[str, int], float],
+                  now: float) -> dict[tuple[str, int], float]:
+    """The replicas (other than ``uid``) whose records say they are downloading the state of ``step``, each with
+    the time (``now`` on its first read; ``seen``: the previous call's answer) since which peer ``uid`` holds
+    its step for it; a replica whose record no longer says so (it has the state, its download failed, or its
+    record expired) drops out."""
+    loading = {(other, step) for other, r in records.items() if other != uid and r.get("loading") == step}
+    return {key: seen.get(key, now) for key in loading}
+
+
 def stage_stalls(rows: list[dict]) -> dict[int, list[dict]]:
     """Per stage, per step, how long the step held the stage's backward calls back, from the peers' ``SYNC_LOG``
     lines (``rows``: each with its ``stage``, ``step`` and phase times).
@@ -239,6 +253,8 @@ class SyncingStagePeer(StagePeer):
         self.call_s: float | None = None  # recent compute seconds per call (published: others' gather waits)
         self.rtt_s = 0.0           # estimated from this peer's own DHT reads (gather waits, averaging bounds)
         self.stores: set[asyncio.Task] = set()  # progress-record stores in flight (_publish)
+        self.loading: int | None = None  # the step of the state this peer is downloading (published: others wait)
+        self.loading_seen: dict[tuple[str, int], float] = {}  # (uid, step) of a replica loading -> first seen
         self.counters = {"uid": uid, "stage": stage, "steps_taken": 0, "resyncs": 0, "digest_mismatches": 0,
                          "lost_gradient_samples": 0, "averaging_bytes_sent": 0, "averaging_values_sent": 0,
                          "averaging_param_steps": 0, "group_sizes": [], "failed_rounds": 0, "shards_written": 0,
@@ -369,15 +385,16 @@ class SyncingStagePeer(StagePeer):
     async def rpc_backward(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
                            context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """Admission toward the stage's global batch, as the coordinator's window did: a backward call waits
-        while this peer is averaging or the stage's samples (others' as last read, plus this peer's) would pass
-        the batch, at most ``sync_timeout_s`` (then it counts toward the next step); the rest is ``StagePeer``'s.
-        A peer leaving its stage refuses it, before and after the wait."""
+        while this peer is averaging or downloading a replica's state (its gradients would be dropped) or the
+        stage's samples (others' as last read, plus this peer's) would pass the batch, at most ``sync_timeout_s``
+        (then it counts toward the next step); the rest is ``StagePeer``'s. A peer leaving its stage refuses it,
+        before and after the wait."""
         tensors, meta = await unpack(requests)
         self._refuse_if_leaving()
         samples = int(meta.get("samples", 0))
         arrived = time.monotonic()
         deadline = arrived + self.sync_timeout_s
-        while time.monotonic() < deadline and (self.closing or self.ready is not None or (
+        while time.monotonic() < deadline and (self.closing or self.ready is not None or self.loading is not None or (
                 self._held_samples() > 0 and self.others_pending + self._held_samples() + samples > self._target())):
             self.nudge.set()
             await asyncio.sleep(0.02)
@@ -424,7 +441,7 @@ class SyncingStagePeer(StagePeer):
     async def _store_record(self) -> None:
         value = {"peer": self.peer_id, "step": self.step, "samples": self._held_samples(),
                  "stepped": self.stepped_samples, "digest": self.digest, "ready": False,
-                 "queue": self.meter.queue, "call_s": self.call_s, "closing": self.closing}
+                 "queue": self.meter.queue, "call_s": self.call_s, "closing": self.closing, "loading": self.loading}
         if self.ready is not None and self.ready[0] == self.step:
             value.update(ready=True, snap=self.ready[1], loss=self.ready[2], at=self.ready[3],
                          mbs=sorted(self.snapshot_mbs))
@@ -482,6 +499,8 @@ class SyncingStagePeer(StagePeer):
         records = await self._records()
         if await self._catch_up(records):
             return
+        if self._awaits_loading(records):
+            return  # a replica is downloading this step's state: step with it once it has it
         at_step = [r for uid, r in records.items() if r["step"] == self.step and uid != self.uid]
         self.others_pending = sum(r["samples"] for r in at_step)
         pending = self.others_pending + self._held_samples()
@@ -550,12 +569,26 @@ class SyncingStagePeer(StagePeer):
         if source is None:
             return False
         lost = self._held_samples()
-        step = await self.download_state(PeerID.from_base58(records[source]["peer"]))
+        self.loading = int(records[source]["step"])
+        try:
+            step = await self.download_state(PeerID.from_base58(records[source]["peer"]))
+        finally:
+            self.loading = None
         self.counters["lost_gradient_samples"] += lost
         self.counters["resyncs"] += 1
         print(f"[{self.uid}] took the state of {source} (step {step}); {lost} samples' gradients dropped", flush=True)
         self._write_counters()
         return True
+
+    def _awaits_loading(self, records: dict[str, dict]) -> bool:
+        """Whether this peer holds its step for a replica downloading the state of this very step (``loading``
+        in its record): stepping now would make that state a step old on arrival, and the replica would download
+        again, dropping the gradients it served meanwhile each time. At most ``averaging.state_timeout_s`` (the
+        download's own bound, with the measured round trip) from the first read of it; a dead replica's record
+        expires sooner."""
+        bound = state_timeout_s(self.num_params, self.link_mbit_s, self.sync_timeout_s, self.rtt_s)
+        self.loading_seen = loading_holds(records, self.uid, self.step, self.loading_seen, time.monotonic())
+        return any(time.monotonic() - seen < bound for seen in self.loading_seen.values())
 
     async def _gather(self, step: int) -> dict[str, dict] | None:
         """The ready records at ``step`` once every record at it is ready, or once the wait for those not ready
@@ -568,6 +601,10 @@ class SyncingStagePeer(StagePeer):
             records = await self._records()
             if any(r["step"] > step for r in records.values()):
                 return None
+            if self._awaits_loading(records):  # the replica joins this step once it has the state: wait for it
+                started = time.monotonic()
+                await asyncio.sleep(0.1)
+                continue
             at_step = {uid: r for uid, r in records.items() if r["step"] == step}
             ready = {uid: r for uid, r in at_step.items() if r.get("ready")}
             waited = time.monotonic() - started
