@@ -210,14 +210,10 @@ def test_a_peers_emulated_speed_scales_its_measured_compute_or_the_configured_fl
 
 
 def test_the_launcher_benchmark_counts_a_microbatch_taken_and_never_finished_as_lost(tmp_path):
-    """``benchmarks/swarm_launcher.py``'s count for seconds budgets (where requested = done by definition): a gap in
-    a trainer's shard before its last finished microbatch is lost; a record cut short by a kill is not a finish."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("swarm_launcher_bench", TESTS.parent / "benchmarks" /
-                                                  "swarm_launcher.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    """The count of ``benchmarks/swarm_launcher.py`` and the study's testbed transport (``study_launcher``) for
+    seconds budgets (where requested = done by definition): a gap in a trainer's shard before its last finished
+    microbatch is lost; a record cut short by a kill is not a finish."""
+    from cramswarm.swarm import study_launcher as bench
     from cramswarm.swarm.trainer import losses_path
 
     def write(rank: int, mbs: list[int], tail: str = "") -> None:
