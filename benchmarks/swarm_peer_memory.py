@@ -8,6 +8,7 @@ reset before each phase through ``/proc/self/clear_refs``; Linux only) and the C
     python benchmarks/swarm_peer_memory.py --stage 3                       # the last stage
     ONEDNN_PRIMITIVE_CACHE_CAPACITY=1024 python benchmarks/swarm_peer_memory.py --stage 3   # oneDNN's default
     MALLOC_MMAP_THRESHOLD_=4194304 python benchmarks/swarm_peer_memory.py --stage 3
+    python benchmarks/swarm_peer_memory.py --stage 3 --malloc-trim     # glibc's malloc_trim(0) after every call
 
 The peer's oneDNN primitive cache is bounded as a launched peer bounds it (``hivemind_peer.bound_kernel_cache``:
 ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` from the environment, else ``PEER_KERNEL_CACHE``).
@@ -16,6 +17,7 @@ The peer's oneDNN primitive cache is bounded as a launched peer bounds it (``hiv
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import sys
 import time
@@ -41,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=4, help="microbatches per in-stage step")
     parser.add_argument("--steps", type=int, default=6, help="in-stage steps")
     parser.add_argument("--precision", default="bf16", help="the peers' autocast precision (bf16 | fp32)")
+    parser.add_argument("--malloc-trim", action="store_true",
+                        help="call glibc's malloc_trim(0) after every backward call (returns the heap's free pages)")
     args = parser.parse_args(argv)
     import torch
     from swarm_launcher import SEQ, arch, recipe
@@ -60,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{hp.os.environ[hp.KERNEL_CACHE_ENV]}; MALLOC_MMAP_THRESHOLD_ "
           f"{hp.os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset')}")
     times: list[float] = []
+    trim_cpu: list[float] = []
 
     def phase(name: str, fn, *fn_args, timed: bool = False):
         before = rss_bytes()
@@ -93,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     for step in range(args.steps):
         for i in range(step * args.batch, (step + 1) * args.batch):
             phase(f"backward {i}", peer._backward, *request(i), timed=True)
+            if args.malloc_trim:
+                trim_cpu.append(time.process_time())
+                ctypes.CDLL("libc.so.6").malloc_trim(0)
+                trim_cpu[-1] = time.process_time() - trim_cpu[-1]
         flat, _ = phase("snapshot", peer._take_snapshot, step)
         peer.averaged = (b"probe", flat)
         del flat
@@ -116,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     phase("load it", peer._load_state_tensor, tensors.pop("blob"))
     print(f"activations: at most {peer.activation_bytes / MIB:.1f} MiB saved for backward by one call; median CPU "
           f"of a backward call {statistics.median(times) * 1000:.1f} ms; final RSS {rss_bytes() / MIB:.1f} MiB")
+    if trim_cpu:
+        print(f"malloc_trim: median CPU {statistics.median(trim_cpu) * 1000:.1f} ms per call")
     return 0
 
 
