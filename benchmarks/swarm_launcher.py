@@ -45,10 +45,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -56,17 +54,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from cramswarm.config import load_config  # noqa: E402
 from cramswarm.swarm import hivemind_transport as ht  # noqa: E402
 from cramswarm.swarm.data import BOUNDED  # noqa: E402
 from cramswarm.swarm.policies import RetryPolicy  # noqa: E402
 from cramswarm.swarm.stages import PEAK_BYTES_PER_PARAMETER, STATE_BYTES_PER_PARAMETER  # noqa: E402
+from cramswarm.swarm.study_launcher import SEQ_TOKENS, VOCAB, rate_in, run_launcher, toy_arch, toy_recipe  # noqa: E402
 from cramswarm.swarm.toy import CountingSource  # noqa: E402
-from cramswarm.swarm.trainer import losses_path, shard  # noqa: E402
 
 SPEEDS = [1.0, 0.5, 0.25]
 TARGETS = {"weighted_over_uniform": 1.8, "fraction_under_failures": 0.70}
-SEQ, VOCAB = 64, 128
+SEQ = SEQ_TOKENS
 
 
 def verdict(ok: bool) -> str:
@@ -74,38 +71,13 @@ def verdict(ok: bool) -> str:
 
 
 def arch(hidden: int, layers: int) -> dict:
-    base = load_config([REPO / "config" / "config.yaml"])["models"]["crammed"]["arch"]
-    return base | dict(layers=layers, hidden_size=hidden, heads=2, intermediate_size=2 * hidden, max_positions=SEQ)
+    return toy_arch(hidden, layers, SEQ)
 
 
 def recipe(seconds: float, micro: int, batch_micro: int, microbatches: int | None = None) -> dict:
-    cfg = load_config([REPO / "config" / "config.yaml"])
     budget = ({"unit": "seconds", "value": seconds} if microbatches is None
               else {"unit": "tokens", "value": microbatches * micro * SEQ})
-    return cfg["pretrain"] | dict(budget=budget, micro_batch_sequences=micro,
-                                  batch_sequences=batch_micro * micro, lr=3e-3, batch_ramp_fraction=0.0,
-                                  warmup_fraction=0.0, precision="bf16", device="cpu")
-
-
-def lost_microbatches(state_dir: Path, trainers: int) -> tuple[int, int]:
-    """(microbatches with a loss record, microbatches lost): per trainer, the indices of its shard before its last
-    finished one that have no loss record (a microbatch taken and never finished, or skipped)."""
-    finished, lost = 0, 0
-    for rank in range(trainers):
-        path = losses_path(state_dir, rank)
-        done = set()
-        for line in path.read_text().splitlines() if path.exists() else []:
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if "loss" in row:
-                done.add(int(row["mb"]))
-        finished += len(done)
-        if done:
-            mine = shard(max(done) + 1, rank, trainers)
-            lost += sum(i not in done for i in mine)
-    return finished, lost
+    return toy_recipe(micro, batch_micro, budget)
 
 
 def run(name: str, args, *, speeds: list[float], peers_per_stage: list[int], seconds: float, routing: str = "weighted",
@@ -115,29 +87,19 @@ def run(name: str, args, *, speeds: list[float], peers_per_stage: list[int], sec
     """One launcher run (a seconds budget, or with ``microbatches`` that many microbatches); returns its
     throughput, losses and counters."""
     trainers = trainers or args.trainers
-    state_dir = Path(tempfile.mkdtemp(prefix=f"swarm-launcher-{name}-"))
     plan = ht.SwarmPlan(arch=model or arch(args.hidden, args.layers), vocab_size=vocab,
                         recipe=recipe(seconds, args.micro, batch_micro or args.batch_micro, microbatches),
                         peers_per_stage=peers_per_stage, peer_speeds=speeds, trainers=trainers, routing=routing,
                         peer_unit_time_s=args.unit_time if unit_time_s == -1.0 else unit_time_s,
                         kill_every_s=kill_every_s, rejoin_after_s=args.rejoin_after, seed=args.seed,
-                        decentralised=True, state_dir=state_dir, checkpoint_every_s=3600.0, startup_timeout_s=300.0,
+                        checkpoint_every_s=3600.0, startup_timeout_s=300.0,
                         retry=RetryPolicy(forward_timeout_s=args.forward_timeout, give_up_after_s=120.0))
     load_before = os.getloadavg()
-    started = time.perf_counter()
-    try:
-        stats = ht.run_swarm(plan, CountingSource(args.micro, SEQ, args.seed), microbatches or BOUNDED,
-                             progress=False).stats
-        finished, lost = lost_microbatches(state_dir, trainers)
-    finally:
-        if args.keep:
-            print(f"   [{name}] run folder kept: {state_dir}", flush=True)
-        else:
-            shutil.rmtree(state_dir, ignore_errors=True)
-    wall = time.perf_counter() - started
+    result, finished, lost, wall = run_launcher(plan, CountingSource(args.micro, SEQ, args.seed),
+                                                microbatches or BOUNDED, keep=args.keep, name=name)
+    stats = result.stats
     times = stats["microbatch_done_s"]
     deadline = stats.get("deadline_s") or seconds
-    steady = [t for t in times if args.warmup <= t <= deadline]
     losses = stats["trainer_losses"]
     k = max(1, min(16, len(losses) // 4))
     row = {
@@ -146,7 +108,7 @@ def run(name: str, args, *, speeds: list[float], peers_per_stage: list[int], sec
         "budget_s": seconds, "training_s": stats["wall_s"], "run_wall_s": round(wall, 1),
         "microbatches_done": stats["microbatches_done"], "microbatches_with_loss": finished, "lost_microbatches": lost,
         "throughput_mb_s": stats["throughput_mb_s"],
-        "steady_mb_s": round(len(steady) / (deadline - args.warmup), 4) if deadline > args.warmup else None,
+        "steady_mb_s": round(rate_in(times, args.warmup, deadline), 4) if deadline > args.warmup else None,
         "loss_first": round(sum(losses[:k]) / k, 4) if losses else None,
         "loss_last": round(sum(losses[-k:]) / k, 4) if losses else None,
         "killed": stats["killed"], "rejoins": stats["rejoins"], "retries": stats["retries"],

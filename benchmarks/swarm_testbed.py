@@ -63,15 +63,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from cramswarm.config import load_config  # noqa: E402
 from cramswarm.swarm import compression, hivemind_transport, sim  # noqa: E402
 from cramswarm.swarm.emulation import BACKWARD_COMPUTE_FACTOR, PeerSpec, SwarmSetup  # noqa: E402
 from cramswarm.swarm.policies import RetryPolicy  # noqa: E402
+from cramswarm.swarm.study_launcher import VOCAB, toy_arch, toy_recipe  # noqa: E402
 from cramswarm.swarm.toy import CountingSource  # noqa: E402
 from cramswarm.testbed import Unavailable, callcost, unavailable_reason  # noqa: E402
 from cramswarm.testbed import swarm as tbswarm  # noqa: E402
 
-VOCAB, SEQ = 128, 32
+SEQ = 32
 CALL_DELAYS_MS = (0.0, 20.0, 50.0)   # the unshaped one-way delays the per-call cost is read from
 
 
@@ -92,14 +92,10 @@ def parse_setup(text: str) -> tuple[float, float]:
 
 
 def make_plan(args) -> hivemind_transport.SwarmPlan:
-    config = load_config([ROOT / "config" / "config.yaml"])
-    arch = config["models"]["crammed"]["arch"] | dict(layers=max(2, args.stages), hidden_size=args.hidden,
-                                                      heads=2, intermediate_size=2 * args.hidden, max_positions=SEQ)
-    recipe = config["pretrain"] | dict(micro_batch_sequences=args.micro, batch_sequences=args.batch * args.micro,
-                                       lr=3e-3, batch_ramp_fraction=0.0, warmup_fraction=0.0, precision="bf16",
-                                       device="cpu", budget={"unit": "steps", "value": 1000})
     return hivemind_transport.SwarmPlan(
-        arch=arch, vocab_size=VOCAB, recipe=recipe, peers_per_stage=[args.peers] * args.stages,
+        arch=toy_arch(args.hidden, max(2, args.stages), SEQ), vocab_size=VOCAB,
+        recipe=toy_recipe(args.micro, args.batch, {"unit": "steps", "value": 1000}),
+        peers_per_stage=[args.peers] * args.stages,
         trainers=args.trainers, compression=args.compression, retry=RetryPolicy(forward_timeout_s=5.0,
                                                                                 give_up_after_s=30.0),
         startup_timeout_s=240.0, seed=args.seed)

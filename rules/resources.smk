@@ -223,18 +223,18 @@ def finetune_mem_mb(wildcards):
     return model + mb(8 * seq * max(sum(glue_rows(task)) for task in finetune_tasks(wildcards)))
 
 
-SWARM_STUDY_RUNS = {"wiring": 6, "failures": 8}  # emulation + simulator x routings (x failures on/off)
-
-
 def swarm_experiment_runtime(wildcards):
-    """The emulated experiments: runs x duration_s x time_scale wall seconds; compression trains the SWARM
+    """The emulated experiments: runs x duration_s x time_scale wall seconds (testbed runs: real seconds plus
+    their start-up, study.transports_runtime_s); compression trains the SWARM
     model once per boundary treatment; sim_scale grows with peers x simulated seconds x runs; square_cube's compute
     grows with width squared and its calls with bytes and delay. Three times that."""
     section = SWARM_EXPERIMENTS[wildcards.name]
     settings = config["swarm_study"][section]
     seconds = 60.0
     if section in ("wiring", "failures"):
-        seconds += SWARM_STUDY_RUNS[section] * settings["duration_s"] * settings["time_scale"]
+        from cramswarm.swarm.study import transports_runtime_s
+
+        seconds += transports_runtime_s(section, settings)
     elif section == "rebalancing":
         seconds += 2 * len(settings["periods_s"]) * settings["duration_s"] * settings["time_scale"]
     elif section == "sim_scale":

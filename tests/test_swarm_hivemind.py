@@ -236,25 +236,30 @@ def wait_all(tasks, logs, timeout_s=60):
 
 @pytest.mark.slow
 def test_peers_started_as_separate_tasks_train_through_kills_and_exit_with_the_run(tmp_path):
+    """attach with kill_every_s under the launcher: it asks a random peer to die (its ``die`` RPC), the peer's task
+    restarts it; one more peer is SIGKILLed from outside. The launcher started neither."""
     def kill_a_peer_from_outside():  # SIGKILL of one task's peer process group (the peer and its p2pd)
         children = psutil.Process(tasks[1].pid).children()
         if children:
             os.killpg(children[0].pid, signal.SIGKILL)
 
     # a restarted peer needs about 6 s on 2 loaded cores to import, join and load the state; 480 microbatches
-    # (about 20 s of training here; 240 ended before any killed peer was back) leave it time to serve again
+    # (60 s of training at load 14-19, 8 peers killed and 6 back) leave it time to serve again
     total = 480
     with job_tasks(tmp_path, range(4)) as (rendezvous, logs, tasks):
         outside = threading.Timer(8.0, kill_a_peer_from_outside)
         outside.start()
         try:
-            result = ht.run_swarm(plan(placement="attach", rendezvous=rendezvous, interface="lo",
-                                       peer_speeds=[0.25], kill_every_s=4.0, rejoin_after_s=0.2), batches(), total,
-                                  progress=False)
+            # a global batch of 16 microbatches: the peers' own steps (a gather of ~1 s each on a loaded machine)
+            # would otherwise take most of the run (120 steps of 4: 183 s of training at load 19, 60 s with 16)
+            result = ht.run_swarm(plan(placement="attach", rendezvous=rendezvous, state_dir=rendezvous,
+                                       decentralised=True, interface="lo", peer_speeds=[0.5], kill_every_s=4.0,
+                                       rejoin_after_s=0.2, recipe=plan().recipe | {"batch_sequences": 16 * MICRO}),
+                                  source(), total, progress=False)
         finally:
             outside.cancel()
     stats = result.stats
-    assert stats["placement"] == "attach"
+    assert stats["placement"] == "attach" and stats["roles"] == "launcher"
     assert stats["microbatches_requested"] == stats["microbatches_done"] == total and stats["lost_microbatches"] == 0
     assert stats["peers_killed"] >= 1 and stats["rejoins"] >= 1, stats
     # the uids are s<stage>r<rank>.<incarnation>: every rank served, a restarted one under a new incarnation
@@ -267,7 +272,7 @@ def test_peers_started_as_separate_tasks_train_through_kills_and_exit_with_the_r
     assert stats["replicas_equal"], stats["replica_steps"]
     losses = [row["loss"] for row in result.log]
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5, losses
-    # the tasks read the coordinator's `done` and exit 0; none of their processes is left
+    # the tasks read the launcher's `done` and exit 0; none of their processes is left
     wait_all(tasks, logs)
     assert processes_naming(str(rendezvous)) == []
 

@@ -226,14 +226,10 @@ def test_a_peers_emulated_speed_scales_its_measured_compute_or_the_configured_fl
 
 
 def test_the_launcher_benchmark_counts_a_microbatch_taken_and_never_finished_as_lost(tmp_path):
-    """``benchmarks/swarm_launcher.py``'s count for seconds budgets (where requested = done by definition): a gap in
-    a trainer's shard before its last finished microbatch is lost; a record cut short by a kill is not a finish."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("swarm_launcher_bench", TESTS.parent / "benchmarks" /
-                                                  "swarm_launcher.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    """The count of ``benchmarks/swarm_launcher.py`` and the study's testbed transport (``study_launcher``) for
+    seconds budgets (where requested = done by definition): a gap in a trainer's shard before its last finished
+    microbatch is lost; a record cut short by a kill is not a finish."""
+    from cramswarm.swarm import study_launcher as bench
     from cramswarm.swarm.trainer import losses_path
 
     def write(rank: int, mbs: list[int], tail: str = "") -> None:
@@ -426,9 +422,9 @@ def test_train_runs_under_the_launcher_only_where_the_launcher_supports_the_plan
     # attach: the user's swarm-peer tasks serve the stages, but the launcher kills only what it started
     assert ht.decentralised_supported(plan(placement="srun", rendezvous=Path("r")), 96) is None
     assert ht.decentralised_supported(plan(placement="attach", rendezvous=Path("r")), 96) is None
+    # with kill_every_s the launcher asks an attached peer to die and its task restarts it
+    assert ht.decentralised_supported(plan(placement="attach", rendezvous=Path("r"), kill_every_s=4.0), 96) is None
     reasons = {
-        "placement=attach with kill_every_s": ht.decentralised_supported(plan(placement="attach", kill_every_s=4.0),
-                                                                         96),
         "throughput emulation": ht.decentralised_supported(plan(emulate={"stage_time_s": 0.01}), 96),
         "peers_per_stage": ht.decentralised_supported(plan(peers_per_stage=[1, 0]), 96),
     }
@@ -759,16 +755,16 @@ def test_swarm_pretrain_gives_the_launcher_the_rules_state_folder(monkeypatch, t
                   total_microbatches=96, progress=False, source=source())
     ht.train(swarm=swarm, rendezvous=tmp_path, **common)
     ht.train(swarm=swarm, **common)
-    ht.train(swarm=swarm | {"placement": "attach", "kill_every_s": 4.0}, rendezvous=tmp_path, **common)  # coordinator's
+    ht.train(swarm=swarm | {"placement": "attach", "kill_every_s": 4.0}, rendezvous=tmp_path, **common)  # launcher's
     ht.train(swarm=swarm | {"placement": "srun"}, rendezvous=tmp_path, **common)  # the launcher's, as job steps
     ht.train(swarm=swarm | {"rebalance_period_s": 5.0}, rendezvous=tmp_path, **common)  # the peers rebalance
     ht.train(swarm=swarm, rendezvous=tmp_path, **(common | {"source": None}))  # no source: the coordinator's
-    assert [(p.decentralised, p.state_dir) for p in seen] == [(True, tmp_path / "launcher"), (True, None),
-                                                              (False, None), (True, tmp_path / "launcher"),
-                                                              (True, tmp_path / "launcher"), (False, None)]
+    launched = (True, tmp_path / "launcher")
+    assert [(p.decentralised, p.state_dir) for p in seen] == [launched, (True, None), launched, launched, launched,
+                                                              (False, None)]
     assert seen[0].checkpoint_every_s == 7.0
     # the launcher gets the source (its trainers make their microbatches), the coordinator the iterator
-    assert [hasattr(data, "spec") for data in handed] == [True, True, False, True, True, False]
+    assert [hasattr(data, "spec") for data in handed] == [True, True, True, True, True, False]
 
 
 # -- the rule's outputs, then its state folder --------------------------------------------------------------------

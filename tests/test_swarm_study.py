@@ -83,7 +83,7 @@ def test_wiring_columns_and_order(study_dir):
     assert columns(study_dir / "wiring_throughput.csv") == [
         "run", "speeds", "transport", "routing", "stages", "peers", "trainers", "trainers_per_peer",
         "throughput_mb_s", "optimum_mb_s", "percent_of_optimum", "microbatches_done", "retries", "duration_s",
-        "wall_s"]
+        "wall_s", "lost_microbatches", "link_mbit_s", "latency_ms"]
     base, sweep = frame[frame["run"] == "base"], frame[frame["run"] == "sweep"]
     assert set(base["transport"]) == {"emulation", "sim"} and set(sweep["transport"]) == {"sim"}
     simulated = base[base["transport"] == "sim"].set_index("routing")["throughput_mb_s"]
@@ -103,7 +103,7 @@ def test_wiring_columns_and_order(study_dir):
 def test_failure_and_rebalancing_timelines(study_dir):
     failures = pd.read_csv(study_dir / "failures_timeline.csv")
     assert columns(study_dir / "failures_timeline.csv") == [
-        "transport", "routing", "failures", *TIMELINE, "retries", "lost_microbatches"]
+        "transport", "routing", "failures", *TIMELINE, "retries", "lost_microbatches", "link_mbit_s", "latency_ms"]
     assert set(failures["failures"]) == {"none", "periodic"} and set(failures["routing"]) == {"weighted", "fixed"}
     assert failures["t_s"].max() == 25.0
     assert (failures.loc[failures["routing"] == "weighted", "lost_microbatches"] == 0).all()

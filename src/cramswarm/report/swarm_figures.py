@@ -239,6 +239,34 @@ third-party notes]. Like with like is the dashed line at 500 Mbit/s: a device ra
     return paths + _save_all(fig, out / "square_cube", caption)
 
 
+# ------------------------------------------------------------------------------------------------ transports
+
+def _transport_note(data: pd.DataFrame) -> str:
+    """What each transport of a wiring/failures CSV is, and for testbed rows, on what link they ran."""
+    notes = {"emulation": "emulation: threads in one process, emulated seconds, no network",
+             "sim": "sim: the discrete-event simulator, no network"}
+    parts = [notes[t] for t in dict.fromkeys(data["transport"]) if t in notes]
+    testbed = data[data["transport"] == "testbed"]
+    if len(testbed):
+        links = []
+        for (rate, delay), _ in testbed.groupby(["link_mbit_s", "latency_ms"], dropna=False, sort=False):
+            speed = "unshaped links" if pd.isna(rate) else f"links shaped to {rate:g} Mbit/s"
+            links.append(f"{speed}, {delay:g} ms one way through the relay")
+        parts.append("testbed: real processes of the launcher (a DHT bootstrap, one process per stage peer and per "
+                     "trainer, each on a host of its own: a Linux network namespace) training a tiny crammed BERT "
+                     f"on a toy language, {'; '.join(links)}; the peers' speeds are a compute floor of the stage "
+                     "time per work unit, real seconds; weighted and uniform routing only (no fixed chains)")
+    return "Transports - " + "; ".join(parts) + "." if parts else ""
+
+
+def _testbed_kills(data: pd.DataFrame) -> str:
+    if not (data["transport"] == "testbed").any():
+        return ""
+    return (" On the testbed the launcher SIGKILLs a random live peer of a stage that has two or more at the same "
+            "interval (its own draw, not the schedule above) and starts a fresh one after the rejoin delay, which "
+            "loads the stage's state before it serves; peers up counts the killed peer down until then.")
+
+
 # --------------------------------------------------------------------------------------------------- wiring
 
 def _wiring_winners(sweep: pd.DataFrame) -> str:
@@ -306,9 +334,9 @@ depends on the load and the speeds: read each result with its setup."""
 routing (interleaved weighted round-robin on measured peer throughput), uniform random routing and fixed chains
 (the c-th peer of every stage). Left: {int(first['stages'])} stages of peers with speeds 1, 0.5 and 0.25 (rotated
 per stage so that fixed chains mix fast and slow peers), {int(first['trainers'])} concurrent trainers
-({first['trainers_per_peer']:.2g} per peer), no failures, {first['duration_s']:g} emulated seconds; thread
-emulation and discrete-event simulator side by side. Dashed: the optimum, every stage's summed peer rate (all
-peers busy). Weighted / uniform throughput: {ratio}.{sweep_text}
+({first['trainers_per_peer']:.2g} per peer), no failures, {first['duration_s']:g} seconds per run; the transports
+side by side. Dashed: the optimum, every stage's summed peer rate (all
+peers busy). Weighted / uniform throughput: {ratio}. {_transport_note(base)}{sweep_text}
 Expected shape (swarm.md 6.2 M2 [proposal]): weighted approaches the sum of the rates, uniform tends to
 3 x the slowest peer, up to ~2.3x apart. swarm.md gives no published number for this experiment.
 """
@@ -359,7 +387,8 @@ def failures_figure(csv: str | os.PathLike, out_dir: str | os.PathLike) -> list[
                          baseline=None)
             lower.yaxis.set_major_locator(MaxNLocator(integer=True))
             lower.set_ylabel("peers up\n(window mean)")
-            lower.set_xlabel("time (emulated s; window start)")
+            lower.set_xlabel("time (real s; window start)" if transport == "testbed"
+                             else "time (emulated s; window start)")
         handles = [Line2D([], [], color=colors[r], label="swarm (weighted)" if r == "weighted" else r)
                    for r in routings]
         handles += [Line2D([], [], color="0.3", linestyle="-", label="with kills"),
@@ -376,6 +405,7 @@ for fixed GPipe-style chains, with one random live peer killed at regular interv
 same kill schedule for both) and without failures (dotted); lower panels: peers up. A killed peer drops its queue
 (those calls time out and are re-sent to another replica by the swarm; a fixed chain waits for its member).
 Throughput under failures as a percentage of the same routing's failure-free run: {'; '.join(lines)}.
+{_transport_note(data)}{_testbed_kills(data)}
 swarm.md 6.2 M3 [proposal]: SWARM keeps the remaining capacity minus timeout waste, static chains lose a whole chain
 per failure. The paper's throughput-over-time figure (E6) has no number in swarm.md [unverified].
 """

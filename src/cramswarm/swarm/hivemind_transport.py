@@ -925,14 +925,12 @@ def decentralised_supported(plan: SwarmPlan, total_microbatches: int) -> str | N
     """Why the launcher (independent trainer processes, steps decided by the stage peers) cannot run ``plan``
     yet, or None. Every placement runs under it (srun: every process it starts is its own job step,
     ``srun.SrunPlacement``; attach: the user's ``swarm-peer`` tasks serve the stages, the launcher starts the
-    bootstrap and the trainers) but attach with ``kill_every_s`` (the launcher kills only what it started), which
-    the coordinator runs through the peers' ``die`` RPC, as it runs the throughput emulation. Any budget and any
+    bootstrap and the trainers; with ``kill_every_s`` it asks a peer to die by its ``die`` RPC and the peer's task
+    restarts it). Only the throughput emulation (``run``) uses the coordinator. Any budget and any
     amount of data run under the launcher: its trainers read the training blocks and mask their microbatches
     themselves (``data``), and with a seconds
     budget they stop at the launcher's deadline (rebalancing is decided by the stage peers: ``peer_rebalance``).
     ``total_microbatches`` is kept for the callers; no count is refused."""
-    if plan.placement == "attach" and plan.kill_every_s:
-        return "swarm.placement=attach with kill_every_s (the launcher kills only the processes it started)"
     if plan.emulate is not None:
         return "throughput emulation (hivemind_transport.run) uses the coordinator"
     if min(plan.peers_per_stage, default=0) < 1:

@@ -1,7 +1,7 @@
 """The launcher of a hivemind swarm: starts the processes, restarts the dead, gathers the result - no training.
 
 ``hivemind_transport.run_swarm`` uses it for plans with ``decentralised`` set (``train`` sets it for every
-placement, any budget, but attach with ``kill_every_s``; see ``hivemind_transport.decentralised_supported``).
+placement and any budget; see ``hivemind_transport.decentralised_supported``).
 Processes (each its own process-group leader, ``processes.ProcessGroups``; with the srun placement each also its
 own job step of the SLURM job, on any of its nodes: ``srun.SrunPlacement``; with the attach placement the stage
 peers are the user's ``swarm-peer`` tasks - ``hivemind_peer.run_task``, rank r serving the r-th entry of the
@@ -26,16 +26,16 @@ after the origin; the trainers take microbatches until the deadline
 and finish the one under way, and the end is that of a counted run (the last, partial global batch, the final
 shards). Only training time counts: a resumed seconds run gets the budget less its earlier lives' training time.
 
-What the launcher still does, and what its death means: it keeps a heartbeat record in the DHT (the key the
-peers of the coordinator's swarm watch, ``hivemind_peer.coordinator_key``); it restarts a trainer that died (same
-rank: it resumes its shard from its progress file) and a stage peer that died (a fresh uid for the same stage,
-which downloads the stage's state from a live replica before it serves), ``rejoin_after_s`` later; it runs the
-fault injection (``kill_every_s``: SIGKILL of a random stage peer, never the last replica at its stage's
-latest step; ``faults``: SIGKILL of named processes at given times) - it only kills and restarts, it holds no
-training state; once every trainer reports its shard done it asks the peers for the last, partial global batch
-(``peer_sync.flush_key``), waits until every stage is idle, downloads the stages' parameters from live replicas
-and stops everything. If it dies, the peers and trainers exit: at once where they see their parent gone, else
-once its heartbeat record has been missing ``coordinator_grace_s``.
+What the launcher still does, and what its death means: it keeps a heartbeat record in the DHT (the key the peers of
+the coordinator's swarm watch, ``hivemind_peer.coordinator_key``); it restarts a trainer that died (same rank: it
+resumes its shard from its progress file) and a stage peer that died (a fresh uid for the same stage, which
+downloads the stage's state from a live replica before it serves), ``rejoin_after_s`` later; it runs the fault
+injection (``kill_every_s``: SIGKILL of a random stage peer, never the last replica at its stage's latest step; with
+the attach placement the peer's ``die`` RPC, and its task restarts it; ``faults``: SIGKILL of named processes at
+given times) - it only kills and restarts, it holds no training state; once every trainer reports its shard done it
+asks the peers for the last, partial global batch (``peer_sync.flush_key``), waits until every stage is idle,
+downloads the stages' parameters from live replicas and stops everything. If it dies, the peers and trainers exit:
+at once where they see their parent gone, else once its heartbeat record has been missing ``coordinator_grace_s``.
 
 Checkpoint and resume: with ``state_dir`` (the swarm_pretrain rule's resumable state folder, under
 ``results/.state``) the run's folder is that folder, not a temporary one. The stage peers write their stages'
@@ -517,9 +517,56 @@ class Launcher:
     async def _kill_forever(self, every_s: float) -> None:
         while True:
             await asyncio.sleep(every_s)
+            if self.plan.placement == "attach":  # the user's tasks' peers: asked to die, their task restarts them
+                candidates = await self._killable_attached()
+                if candidates:
+                    await self._kill_attached(*self.rng.choice(candidates))
+                continue
             candidates = await self._killable()
             if candidates:
                 self._kill_peer(self.rng.choice(candidates))
+
+    async def _killable_attached(self) -> list[tuple[int, str]]:
+        """attach: (stage, uid) of the declared peers of stages where at least two of them are at the stage's latest
+        step (the launcher has no process of theirs to look at: their records say who is alive)."""
+        found = []
+        for stage in range(self.plan.stages):
+            records = await progress_records(self.node, self.run_id, stage)
+            declared = await stage_records(self.node, self.run_id, stage)
+            latest = max((r["step"] for r in records.values()), default=0)
+            current = [u for u, r in records.items() if r["step"] == latest and u in declared and u not in self.retired]
+            if len(current) >= 2:
+                found.extend((stage, uid) for uid in current)
+        return found
+
+    async def _kill_attached(self, stage: int, uid: str) -> None:
+        """attach: a peer the launcher did not start dies by its ``die`` RPC (it SIGKILLs its own process group, as
+        a preempted host would lose it); its ``swarm-peer`` task starts it again as a new incarnation, which
+        downloads the stage's state. Counted as a rejoin once the task's new incarnation has declared itself."""
+        self.retired.add(uid)
+        declared = await stage_records(self.node, self.run_id, stage)
+        if uid not in declared:
+            return
+        stub = SyncingStagePeer.get_stub(self.node.p2p, PeerID.from_base58(declared[uid][0]),
+                                         namespace=stage_namespace(self.run_id, stage))
+        with contextlib.suppress(Exception):  # it may die before its reply is out
+            await asyncio.wait_for(unpack(await stub.rpc_die(request({}, {}))), timeout=self.plan.sync_timeout_s)
+        self.stats["peers_killed"] += 1
+        self.stats["killed"].append({"uid": uid, "stage": stage, "t_s": round(self.elapsed(), 2)})
+        self._spawn(self._count_rejoin(stage, uid))
+
+    async def _count_rejoin(self, stage: int, uid: str) -> None:
+        """attach: wait for the killed peer's task (its rank, ``rank_of_uid``) to declare a new incarnation."""
+        from cramswarm.swarm.hivemind_transport import rank_of_uid
+
+        rank, prefix = rank_of_uid(uid), uid.split(".")[0] + "."
+        deadline = time.monotonic() + self.plan.startup_timeout_s
+        while rank is not None and time.monotonic() < deadline:
+            declared = await stage_records(self.node, self.run_id, stage)
+            if any(u.startswith(prefix) and u != uid and u not in self.retired for u in declared):
+                self.stats["rejoins"] += 1
+                return
+            await asyncio.sleep(SUPERVISE_PERIOD_S)
 
     async def _fault(self, at_s: float, target: str) -> None:
         """``faults``: SIGKILL ``bootstrap``, ``trainer<R>``, ``peer`` (a killable stage peer) or ``stage<S>`` (every

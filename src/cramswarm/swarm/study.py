@@ -8,11 +8,13 @@ two on a 2-core CPU; tests pass tiny sizes) that writes one CSV atomically, with
                             carrying its boundary tensors, per width, bandwidth, latency and compression scheme:
                             ideal (bytes / bandwidth) or measured between two hosts of the network testbed.
 * ``wiring_throughput``     M2: throughput of stochastic wiring (IWRR), uniform routing and fixed chains on
-                            peers of speeds 1, 0.5, 0.25 per stage, in the emulation and the simulator; then,
-                            simulated, the same swept over trainers per peer (the load) on those and on equal
+                            peers of speeds 1, 0.5, 0.25 per stage, in the emulation and the simulator (and, as
+                            transport ``testbed``, the launcher's real processes on hosts of the network testbed);
+                            then, simulated, the same swept over trainers per peer (the load) on those and on equal
                             peers.
 * ``failures_timeline``     M3: throughput over time with one peer killed every ``kill_every_s`` (rejoining
-                            after ``rejoin_after_s``) and without failures, swarm vs fixed chains.
+                            after ``rejoin_after_s``) and without failures, swarm vs fixed chains (and, as
+                            transport ``testbed``, the launcher's real processes: SIGKILLed peers, fresh ones).
 * ``rebalancing_recovery``  M4: a stage starved by killing peers for good; rebalancing off vs several periods.
 * ``compression_loss``      M5: MLM loss vs step of the tiny crammed model trained in one process with the
                             stage boundaries compressed (fp16, blockwise 8-bit) or narrowed (bottleneck,
@@ -26,6 +28,7 @@ two on a 2-core CPU; tests pass tiny sizes) that writes one CSV atomically, with
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import random
@@ -41,7 +44,10 @@ from cramswarm.io import atomic_path
 from cramswarm.swarm import emulation, sim
 from cramswarm.swarm.emulation import FailureEvent, PeerSpec, SwarmSetup
 
-TRANSPORTS = ("emulation", "sim")
+TRANSPORTS = ("emulation", "sim")   # the default transports of wiring_throughput, failures_timeline, ...
+# ... and every one they take: testbed = the launcher's swarm of real processes, each on a testbed host of its own
+# (cramswarm.swarm.study_launcher.run_setup; needs root, iproute2 and hivemind, skipped with the reason elsewhere)
+LAUNCHER_TRANSPORTS = (*TRANSPORTS, "testbed")
 COMPRESSION_CONFIGS = ("none", "fp16", "blockwise8", "bottleneck2", "maxout2")
 
 
@@ -68,16 +74,71 @@ def _write_csv(frame: pd.DataFrame, out_csv: str | os.PathLike) -> Path:
     return Path(out_csv)
 
 
-def _run(setup: SwarmSetup, transport: str, time_scale: float) -> tuple[dict, float]:
-    """Run ``setup`` on one transport; returns (result, wall seconds)."""
+def _run(setup: SwarmSetup, transport: str, time_scale: float, testbed: dict | None = None) -> tuple[dict, float]:
+    """Run ``setup`` on one transport; returns (result, wall seconds). ``testbed`` (transport testbed): the keywords
+    of ``study_launcher.run_setup`` (link, latency, kills)."""
     start = time.perf_counter()
     if transport == "emulation":
         result = emulation.run(setup, time_scale=time_scale)
     elif transport == "sim":
         result = sim.run(setup)
+    elif transport == "testbed" and testbed is not None:
+        from cramswarm.swarm import study_launcher
+
+        result = study_launcher.run_setup(setup, **testbed)
     else:
         raise ValueError(f"unknown transport {transport!r}; allowed: {', '.join(TRANSPORTS)}")
     return result, time.perf_counter() - start
+
+
+def _transports(transports: Sequence[str], experiment: str) -> list[str]:
+    """``transports`` checked (``LAUNCHER_TRANSPORTS``), less ``testbed`` where no testbed can be built here or
+    hivemind is missing (printed with the reason, as ``square_cube``'s ``link: auto`` does)."""
+    unknown = sorted(set(transports) - set(LAUNCHER_TRANSPORTS))
+    if unknown:
+        raise ValueError(f"swarm_study.{experiment}.transports: unknown transport(s) {unknown}; allowed: "
+                         f"{', '.join(LAUNCHER_TRANSPORTS)}")
+    if "testbed" not in transports:
+        return list(transports)
+    from cramswarm.testbed import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is None:
+        try:
+            import hivemind  # noqa: F401
+        except ImportError as err:
+            reason = f"hivemind is not installed ({err})"
+    if reason:
+        print(f"swarm_study.{experiment}: transport testbed skipped (no testbed here: {reason})", flush=True)
+        return [t for t in transports if t != "testbed"]
+    return list(transports)
+
+
+TESTBED_START_S = 180.0   # a bound on one testbed run's start-up and teardown (namespaces; ~20 processes' imports)
+
+
+def transports_runtime_s(section: str, settings: dict) -> float:
+    """A bound on :func:`wiring_throughput`'s / :func:`failures_timeline`'s seconds (``section``: wiring |
+    failures) for their ``swarm_study`` config section, without the sweep: per emulated transport (the
+    simulator's counted alike) each run's ``duration_s x time_scale`` over 3 routings (wiring) or 2 routings x
+    with and without failures; per testbed run (2: weighted and uniform, or weighted with and without failures)
+    ``duration_s`` real seconds plus ``TESTBED_START_S``."""
+    runs = {"wiring": 3, "failures": 4}[section]
+    seconds = 0.0
+    for transport in settings.get("transports", TRANSPORTS):
+        if transport == "testbed":
+            seconds += 2 * (settings["duration_s"] + TESTBED_START_S)
+        else:
+            seconds += runs * settings["duration_s"] * settings["time_scale"]
+    return seconds
+
+
+def _link_columns(transport: str, link_mbit_s: float | None, latency_ms: float) -> dict:
+    """The link of a row: the testbed's shaped rate (NaN: unshaped) and one-way delay; NaN for the emulation and
+    the simulator (no network)."""
+    if transport != "testbed":
+        return {"link_mbit_s": math.nan, "latency_ms": math.nan}
+    return {"link_mbit_s": math.nan if link_mbit_s is None else float(link_mbit_s), "latency_ms": float(latency_ms)}
 
 
 def windowed_throughput(timeline: Sequence[tuple[float, int]], duration_s: float,
@@ -286,7 +347,8 @@ def wiring_throughput(out_csv: str | os.PathLike, *, speeds: Sequence[float] = (
                       forward_timeout_s: float = 5.0, routings: Sequence[str] = ("weighted", "uniform", "fixed"),
                       transports: Sequence[str] = TRANSPORTS, time_scale: float = 0.1,
                       sweep_trainers_per_peer: Sequence[float] = (0.5, 1.0, 2.0, 4.0, 8.0),
-                      sweep_speeds: Sequence[str] = SPEED_PROFILES, seed: int = 0) -> Path:
+                      sweep_speeds: Sequence[str] = SPEED_PROFILES, testbed_link_mbit_s: float | None = 100.0,
+                      testbed_latency_ms: float = 20.0, seed: int = 0) -> Path:
     """M2. Throughput of each routing on ``stages`` stages of peers with ``speeds`` (see
     :func:`heterogeneous_stages`), ``trainers`` concurrent trainers, no failures, on each transport (run
     ``base``); then the simulator alone (run ``sweep``) at ``trainers_per_peer x peers`` trainers (rounded up)
@@ -294,32 +356,47 @@ def wiring_throughput(out_csv: str | os.PathLike, *, speeds: Sequence[float] = (
     speed 1 (``equal``), as ``sweep_speeds`` asks: which routing wins depends on how many microbatches are in
     flight per peer.
 
+    Transport ``testbed`` (:func:`cramswarm.swarm.study_launcher.run_setup`): the launcher's real processes (a
+    bootstrap, one process per peer, one per trainer), each on a host of the network testbed, every link shaped to
+    ``testbed_link_mbit_s`` (None: unshaped) and delayed ``testbed_latency_ms`` one way; ``stage_time_s`` is the
+    peers' unit time and ``duration_s`` real seconds of training; weighted and uniform routing only (the launcher
+    has no fixed chains: skipped, with a line saying so). Where no testbed can be built it is skipped with the
+    reason (:func:`_transports`).
+
     Columns: run (base | sweep), speeds (mixed | equal), transport, routing, stages, peers, trainers,
     trainers_per_peer, throughput_mb_s, optimum_mb_s (best assignment of the peers,
-    :func:`sim.optimal_throughput`), percent_of_optimum, microbatches_done, retries, duration_s, wall_s.
+    :func:`sim.optimal_throughput`), percent_of_optimum, microbatches_done, retries, duration_s, wall_s,
+    lost_microbatches, link_mbit_s and latency_ms (the testbed's link; NaN for the emulation and the simulator).
     """
     unknown = sorted(set(sweep_speeds) - set(SPEED_PROFILES))
     if unknown:
         raise ValueError(f"sweep_speeds: unknown profile(s) {unknown}; allowed: {', '.join(SPEED_PROFILES)}")
+    transports = _transports(transports, "wiring")
     profiles = {"mixed": heterogeneous_stages(speeds, stages),
                 "equal": [PeerSpec(stage=s) for s in range(stages) for _ in speeds]}
     runs = [("base", "mixed", transport, trainers) for transport in transports]
     runs += [("sweep", profile, "sim", math.ceil(load * len(profiles[profile])))
              for profile in sweep_speeds for load in sweep_trainers_per_peer]
+    testbed = {"link_mbit_s": testbed_link_mbit_s, "latency_ms": testbed_latency_ms}
     rows = []
     for run, profile, transport, count in runs:
         peers = profiles[profile]
         optimum = sim.optimal_throughput([p.speed for p in peers], stages, stage_time_s)
         for routing in routings:
+            if transport == "testbed" and routing == "fixed":
+                print("swarm_study.wiring: no fixed chains on the testbed (the launcher routes weighted or "
+                      "uniform)", flush=True)
+                continue
             setup = SwarmSetup(peers=peers, trainers=count, stage_time_s=stage_time_s, routing=routing,
                                forward_timeout_s=forward_timeout_s, duration_s=duration_s, seed=seed)
-            result, wall = _run(setup, transport, time_scale)
+            result, wall = _run(setup, transport, time_scale, testbed)
             rows.append({"run": run, "speeds": profile, "transport": transport, "routing": routing,
                          "stages": stages, "peers": len(peers), "trainers": count,
                          "trainers_per_peer": count / len(peers), "throughput_mb_s": result["throughput_mb_s"],
                          "optimum_mb_s": optimum, "percent_of_optimum": 100 * result["throughput_mb_s"] / optimum,
                          "microbatches_done": result["microbatches_done"], "retries": result["retries"],
-                         "duration_s": duration_s, "wall_s": wall})
+                         "duration_s": duration_s, "wall_s": wall, "lost_microbatches": result["lost_microbatches"],
+                         **_link_columns(transport, testbed_link_mbit_s, testbed_latency_ms)})
     return _write_csv(pd.DataFrame(rows), out_csv)
 
 
@@ -342,27 +419,49 @@ def failures_timeline(out_csv: str | os.PathLike, *, stages: int = 3, peers_per_
                       trainers: int = 12, stage_time_s: float = 1.0, kill_every_s: float = 60.0,
                       rejoin_after_s: float = 30.0, duration_s: float = 300.0, forward_timeout_s: float = 30.0,
                       window_s: float = 20.0, routings: Sequence[str] = ("weighted", "fixed"),
-                      transports: Sequence[str] = TRANSPORTS, time_scale: float = 0.02, seed: int = 0) -> Path:
+                      transports: Sequence[str] = TRANSPORTS, time_scale: float = 0.02,
+                      testbed_link_mbit_s: float | None = 100.0, testbed_latency_ms: float = 20.0,
+                      seed: int = 0) -> Path:
     """M3. ``stages x peers_per_stage`` peers of speed 1; one random live peer killed every ``kill_every_s``,
     back after ``rejoin_after_s`` (the same schedule for every routing), and a failure-free run of each routing
     for reference. Throughput per ``window_s`` window.
 
+    Transport ``testbed`` (see :func:`wiring_throughput`; times in real seconds): the launcher kills (SIGKILL) a
+    random live peer of a stage that has two or more every ``kill_every_s`` - its own schedule, at the same
+    rate - and starts a fresh one ``rejoin_after_s`` later, which loads the stage's state before it serves;
+    ``peers_up`` counts a killed peer down until its replacement starts. Weighted routing only (no fixed chains
+    in the launcher).
+
     Columns: transport, routing, failures (periodic | none), t_s (window start), window_s, throughput_mb_s,
-    completed_total, peers_up (mean over the window), retries, lost_microbatches (the last two over the run).
+    completed_total, peers_up (mean over the window), retries, lost_microbatches (the last two over the run),
+    link_mbit_s and latency_ms (the testbed's link; NaN for the emulation and the simulator).
     """
+    transports = _transports(transports, "failures")
     peers = [PeerSpec(stage=s) for s in range(stages) for _ in range(peers_per_stage)]
     schedule = periodic_kills(len(peers), duration_s, kill_every_s, rejoin_after_s, seed)
     rows = []
     for transport in transports:
         for routing in routings:
+            if transport == "testbed" and routing == "fixed":
+                print("swarm_study.failures: no fixed chains on the testbed (the launcher routes weighted or "
+                      "uniform)", flush=True)
+                continue
             for label, failures in (("none", []), ("periodic", schedule)):
+                testbed = None
+                if transport == "testbed":   # the launcher kills by its own schedule
+                    testbed = {"link_mbit_s": testbed_link_mbit_s, "latency_ms": testbed_latency_ms,
+                               "kill_every_s": kill_every_s if failures else None, "rejoin_after_s": rejoin_after_s}
+                    failures = []
                 setup = SwarmSetup(peers=peers, trainers=trainers, stage_time_s=stage_time_s, routing=routing,
                                    failures=list(failures), forward_timeout_s=forward_timeout_s,
                                    duration_s=duration_s, seed=seed)
-                result, _ = _run(setup, transport, time_scale)
+                result, _ = _run(setup, transport, time_scale, testbed)
+                if "failures" in result:   # the kills that happened (testbed)
+                    setup = dataclasses.replace(setup, failures=result["failures"])
                 rows.extend(_timeline_rows(
                     result, setup, window_s, {"transport": transport, "routing": routing, "failures": label},
-                    {"retries": result["retries"], "lost_microbatches": result["lost_microbatches"]}))
+                    {"retries": result["retries"], "lost_microbatches": result["lost_microbatches"],
+                     **_link_columns(transport, testbed_link_mbit_s, testbed_latency_ms)}))
     return _write_csv(pd.DataFrame(rows), out_csv)
 
 

@@ -1,0 +1,119 @@
+"""The swarm_study's ``testbed`` transport (cramswarm.swarm.study with cramswarm.swarm.study_launcher): the
+launcher's real processes, each on a host of the network testbed, in wiring_throughput and failures_timeline.
+
+The slow test builds a testbed; it skips with the reason where namespaces cannot be made (CI sets
+CRAMSWARM_REQUIRE_NETNS, which turns the skip into a failure, as in test_testbed.py). The others run everywhere.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pandas as pd
+import pytest
+
+from cramswarm.report import swarm_figures
+from cramswarm.swarm import study, study_launcher
+
+
+def test_without_a_testbed_the_transport_is_skipped_with_the_reason(tmp_path, monkeypatch, capsys):
+    import cramswarm.testbed
+
+    monkeypatch.setattr(cramswarm.testbed, "unavailable_reason", lambda: "network namespaces need root (test)")
+    study.wiring_throughput(tmp_path / "w.csv", duration_s=10.0, time_scale=0.02, sweep_trainers_per_peer=(),
+                            transports=("sim", "testbed"))
+    study.failures_timeline(tmp_path / "f.csv", stages=2, peers_per_stage=2, trainers=4, stage_time_s=0.5,
+                            kill_every_s=10.0, rejoin_after_s=5.0, duration_s=20.0, forward_timeout_s=3.0,
+                            window_s=5.0, transports=("testbed", "sim"))
+    out = capsys.readouterr().out
+    for section in ("wiring", "failures"):
+        assert (f"swarm_study.{section}: transport testbed skipped (no testbed here: network namespaces need root "
+                "(test))") in out
+    wiring, failures = pd.read_csv(tmp_path / "w.csv"), pd.read_csv(tmp_path / "f.csv")
+    assert set(wiring["transport"]) == set(failures["transport"]) == {"sim"}
+    # the link columns are there for every transport; without a network they are empty
+    assert wiring["link_mbit_s"].isna().all() and failures["latency_ms"].isna().all()
+    assert (wiring["lost_microbatches"] == 0).all()
+    with pytest.raises(ValueError, match=r"swarm_study.wiring.transports: unknown transport\(s\) \['carrier'\]"):
+        study.wiring_throughput(tmp_path / "x.csv", transports=("carrier",))
+
+
+def test_captions_say_which_rows_are_real_processes_and_on_what_link(tmp_path):
+    study.wiring_throughput(tmp_path / "w.csv", duration_s=10.0, sweep_trainers_per_peer=(), transports=("sim",))
+    study.failures_timeline(tmp_path / "f.csv", stages=2, peers_per_stage=2, trainers=4, stage_time_s=0.5,
+                            kill_every_s=10.0, rejoin_after_s=5.0, duration_s=20.0, forward_timeout_s=3.0,
+                            window_s=5.0, transports=("sim",))
+    # the simulator's rows again as if the testbed had run them (weighted and uniform only), at 100 Mb/s, 20 ms
+    for name in ("w", "f"):
+        frame = pd.read_csv(tmp_path / f"{name}.csv")
+        real = frame[frame["routing"] != "fixed"].assign(transport="testbed", link_mbit_s=100.0, latency_ms=20.0)
+        pd.concat([frame, real]).to_csv(tmp_path / f"{name}.csv", index=False)
+    swarm_figures.wiring_figure(tmp_path / "w.csv", tmp_path / "report")
+    swarm_figures.failures_figure(tmp_path / "f.csv", tmp_path / "report")
+    for name in ("wiring_throughput", "failures_timeline"):
+        caption = " ".join((tmp_path / "report" / f"{name}.caption.rst").read_text().split())
+        assert "sim: the discrete-event simulator, no network" in caption
+        assert "testbed: real processes of the launcher" in caption
+        assert "links shaped to 100 Mbit/s, 20 ms one way through the relay" in caption
+    assert "(testbed)" in (tmp_path / "report" / "wiring_throughput.caption.rst").read_text()
+    assert "SIGKILLs a random live peer" in (tmp_path / "report" / "failures_timeline.caption.rst").read_text()
+
+
+def test_the_launchers_kills_become_failure_events_that_count_peers_up():
+    # three peers; a kill every 10 s, each replacement started 15 s after its kill: two down from 20 s to 25 s
+    killed = [{"uid": "s0p1", "stage": 0, "t_s": 10.0}, {"uid": "s1p3", "stage": 1, "t_s": 20.0},
+              {"uid": "trainer0", "t_s": 22.0}, {"uid": "s0p4", "stage": 0, "t_s": 30.0}]
+    events = study_launcher.killed_as_failures(killed, 3, 15.0)
+    assert [(e.at_s, e.peer, e.rejoin_after_s) for e in events] == [(10.0, 0, 15.0), (20.0, 1, 15.0),
+                                                                   (30.0, 0, 15.0)]
+    assert [study.peers_up(events, 3, t) for t in (5.0, 12.0, 22.0, 26.0, 31.0, 40.0, 45.0)] == [3, 2, 1, 2, 1, 2, 3]
+
+
+def test_runtime_bound_counts_testbed_runs_in_real_seconds():
+    emulated = {"duration_s": 40.0, "time_scale": 0.1}
+    assert study.transports_runtime_s("wiring", emulated) == pytest.approx(2 * 3 * 4.0)  # the default transports
+    with_testbed = emulated | {"transports": ["emulation", "sim", "testbed"]}
+    assert study.transports_runtime_s("wiring", with_testbed) == pytest.approx(
+        2 * 3 * 4.0 + 2 * (40.0 + study.TESTBED_START_S))
+    assert study.transports_runtime_s("failures", {"duration_s": 300.0, "time_scale": 0.02,
+                                                   "transports": ["sim"]}) == pytest.approx(4 * 6.0)
+
+
+@pytest.mark.slow
+@pytest.mark.netns
+def test_wiring_on_the_testbed_runs_real_processes_and_leaves_nothing(tmp_path, monkeypatch, can_build):
+    """One stage of peers of speed 1 and 0.25, two trainers, each process on its own host at 100 Mb/s, 20 ms one way:
+    weighted and uniform routing both measured, no microbatch lost, every process, namespace and link gone."""
+    pytest.importorskip("hivemind", reason="hivemind is not installed: the launcher's processes cannot run")
+    from cramswarm.swarm import hivemind_transport as ht
+    from cramswarm.testbed import run_namespaces
+
+    runs, original = [], study_launcher.run_setup
+
+    def recorded(setup, **kw):
+        runs.append((setup, kw, original(setup, **kw)))
+        return runs[-1][2]
+
+    monkeypatch.setattr(study_launcher, "run_setup", recorded)
+    daemons = sorted(ht._own_daemons())
+    study.wiring_throughput(tmp_path / "w.csv", speeds=(1.0, 0.25), stages=1, trainers=2, stage_time_s=0.05,
+                            duration_s=6.0, forward_timeout_s=5.0, transports=("testbed",),
+                            sweep_trainers_per_peer=(), testbed_link_mbit_s=100.0, testbed_latency_ms=20.0)
+    frame = pd.read_csv(tmp_path / "w.csv")
+    assert list(frame["routing"]) == ["weighted", "uniform"] and set(frame["transport"]) == {"testbed"}
+    assert (frame["link_mbit_s"] == 100.0).all() and (frame["latency_ms"] == 20.0).all()
+    assert (frame["microbatches_done"] > 0).all() and (frame["throughput_mb_s"] > 0).all(), frame
+    assert (frame["lost_microbatches"] == 0).all(), frame
+    # each run: the peers of speed 1 and 0.25 and the trainers on hosts of their own, through the relay
+    assert [setup.routing for setup, _, _ in runs] == ["weighted", "uniform"]
+    for setup, kw, result in runs:
+        tb = result["testbed"]
+        assert [p.speed for p in setup.peers] == [1.0, 0.25] and setup.stage_time_s == 0.05
+        assert kw == {"link_mbit_s": 100.0, "latency_ms": 20.0} and tb["relay"] and tb["latency_ms"] == 20.0
+        assert tb["hosts"] == 1 + 2 + 2 and len({host for host, _ in tb["placement"].values()}) == 5
+        assert result["microbatches_done"] == len(result["timeline"]) and result["failures"] == []
+        # nothing is left: no namespace of the run, no process of its groups, no p2pd of this process's
+        assert result["leftover_processes"] == 0 and not run_namespaces(tb["run_id"])
+    assert sorted(ht._own_daemons()) == daemons
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
+    assert "csw-" not in links
