@@ -20,11 +20,9 @@ from cramswarm.swarm.compression import (
 )
 from cramswarm.swarm.policies import (
     CALL_ROUND_TRIPS,
-    GATHER_SLACK,
     Move,
     NoPeersError,
     PeerLoad,
-    PendingPeer,
     PerformanceEMA,
     Rebalancer,
     RetryPolicy,
@@ -33,7 +31,6 @@ from cramswarm.swarm.policies import (
     UniformBalancer,
     _uid_hash,
     choose_move,
-    gather_wait_s,
 )
 
 SPEEDS = {"fast": 1.0, "half": 0.5, "quarter": 0.25}
@@ -164,44 +161,6 @@ def test_retry_policy_timeouts():
     assert far.timeout(backward=False) == 30.0 + CALL_ROUND_TRIPS * 0.5
     assert far.timeout(backward=True) == 75.0 + CALL_ROUND_TRIPS * 0.5
     assert RetryPolicy(rtt_s=0.04).timeout(False) < far.timeout(False)
-
-
-GATHER = {"floor_s": 2.0, "notice_s": 1.0, "cap_s": 9.0}
-
-
-def test_gather_waits_the_floor_for_idle_peers_and_longer_for_a_peer_still_computing():
-    # nobody pending, or a pending peer with an empty queue on loopback: the floor
-    assert gather_wait_s(0.0, [], 0.0, **GATHER) == 2.0
-    assert gather_wait_s(0.5, [PendingPeer(0, 0.1, False)], 0.0, **GATHER) == 2.0
-    # a peer with 2 calls of 1.5 s queued before its snapshot: it notices, then computes them (with slack)
-    slow = PendingPeer(2, 1.5, False)
-    assert gather_wait_s(0.5, [slow], 0.0, **GATHER) == 1.0 + GATHER_SLACK * 2 * 1.5
-    # the wait is for the slowest pending peer
-    assert gather_wait_s(0.5, [PendingPeer(1, 0.1, False), slow], 0.0, **GATHER) == 1.0 + GATHER_SLACK * 3.0
-    # longer DHT round trips: the pending peer reads this peer's ready record later
-    assert gather_wait_s(0.5, [slow], 0.05, **GATHER) == pytest.approx(1.0 + CALL_ROUND_TRIPS * 0.05 + 6.0)
-    assert gather_wait_s(0.0, [PendingPeer(0, None, False)], 0.2, **GATHER) == 2.0 + 1.0
-
-
-def test_gather_counts_a_closing_peers_queue_from_the_read_and_stops_at_the_cap():
-    # a peer that has noticed the step (closing) and still computes: its remaining queue counts from now ...
-    closing = PendingPeer(1, 0.5, True)
-    assert gather_wait_s(3.0, [closing], 0.0, **GATHER) == 3.0 + 1.0 + GATHER_SLACK * 0.5
-    # ... so it is waited for while it works, but never past the cap (a live peer that never gets ready)
-    assert gather_wait_s(8.5, [closing], 0.0, **GATHER) == 9.0
-    # one that has not noticed within the notice time plus its queue is not waited for any longer
-    late = PendingPeer(1, 0.5, False)
-    assert gather_wait_s(3.0, [late], 0.0, **GATHER) == 2.0 < 3.0
-    # a queue whose call time is not known yet: up to the cap; a huge queue: the cap
-    assert gather_wait_s(0.0, [PendingPeer(3, None, False)], 0.0, **GATHER) == 9.0
-    assert gather_wait_s(0.0, [PendingPeer(100, 2.0, False)], 0.0, **GATHER) == 9.0
-
-
-def test_gather_wait_rejects_negative_times_and_a_floor_over_the_cap():
-    with pytest.raises(ValueError, match="floor_s"):
-        gather_wait_s(0.0, [], 0.0, floor_s=5.0, notice_s=1.0, cap_s=4.0)
-    with pytest.raises(ValueError, match="rtt_s=-1"):
-        gather_wait_s(0.0, [], -1.0, **GATHER)
 
 
 def loads(*stages, queue=0.0, rate=1.0):

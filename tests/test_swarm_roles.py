@@ -42,7 +42,6 @@ from cramswarm.swarm import launcher as launcher_mod  # noqa: E402
 from cramswarm.swarm.peer_sync import (  # noqa: E402
     MIN_GATHER_S,
     load_shard,
-    loading_holds,
     newest_shard,
     shard_files,
     stage_stalls,
@@ -153,21 +152,6 @@ def test_stage_stalls_run_from_the_batchs_last_backward_to_the_peers_step():
     assert first["trigger_s"] + first["gather_s"] + first["reduce_s"] + first["apply_s"] == pytest.approx(0.7)
     assert (first["samples"], first["peers"], first["end"]) == (8, 2, pytest.approx(10.9))
     assert stalls[1][0]["stall_s"] == pytest.approx(0.5)
-
-
-def test_a_peer_holds_its_step_for_each_replica_loading_that_steps_state_from_its_first_read_on():
-    records = {"s1p3": {"step": 4}, "s1p4": {"step": 2, "loading": 4}, "s1p5": {"step": 3, "loading": 3}}
-    # s1p4 downloads step 4's state: s1p3 (at step 4) holds for it from now; s1p5's download (step 3) is not its
-    assert loading_holds(records, "s1p3", 4, {}, 100.0) == {("s1p4", 4): 100.0}
-    # read again later: the hold still counts from the first read
-    held = loading_holds(records, "s1p3", 4, {("s1p4", 4): 100.0}, 130.0)
-    assert held == {("s1p4", 4): 100.0}
-    # the replica has the state (its record says nothing more), its download failed, or its record expired
-    assert loading_holds({"s1p3": {"step": 4}, "s1p4": {"step": 4}}, "s1p3", 4, held, 131.0) == {}
-    assert loading_holds({"s1p3": {"step": 4}}, "s1p3", 4, held, 131.0) == {}
-    # a peer does not hold for itself, and a new download of the same step counts from its own first read
-    assert loading_holds({"s1p3": {"step": 3, "loading": 4}}, "s1p3", 4, {}, 1.0) == {}
-    assert loading_holds(records, "s1p3", 4, {}, 140.0) == {("s1p4", 4): 140.0}
 
 
 def test_the_runs_routing_reaches_every_trainers_balancers_and_unknown_routings_are_refused():

@@ -32,9 +32,7 @@ per parameter, so ``bytes_sent / parameters`` is the codec's width plus the per-
 
 Timeouts grow with the stage: ``averaging_timeout_s`` and ``state_timeout_s`` give the time to move the
 all-reduce's or a state download's bytes over a link of ``link_mbit_s``, with a slack factor, on top of a
-fixed floor (start-up, queueing on the compute thread) and ``policies.CALL_ROUND_TRIPS`` round trips ``rtt_s``
-(opening streams, TCP's slow start), as ``policies.RetryPolicy`` allows a call; the stage peers pass the round
-trip they measure on their own DHT reads (``peer_sync``).
+fixed floor (latency, start-up, queueing on the compute thread).
 """
 
 from __future__ import annotations
@@ -57,7 +55,6 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
 from cramswarm.swarm.compression import decode, encode
-from cramswarm.swarm.policies import CALL_ROUND_TRIPS
 
 SCHEMES = ("none", "fp16", "8bit")
 BYTES_PER_VALUE = {"none": 4.0, "fp16": 2.0, "8bit": 1.0 + 4.0 / 4096}  # 8bit: code + its block's fp32 maximum
@@ -134,29 +131,19 @@ def allreduce_bytes(params: int, group_size: int, scheme: str) -> float:
     return values * BYTES_PER_VALUE[scheme] + parts * PART_OVERHEAD_BYTES[scheme]
 
 
-def _round_trips_s(rtt_s: float) -> float:
-    if not rtt_s >= 0:
-        raise ValueError(f"round-trip time must be >= 0, got {rtt_s} s")
-    return CALL_ROUND_TRIPS * rtt_s
+def averaging_timeout_s(params: int, group_size: int, scheme: str, link_mbit_s: float, floor_s: float) -> float:
+    """How long one in-stage all-reduce may take: ``floor_s`` plus ``TIMEOUT_SLACK`` times its transfer time."""
+    return floor_s + TIMEOUT_SLACK * transfer_s(allreduce_bytes(params, group_size, scheme), link_mbit_s)
 
 
-def averaging_timeout_s(params: int, group_size: int, scheme: str, link_mbit_s: float, floor_s: float,
-                        rtt_s: float = 0.0) -> float:
-    """How long one in-stage all-reduce may take: ``floor_s`` plus ``TIMEOUT_SLACK`` times its transfer time plus
-    ``CALL_ROUND_TRIPS`` round trips of ``rtt_s`` seconds."""
-    return (floor_s + TIMEOUT_SLACK * transfer_s(allreduce_bytes(params, group_size, scheme), link_mbit_s)
-            + _round_trips_s(rtt_s))
-
-
-def state_timeout_s(params: int, link_mbit_s: float, floor_s: float, rtt_s: float = 0.0) -> float:
+def state_timeout_s(params: int, link_mbit_s: float, floor_s: float) -> float:
     """How long a state download (weights + AdamW moments) of a stage of ``params`` parameters may take."""
-    return floor_s + TIMEOUT_SLACK * transfer_s(STATE_BYTES_PER_PARAM * params, link_mbit_s) + _round_trips_s(rtt_s)
+    return floor_s + TIMEOUT_SLACK * transfer_s(STATE_BYTES_PER_PARAM * params, link_mbit_s)
 
 
-def chunk_timeout_s(scheme: str, link_mbit_s: float, floor_s: float, rtt_s: float = 0.0) -> float:
+def chunk_timeout_s(scheme: str, link_mbit_s: float, floor_s: float) -> float:
     """The runner's per-part timeout (the wait between two parts of one stream): one part's transfer time."""
-    return (floor_s + TIMEOUT_SLACK * transfer_s(DEFAULT_PART_SIZE_BYTES + PART_OVERHEAD_BYTES[scheme], link_mbit_s)
-            + _round_trips_s(rtt_s))
+    return floor_s + TIMEOUT_SLACK * transfer_s(DEFAULT_PART_SIZE_BYTES + PART_OVERHEAD_BYTES[scheme], link_mbit_s)
 
 
 # --------------------------------------------------------------------------------------------------------------

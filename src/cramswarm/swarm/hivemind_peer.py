@@ -436,8 +436,6 @@ class StagePeer(ServicerBase):
     all-reduce on the asyncio loop. The coordinator imports this class only for ``StagePeer.get_stub``.
     """
 
-    rtt_s = 0.0  # round trip to the other peers, added to the averaging and state bounds (peer_sync measures it)
-
     def __init_subclass__(cls, **kwargs):
         # hivemind 1.1.12 caches a servicer's RPC handlers and stub type on the class (ServicerBase._rpc_handlers,
         # _stub_type) and returns early when the cache is set: a subclass created after its parent built them
@@ -718,7 +716,7 @@ class StagePeer(ServicerBase):
             return flat
         # per-part timeouts (between two parts of one stream); the whole all-reduce's bound, which grows with
         # the stage, is the coordinator's (averaging.averaging_timeout_s)
-        part_s = chunk_timeout_s(self.averaging_scheme, self.link_mbit_s, self.sync_timeout_s / 2, self.rtt_s)
+        part_s = chunk_timeout_s(self.averaging_scheme, self.link_mbit_s, self.sync_timeout_s / 2)
         runner = StageAllReduce(
             p2p=self.node.p2p, servicer_type=type(self), prefix=self.namespace, group_id=group_id,
             tensors=[flat], weight=float(weight), ordered_peer_ids=peers,
@@ -740,7 +738,7 @@ class StagePeer(ServicerBase):
             return (await unpack(await stub.rpc_state(request({}, {}))))[0]
 
         tensors = await asyncio.wait_for(fetch(), timeout=state_timeout_s(self.num_params, self.link_mbit_s,
-                                                                           self.sync_timeout_s, self.rtt_s))
+                                                                           self.sync_timeout_s))
         return await self._run(self._load_state_tensor, tensors.pop("blob"))
 
     async def load_from_replica(self, give_up_after_s: float) -> None:

@@ -16,33 +16,24 @@ and
   training start less the training seconds of a resumed run's earlier lives); each ready record carries its
   peer's training time at its snapshot (``at``) and a step's progress is the latest ``at`` of its group (hashed
   into the group id, so every member computes the same learning rate);
-* to step, it lets the backward calls it admitted finish, then moves its accumulated gradients aside (backward calls
-  arriving later count toward the next step), marks its record ready and waits until every peer with a record at its
-  step is ready, or until the wait for those not ready passed (``policies.gather_wait_s``): at least ``GATHER_S``;
-  longer for a live peer that is still computing calls it admitted (its record publishes its queue, seconds per call
-  and whether it has noticed the step), plus ``CALL_ROUND_TRIPS`` of the DHT round trip this peer measures on its
-  own reads (``rtt_s``); at most ``sync_timeout_s`` + ``NOTICE_S``. A peer keeps its record fresh from a task of its
-  own (``publish_forever``; stores are not waited for), also while it finishes its calls, snapshots and all-reduces
-  or a DHT operation is slow, so it is not taken for dead; a dead one's record expires within ``PROGRESS_TTL_S`` and
-  the others go on without it. The group is **deterministic, from the DHT records** (the ready records at this step,
-  ordered by uid; the group id hashes their uids and sample counts), not hivemind's matchmaking:
-  ``DecentralizedAverager``'s matchmaking needs its own averager process per peer with its own copy of the gradients
-  and forms groups by time windows, while here every replica of a stage must take part in every step or fall behind;
-  a group read from the records that every member reads alike is enough, and a member that read a different set
-  simply fails the all-reduce (group ids differ) and tries again with a fresh read (records of dead peers expire
-  within ``PROGRESS_TTL_S``);
+* to step, it lets the backward calls it admitted finish, then moves its accumulated gradients aside (backward
+  calls arriving later count toward the next step),
+  marks its record ready and waits until every peer with a record at its step is ready (at most
+  ``GATHER_S``). The group is **deterministic, from the DHT records** (the ready records at this step, ordered by
+  uid; the group id hashes their uids and sample counts), not hivemind's matchmaking: ``DecentralizedAverager``'s
+  matchmaking needs its own averager process per peer with its own copy of the gradients and forms groups by
+  time windows, while here every replica of a stage must take part in every step or fall behind; a group read
+  from the records that every member reads alike is enough, and a member that read a different set simply fails
+  the all-reduce (group ids differ) and tries again with a fresh read (records of dead peers expire within
+  ``PROGRESS_TTL_S``);
 * the group all-reduces the gradients with ``averaging.StageAllReduce`` (compressed by
   ``swarm.averaging_compression``, weighted by each member's samples, the same decompressed average everywhere,
-  bounded by ``averaging.averaging_timeout_s`` with the measured round trip), and each member clips and takes
-  its AdamW step: the same step from the same state, so replicas stay bitwise equal;
+  bounded by ``averaging.averaging_timeout_s``), and each member clips and takes its AdamW step: the same step
+  from the same state, so replicas stay bitwise equal;
 * a peer that sees a record at a later step (it was left out of a group, or its all-reduce failed) downloads the
   state of the most advanced replica; a peer whose parameter digest differs from that of the lowest uid at the
   same step does too (counted: ``digest_mismatches``). The gradients it held are lost and counted
-  (``lost_gradient_samples``), as in SWARM. While it downloads, its record names the step of the state it is
-  loading (``loading``), its backward calls wait for admission (at most ``sync_timeout_s``), and the peers at that
-  step hold their step for it (``loading_holds``; at most ``averaging.state_timeout_s``, the download's own
-  bound): on a slow link a download can take longer than a step, and a state a step old on arrival would make it
-  download again, and again, dropping the gradients it served meanwhile each time.
+  (``lost_gradient_samples``), as in SWARM.
 
 Each peer writes its counters to ``peer-<uid>.json`` in the run's folder (atomically, after every step and shard
 write; with what it holds: ``stages.stage_memory``, its stage's parameter and optimizer bytes and its peak and
@@ -87,21 +78,16 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
 from cramswarm.io import atomic_path, write_json
-from cramswarm.swarm.averaging import averaging_timeout_s, state_timeout_s
+from cramswarm.swarm.averaging import averaging_timeout_s
 from cramswarm.swarm.hivemind_peer import DECLARE_PERIOD_S, RECORD_TTL_S, StagePeer, respond, stage_key, unpack
 from cramswarm.swarm.peer_rebalance import LoadMeter, PeerRebalancer, call_units
-from cramswarm.swarm.policies import PendingPeer, gather_wait_s
 from cramswarm.swarm.stages import stage_memory
 from cramswarm.training import accumulation_at, budget_progress, lr_multiplier
 
 PROGRESS_PERIOD_S = 0.25  # a peer publishes its progress record and reads its stage's this often ...
 PROGRESS_TTL_S = 2.0      # ... with this expiration: a dead peer drops out of its stage's groups within it
-GATHER_S = 2.0            # a ready peer waits at least this long for the other live peers at its step ...
-MIN_GATHER_S = 0.3        # ... (once all are ready: at least this long, for records of peers ready at once) ...
-NOTICE_S = 4 * PROGRESS_PERIOD_S  # ... longer for one not ready yet: it notices the step within this (+ round trips)
-RTT_ALPHA = 0.2           # weight of a new DHT read's duration in the peer's round-trip estimate (rtt_s)
-MAX_STORES = 4            # progress-record stores in flight at most (a slow store does not hold up the next)
-CALL_S_ALPHA = 0.3        # weight of a new call's compute seconds in the peer's seconds per call (call_s)
+GATHER_S = 2.0            # a ready peer waits at most this long for the other peers at its step to be ready
+MIN_GATHER_S = 0.3        # ... and at least this long (records of peers that became ready at once)
 ZERO_WEIGHT = 1e-6        # all-reduce weight of a member without samples (see _step)
 FLUSH_CHECK_S = 1.0       # a peer reads the launcher's flush record at most this often
 SHARD_GLOB = "stage{stage}.step*.pt"
@@ -188,16 +174,6 @@ def step_target(recipe: dict, seq_len: int, stepped_samples: int, step: int,
     return t, size * micro
 
 
-def loading_holds(records: dict[str, dict], uid: str, step: int, seen: dict[tuple[str, int], float],
-                  now: float) -> dict[tuple[str, int], float]:
-    """The replicas (other than ``uid``) whose records say they are downloading the state of ``step``, each with
-    the time (``now`` on its first read; ``seen``: the previous call's answer) since which peer ``uid`` holds
-    its step for it; a replica whose record no longer says so (it has the state, its download failed, or its
-    record expired) drops out."""
-    loading = {(other, step) for other, r in records.items() if other != uid and r.get("loading") == step}
-    return {key: seen.get(key, now) for key in loading}
-
-
 def stage_stalls(rows: list[dict]) -> dict[int, list[dict]]:
     """Per stage, per step, how long the step held the stage's backward calls back, from the peers' ``SYNC_LOG``
     lines (``rows``: each with its ``stage``, ``step`` and phase times).
@@ -250,11 +226,6 @@ class SyncingStagePeer(StagePeer):
         self.nudge = asyncio.Event()  # wakes the synchronisation loop early (this peer's count reached the batch)
         self.last_backward: float | None = None      # wall time the last accumulated backward computation ended
         self.snapshot_backward: float | None = None  # ... of those in the snapshot
-        self.call_s: float | None = None  # recent compute seconds per call (published: others' gather waits)
-        self.rtt_s = 0.0           # estimated from this peer's own DHT reads (gather waits, averaging bounds)
-        self.stores: set[asyncio.Task] = set()  # progress-record stores in flight (_publish)
-        self.loading: int | None = None  # the step of the state this peer is downloading (published: others wait)
-        self.loading_seen: dict[tuple[str, int], float] = {}  # (uid, step) of a replica loading -> first seen
         self.counters = {"uid": uid, "stage": stage, "steps_taken": 0, "resyncs": 0, "digest_mismatches": 0,
                          "lost_gradient_samples": 0, "averaging_bytes_sent": 0, "averaging_values_sent": 0,
                          "averaging_param_steps": 0, "group_sizes": [], "failed_rounds": 0, "shards_written": 0,
@@ -278,12 +249,8 @@ class SyncingStagePeer(StagePeer):
         start = time.perf_counter()
         result, out_meta = super()._forward(tensors, meta)
         samples = out_meta["payloads"]["y"]["shape"][0]
-        self._served(call_units("forward", samples, self.is_last), time.perf_counter() - start)
+        self.meter.served(call_units("forward", samples, self.is_last), time.perf_counter() - start)
         return result, out_meta
-
-    def _served(self, units: float, seconds: float) -> None:
-        self.meter.served(units, seconds)
-        self.call_s = seconds if self.call_s is None else (1 - CALL_S_ALPHA) * self.call_s + CALL_S_ALPHA * seconds
 
     def _backward(self, tensors: dict[str, torch.Tensor], meta: dict) -> tuple[dict, dict]:
         start = time.perf_counter()
@@ -291,7 +258,7 @@ class SyncingStagePeer(StagePeer):
         if mb is not None and (mb in self.stepped_mbs or mb in self.local_mbs or mb in self.snapshot_mbs):
             return self._duplicate_backward(tensors, meta)
         result, out_meta = super()._backward(tensors, meta)
-        self._served(call_units("backward", out_meta["samples"], self.is_last), time.perf_counter() - start)
+        self.meter.served(call_units("backward", out_meta["samples"], self.is_last), time.perf_counter() - start)
         if "loss" in out_meta:
             self.local_loss += out_meta["loss"] * out_meta["samples"]
         if mb is not None:
@@ -385,16 +352,15 @@ class SyncingStagePeer(StagePeer):
     async def rpc_backward(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
                            context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """Admission toward the stage's global batch, as the coordinator's window did: a backward call waits
-        while this peer is averaging or downloading a replica's state (its gradients would be dropped) or the
-        stage's samples (others' as last read, plus this peer's) would pass the batch, at most ``sync_timeout_s``
-        (then it counts toward the next step); the rest is ``StagePeer``'s. A peer leaving its stage refuses it,
-        before and after the wait."""
+        while this peer is averaging or the stage's samples (others' as last read, plus this peer's) would pass
+        the batch, at most ``sync_timeout_s`` (then it counts toward the next step); the rest is ``StagePeer``'s.
+        A peer leaving its stage refuses it, before and after the wait."""
         tensors, meta = await unpack(requests)
         self._refuse_if_leaving()
         samples = int(meta.get("samples", 0))
         arrived = time.monotonic()
         deadline = arrived + self.sync_timeout_s
-        while time.monotonic() < deadline and (self.closing or self.ready is not None or self.loading is not None or (
+        while time.monotonic() < deadline and (self.closing or self.ready is not None or (
                 self._held_samples() > 0 and self.others_pending + self._held_samples() + samples > self._target())):
             self.nudge.set()
             await asyncio.sleep(0.02)
@@ -415,51 +381,13 @@ class SyncingStagePeer(StagePeer):
 
     # -- records ----------------------------------------------------------------------------------------------
     async def _publish(self) -> None:
-        """Store this peer's progress record, without waiting for the store: a DHT store can take seconds (it
-        waits for every node it asked, a silently cut one until hivemind's RPC timeout), and a round or a gather
-        that waited for it would read stale records and let this peer's record expire meanwhile. At most
-        ``MAX_STORES`` stores are in flight; the latest has the latest expiration, which the DHT keeps."""
-        if len(self.stores) >= MAX_STORES:
-            return
-        task = asyncio.create_task(self._store_record())
-        self.stores.add(task)
-        task.add_done_callback(self.stores.discard)
-
-    async def publish_forever(self) -> None:
-        """Keep this peer's record fresh every ``PROGRESS_PERIOD_S`` whatever the synchronisation loop is busy
-        with (its admitted calls, its snapshot, an all-reduce, a slow DHT read): an expired record reads as a dead
-        peer, and the others would step without it. Cancelled (the peer moves to another stage or stops), it
-        cancels its stores in flight too, so none lands after the peer withdrew its record."""
-        try:
-            while True:
-                await self._publish()
-                await asyncio.sleep(PROGRESS_PERIOD_S)
-        finally:
-            for task in list(self.stores):
-                task.cancel()
-
-    async def _store_record(self) -> None:
         value = {"peer": self.peer_id, "step": self.step, "samples": self._held_samples(),
-                 "stepped": self.stepped_samples, "digest": self.digest, "ready": False,
-                 "queue": self.meter.queue, "call_s": self.call_s, "closing": self.closing, "loading": self.loading}
+                 "stepped": self.stepped_samples, "digest": self.digest, "ready": False}
         if self.ready is not None and self.ready[0] == self.step:
             value.update(ready=True, snap=self.ready[1], loss=self.ready[2], at=self.ready[3],
                          mbs=sorted(self.snapshot_mbs))
-        try:
-            await self.node.store(progress_key(self.run_id, self.stage), subkey=self.uid, value=value,
-                                  expiration_time=get_dht_time() + PROGRESS_TTL_S)
-        except Exception as e:  # the next period stores again
-            print(f"[{self.uid}] storing the progress record failed: {e!r}", flush=True)
-
-    async def _records(self) -> dict[str, dict]:
-        """The stage's progress records; the read's duration updates this peer's round-trip estimate ``rtt_s``
-        (a DHT read takes at least one round trip to the peers holding the key, more under load: an upper
-        estimate, which is what the bounds need)."""
-        start = time.monotonic()
-        records = await progress_records(self.node, self.run_id, self.stage)
-        took = time.monotonic() - start
-        self.rtt_s = took if self.rtt_s == 0.0 else (1 - RTT_ALPHA) * self.rtt_s + RTT_ALPHA * took
-        return records
+        await self.node.store(progress_key(self.run_id, self.stage), subkey=self.uid, value=value,
+                              expiration_time=get_dht_time() + PROGRESS_TTL_S)
 
     def _write_counters(self) -> None:
         write_json(self.workdir / f"peer-{self.uid}.json",
@@ -468,7 +396,7 @@ class SyncingStagePeer(StagePeer):
                     "runtime_rss_bytes": self.runtime_rss_bytes, "activation_bytes": self.activation_bytes})
 
     def background_tasks(self) -> list[asyncio.Task]:
-        tasks = [asyncio.create_task(self.sync_forever()), asyncio.create_task(self.publish_forever())]
+        tasks = [asyncio.create_task(self.sync_forever())]
         if self.cfg.get("rebalance_period_s"):  # this peer decides moves with its stage's and the others' peers
             tasks.append(asyncio.create_task(PeerRebalancer(self, self.cfg["rebalance_period_s"]).run()))
         return tasks
@@ -496,11 +424,9 @@ class SyncingStagePeer(StagePeer):
 
     async def _round(self) -> None:
         await self._publish()
-        records = await self._records()
+        records = await progress_records(self.node, self.run_id, self.stage)
         if await self._catch_up(records):
             return
-        if self._awaits_loading(records):
-            return  # a replica is downloading this step's state: step with it once it has it
         at_step = [r for uid, r in records.items() if r["step"] == self.step and uid != self.uid]
         self.others_pending = sum(r["samples"] for r in at_step)
         pending = self.others_pending + self._held_samples()
@@ -569,54 +495,30 @@ class SyncingStagePeer(StagePeer):
         if source is None:
             return False
         lost = self._held_samples()
-        self.loading = int(records[source]["step"])
-        try:
-            step = await self.download_state(PeerID.from_base58(records[source]["peer"]))
-        finally:
-            self.loading = None
+        step = await self.download_state(PeerID.from_base58(records[source]["peer"]))
         self.counters["lost_gradient_samples"] += lost
         self.counters["resyncs"] += 1
         print(f"[{self.uid}] took the state of {source} (step {step}); {lost} samples' gradients dropped", flush=True)
         self._write_counters()
         return True
 
-    def _awaits_loading(self, records: dict[str, dict]) -> bool:
-        """Whether this peer holds its step for a replica downloading the state of this very step (``loading``
-        in its record): stepping now would make that state a step old on arrival, and the replica would download
-        again, dropping the gradients it served meanwhile each time. At most ``averaging.state_timeout_s`` (the
-        download's own bound, with the measured round trip) from the first read of it; a dead replica's record
-        expires sooner."""
-        bound = state_timeout_s(self.num_params, self.link_mbit_s, self.sync_timeout_s, self.rtt_s)
-        self.loading_seen = loading_holds(records, self.uid, self.step, self.loading_seen, time.monotonic())
-        return any(time.monotonic() - seen < bound for seen in self.loading_seen.values())
-
     async def _gather(self, step: int) -> dict[str, dict] | None:
-        """The ready records at ``step`` once every record at it is ready, or once the wait for those not ready
-        passed (``policies.gather_wait_s``: at least ``GATHER_S``, longer for a live peer that is still
-        computing the calls it admitted, at most ``sync_timeout_s`` + ``NOTICE_S``); None once a replica is past
-        ``step`` (this peer then catches up)."""
+        """The ready records at ``step`` once every record at it is ready (or ``GATHER_S`` passed); None once a
+        replica is past ``step`` (this peer then catches up)."""
         started = time.monotonic()
         while True:
             await self._publish()
-            records = await self._records()
+            records = await progress_records(self.node, self.run_id, self.stage)
             if any(r["step"] > step for r in records.values()):
                 return None
-            if self._awaits_loading(records):  # the replica joins this step once it has the state: wait for it
-                started = time.monotonic()
-                await asyncio.sleep(0.1)
-                continue
             at_step = {uid: r for uid, r in records.items() if r["step"] == step}
             ready = {uid: r for uid, r in at_step.items() if r.get("ready")}
             waited = time.monotonic() - started
-            pending = [PendingPeer(int(r.get("queue", 0)), r.get("call_s"), bool(r.get("closing")))
-                       for uid, r in at_step.items() if uid not in ready and uid != self.uid]
-            wait_s = gather_wait_s(waited, pending, self.rtt_s, floor_s=GATHER_S, notice_s=NOTICE_S,
-                                   cap_s=self.sync_timeout_s + NOTICE_S)
-            if waited >= wait_s and self.uid not in ready:  # this peer's own record not read back yet
+            if waited >= GATHER_S and self.uid not in ready:  # this peer's own record not read back yet
                 ready[self.uid] = {"peer": self.peer_id, "snap": self.ready[1], "loss": self.ready[2],
                                    "at": self.ready[3],
                                    "mbs": sorted(self.snapshot_mbs)}
-            if self.uid in ready and ((len(ready) == len(at_step) and waited >= MIN_GATHER_S) or waited >= wait_s):
+            if self.uid in ready and ((len(ready) == len(at_step) and waited >= MIN_GATHER_S) or waited >= GATHER_S):
                 return ready
             await asyncio.sleep(0.1)
 
@@ -650,7 +552,7 @@ class SyncingStagePeer(StagePeer):
             peers = [PeerID.from_base58(group[uid]["peer"]) for uid in uids]
             traffic: dict = {}
             bound = averaging_timeout_s(self.num_params, len(peers), self.averaging_scheme, self.link_mbit_s,
-                                        2 * self.sync_timeout_s, self.rtt_s)
+                                        2 * self.sync_timeout_s)
             try:
                 # a member without samples gets a weight of 1e-6, not 0: a reducer that (a sender having died)
                 # finalises with the parts of such members alone would otherwise divide 0 by 0

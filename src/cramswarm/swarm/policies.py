@@ -11,7 +11,6 @@ same objects, so routing, retries, rebalancing and in-stage synchronisation beha
   of seconds per sample (``PerformanceEMA``, alpha 0.1); a backward task weighs 2.5x a forward one.
 * ``UniformBalancer`` - the same bookkeeping, choosing uniformly at random (the routing baseline).
 * ``RetryPolicy`` - per-call timeouts (backward = forward x 2.5) and the bound on waiting for any live peer.
-* ``gather_wait_s`` - how long a stage peer ready to average waits for the other live peers at its step.
 * ``Rebalancer`` - adaptive rebalancing (swarm.md 1.5): moves one peer from the least to the most loaded stage
   when the imbalance exceeds a hysteresis factor and the projected bottleneck throughput strictly improves.
 * ``StageSync`` - sample accounting toward one global batch per stage and the replicas' averaging weights.
@@ -234,46 +233,6 @@ class RetryPolicy:
         """Give up a call that has timed out or failed ``attempts`` times in a row for ``failing_for_s`` seconds:
         at least 3 attempts and longer than ``give_up_after_s`` (declared peers that never answer)."""
         return attempts >= 3 and failing_for_s > self.give_up_after_s
-
-
-GATHER_SLACK = 2.0  # a gathering peer allows this many times a pending peer's queued compute (gather_wait_s)
-
-
-@dataclass(frozen=True)
-class PendingPeer:
-    """What a peer ready to average reads, in its stage's progress records, of a live peer at the same step that
-    is not ready yet: the calls on its compute thread (waiting or computing; they run before its snapshot), its
-    recent seconds per call (None: none served yet), and whether it has seen the step coming (``closing``: it
-    admits no new backward calls and becomes ready once its queue is done)."""
-
-    queue: int
-    call_s: float | None
-    closing: bool
-
-
-def gather_wait_s(waited_s: float, pending: list[PendingPeer], rtt_s: float, *, floor_s: float, notice_s: float,
-                  cap_s: float) -> float:
-    """How long (in total, since it became ready) a ready peer waits for the ``pending`` peers of its step before
-    it averages without them; ``waited_s`` is the time it has waited when it read them.
-
-    A pending peer becomes ready once it has noticed the step (within ``notice_s`` of this peer's ready record,
-    one publishing period and its own read, plus ``CALL_ROUND_TRIPS`` DHT round trips ``rtt_s``) and its queue
-    is computed (``GATHER_SLACK`` x queue x seconds per call). A closing peer has noticed: its remaining queue
-    counts from this read. A peer whose queue has no measured call time is waited for up to ``cap_s``. Never
-    less than ``floor_s`` (records of peers that became ready at once), never more than ``cap_s``: a peer that
-    died stops publishing and its record expires before that, one that lives but never gets ready is left out.
-    """
-    if waited_s < 0 or rtt_s < 0 or not 0 <= floor_s <= cap_s or notice_s < 0:
-        raise ValueError(f"gather_wait_s: waited_s={waited_s}, rtt_s={rtt_s}, floor_s={floor_s}, "
-                         f"notice_s={notice_s}, cap_s={cap_s}: times must be >= 0 and floor_s <= cap_s")
-    wait = floor_s
-    for peer in pending:
-        if peer.queue > 0 and peer.call_s is None:
-            return cap_s
-        busy = GATHER_SLACK * peer.queue * (peer.call_s or 0.0)
-        noticed = waited_s if peer.closing else 0.0
-        wait = max(wait, noticed + notice_s + CALL_ROUND_TRIPS * rtt_s + busy)
-    return min(wait, cap_s)
 
 
 @dataclass(frozen=True)
