@@ -49,6 +49,7 @@ from cramswarm.swarm.peer_sync import (  # noqa: E402
     write_shard,
 )
 from cramswarm.swarm.policies import RetryPolicy  # noqa: E402
+from cramswarm.swarm.processes import PeerProcess, ProcessGroups  # noqa: E402
 from cramswarm.swarm.stages import STATE_BYTES_PER_PARAMETER, build_swarm_model, stage_state_bytes  # noqa: E402
 from cramswarm.swarm.train import UNBOUNDED  # noqa: E402
 from cramswarm.swarm.trainer import shard  # noqa: E402
@@ -620,8 +621,8 @@ def test_local_peers_are_spread_over_the_hosts_gpus_and_srun_peers_keep_slurms(t
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5")
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the launcher's run folder
     started: list[str | None] = []
-    monkeypatch.setattr(ht.ProcessGroups, "start_peer", lambda self, uid, *a, gpu=None: started.append(gpu) or
-                        ht.PeerProcess(uid, 0, 1.0, None, tmp_path / "log"))
+    monkeypatch.setattr(ProcessGroups, "start_peer", lambda self, uid, *a, gpu=None: started.append(gpu) or
+                        PeerProcess(uid, 0, 1.0, None, tmp_path / "log"))
     for device, expected in (("auto", ["2", "5", "2"]), ("cpu", [None, None, None])):
         started.clear()
         launcher = launcher_mod.Launcher(plan(decentralised=True, recipe=plan().recipe | {"device": device}), source(),

@@ -52,6 +52,12 @@ Addresses: every process listens on ``host`` (an IPv4 address; ``0.0.0.0``: all 
 ``interface`` is set (e.g. ``ib0``), on that network interface's IPv4 address, looked up on each host. The
 address file lists the bootstrap's visible multiaddrs, loopback ones last.
 
+Since the central coordinator was removed (issue 17), the "coordinator" of this module's names is the launcher
+(``launcher``: its heartbeat ``coordinator_key``, ``COORDINATOR_GRACE_S``, ``CoordinatorGone``,
+``CRAMSWARM_COORDINATOR_PID``, its rendezvous folder). The ``reduce``, ``commit``, ``resync`` and ``migrate`` RPCs
+served the coordinator and have no caller left: the launcher's peers step and move by themselves (``peer_sync``,
+``peer_rebalance``).
+
 The RPCs' payload tensors travel uncompressed at the hivemind level (``CompressionType.NONE``): the boundary
 compression is ours, applied before. The in-stage all-reduce uses hivemind's codecs (``averaging``; its 8-bit
 one with a decoder that runs on numpy 2.4).
