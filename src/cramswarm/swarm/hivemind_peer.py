@@ -1,7 +1,7 @@
 """Transport 1 (real hivemind), process side: the bootstrap DHT node and the SWARM stage peer.
 
-Run as a module, one OS process per role (the coordinator in ``hivemind_transport`` starts each one as its own
-process-group leader, so killing the group also kills the peer's ``p2pd`` daemon)::
+Run as a module, one OS process per role (the launcher, ``launcher``, starts each one as its own process-group
+leader, so killing the group also kills the peer's ``p2pd`` daemon)::
 
     python -m cramswarm.swarm.hivemind_peer bootstrap --addr-file F [--host 127.0.0.1]
     python -m cramswarm.swarm.hivemind_peer stage --config C --stage S --uid U --addr-file F [--speed X] [--load-state]
@@ -51,8 +51,12 @@ that parent is gone, so a coordinator or supervisor killed without clean-up leav
 Addresses: every process listens on ``host`` (an IPv4 address; ``0.0.0.0``: all interfaces) or, when
 ``interface`` is set (e.g. ``ib0``), on that network interface's IPv4 address, looked up on each host. The
 address file lists the bootstrap's visible multiaddrs, loopback ones last.
-``EmulatedStagePeer`` (``"emulate"`` in the config) serves the throughput emulation of ``hivemind_transport.run``:
-the same RPCs, but it sleeps an emulated compute time instead of running a model.
+
+Since the central coordinator was removed (issue 17), the "coordinator" of this module's names is the launcher
+(``launcher``: its heartbeat ``coordinator_key``, ``COORDINATOR_GRACE_S``, ``CoordinatorGone``,
+``CRAMSWARM_COORDINATOR_PID``, its rendezvous folder). The ``reduce``, ``commit``, ``resync`` and ``migrate`` RPCs
+served the coordinator and have no caller left: the launcher's peers step and move by themselves (``peer_sync``,
+``peer_rebalance``).
 
 The RPCs' payload tensors travel uncompressed at the hivemind level (``CompressionType.NONE``): the boundary
 compression is ours, applied before. The in-stage all-reduce uses hivemind's codecs (``averaging``; its 8-bit
@@ -771,35 +775,6 @@ class StagePeer(ServicerBase):
             await asyncio.sleep(DECLARE_PERIOD_S)
 
 
-class EmulatedStagePeer(StagePeer):
-    """Throughput emulation of an ``emulation.SwarmSetup`` on real processes and RPCs: no model, no optimizer;
-    a forward call sleeps ``stage_time_s / speed`` (backward: ``backward_factor`` times that) on the compute
-    thread and answers with ``activation_bytes`` of payload."""
-
-    def __init__(self, cfg: dict, stage: int, uid: str, speed: float, node: DHTNode):
-        emulate = cfg["emulate"]
-        self.cfg, self.stage, self.uid, self.speed, self.node = cfg, stage, uid, speed, node
-        self.run_id, self.num_stages = cfg["run_id"], cfg["stages"]
-        self.namespace = stage_namespace(self.run_id, stage)
-        self.sync_timeout_s = cfg["sync_timeout_s"]
-        self.num_params, self.link_mbit_s = 0, cfg["link_mbit_s"]
-        self.compute = ThreadPoolExecutor(1, thread_name_prefix=f"stage{stage}-compute")
-        self.stage_time_s, self.backward_factor = emulate["stage_time_s"], emulate["backward_factor"]
-        self.payload = torch.zeros(emulate["activation_bytes"], dtype=torch.uint8)
-        self.runners = {}
-
-    def _forward(self, tensors: dict[str, torch.Tensor], meta: dict) -> tuple[dict, dict]:
-        time.sleep(self.stage_time_s / self.speed)
-        return {"y": self.payload}, {}
-
-    def _backward(self, tensors: dict[str, torch.Tensor], meta: dict) -> tuple[dict, dict]:
-        time.sleep(self.stage_time_s * self.backward_factor / self.speed)
-        return {"y": self.payload}, {}
-
-    async def load_from_replica(self, give_up_after_s: float) -> None:
-        """No state to download: an emulated peer's start-up stands for it."""
-
-
 # --------------------------------------------------------------------------------------------------------------
 # Entry points
 # --------------------------------------------------------------------------------------------------------------
@@ -850,7 +825,7 @@ async def serve_stage(args: argparse.Namespace) -> None:
 
         node = await join_swarm(args.addr_file, host=listen_host(cfg), timeout_s=cfg["join_timeout_s"], announce=True)
     else:
-        peer_cls = EmulatedStagePeer if "emulate" in cfg else StagePeer
+        peer_cls = StagePeer
         maddrs = read_addr_file(args.addr_file, cfg["join_timeout_s"])
         node = await join_dht(maddrs, client_mode=False, host=listen_host(cfg), timeout_s=cfg["join_timeout_s"])
     peer = peer_cls(cfg, args.stage, args.uid, args.speed, node)
