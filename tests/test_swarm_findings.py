@@ -59,3 +59,16 @@ def test_simulator_rows_count_the_runs_within_the_tolerance(tmp_path):
     assert finding.ours.endswith("1 of 2 within 15%")
     assert "1.10" in finding.ours and "1.30" in finding.ours
     assert finding.files == (folder / "a.json",) and "1 run (of 2 committed" in finding.setup
+
+
+def test_sim_scale_gives_the_range_over_preemption_models_per_swarm_size_and_period(tmp_path):
+    path = tmp_path / "sim_scale" / "sim_scale.csv"
+    path.parent.mkdir()
+    rows = [dict(peers=100, stages=4, preemption_model=model, rebalance_period_s=period, percent_of_optimum=share,
+                 nic_mbit_s=float("nan"))
+            for model, period, share in (("independent", float("nan"), 80.0), ("burst", float("nan"), 85.0),
+                                         ("independent", 60.0, 90.0), ("burst", 60.0, 90.0))]
+    pd.DataFrame(rows).to_csv(path, index=False)
+    finding = swarm_findings.sim_scale(tmp_path)
+    assert finding.ours == "100 peers: off 80.0-85.0 %, T = 60 s 90.0 %"
+    assert "2 preemption models (independent, burst" in finding.setup and "no network" in finding.setup

@@ -114,6 +114,29 @@ def rebalancing(results: Path) -> Finding | None:
                    _paper("S5"), (path,))
 
 
+def sim_scale(results: Path) -> Finding | None:
+    path = results / "sim_scale" / "sim_scale.csv"
+    if not path.is_file():
+        return None
+    data = pd.read_csv(path, na_values=["NaN"])
+    data["period"] = data["rebalance_period_s"].map(lambda p: "off" if pd.isna(p) else f"T = {p:g} s")
+    periods = list(dict.fromkeys(data.sort_values("rebalance_period_s", na_position="first")["period"]))
+    parts = []
+    for peers, rows in data.groupby("peers"):
+        share = rows.groupby("period")["percent_of_optimum"]
+        low, high = share.min(), share.max()
+        parts.append(f"{peers} peers: " + ", ".join(
+            f"{p} {low[p]:.1f}-{high[p]:.1f} %" if round(low[p], 1) != round(high[p], 1) else f"{p} {low[p]:.1f} %"
+            for p in periods))
+    first = data.iloc[0]
+    network = "no network" if pd.isna(first["nic_mbit_s"]) else f"NICs of {first['nic_mbit_s']:g} Mbit/s"
+    setup = (f"simulator, {int(first['stages'])} stages, peers of random speed, about one preemption per peer-hour "
+             f"under each of {data['preemption_model'].nunique()} preemption models "
+             f"({', '.join(dict.fromkeys(data['preemption_model']))}; the range over them is shown), {network}")
+    return Finding("Rebalancing keeps a large swarm near its optimum (share of the optimal assignment)", setup,
+                   "; ".join(parts), _paper("S5"), (path,))
+
+
 def _utilisation(frame: pd.DataFrame, column: str, widths: list[int]) -> str:
     by = frame.set_index("hidden_size")[column]
     return " → ".join(_percent(by[w]) for w in widths) + " %"
@@ -219,7 +242,7 @@ def gpu(results: Path) -> Finding | None:
 
 
 FINDINGS: tuple[Callable[[Path], Finding | list[Finding] | None], ...] = (
-    wiring, failures, rebalancing,
+    wiring, failures, rebalancing, sim_scale,
     lambda r: square_cube(r, "square_cube_testbed.csv", "CPU, real calls on the testbed"),
     lambda r: square_cube(r, "square_cube_gpu.csv", "GPU, ideal links"),
     compression, simulator, gpu,
