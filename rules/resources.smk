@@ -159,7 +159,7 @@ def swarm_runtime(wildcards):
 
 def swarm_mem_mb(wildcards):
     """Every peer holds one stage's share of the model (a replica of the whole model per peers_per_stage), each
-    hivemind peer is a torch process of its own; the coordinator holds the whole model. Per node of the job
+    hivemind peer is a torch process of its own; the rule's process assembles the whole model. Per node of the job
     (sbatch --mem), counted as if every peer ran on one node."""
     recipe, swarm = RUNS[wildcards.model]["recipe"], config["swarm"]
     processes = 1 + (SWARM_TASKS if swarm["transport"] == "hivemind" else 0)

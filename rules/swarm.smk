@@ -31,7 +31,7 @@ rule swarm_pretrain:
         arch=arch_json,
         swarm=swarm_json,
         out_dir=subpath(output.model, parent=True),
-        # where attach peers meet the coordinator (config.json + DHT address file), and the launcher's
+        # where attach peers meet the launcher (config.json + DHT address file), and the launcher's
         # resumable state (stage shards, trainer progress: a rerun after this job was killed resumes); not an output
         rendezvous="results/.state/swarm/{source}/{model}/v{vocab}",
     shell:

@@ -232,6 +232,16 @@ def test_a_stalled_swarm_does_not_survive_failures(manifest):
     assert outcome.verdict == c.FAILS and "at zero after the first: 2" in outcome.measurement
 
 
+def test_testbed_rows_without_fixed_chains_are_named_as_left_out_of_the_pairs(manifest):
+    path = manifest["swarm_study"]["failures_timeline"]
+    data = pd.read_csv(path)
+    testbed = data[(data["transport"] == "emulation") & (data["routing"] == "weighted")].assign(transport="testbed")
+    pd.concat([data, testbed]).to_csv(path, index=False)
+    outcome = by_id(manifest)["S4"]
+    assert outcome.verdict == c.HOLDS
+    assert "transports emulation, simulator;" in outcome.setup and "testbed left out: no fixed chains" in outcome.setup
+
+
 def test_swarm_of_another_shape_is_not_compared(manifest, tmp_path):
     manifest["checkpoints"]["swarm"]["2048"] = write_run(tmp_path / "s", "swarm", 3.02,
                                                          arch={**ARCH, "layers": 4}, parameters=200_000)

@@ -190,7 +190,7 @@ def test_hivemind_swarm_peers_train_on_the_gpu():
     import test_swarm_hivemind as swarm
 
     on_gpu = swarm.plan().recipe | {"device": "auto"}
-    result = swarm.ht.run_swarm(swarm.plan(peers_per_stage=[2, 1], recipe=on_gpu), swarm.batches(), 160,
+    result = swarm.ht.run_swarm(swarm.plan(peers_per_stage=[2, 1], recipe=on_gpu), swarm.source(), 160,
                                 progress=False)
     stats = result.stats
     assert set(stats["peer_devices"].values()) == {"cuda"}, stats["peer_devices"]

@@ -49,6 +49,7 @@ from cramswarm.swarm.peer_sync import (  # noqa: E402
     write_shard,
 )
 from cramswarm.swarm.policies import RetryPolicy  # noqa: E402
+from cramswarm.swarm.processes import PeerProcess, ProcessGroups  # noqa: E402
 from cramswarm.swarm.stages import STATE_BYTES_PER_PARAMETER, build_swarm_model, stage_state_bytes  # noqa: E402
 from cramswarm.swarm.train import UNBOUNDED  # noqa: E402
 from cramswarm.swarm.trainer import shard  # noqa: E402
@@ -92,16 +93,17 @@ def launch(total: int, **kw):
 
 
 def test_each_peer_class_calls_its_own_handlers_whichever_built_its_stub_first():
-    """A launcher that ran a coordinator before (StagePeer's stub built first, as in one pytest process) must still
-    reach SyncingStagePeer's handlers: hivemind caches handlers per class, and a subclass must not inherit them."""
-    from cramswarm.swarm.hivemind_peer import EmulatedStagePeer, StagePeer
+    """With StagePeer's stub built first (as by an earlier test in one pytest process), the launcher's peers must
+    still reach SyncingStagePeer's handlers: hivemind caches handlers per class, and a subclass must not inherit
+    them."""
+    from cramswarm.swarm.hivemind_peer import StagePeer
     from cramswarm.swarm.peer_sync import SyncingStagePeer
 
     StagePeer._collect_rpc_handlers()
-    for cls in (SyncingStagePeer, EmulatedStagePeer):
-        cls._collect_rpc_handlers()
-        assert cls._stub_type is not StagePeer._stub_type and cls._stub_type.__name__ == f"{cls.__name__}Stub"
-        assert cls._get_handle_name("ns", "rpc_state") == f"ns::{cls.__name__}.rpc_state"
+    SyncingStagePeer._collect_rpc_handlers()
+    assert SyncingStagePeer._stub_type is not StagePeer._stub_type
+    assert SyncingStagePeer._stub_type.__name__ == "SyncingStagePeerStub"
+    assert SyncingStagePeer._get_handle_name("ns", "rpc_state") == "ns::SyncingStagePeer.rpc_state"
 
 
 def test_shards_partition_the_microbatches_and_step_targets_follow_the_ramp():
@@ -393,7 +395,7 @@ def test_a_resumed_seconds_run_gets_the_budget_less_its_earlier_training_time(tm
     assert json.loads((tmp_path / "counted" / launcher_mod.CLOCK_FILE).read_text())["deadline_wall"] is None
 
 
-def test_train_runs_under_the_launcher_only_where_the_launcher_supports_the_plan():
+def test_every_swarm_runs_under_the_launcher_and_a_plan_it_cannot_run_is_refused():
     assert ht.decentralised_supported(plan(), 96) is None
     # rebalancing runs under the launcher: the stage peers decide the moves (peer_rebalance)
     assert ht.decentralised_supported(plan(rebalance_period_s=3.0), 96) is None
@@ -408,11 +410,14 @@ def test_train_runs_under_the_launcher_only_where_the_launcher_supports_the_plan
     assert ht.decentralised_supported(plan(placement="attach", rendezvous=Path("r")), 96) is None
     # with kill_every_s the launcher asks an attached peer to die and its task restarts it
     assert ht.decentralised_supported(plan(placement="attach", rendezvous=Path("r"), kill_every_s=4.0), 96) is None
-    reasons = {
-        "throughput emulation": ht.decentralised_supported(plan(emulate={"stage_time_s": 0.01}), 96),
-        "peers_per_stage": ht.decentralised_supported(plan(peers_per_stage=[1, 0]), 96),
-    }
-    assert all(reason and key in reason for key, reason in reasons.items()), reasons
+    reason = ht.decentralised_supported(plan(peers_per_stage=[1, 0]), 96)
+    assert reason and "peers_per_stage" in reason, reason
+    with pytest.raises(ValueError, match=r"the launcher cannot run this swarm: swarm.peers_per_stage=\[1, 0\]"):
+        ht.run_swarm(plan(peers_per_stage=[1, 0]), source(), 8, progress=False)
+    # the central coordinator is gone: a plan that asks for it is refused, naming the field
+    assert plan().decentralised
+    with pytest.raises(ValueError, match="SwarmPlan.decentralised=False asked for the central coordinator"):
+        ht.run_swarm(plan(decentralised=False), source(), 8, progress=False)
     # the launcher's trainers make their own microbatches: an iterator of them cannot be handed on
     with pytest.raises(TypeError, match="give it a microbatch source"):
         ht.run_swarm(plan(decentralised=True), batches(), 8, progress=False)
@@ -616,8 +621,8 @@ def test_local_peers_are_spread_over_the_hosts_gpus_and_srun_peers_keep_slurms(t
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5")
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the launcher's run folder
     started: list[str | None] = []
-    monkeypatch.setattr(ht.ProcessGroups, "start_peer", lambda self, uid, *a, gpu=None: started.append(gpu) or
-                        ht.PeerProcess(uid, 0, 1.0, None, tmp_path / "log"))
+    monkeypatch.setattr(ProcessGroups, "start_peer", lambda self, uid, *a, gpu=None: started.append(gpu) or
+                        PeerProcess(uid, 0, 1.0, None, tmp_path / "log"))
     for device, expected in (("auto", ["2", "5", "2"]), ("cpu", [None, None, None])):
         started.clear()
         launcher = launcher_mod.Launcher(plan(decentralised=True, recipe=plan().recipe | {"device": device}), source(),
@@ -723,8 +728,8 @@ def test_sigkill_of_all_peers_of_a_stage_but_one_at_once_loses_no_microbatch():
 
 
 def test_swarm_pretrain_gives_the_launcher_the_rules_state_folder(monkeypatch, tmp_path):
-    """Rule swarm_pretrain's --rendezvous folder holds the launcher's resumable state (launcher/); without one, or
-    where the coordinator runs the swarm, no state folder."""
+    """Rule swarm_pretrain's --rendezvous folder holds the launcher's resumable state (launcher/); without one, no
+    state folder. Without a microbatch source the hivemind transport refuses (the rule always gives one)."""
     import yaml
 
     from cramswarm.config import DEFAULT_SCHEMA
@@ -742,13 +747,13 @@ def test_swarm_pretrain_gives_the_launcher_the_rules_state_folder(monkeypatch, t
     ht.train(swarm=swarm | {"placement": "attach", "kill_every_s": 4.0}, rendezvous=tmp_path, **common)  # launcher's
     ht.train(swarm=swarm | {"placement": "srun"}, rendezvous=tmp_path, **common)  # the launcher's, as job steps
     ht.train(swarm=swarm | {"rebalance_period_s": 5.0}, rendezvous=tmp_path, **common)  # the peers rebalance
-    ht.train(swarm=swarm, rendezvous=tmp_path, **(common | {"source": None}))  # no source: the coordinator's
+    with pytest.raises(ValueError, match="the hivemind transport needs a microbatch source"):
+        ht.train(swarm=swarm, rendezvous=tmp_path, **(common | {"source": None}))
     launched = (True, tmp_path / "launcher")
-    assert [(p.decentralised, p.state_dir) for p in seen] == [launched, (True, None), launched, launched, launched,
-                                                              (False, None)]
+    assert [(p.decentralised, p.state_dir) for p in seen] == [launched, (True, None), launched, launched, launched]
     assert seen[0].checkpoint_every_s == 7.0
-    # the launcher gets the source (its trainers make their microbatches), the coordinator the iterator
-    assert [hasattr(data, "spec") for data in handed] == [True, True, True, True, True, False]
+    # the launcher gets the source (its trainers make their microbatches), never the iterator
+    assert [hasattr(data, "spec") for data in handed] == [True] * 5
 
 
 # -- the rule's outputs, then its state folder --------------------------------------------------------------------

@@ -605,11 +605,15 @@ def _failures_evaluate(manifest):
     data = _read_study(manifest, "failures_timeline")
     killed = data[data["failures"] == "periodic"]
     wide = killed.pivot_table(index=["transport", "t_s"], columns="routing", values="throughput_mb_s")
-    setup = (f"{killed['transport'].nunique()} transport(s); periodic kills; "
-             f"{killed['t_s'].nunique()} windows of {killed['window_s'].iloc[0]:g} emulated s")
     if not {"weighted", "fixed"} <= set(wide.columns):
-        return Outcome(INCONCLUSIVE, "needs weighted and fixed routing under failures", "no comparison", setup)
-    wide = wide.dropna()
+        return Outcome(INCONCLUSIVE, "needs weighted and fixed routing under failures", "no comparison",
+                       f"{killed['transport'].nunique()} transport(s); periodic kills")
+    wide = wide.dropna()  # a transport without fixed chains (the testbed's launcher) has no pair
+    paired = list(dict.fromkeys(wide.index.get_level_values("transport")))
+    unpaired = sorted(set(killed["transport"]) - set(paired))
+    setup = (f"transports {', '.join(paired)}; periodic kills; {killed['t_s'].nunique()} windows of "
+             f"{killed['window_s'].iloc[0]:g} s (emulated s in the emulation and the simulator)"
+             + (f"; {', '.join(unpaired)} left out: no fixed chains" if unpaired else ""))
     later = killed[(killed["routing"] == "weighted") & (killed["t_s"] > killed["t_s"].min())]
     stalls = int((later["throughput_mb_s"] <= 0).sum())
     lost = int(killed.loc[killed["routing"] == "weighted", "lost_microbatches"].max())

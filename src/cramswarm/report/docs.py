@@ -18,6 +18,7 @@ Blocks:
 - ``glue``: the study's GLUE table (``glue_paper.csv``) in the paper's columns, the published rows below ours;
 - ``claims:SOURCE``: the papers' claims checked on one source (``claims_<source>.csv``, `claims` target);
 - ``claims-summary:SOURCE``: the same claims' verdict counts and ids in a few lines (the README's);
+- ``swarm-findings``: SWARM's findings from the committed runs beside the paper's (``swarm_findings``);
 - ``table:FILE``: any committed CSV, Markdown table or JSON file (benchmark output) under the results folder.
 
 ``tests/test_docs.py`` regenerates every block from the committed files and fails if a committed block differs;
@@ -283,7 +284,15 @@ def render_claims_summary(results_dir: Path, doc_dir: Path, repo: Path, source: 
     return _claims_block(results_dir, source, "claims-summary", summary)
 
 
-RENDERERS: dict[str, Callable[..., str]] = {"figures": render_figures, "glue": render_glue}
+def render_swarm_findings(results_dir: Path, doc_dir: Path, repo: Path) -> str:
+    from cramswarm.report import swarm_findings
+
+    return swarm_findings.render(results_dir, doc_dir, repo)
+
+
+RENDERERS: dict[str, Callable[..., str]] = {
+    "figures": render_figures, "glue": render_glue, "swarm-findings": render_swarm_findings,
+}
 
 
 def render_block(name: str, results_dir: str | os.PathLike, doc_dir: str | os.PathLike, repo: str | os.PathLike) -> str:

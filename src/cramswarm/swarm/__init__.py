@@ -9,9 +9,11 @@ Modules (imported explicitly; nothing is imported here, so ``import cramswarm.sw
 * ``emulation``    transport 2: stage peers and trainers as threads in one process (emulated speed, network
                    and failures), a throughput emulation ``run`` and a real training ``train``;
 * ``sim``          transport 3: discrete-event simulator driving the same policy objects;
-* ``hivemind_transport``  transport 1: one OS process per peer over hivemind's DHT and RPC (plan, coordinator);
-* ``hivemind_peer`` / ``peer_sync`` / ``trainer`` / ``launcher`` / ``processes``  transport 1's roles: the stage
-                   peer (and its peer-driven in-stage steps), the trainer process, the launcher that starts and
-                   restarts them, and process-group management;
+* ``hivemind_transport``  transport 1: one OS process per peer over hivemind's DHT and RPC (the plan and the
+                   entry points ``run_swarm`` / ``train``; every swarm runs under ``launcher``, no coordinator);
+* ``hivemind_peer`` / ``peer_sync`` / ``peer_rebalance`` / ``trainer`` / ``launcher`` / ``processes``  transport
+                   1's roles: the stage peer (its peer-driven in-stage steps and moves), the trainer process, the
+                   launcher that starts and restarts them, and process-group management; ``study_launcher`` runs an
+                   emulation ``SwarmSetup`` on the launcher's processes (peer speeds by a compute floor);
 * ``train``        ``swarm_pretrain``: the swarm_pretrain rule's command.
 """

@@ -1,58 +1,49 @@
 """Transport 1 (real hivemind), process side: the bootstrap DHT node and the SWARM stage peer.
 
-Run as a module, one OS process per role (the coordinator in ``hivemind_transport`` starts each one as its own
-process-group leader, so killing the group also kills the peer's ``p2pd`` daemon)::
+Run as a module, one OS process per role (the launcher, ``launcher``, starts each one as its own process-group
+leader, so killing the group also kills the peer's ``p2pd`` daemon)::
 
     python -m cramswarm.swarm.hivemind_peer bootstrap --addr-file F [--host 127.0.0.1]
     python -m cramswarm.swarm.hivemind_peer stage --config C --stage S --uid U --addr-file F [--speed X] [--load-state]
     python -m cramswarm.swarm.hivemind_peer task --rendezvous DIR [--rank R]      (= python -m cramswarm swarm-peer)
 
-``bootstrap`` starts a DHT node and writes its visible multiaddrs to the address file (atomically, one per line);
-every other process joins the swarm through that file, as the tasks of a multi-node job would on a shared
-filesystem. In the launcher's swarm (``"peer_sync"`` in the config) every peer and trainer also appends its own
-multiaddrs and joins through the file's newest entries (``join_swarm``), so the bootstrap is not needed after the
-start; its peers are ``peer_sync.SyncingStagePeer``s. ``stage`` serves one pipeline stage (``stages.build_stage`` of
-the crammed-BERT MLM) over hivemind P2P streams and declares itself under the stage's DHT key. ``task`` is one peer
-of a swarm whose coordinator did not start it (placements ``attach`` and ``srun``): it reads the coordinator's
-rendezvous folder (``config.json``, then the address file ``dht_addrs.txt``), takes the stage and speed of its rank
-(``--rank``, else ``SLURM_PROCID``: the tasks of one ``srun`` job step; ``claim_rank`` locks it, so a rank runs
-once) and runs ``stage`` as a child process group, which it restarts with a state download when it dies
-(``rejoin_after_s`` later) and moves to another stage when the coordinator's rebalancer asks. Its RPCs
-(``StagePeer.rpc_*``):
+``bootstrap`` starts a DHT node and writes its visible multiaddrs to the address file (atomically, one per line).
+Every peer and trainer also appends its own multiaddrs and joins through the file's newest entries
+(``join_swarm``), so the bootstrap is not needed after the start. ``stage`` serves one pipeline stage
+(``stages.build_stage`` of the crammed-BERT MLM) as a ``peer_sync.SyncingStagePeer`` over hivemind P2P streams and
+declares itself under the stage's DHT key; it steps with its stage's other peers by itself (``peer_sync``) and may
+move itself to another stage (``peer_rebalance``), in the same process. ``task`` is one peer of a swarm whose
+launcher did not start it (placements ``attach`` and ``srun``): it reads the launcher's rendezvous folder
+(``config.json``, then the address file ``dht_addrs.txt``), takes the stage and speed of its rank (``--rank``, else
+``SLURM_PROCID``: the tasks of one ``srun`` job step; ``claim_rank`` locks it, so a rank runs once) and runs
+``stage`` as a child process group, which it restarts with a state download when it dies (``rejoin_after_s``
+later; on its rank's stage: a peer that moved and then died comes back where it started). The RPCs of this
+module's ``StagePeer`` (``rpc_*``; ``peer_sync`` adds its own):
 
 * ``forward``  - stage output for the inputs (no grad), compressed with ``compression.encode``;
 * ``backward`` - re-runs the stage forward on the saved inputs (so any replica can take it, as in SWARM),
   backpropagates the output gradient (the last stage: the loss x samples; forward and backward of the last
   stage are one call, since its output gradient is the constant 1), accumulates parameter gradients and the
   local sample count, returns the compressed input gradient (and the loss);
-* ``reduce``   - phase 1 of the synchronous in-stage step (with ``probe``: only compare the step count):
-  snapshot the accumulated gradients (later backward calls accumulate toward the next step), divide by the
-  local sample count and average them across the group the coordinator named, weighted by local samples, with
-  hivemind's butterfly all-reduce, compressed (``swarm.averaging_compression``) and arranged so that every
-  replica holds the same decompressed average (``averaging.StageAllReduce``); the result is held, not applied;
-  the reply counts the bytes this peer sent;
-* ``commit``   - phase 2: apply the held average (clip, set the LR, AdamW step) - every replica of the group
-  takes the same step, so replicas stay equal; replies with a SHA-1 of the parameters;
-* ``state`` / ``resync`` - parameters + optimizer state + step count of a replica (a joining or lagging peer
-  downloads them from a live replica before it serves);
-* ``aggregate_part`` - hivemind's all-reduce traffic, dispatched to the running ``AllReduceRunner``;
-* ``die`` - fault injection where the coordinator cannot signal the process (another host): the peer SIGKILLs
-  its own process group (itself and its p2pd) right after replying;
-* ``migrate`` - rebalancing: the peer stops serving and exits with code ``MIGRATE_EXIT + stage``; its ``task``
-  supervisor starts it again on that stage, with a state download.
+* ``state`` - parameters + optimizer state + step count of a replica (a joining or lagging peer downloads them
+  from a live replica before it serves);
+* ``aggregate_part`` - hivemind's all-reduce traffic, dispatched to the running ``AllReduceRunner`` (the
+  in-stage all-reduce, ``_all_reduce``, weighted by local samples, compressed with
+  ``swarm.averaging_compression``: ``averaging.StageAllReduce``);
+* ``die`` - fault injection where the launcher cannot signal the process (another host, an attached task): the
+  peer SIGKILLs its own process group (itself and its p2pd) right after replying.
 
-The coordinator keeps a heartbeat record in the DHT (``coordinator_key``: ``starting``, ``training`` or ``done``,
-re-stored every 2 s with a 10 s expiration). A stage peer exits (code 0) once it reads ``done``, and (code
-``COORDINATOR_GONE``) once the record has been missing for ``COORDINATOR_GRACE_S``; a peer that joins while
-the record says ``training`` downloads its stage's state before it serves. A peer started by a coordinator
-on the same host (``CRAMSWARM_COORDINATOR_PID``, the parent's pid) also SIGKILLs its own process group once
-that parent is gone, so a coordinator or supervisor killed without clean-up leaves no peer or p2pd behind.
+The launcher keeps a heartbeat record in the DHT (``coordinator_key``: ``starting``, ``training`` or ``done``,
+re-stored every 2 s with a 10 s expiration; the names keep the word "coordinator" from before issue 17 removed
+the central coordinator). A stage peer exits (code 0) once it reads ``done``, and (code ``COORDINATOR_GONE``) once
+the record has been missing for ``COORDINATOR_GRACE_S``; a peer that joins while the record says ``training``
+downloads its stage's state before it serves. A peer started by a launcher on the same host
+(``CRAMSWARM_COORDINATOR_PID``, the parent's pid) also SIGKILLs its own process group once that parent is gone,
+so a launcher or supervisor killed without clean-up leaves no peer or p2pd behind.
 
 Addresses: every process listens on ``host`` (an IPv4 address; ``0.0.0.0``: all interfaces) or, when
 ``interface`` is set (e.g. ``ib0``), on that network interface's IPv4 address, looked up on each host. The
 address file lists the bootstrap's visible multiaddrs, loopback ones last.
-``EmulatedStagePeer`` (``"emulate"`` in the config) serves the throughput emulation of ``hivemind_transport.run``:
-the same RPCs, but it sleeps an emulated compute time instead of running a model.
 
 The RPCs' payload tensors travel uncompressed at the hivemind level (``CompressionType.NONE``): the boundary
 compression is ours, applied before. The in-stage all-reduce uses hivemind's codecs (``averaging``; its 8-bit
@@ -103,7 +94,6 @@ DECLARE_PERIOD_S = 2.0     # a peer re-declares its DHT record this often ...
 RECORD_TTL_S = 10.0        # ... with this expiration; a dead peer's record disappears within this time
 COORDINATOR_GRACE_S = 30.0  # a stage peer exits once the coordinator's heartbeat record is missing this long
 COORDINATOR_GONE = 3       # exit code of a stage peer whose coordinator is gone (its supervisor does not restart it)
-MIGRATE_EXIT = 64          # exit code MIGRATE_EXIT + s: restart this peer on stage s (rebalancing)
 ADDR_FILE, CONFIG_FILE = "dht_addrs.txt", "config.json"  # in a rendezvous folder, written in the order config, addrs
 JOIN_THROUGH = 32          # a joining process tries this many of the address file's newest entries
 DONE_FILE = "done"         # in a rendezvous folder: the run id of a coordinator that has finished
@@ -626,33 +616,6 @@ class StagePeer(ServicerBase):
         for message in respond(result, out_meta):
             yield message
 
-    async def rpc_reduce(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
-                         context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        _, meta = await unpack(requests)
-        if meta["step"] != self.step:
-            reply = {"status": "stale", "step": self.step}
-        elif meta.get("probe"):
-            reply = {"status": "ok", "step": self.step}
-        else:
-            flat, samples = await self._run(self._take_snapshot, self.step)
-            peers = [PeerID.from_base58(p) for p in meta["peers"]]
-            traffic: dict = {}
-            try:
-                averaged = await self._all_reduce(flat, samples, meta["group_id"], peers, traffic)
-                self.averaged = (meta["group_id"], averaged)
-                reply = {"status": "ok", "samples": samples, "params": self.num_params, **traffic}
-            except Exception as e:  # a group member died or timed out: the coordinator retries without it
-                reply = {"status": "failed", "error": repr(e), "samples": samples}
-        for message in respond({}, reply):
-            yield message
-
-    async def rpc_commit(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
-                         context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        _, meta = await unpack(requests)
-        reply = await self._run(self._apply, meta["group_id"], meta["lr"])
-        for message in respond({}, reply):
-            yield message
-
     async def rpc_state(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
                         context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         await unpack(requests)
@@ -661,37 +624,13 @@ class StagePeer(ServicerBase):
         for message in respond({"blob": blob_tensor(blob)}, meta):
             yield message
 
-    async def rpc_resync(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
-                         context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        _, meta = await unpack(requests)
-        step = await self.download_state(PeerID.from_base58(meta["source"]))
-        for message in respond({}, {"status": "ok", "step": step}):
-            yield message
-
     async def rpc_die(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
                       context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         await unpack(requests)
-        print(f"[{self.uid}] killed by the coordinator's fault injection", flush=True)
+        print(f"[{self.uid}] killed by the launcher's fault injection", flush=True)
         asyncio.get_running_loop().call_later(0.2, os.killpg, os.getpgid(0), signal.SIGKILL)
         for message in respond({}, {"status": "ok"}):
             yield message
-
-    async def rpc_migrate(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
-                          context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        _, meta = await unpack(requests)
-        to_stage = int(meta["to_stage"])
-        if not 0 <= to_stage < self.num_stages or to_stage == self.stage:
-            reply = {"status": "failed", "error": f"cannot move from stage {self.stage} to {to_stage}"}
-        else:
-            print(f"[{self.uid}] moving to stage {to_stage} (rebalancing)", flush=True)
-            reply = {"status": "ok"}
-        for message in respond({}, reply):
-            yield message
-        # only once the reply is out (as rpc_die): the peer exits, with its p2pd, as soon as migrate_to is set, and
-        # a coordinator that missed the reply took the move for failed while the peer moved anyway
-        if reply["status"] == "ok" and not self.migrate_to.done():
-            asyncio.get_running_loop().call_later(
-                0.2, lambda: self.migrate_to.done() or self.migrate_to.set_result(to_stage))
 
     async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData],
                                  context: P2PContext) -> AsyncIterator[averaging_pb2.AveragingData]:
@@ -771,35 +710,6 @@ class StagePeer(ServicerBase):
             await asyncio.sleep(DECLARE_PERIOD_S)
 
 
-class EmulatedStagePeer(StagePeer):
-    """Throughput emulation of an ``emulation.SwarmSetup`` on real processes and RPCs: no model, no optimizer;
-    a forward call sleeps ``stage_time_s / speed`` (backward: ``backward_factor`` times that) on the compute
-    thread and answers with ``activation_bytes`` of payload."""
-
-    def __init__(self, cfg: dict, stage: int, uid: str, speed: float, node: DHTNode):
-        emulate = cfg["emulate"]
-        self.cfg, self.stage, self.uid, self.speed, self.node = cfg, stage, uid, speed, node
-        self.run_id, self.num_stages = cfg["run_id"], cfg["stages"]
-        self.namespace = stage_namespace(self.run_id, stage)
-        self.sync_timeout_s = cfg["sync_timeout_s"]
-        self.num_params, self.link_mbit_s = 0, cfg["link_mbit_s"]
-        self.compute = ThreadPoolExecutor(1, thread_name_prefix=f"stage{stage}-compute")
-        self.stage_time_s, self.backward_factor = emulate["stage_time_s"], emulate["backward_factor"]
-        self.payload = torch.zeros(emulate["activation_bytes"], dtype=torch.uint8)
-        self.runners = {}
-
-    def _forward(self, tensors: dict[str, torch.Tensor], meta: dict) -> tuple[dict, dict]:
-        time.sleep(self.stage_time_s / self.speed)
-        return {"y": self.payload}, {}
-
-    def _backward(self, tensors: dict[str, torch.Tensor], meta: dict) -> tuple[dict, dict]:
-        time.sleep(self.stage_time_s * self.backward_factor / self.speed)
-        return {"y": self.payload}, {}
-
-    async def load_from_replica(self, give_up_after_s: float) -> None:
-        """No state to download: an emulated peer's start-up stands for it."""
-
-
 # --------------------------------------------------------------------------------------------------------------
 # Entry points
 # --------------------------------------------------------------------------------------------------------------
@@ -839,21 +749,16 @@ async def serve_bootstrap(addr_file: str, host: str, run_id: str | None = None,
 
 
 async def serve_stage(args: argparse.Namespace) -> None:
-    """Serve one stage until the coordinator is done (exit code 0), gone (``COORDINATOR_GONE``) or moves this
-    peer to stage s (``MIGRATE_EXIT + s``)."""
+    """Serve one stage until the launcher is done (exit code 0) or gone (``COORDINATOR_GONE``); a peer that moves
+    itself to another stage (``peer_rebalance``) serves that one in the same process."""
     cfg = json.loads(Path(args.config).read_text())
     bound_kernel_cache()
     torch.set_num_threads(1)
     watchdog = asyncio.create_task(exit_with_coordinator())
-    if cfg.get("peer_sync"):  # the launcher's swarm: peers step by themselves (peer_sync), any live entry joins
-        from cramswarm.swarm.peer_sync import SyncingStagePeer as peer_cls
+    from cramswarm.swarm.peer_sync import SyncingStagePeer  # peers step by themselves; any live entry joins
 
-        node = await join_swarm(args.addr_file, host=listen_host(cfg), timeout_s=cfg["join_timeout_s"], announce=True)
-    else:
-        peer_cls = EmulatedStagePeer if "emulate" in cfg else StagePeer
-        maddrs = read_addr_file(args.addr_file, cfg["join_timeout_s"])
-        node = await join_dht(maddrs, client_mode=False, host=listen_host(cfg), timeout_s=cfg["join_timeout_s"])
-    peer = peer_cls(cfg, args.stage, args.uid, args.speed, node)
+    node = await join_swarm(args.addr_file, host=listen_host(cfg), timeout_s=cfg["join_timeout_s"], announce=True)
+    peer = SyncingStagePeer(cfg, args.stage, args.uid, args.speed, node)
     while True:
         peer.migrate_to = asyncio.get_running_loop().create_future()
         await peer.add_p2p_handlers(node.p2p, namespace=peer.namespace)
@@ -868,7 +773,7 @@ async def serve_stage(args: argparse.Namespace) -> None:
                                                                                         COORDINATOR_GRACE_S)))
         done, _ = await asyncio.wait([declare, watchdog, coordinator, peer.migrate_to, *background],
                                      return_when=asyncio.FIRST_COMPLETED)
-        if peer.migrate_to in done and isinstance(peer.migrate_to.result(), tuple):  # it moves itself (peer_rebalance)
+        if peer.migrate_to in done:  # it moves itself (peer_rebalance): (to stage, its move record)
             for task in (declare, coordinator, *background):
                 task.cancel()
             await asyncio.gather(declare, coordinator, *background, return_exceptions=True)
@@ -878,9 +783,7 @@ async def serve_stage(args: argparse.Namespace) -> None:
             args.load_state = True
             continue
         break
-    if peer.migrate_to in done:  # its DHT record expires; the coordinator stops routing to it at once
-        code = MIGRATE_EXIT + peer.migrate_to.result()
-    elif coordinator in done and coordinator.exception() is not None:
+    if coordinator in done and coordinator.exception() is not None:
         print(f"[{peer.uid}] {coordinator.exception()}; exiting", flush=True)
         code = COORDINATOR_GONE
     else:
@@ -1009,13 +912,9 @@ def run_task(rendezvous: str | Path, rank: int | None, max_restarts: int = 100, 
             print(f"[rank {rank}] gave up after {max_restarts} restarts", file=sys.stderr, flush=True)
             return 1
         served, restarts, incarnation = True, restarts + 1, incarnation + 1
-        if code >= MIGRATE_EXIT:
-            stage = code - MIGRATE_EXIT
-            print(f"[rank {rank}] moving to stage {stage}", flush=True)
-        else:
-            print(f"[rank {rank}] peer {uid} ended with code {code}; restarting in {cfg['rejoin_after_s']} s",
-                  flush=True)
-            time.sleep(cfg["rejoin_after_s"])
+        print(f"[rank {rank}] peer {uid} ended with code {code}; restarting in {cfg['rejoin_after_s']} s",
+              flush=True)
+        time.sleep(cfg["rejoin_after_s"])
 
 
 def main(argv: list[str] | None = None) -> None:

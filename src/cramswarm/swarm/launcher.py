@@ -528,9 +528,9 @@ class Launcher:
             if candidates:
                 self._kill_peer(self.rng.choice(candidates))
 
-    async def _killable_attached(self) -> list[tuple[int, str]]:
-        """attach: (stage, uid) of the declared peers of stages where at least two of them are at the stage's latest
-        step (the launcher has no process of theirs to look at: their records say who is alive)."""
+    async def _killable_attached(self) -> list[tuple[int, str, str]]:
+        """attach: (stage, uid, DHT peer id) of the declared peers of stages where at least two of them are at the
+        stage's latest step (the launcher has no process of theirs to look at: their records say who is alive)."""
         found = []
         for stage in range(self.plan.stages):
             records = await progress_records(self.node, self.run_id, stage)
@@ -538,19 +538,20 @@ class Launcher:
             latest = max((r["step"] for r in records.values()), default=0)
             current = [u for u, r in records.items() if r["step"] == latest and u in declared and u not in self.retired]
             if len(current) >= 2:
-                found.extend((stage, uid) for uid in current)
+                found.extend((stage, uid, declared[uid][0]) for uid in current)
         return found
 
-    async def _kill_attached(self, stage: int, uid: str) -> None:
+    def _stage_stub(self, stage: int, peer: str):
+        """An RPC stub for the stage peer whose DHT peer id (base58) is ``peer``."""
+        return SyncingStagePeer.get_stub(self.node.p2p, PeerID.from_base58(peer),
+                                         namespace=stage_namespace(self.run_id, stage))
+
+    async def _kill_attached(self, stage: int, uid: str, peer: str) -> None:
         """attach: a peer the launcher did not start dies by its ``die`` RPC (it SIGKILLs its own process group, as
         a preempted host would lose it); its ``swarm-peer`` task starts it again as a new incarnation, which
         downloads the stage's state. Counted as a rejoin once the task's new incarnation has declared itself."""
         self.retired.add(uid)
-        declared = await stage_records(self.node, self.run_id, stage)
-        if uid not in declared:
-            return
-        stub = SyncingStagePeer.get_stub(self.node.p2p, PeerID.from_base58(declared[uid][0]),
-                                         namespace=stage_namespace(self.run_id, stage))
+        stub = self._stage_stub(stage, peer)
         with contextlib.suppress(Exception):  # it may die before its reply is out
             await asyncio.wait_for(unpack(await stub.rpc_die(request({}, {}))), timeout=self.plan.sync_timeout_s)
         self.stats["peers_killed"] += 1
@@ -711,8 +712,7 @@ class Launcher:
         for stage in range(self.plan.stages):
             replicas = []
             for uid, (peer, _) in (await stage_records(self.node, self.run_id, stage)).items():
-                stub = SyncingStagePeer.get_stub(self.node.p2p, PeerID.from_base58(peer),
-                                                 namespace=stage_namespace(self.run_id, stage))
+                stub = self._stage_stub(stage, peer)
                 try:
                     tensors, meta = await asyncio.wait_for(
                         unpack(await stub.rpc_state(request({}, {}))),

@@ -1,6 +1,6 @@
 """The OS processes of a hivemind swarm: each started as its own process-group leader
 (``start_new_session=True``) and killed as a group with ``os.killpg``, so no ``p2pd`` daemon or child outlives it.
-Used by the coordinator (``hivemind_transport``) and the launcher (``launcher``)."""
+Used by the launcher (``launcher``)."""
 
 from __future__ import annotations
 

@@ -86,11 +86,8 @@ def shard(total: int, rank: int, trainers: int) -> range:
 
 
 class StageClient:
-    """A trainer's view of the stages: peer records from the DHT, one balancer per stage, bounded re-sent calls.
-
-    The one implementation of SWARM's trainer-side call and microbatch (the coordinator's trainer coroutines
-    subclass it: ``hivemind_transport.Coordinator``, which admits backward calls to its window through the
-    ``_admit`` / ``_unadmit`` / ``_succeeded`` hooks and counts calls in flight with ``_started`` / ``_ended``)."""
+    """A trainer's view of the stages: peer records from the DHT, one balancer per stage, bounded re-sent calls
+    (SWARM's trainer-side call and microbatch)."""
 
     peer_cls = SyncingStagePeer  # whose RPC handler names the calls use
 
@@ -117,22 +114,6 @@ class StageClient:
                                       namespace=stage_namespace(self.run_id, stage))
         return await unpack(await getattr(stub, f"rpc_{method}")(request(tensors, meta)))
 
-    # hooks of the coordinator's window (no-ops here: the launcher's peers admit backward calls themselves)
-    async def _admit(self, stage: int, samples: int, backward: bool) -> None:
-        pass
-
-    def _unadmit(self, stage: int, samples: int, backward: bool) -> None:
-        pass
-
-    def _started(self, stage: int, uid: str, backward: bool) -> None:
-        pass
-
-    def _ended(self, stage: int, uid: str, backward: bool) -> None:
-        pass
-
-    def _succeeded(self, stage: int, uid: str, samples: int, backward: bool) -> None:
-        pass
-
     async def _call(self, stage: int, method: str, tensors: dict, meta: dict, samples: int, *,
                     fused: bool = False) -> tuple[dict, dict]:
         """One stage call with SWARM's retry semantics: another replica on a timeout or error, never dropped
@@ -150,11 +131,9 @@ class StageClient:
         no_peer_since = failing_since = None
         attempts = 0
         while True:
-            await self._admit(stage, samples, backward)
             try:
                 uid = balancer.choose(samples, get_dht_time(), backward=backward)
             except NoPeersError:
-                self._unadmit(stage, samples, backward)
                 no_peer_since = no_peer_since or time.monotonic()
                 if time.monotonic() - no_peer_since > retry.give_up_after_s:
                     raise
@@ -164,7 +143,6 @@ class StageClient:
                 continue
             no_peer_since = None
             started = time.perf_counter()
-            self._started(stage, uid, backward)
             result = None
             try:
                 result = await asyncio.wait_for(self._rpc(stage, uid, method, tensors, meta), retry.timeout(backward))
@@ -175,13 +153,8 @@ class StageClient:
                 balancer.report_error(uid, get_dht_time())
                 self.stats["errors"] += 1
                 self.stats["last_error"] = f"stage {stage} {method} on {uid}: {e!r}"
-            finally:
-                self._ended(stage, uid, backward)
-                if result is None:
-                    self._unadmit(stage, samples, backward)
             if result is not None:
                 balancer.report_success(uid, units, time.perf_counter() - started)
-                self._succeeded(stage, uid, samples, backward)
                 return result
             self.stats["retries"] += 1
             attempts += 1

@@ -1,0 +1,74 @@
+"""The ``swarm-findings`` block (``report.swarm_findings``): each finding computed from the committed run files."""
+
+import json
+
+import pandas as pd
+
+from cramswarm.report import docs, swarm_findings
+
+
+def _wiring(path, weighted, uniform):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = [dict(run="base", transport="testbed", routing=r, stages=2, trainers=12, duration_s=60.0,
+                 throughput_mb_s=t, percent_of_optimum=p, lost_microbatches=0, link_mbit_s=100.0, latency_ms=20.0)
+            for r, t, p in (("weighted", weighted, 60.0), ("uniform", uniform, 30.0))]
+    rows.append(dict(rows[0], run="sweep", throughput_mb_s=99.0))  # the load sweep is not the finding
+    pd.DataFrame(rows).to_csv(path, index=False)
+
+
+def test_without_committed_runs_the_block_names_the_commands(tmp_path):
+    text = swarm_findings.render(tmp_path, tmp_path, tmp_path)
+    assert "Not committed yet" in text and "|" not in text
+
+
+def test_wiring_ratio_comes_from_the_base_run_of_the_csv(tmp_path):
+    _wiring(tmp_path / "swarm_study_testbed" / "wiring_throughput.csv", weighted=3.0, uniform=1.2)
+    text = docs.render_block("swarm-findings", tmp_path, tmp_path, tmp_path)
+    row = next(line for line in text.splitlines() if line.startswith("| Throughput-weighted"))
+    assert "testbed: 2.50x (60 vs 30 % of optimum, 0 lost)" in row
+    assert "100 Mbit/s, 20 ms" in row and "(S3)" in row
+    assert "wiring_throughput.csv" in text.splitlines()[-1]
+
+
+def test_failures_kept_share_is_the_mean_window_ratio_of_weighted_routing(tmp_path):
+    path = tmp_path / "swarm_study_testbed" / "failures_timeline.csv"
+    path.parent.mkdir(parents=True)
+    rows = []
+    for failures, rates in (("none", (4.0, 6.0)), ("periodic", (3.0, 4.5))):
+        for i, rate in enumerate(rates):
+            rows.append(dict(transport="sim", routing="weighted", failures=failures, t_s=10.0 * i, window_s=10.0,
+                             throughput_mb_s=rate, peers_up=6.0 - i, lost_microbatches=2, link_mbit_s=float("nan"),
+                             latency_ms=float("nan")))
+            rows.append(dict(rows[-1], routing="fixed", throughput_mb_s=0.1))
+    pd.DataFrame(rows).to_csv(path, index=False)
+    (finding,) = [f for f in swarm_findings.findings(tmp_path) if f.files == (path,)]
+    assert finding.ours == "sim: 75 % (2 lost)"
+    assert "testbed links" not in finding.setup  # no testbed rows, no link
+
+
+def test_simulator_rows_count_the_runs_within_the_tolerance(tmp_path):
+    folder = tmp_path / "swarm_testbed"
+    folder.mkdir()
+    args = {"stages": 2, "peers": 2, "trainers": 2, "compression": "none"}
+    shaped = [{"bandwidth_mbit": 100.0, "latency_ms": 20.0, "mb_s": 2.0},
+              {"bandwidth_mbit": 10.0, "latency_ms": 50.0, "mb_s": 1.0}]
+    (folder / "a.json").write_text(json.dumps({"args": args, "testbed": {"shaped": shaped},
+                                               "sim_step_mb": {"shaped": [2.2, 1.3]}}))
+    (folder / "old.json").write_text(json.dumps({"args": args, "testbed": {"shaped": shaped}}))
+    finding = swarm_findings.simulator(tmp_path)
+    assert finding.ours.endswith("1 of 2 within 15%")
+    assert "1.10" in finding.ours and "1.30" in finding.ours
+    assert finding.files == (folder / "a.json",) and "1 run (of 2 committed" in finding.setup
+
+
+def test_sim_scale_gives_the_range_over_preemption_models_per_swarm_size_and_period(tmp_path):
+    path = tmp_path / "sim_scale" / "sim_scale.csv"
+    path.parent.mkdir()
+    rows = [dict(peers=100, stages=4, preemption_model=model, rebalance_period_s=period, percent_of_optimum=share,
+                 nic_mbit_s=float("nan"))
+            for model, period, share in (("independent", float("nan"), 80.0), ("burst", float("nan"), 85.0),
+                                         ("independent", 60.0, 90.0), ("burst", 60.0, 90.0))]
+    pd.DataFrame(rows).to_csv(path, index=False)
+    finding = swarm_findings.sim_scale(tmp_path)
+    assert finding.ours == "100 peers: off 80.0-85.0 %, T = 60 s 90.0 %"
+    assert "2 preemption models (independent, burst" in finding.setup and "no network" in finding.setup
