@@ -231,12 +231,10 @@ def swarm_experiment_runtime(wildcards):
     section = SWARM_EXPERIMENTS[wildcards.name]
     settings = config["swarm_study"][section]
     seconds = 60.0
-    if section in ("wiring", "failures"):
+    if section in ("wiring", "failures", "rebalancing"):
         from cramswarm.swarm.study import transports_runtime_s
 
         seconds += transports_runtime_s(section, settings)
-    elif section == "rebalancing":
-        seconds += 2 * len(settings["periods_s"]) * settings["duration_s"] * settings["time_scale"]
     elif section == "sim_scale":
         # measured about 1e-5 wall seconds per simulated peer-second (1000 peers x 1800 s: 17 s); twice that
         runs = len(settings.get("preemption_models", [None])) * len(settings["rebalance_periods_s"])

@@ -25,15 +25,20 @@ def test_without_a_testbed_the_transport_is_skipped_with_the_reason(tmp_path, mo
     study.failures_timeline(tmp_path / "f.csv", stages=2, peers_per_stage=2, trainers=4, stage_time_s=0.5,
                             kill_every_s=10.0, rejoin_after_s=5.0, duration_s=20.0, forward_timeout_s=3.0,
                             window_s=5.0, transports=("testbed", "sim"))
+    study.rebalancing_recovery(tmp_path / "r.csv", stages=2, peers_per_stage=3, killed=2, kill_at_s=10.0,
+                               trainers=4, stage_time_s=0.5, periods_s=(None, 5.0), duration_s=40.0,
+                               forward_timeout_s=3.0, window_s=5.0, transports=("sim", "testbed"))
     out = capsys.readouterr().out
-    for section in ("wiring", "failures"):
+    for section in ("wiring", "failures", "rebalancing"):
         assert (f"swarm_study.{section}: transport testbed skipped (no testbed here: network namespaces need root "
                 "(test))") in out
     wiring, failures = pd.read_csv(tmp_path / "w.csv"), pd.read_csv(tmp_path / "f.csv")
-    assert set(wiring["transport"]) == set(failures["transport"]) == {"sim"}
+    rebalancing = pd.read_csv(tmp_path / "r.csv")
+    assert set(wiring["transport"]) == set(failures["transport"]) == set(rebalancing["transport"]) == {"sim"}
     # the link columns are there for every transport; without a network they are empty
     assert wiring["link_mbit_s"].isna().all() and failures["latency_ms"].isna().all()
-    assert (wiring["lost_microbatches"] == 0).all()
+    assert rebalancing["link_mbit_s"].isna().all() and rebalancing["latency_ms"].isna().all()
+    assert (wiring["lost_microbatches"] == 0).all() and (rebalancing["lost_microbatches"] == 0).all()
     with pytest.raises(ValueError, match=r"swarm_study.wiring.transports: unknown transport\(s\) \['carrier'\]"):
         study.wiring_throughput(tmp_path / "x.csv", transports=("carrier",))
 
@@ -69,6 +74,43 @@ def test_the_launchers_kills_become_failure_events_that_count_peers_up():
     assert [study.peers_up(events, 3, t) for t in (5.0, 12.0, 22.0, 26.0, 31.0, 40.0, 45.0)] == [3, 2, 1, 2, 1, 2, 3]
 
 
+def test_kills_for_good_are_never_back_and_become_gone_faults():
+    from cramswarm.swarm.emulation import FailureEvent, PeerSpec, SwarmSetup
+
+    # two peers killed for good at 12 s (not replaced), one killed every so often and back 5 s later
+    killed = [{"uid": "s1p4", "stage": 1, "t_s": 12.0, "replaced": False},
+              {"uid": "s1p5", "stage": 1, "t_s": 12.0, "replaced": False}, {"uid": "s0p1", "stage": 0, "t_s": 20.0}]
+    events = study_launcher.killed_as_failures(killed, 6, 5.0)
+    assert [(e.at_s, e.peer, e.rejoin_after_s) for e in events] == [(12.0, 0, None), (12.0, 1, None),
+                                                                   (20.0, 2, 5.0)]
+    assert [study.peers_up(events, 6, t) for t in (11.0, 13.0, 21.0, 26.0, 1000.0)] == [6, 4, 3, 4, 4]
+    # the study's failures for good, per time and stage, as the launcher's gone<N>:stage<S> faults
+    peers = [PeerSpec(stage=s) for s in range(3) for _ in range(3)]
+    setup = SwarmSetup(peers=peers, trainers=4, stage_time_s=1.0, failures=[
+        FailureEvent(at_s=45.0, peer=3, rejoin_after_s=None), FailureEvent(at_s=45.0, peer=4, rejoin_after_s=None),
+        FailureEvent(at_s=60.0, peer=8, rejoin_after_s=None)])
+    assert study_launcher.gone_faults(setup) == [(45.0, "gone2:stage1"), (60.0, "gone1:stage2")]
+    back = SwarmSetup(peers=peers, trainers=4, stage_time_s=1.0, failures=[FailureEvent(at_s=5.0, peer=0,
+                                                                                       rejoin_after_s=3.0)])
+    with pytest.raises(ValueError, match="failures for good only"):
+        study_launcher.gone_faults(back)
+
+
+def test_the_gone_fault_kills_all_but_the_stages_last_current_replica():
+    launcher = pytest.importorskip("cramswarm.swarm.launcher", reason="hivemind is not installed")
+
+    assert launcher.parse_gone("gone2:stage1") == (2, 1) and launcher.parse_gone("gone12:stage0") == (12, 0)
+    for other in ("stage1", "peer", "trainer0", "cut:h3", "gone:stage1", "gone2:stage", "gone2:stage1x"):
+        assert launcher.parse_gone(other) is None, other
+    with pytest.raises(ValueError, match="at least one peer"):
+        launcher.parse_gone("gone0:stage1")
+    steps = {"s1p4": 3, "s1p5": 2, "s1p6": 3, "s1p7": -1}
+    # the furthest behind first; s1p4 (smallest uid at the latest step) is kept whatever the count
+    assert launcher.gone_victims(steps, 2) == ["s1p7", "s1p5"]
+    assert launcher.gone_victims(steps, 3) == launcher.gone_victims(steps, 9) == ["s1p7", "s1p5", "s1p6"]
+    assert launcher.gone_victims({"s1p4": 0}, 1) == [] and launcher.gone_victims({}, 2) == []
+
+
 def test_runtime_bound_counts_testbed_runs_in_real_seconds():
     emulated = {"duration_s": 40.0, "time_scale": 0.1}
     assert study.transports_runtime_s("wiring", emulated) == pytest.approx(2 * 3 * 4.0)  # the default transports
@@ -77,6 +119,11 @@ def test_runtime_bound_counts_testbed_runs_in_real_seconds():
         2 * 3 * 4.0 + 2 * (40.0 + study.TESTBED_START_S))
     assert study.transports_runtime_s("failures", {"duration_s": 300.0, "time_scale": 0.02,
                                                    "transports": ["sim"]}) == pytest.approx(4 * 6.0)
+    # rebalancing: one run per period and transport
+    rebalancing = {"duration_s": 120.0, "time_scale": 0.02, "periods_s": [None, 10.0]}
+    assert study.transports_runtime_s("rebalancing", rebalancing) == pytest.approx(2 * 2 * 2.4)
+    assert study.transports_runtime_s("rebalancing", rebalancing | {"transports": ["testbed"]}) == pytest.approx(
+        2 * (120.0 + study.TESTBED_START_S))
 
 
 @pytest.mark.slow
@@ -114,6 +161,54 @@ def test_wiring_on_the_testbed_runs_real_processes_and_leaves_nothing(tmp_path, 
         assert result["microbatches_done"] == len(result["timeline"]) and result["failures"] == []
         # nothing is left: no namespace of the run, no process of its groups, no p2pd of this process's
         assert result["leftover_processes"] == 0 and not run_namespaces(tb["run_id"])
+    assert sorted(ht._own_daemons()) == daemons
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
+    assert "csw-" not in links
+
+
+@pytest.mark.slow
+@pytest.mark.netns
+def test_rebalancing_on_the_testbed_moves_a_peer_to_the_starved_stage(tmp_path, monkeypatch, can_build):
+    """2 stages x 3 peers of speed 1, 5 trainers, each process on its own host at 100 Mb/s, 20 ms one way; 3 s into
+    training the launcher SIGKILLs 2 peers of stage 1 for good. Off: nobody moves and stage 1's last peer bounds the
+    throughput; on (every 2 s): a stage-0 peer moves to stage 1 and, once it arrived, the swarm runs faster than
+    without rebalancing over the same seconds. No microbatch lost, nothing left."""
+    pytest.importorskip("hivemind", reason="hivemind is not installed: the launcher's processes cannot run")
+    from cramswarm.swarm import hivemind_transport as ht
+    from cramswarm.testbed import run_namespaces
+
+    runs, original = [], study_launcher.run_setup
+
+    def recorded(setup, **kw):
+        runs.append((setup, original(setup, **kw)))
+        return runs[-1][1]
+
+    monkeypatch.setattr(study_launcher, "run_setup", recorded)
+    daemons = sorted(ht._own_daemons())
+    duration = 50.0
+    study.rebalancing_recovery(tmp_path / "r.csv", stages=2, peers_per_stage=3, starved_stage=1, killed=2,
+                               kill_at_s=3.0, trainers=5, stage_time_s=0.3, periods_s=(None, 2.0),
+                               duration_s=duration, forward_timeout_s=4.0, window_s=5.0, transports=("testbed",),
+                               testbed_link_mbit_s=100.0, testbed_latency_ms=20.0)
+    frame = pd.read_csv(tmp_path / "r.csv", na_values=["NaN"])
+    off, on = frame[frame["rebalance_period_s"].isna()], frame[frame["rebalance_period_s"] == 2.0]
+    assert len(off) == len(on) == 10 and set(frame["transport"]) == {"testbed"}
+    assert (frame["link_mbit_s"] == 100.0).all() and (frame["latency_ms"] == 20.0).all()
+    assert (frame["lost_microbatches"] == 0).all(), frame
+    # two of six peers down from the kill on, in both runs (never replaced)
+    assert off["peers_up"].max() > 5 and off["peers_up"].iloc[-1] == on["peers_up"].iloc[-1] == 4, frame
+    assert (off["moves"] == 0).all() and off["first_move_s"].isna().all()
+    assert (on["moves"] >= 1).all() and (on["first_move_s"] > 3.0).all(), frame
+    (_, without), (_, with_moves) = runs
+    assert [(f.rejoin_after_s, without["testbed"]["hosts"]) for f in without["failures"]] == [(None, 12)] * 2
+    first = with_moves["moves"][0]
+    assert (first["from_stage"], first["to_stage"]) == (0, 1) and first.get("arrived_s"), with_moves["moves"]
+    # after the mover arrived: faster than the same seconds without rebalancing
+    after = (first["arrived_s"], duration)
+    rates = [study_launcher.rate_in([t for t, _ in r["timeline"]], *after) for r in (without, with_moves)]
+    assert rates[1] > rates[0], (rates, first)
+    for _, result in runs:
+        assert result["leftover_processes"] == 0 and not run_namespaces(result["testbed"]["run_id"])
     assert sorted(ht._own_daemons()) == daemons
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
     assert "csw-" not in links

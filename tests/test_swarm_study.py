@@ -110,7 +110,8 @@ def test_failure_and_rebalancing_timelines(study_dir):
     assert failures.loc[failures["failures"] == "periodic", "peers_up"].min() < 4
     rebalancing = pd.read_csv(study_dir / "rebalancing_recovery.csv", na_values=["NaN"])
     assert columns(study_dir / "rebalancing_recovery.csv") == [
-        "transport", "rebalance_period_s", "kill_at_s", *TIMELINE, "moves", "first_move_s"]
+        "transport", "rebalance_period_s", "kill_at_s", *TIMELINE, "moves", "first_move_s", "lost_microbatches",
+        "link_mbit_s", "latency_ms"]
     off = rebalancing[rebalancing["rebalance_period_s"].isna()]
     on = rebalancing[rebalancing["rebalance_period_s"] == 5.0]
     assert (off["moves"] == 0).all() and (on["moves"] >= 1).all()

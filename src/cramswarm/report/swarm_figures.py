@@ -445,7 +445,8 @@ def rebalancing_figure(csv: str | os.PathLike, out_dir: str | os.PathLike) -> li
             ax.annotate("stage starved", (kill_at, 0.98), xycoords=ax.get_xaxis_transform(), xytext=(3, 0),
                         textcoords="offset points", va="top", fontsize=7, color="0.3")
             ax.set_title(transport)
-            ax.set_xlabel("time (emulated s; window start)")
+            ax.set_xlabel("time (real s; window start)" if transport == "testbed"
+                          else "time (emulated s; window start)")
             ax.set_ylim(bottom=0)
         axes[0].set_ylabel("throughput (microbatches/s)")
         handles = [Line2D([], [], color=colors[label], label=label) for label in labels]
@@ -459,9 +460,19 @@ starved stage's rate; with rebalancing every T seconds a peer of the least loade
 (Rebalancer: hysteresis 1.5 on the backlog ratio, only if the bottleneck rate improves), loads the stage state and
 serves it, and throughput recovers after about T + the state download. The table gives the mean throughput before
 the kill and over the last half of the run after it, the number of moves and the time of the first.
+{_transport_note(data)}{_testbed_rebalancing(data)}
 {PAPER_E4}
 """
     return paths + _save_all(fig, out / "rebalancing_recovery", caption)
+
+
+def _testbed_rebalancing(data: pd.DataFrame) -> str:
+    if not (data["transport"] == "testbed").any():
+        return ""
+    return (" On the testbed the launcher SIGKILLs the peers at the dashed line and replaces none; the stage peers "
+            "decide the move themselves (each publishes its measured load, all evaluate the same rule), the mover "
+            "drains, downloads the new stage's state from a live replica and serves it; the first move's time is "
+            "when it was decided.")
 
 
 # ---------------------------------------------------------------------------------------------- compression

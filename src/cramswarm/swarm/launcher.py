@@ -32,10 +32,11 @@ resumes its shard from its progress file) and a stage peer that died (a fresh ui
 downloads the stage's state from a live replica before it serves), ``rejoin_after_s`` later; it runs the fault
 injection (``kill_every_s``: SIGKILL of a random stage peer, never the last replica at its stage's latest step; with
 the attach placement the peer's ``die`` RPC, and its task restarts it; ``faults``: SIGKILL of named processes at
-given times) - it only kills and restarts, it holds no training state; once every trainer reports its shard done it
-asks the peers for the last, partial global batch (``peer_sync.flush_key``), waits until every stage is idle,
-downloads the stages' parameters from live replicas and stops everything. If it dies, the peers and trainers exit:
-at once where they see their parent gone, else once its heartbeat record has been missing ``coordinator_grace_s``.
+given times; ``gone<N>:stage<S>``: N peers of a stage, never replaced) - it only kills and restarts, it holds no
+training state; once every trainer reports its shard done it asks the peers for the last, partial global batch
+(``peer_sync.flush_key``), waits until every stage is idle, downloads the stages' parameters from live replicas and
+stops everything. If it dies, the peers and trainers exit: at once where they see their parent gone, else once its
+heartbeat record has been missing ``coordinator_grace_s``.
 
 Checkpoint and resume: with ``state_dir`` (the swarm_pretrain rule's resumable state folder, under
 ``results/.state``) the run's folder is that folder, not a temporary one. The stage peers write their stages'
@@ -66,6 +67,7 @@ import io
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import sys
@@ -571,10 +573,14 @@ class Launcher:
 
     async def _fault(self, at_s: float, target: str) -> None:
         """``faults``: SIGKILL ``bootstrap``, ``trainer<R>``, ``peer`` (a killable stage peer) or ``stage<S>`` (every
-        live peer of stage S but one at its latest step, at once) at ``at_s``; any other target goes to the
-        placement (``plan.hosts.fault``) ``at_s`` after the first finished microbatch (trainer processes take
-        seconds to start: a link cut must fall into the training)."""
-        host_fault = target not in ("bootstrap", "peer") and not target.startswith(("trainer", "stage"))
+        live peer of stage S but one at its latest step, at once) at ``at_s``; ``gone<N>:stage<S>`` SIGKILLs N live
+        peers of stage S (:func:`gone_victims`) and starts no replacement (they are gone for good: the stage stays
+        starved unless the peers rebalance); any other target goes to the placement (``plan.hosts.fault``) ``at_s``
+        after the first finished microbatch (trainer processes take seconds to start: a link cut must fall into the
+        training)."""
+        gone = parse_gone(target)
+        host_fault = (gone is None and target not in ("bootstrap", "peer")
+                      and not target.startswith(("trainer", "stage")))
         while host_fault and self._done_microbatches() < 1:
             await asyncio.sleep(0.1)
         await asyncio.sleep(at_s)
@@ -586,6 +592,18 @@ class Launcher:
             if rank not in self.finished and self.trainers[rank].poll() is None:
                 self.groups.kill(self.trainers[rank])
                 self.stats["killed"].append({"uid": target, "t_s": round(self.elapsed(), 2)})
+        elif gone is not None:
+            count, stage = gone
+            records = await progress_records(self.node, self.run_id, stage)
+            live = {u: records[u]["step"] if u in records else -1 for u, p in self.peers.items()
+                    if p.stage == stage and p.alive and u not in self.retired}
+            for uid in gone_victims(live, count):
+                peer = self.peers[uid]
+                self.retired.add(uid)   # never replaced: _supervise restarts only peers that are not retired
+                self.groups.kill(peer.proc)
+                self.stats["peers_killed"] += 1
+                self.stats["killed"].append({"uid": uid, "stage": stage, "t_s": round(self.elapsed(), 2),
+                                             "replaced": False})
         elif target == "peer":
             candidates = await self._killable()
             if candidates:
@@ -903,6 +921,32 @@ class Launcher:
         if self.node is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.node.shutdown(), timeout=10.0)
+
+
+GONE_TARGET = re.compile(r"gone(\d+):stage(\d+)")
+
+
+def parse_gone(target: str) -> tuple[int, int] | None:
+    """(peers, stage) of a ``gone<N>:stage<S>`` fault target (N >= 1), None for any other target."""
+    match = GONE_TARGET.fullmatch(target)
+    if match is None:
+        return None
+    count, stage = int(match.group(1)), int(match.group(2))
+    if count < 1:
+        raise ValueError(f"fault target {target!r}: kill at least one peer (gone1:stage<S> or more)")
+    return count, stage
+
+
+def gone_victims(steps: dict[str, int], count: int) -> list[str]:
+    """Which of a stage's live peers (uid -> its latest step, -1 without a progress record) a ``gone<N>:stage<S>``
+    fault kills: ``count`` of them, never the last one at the stage's latest step (the stage's state must stay
+    downloadable), so at most all but one; the furthest behind first, then by uid."""
+    if not steps:
+        return []
+    latest = max(steps.values())
+    keep = min(u for u, step in steps.items() if step == latest)
+    others = sorted((u for u in steps if u != keep), key=lambda u: (steps[u], u))
+    return others[:count]
 
 
 def _step_of(line: str) -> int:

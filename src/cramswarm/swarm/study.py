@@ -15,7 +15,9 @@ two on a 2-core CPU; tests pass tiny sizes) that writes one CSV atomically, with
 * ``failures_timeline``     M3: throughput over time with one peer killed every ``kill_every_s`` (rejoining
                             after ``rejoin_after_s``) and without failures, swarm vs fixed chains (and, as
                             transport ``testbed``, the launcher's real processes: SIGKILLed peers, fresh ones).
-* ``rebalancing_recovery``  M4: a stage starved by killing peers for good; rebalancing off vs several periods.
+* ``rebalancing_recovery``  M4: a stage starved by killing peers for good; rebalancing off vs several periods
+                            (and, as transport ``testbed``, the launcher's real processes: the victims SIGKILLed and
+                            never replaced, the peers' own rebalancing).
 * ``compression_loss``      M5: MLM loss vs step of the tiny crammed model trained in one process with the
                             stage boundaries compressed (fp16, blockwise 8-bit) or narrowed (bottleneck,
                             maxout), same seed and data.
@@ -118,16 +120,20 @@ TESTBED_START_S = 180.0   # a bound on one testbed run's start-up and teardown (
 
 
 def transports_runtime_s(section: str, settings: dict) -> float:
-    """A bound on :func:`wiring_throughput`'s / :func:`failures_timeline`'s seconds (``section``: wiring |
-    failures) for their ``swarm_study`` config section, without the sweep: per emulated transport (the
-    simulator's counted alike) each run's ``duration_s x time_scale`` over 3 routings (wiring) or 2 routings x
-    with and without failures; per testbed run (2: weighted and uniform, or weighted with and without failures)
-    ``duration_s`` real seconds plus ``TESTBED_START_S``."""
-    runs = {"wiring": 3, "failures": 4}[section]
+    """A bound on :func:`wiring_throughput`'s / :func:`failures_timeline`'s / :func:`rebalancing_recovery`'s
+    seconds (``section``: wiring | failures | rebalancing) for their ``swarm_study`` config section, without the
+    sweep: per emulated transport (the simulator's counted alike) each run's ``duration_s x time_scale`` over 3
+    routings (wiring), 2 routings x with and without failures, or the rebalancing periods; per testbed run (2:
+    weighted and uniform, or weighted with and without failures; one per rebalancing period) ``duration_s`` real
+    seconds plus ``TESTBED_START_S``."""
+    if section == "rebalancing":
+        runs = testbed_runs = len(settings["periods_s"])
+    else:
+        runs, testbed_runs = {"wiring": 3, "failures": 4}[section], 2
     seconds = 0.0
     for transport in settings.get("transports", TRANSPORTS):
         if transport == "testbed":
-            seconds += 2 * (settings["duration_s"] + TESTBED_START_S)
+            seconds += testbed_runs * (settings["duration_s"] + TESTBED_START_S)
         else:
             seconds += runs * settings["duration_s"] * settings["time_scale"]
     return seconds
@@ -470,30 +476,45 @@ def rebalancing_recovery(out_csv: str | os.PathLike, *, stages: int = 3, peers_p
                          stage_time_s: float = 1.0, periods_s: Sequence[float | None] = (None, 10.0, 30.0),
                          state_download_s: float = 5.0, duration_s: float = 240.0, forward_timeout_s: float = 30.0,
                          window_s: float = 10.0, transports: Sequence[str] = TRANSPORTS, time_scale: float = 0.02,
+                         testbed_link_mbit_s: float | None = 100.0, testbed_latency_ms: float = 20.0,
                          seed: int = 0) -> Path:
     """M4. ``stages x peers_per_stage`` peers of speed 1; at ``kill_at_s`` ``killed`` peers of
     ``starved_stage`` die for good. Rebalancing off (None) vs each period in ``periods_s``; a moving peer loads
     the new stage's state for ``state_download_s``. Weighted routing throughout.
 
+    Transport ``testbed`` (see :func:`wiring_throughput`; times in real seconds): the launcher's real processes,
+    each on a testbed host; at ``kill_at_s`` seconds of training the launcher SIGKILLs ``killed`` peers of
+    ``starved_stage`` and replaces none (its ``gone<N>:stage<S>`` fault); the stage peers rebalance themselves
+    every period (``peer_rebalance``: they measure their loads, agree on the move, the mover drains, downloads the
+    new stage's state for real - ``state_download_s`` is not used - and serves it); ``moves`` and
+    ``first_move_s`` come from the peers' moves records (the time a move was decided).
+
     Columns: transport, rebalance_period_s (NaN = off), kill_at_s, t_s (window start), window_s,
     throughput_mb_s, completed_total, peers_up (mean over the window), moves (over the run), first_move_s
-    (time of the first move, NaN without).
+    (time of the first move, NaN without), lost_microbatches (over the run), link_mbit_s and latency_ms (the
+    testbed's link; NaN for the emulation and the simulator).
     """
+    transports = _transports(transports, "rebalancing")
     peers = [PeerSpec(stage=s) for s in range(stages) for _ in range(peers_per_stage)]
     victims = [i for i, p in enumerate(peers) if p.stage == starved_stage][:killed]
     failures = [FailureEvent(at_s=kill_at_s, peer=i, rejoin_after_s=None) for i in victims]
+    testbed = {"link_mbit_s": testbed_link_mbit_s, "latency_ms": testbed_latency_ms}
     rows = []
     for transport in transports:
         for period in periods_s:
             setup = SwarmSetup(peers=peers, trainers=trainers, stage_time_s=stage_time_s, failures=failures,
                                rebalance_period_s=period, forward_timeout_s=forward_timeout_s,
                                duration_s=duration_s, state_download_s=state_download_s, seed=seed)
-            result, _ = _run(setup, transport, time_scale)
+            result, _ = _run(setup, transport, time_scale, testbed)
+            if "failures" in result:   # the kills that happened (testbed)
+                setup = dataclasses.replace(setup, failures=result["failures"])
             moves = result["moves"]
             keys = {"transport": transport, "rebalance_period_s": math.nan if period is None else float(period),
                     "kill_at_s": kill_at_s}
             rows.extend(_timeline_rows(result, setup, window_s, keys,
-                                       {"moves": len(moves), "first_move_s": moves[0]["t_s"] if moves else math.nan}))
+                                       {"moves": len(moves), "first_move_s": moves[0]["t_s"] if moves else math.nan,
+                                        "lost_microbatches": result["lost_microbatches"],
+                                        **_link_columns(transport, testbed_link_mbit_s, testbed_latency_ms)}))
     return _write_csv(pd.DataFrame(rows), out_csv)
 
 

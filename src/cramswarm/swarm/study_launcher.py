@@ -122,7 +122,8 @@ def rate_in(done_times: list[float], start_s: float, end_s: float) -> float:
 def killed_as_failures(killed: list[dict], num_peers: int, rejoin_after_s: float) -> list:
     """The launcher's kills (``stats["killed"]``: uid and seconds into training) as ``FailureEvent`` s on
     ``num_peers`` slots, each back ``rejoin_after_s`` later (when the launcher starts its replacement, which then
-    loads the stage's state): every kill takes a slot that is up, so ``study.peers_up`` counts the peers up."""
+    loads the stage's state) or never (a kill marked ``"replaced": False``, a ``gone<N>:stage<S>`` fault): every
+    kill takes a slot that is up, so ``study.peers_up`` counts the peers up."""
     from cramswarm.swarm.emulation import FailureEvent
 
     down_until, events = [float("-inf")] * num_peers, []
@@ -130,10 +131,25 @@ def killed_as_failures(killed: list[dict], num_peers: int, rejoin_after_s: float
         if not str(kill["uid"]).startswith("s"):   # a trainer (the study kills peers only)
             continue
         at = float(kill["t_s"])
+        back = rejoin_after_s if kill.get("replaced", True) else None
         slot = next(i for i, until in enumerate(down_until) if until <= at)
-        down_until[slot] = at + rejoin_after_s
-        events.append(FailureEvent(at_s=at, peer=slot, rejoin_after_s=rejoin_after_s))
+        down_until[slot] = float("inf") if back is None else at + back
+        events.append(FailureEvent(at_s=at, peer=slot, rejoin_after_s=back))
     return events
+
+
+def gone_faults(setup) -> list[tuple[float, str]]:
+    """``setup.failures`` (peers that die for good: ``rejoin_after_s`` None) as the launcher's faults: per time and
+    stage, ``gone<N>:stage<S>`` for the N peers of stage S that die then (the launcher picks which of the stage's
+    peers; they are alike here)."""
+    counts: dict[tuple[float, int], int] = {}
+    for event in setup.failures:
+        if event.rejoin_after_s is not None:
+            raise ValueError("the testbed transport takes failures for good only (rejoin_after_s None); periodic "
+                             "kills come from kill_every_s")
+        key = (float(event.at_s), setup.peers[event.peer].stage)
+        counts[key] = counts.get(key, 0) + 1
+    return [(at, f"gone{n}:stage{stage}") for (at, stage), n in sorted(counts.items())]
 
 
 def run_setup(setup, *, link_mbit_s: float | None, latency_ms: float, kill_every_s: float | None = None,
@@ -144,13 +160,18 @@ def run_setup(setup, *, link_mbit_s: float | None, latency_ms: float, kill_every
     forward call at speed 1 computes that long, a backward twice as long), ``setup.duration_s`` seconds of
     training (a seconds budget; the clock starts once every trainer has joined), ``setup.forward_timeout_s`` per
     forward call, the links shaped to ``link_mbit_s`` (None: unshaped) and delayed ``latency_ms`` one way by the
-    relay. ``setup.failures`` must be empty: kills come from the launcher (``kill_every_s``: a random live peer of
-    a stage with two or more SIGKILLed every that many seconds, a fresh one started ``rejoin_after_s`` later).
+    relay. Kills come from the launcher: ``kill_every_s`` (a random live peer of a stage with two or more SIGKILLed
+    every that many seconds, a fresh one started ``rejoin_after_s`` later) and ``setup.failures``, which may only
+    hold peers that die for good (``rejoin_after_s`` None; :func:`gone_faults`: the launcher SIGKILLs that many
+    peers of their stage at that second of training and replaces none). ``setup.rebalance_period_s`` is the peers'
+    own rebalancing period (``peer_rebalance``; None: off); ``setup.state_download_s`` is not used (a moving peer
+    downloads the stage's state for real).
 
     Returns what ``emulation.run`` returns for the study (``throughput_mb_s``: microbatches finished within
     ``duration_s`` per second; ``timeline``; ``microbatches_done``; ``retries``; ``lost_microbatches``: taken and
-    never finished, from the trainers' loss records) and ``failures`` (the kills as ``FailureEvent`` s, see
-    :func:`killed_as_failures`), ``leftover_processes``, ``timeouts``, ``wall_s``, ``load_avg``, ``testbed``."""
+    never finished, from the trainers' loss records; ``moves``: the peers' moves, ``t_s`` seconds into training)
+    and ``failures`` (the kills as ``FailureEvent`` s, see :func:`killed_as_failures`), ``leftover_processes``,
+    ``timeouts``, ``wall_s``, ``load_avg``, ``testbed``."""
     from cramswarm.swarm import hivemind_transport as ht
     from cramswarm.swarm.data import BOUNDED
     from cramswarm.swarm.policies import ROUTINGS, RetryPolicy
@@ -158,9 +179,9 @@ def run_setup(setup, *, link_mbit_s: float | None, latency_ms: float, kill_every
 
     if setup.routing not in ROUTINGS:
         raise ValueError(f"routing {setup.routing!r}: the launcher routes {' or '.join(ROUTINGS)} only")
-    if setup.failures or setup.joins or setup.rebalance_period_s is not None:
-        raise ValueError("the testbed transport takes kills from kill_every_s; no failure list, joins or "
-                         "rebalancing")
+    if setup.joins:
+        raise ValueError("the testbed transport takes no joins")
+    faults = gone_faults(setup)
     stages = max(p.stage for p in setup.peers) + 1
     peers = sorted(setup.peers, key=lambda p: p.stage)   # the launcher gives peer i speed peer_speeds[i]
     plan = ht.SwarmPlan(
@@ -169,6 +190,7 @@ def run_setup(setup, *, link_mbit_s: float | None, latency_ms: float, kill_every
         peers_per_stage=[sum(p.stage == s for p in peers) for s in range(stages)],
         peer_speeds=[p.speed for p in peers], trainers=setup.trainers, routing=setup.routing,
         peer_unit_time_s=setup.stage_time_s, kill_every_s=kill_every_s, rejoin_after_s=rejoin_after_s,
+        rebalance_period_s=setup.rebalance_period_s, faults=faults,
         seed=setup.seed, checkpoint_every_s=3600.0, startup_timeout_s=300.0,
         retry=RetryPolicy(forward_timeout_s=setup.forward_timeout_s, give_up_after_s=120.0))
     load = os.getloadavg()[0]
@@ -178,7 +200,7 @@ def run_setup(setup, *, link_mbit_s: float | None, latency_ms: float, kill_every
     times = [t for t in stats["microbatch_done_s"] if t <= setup.duration_s]
     return {"throughput_mb_s": rate_in(times, 0.0, setup.duration_s), "microbatches_done": len(times),
             "timeline": [(t, i + 1) for i, t in enumerate(times)], "retries": stats["retries"],
-            "timeouts": stats["timeouts"], "lost_microbatches": lost,
+            "timeouts": stats["timeouts"], "lost_microbatches": lost, "moves": stats["moves"],
             "failures": killed_as_failures(stats["killed"], len(peers), rejoin_after_s),
             "leftover_processes": len(ht.leftover_processes(stats["process_groups"])),
             "wall_s": wall, "load_avg": [load, os.getloadavg()[0]], "testbed": stats["testbed"]}
