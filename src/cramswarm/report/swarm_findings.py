@@ -105,8 +105,9 @@ def rebalancing(results: Path) -> Finding | None:
             continue
         parts = [f"off {off['throughput_mb_s'].mean():.2f}"]
         for period, group in on.groupby("rebalance_period_s"):
-            parts.append(f"every {period:g} s {group['throughput_mb_s'].mean():.2f} ({int(group['moves'].iloc[0])} "
-                         f"moves)")
+            moves = int(group["moves"].iloc[0])
+            parts.append(f"every {period:g} s {group['throughput_mb_s'].mean():.2f} ({moves} "
+                         f"move{'' if moves == 1 else 's'})")
         out[transport] = ", ".join(parts) + " microbatches/s"
     setup = (f"{int(data['peers_up'].max())} peers of speed 1; peers of one stage die for good at {kill_at:g} s; "
              f"mean of the windows in the last half after it{_link(data)}; one run each")
@@ -264,7 +265,7 @@ def render(results_dir: Path, doc_dir: Path, repo: Path) -> str:
     rows = findings(results_dir)
     if not rows:
         return _missing(results_dir / "swarm_study_testbed", results_dir, "the commands in docs/swarm.md")
-    lines = ["| finding | setup | ours | paper |", "|---|---|---|---|"]
+    lines = ["| the paper's claim | setup | ours | paper's number |", "|---|---|---|---|"]
     lines += [f"| {_cell(f.finding)} | {_cell(f.setup)} | {_cell(f.ours)} | {_cell(f.paper)} |" for f in rows]
     files = [path for f in rows for path in f.files]
     return "\n".join(lines) + "\n\n" + provenance_line(files, results_dir, writer="the commands in docs/swarm.md")

@@ -84,7 +84,8 @@ class SwarmPlan:
     decentralised: bool = True      # run under the launcher (independent trainers, peer-driven steps): the only
                                     # way left (the central coordinator is gone, issue 17); False is refused
     faults: list[tuple[float, str]] = field(default_factory=list)  # launcher: SIGKILL (seconds into training,
-                                    # "bootstrap" | "trainer<R>" | "peer" | "stage<S>") - the kill tests' faults;
+                                    # "bootstrap" | "trainer<R>" | "peer" | "stage<S>"; "gone<N>:stage<S>": N peers
+                                    # of stage S, never replaced) - the kill tests' and rebalancing_recovery's;
                                     # other targets go to ``hosts.fault`` (e.g. "cut:<host>": a testbed link cut)
     state_dir: Path | None = None   # launcher: resumable run folder (stage shards, trainer progress); None: temporary
     checkpoint_every_s: float = 60.0  # launcher: seconds between a stage's shard writes (and one at the end)
