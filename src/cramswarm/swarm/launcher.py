@@ -260,8 +260,11 @@ class Launcher:
         before, after = [], []
         for rank in range(self.plan.trainers):
             mine = shard(self.total, rank, self.plan.trainers)
+            counts = {"retries": 0, "timeouts": 0, "errors": 0}
             try:
-                before.append(int(read_json(progress_path(self.workdir, rank))["done"]))
+                previous = read_json(progress_path(self.workdir, rank))
+                before.append(int(previous["done"]))
+                counts.update({k: int(previous.get("stats", {}).get(k, 0)) for k in counts})  # the run's, both lives
             except Exception:  # no progress file yet: the trainer had not started
                 before.append(0)
             # not past the trainer's own count either: a microbatch stepped everywhere may lack its loss record
@@ -272,7 +275,7 @@ class Launcher:
                                            if _mb_of(line) is not None))
             size = len(mine) if data.bounded(self.total) else None
             write_json(progress_path(self.workdir, rank), {"rank": rank, "done": done, "shard": size,
-                                                            "stats": {"retries": 0, "timeouts": 0, "errors": 0}})
+                                                            "stats": counts})
             after.append(done)
         last_step = shards[-1][0] if shards[-1] else 0
         for path in self.workdir.glob(f"log-s{self.plan.stages - 1}[pr]*.jsonl"):  # steps the shard holds
@@ -785,7 +788,8 @@ class Launcher:
         return moves
 
     def _trainer_stats(self) -> dict:
-        """The trainers' call counters (retries, timeouts, errors), summed; restarts start them again at 0."""
+        """The trainers' call counters (retries, timeouts, errors), summed; a restarted trainer and a resumed run
+        count on from the earlier lives (stepped samples restored from a shard include their re-sent calls)."""
         total: dict = {"retries": 0, "timeouts": 0, "errors": 0}
         for rank in range(self.plan.trainers):
             with contextlib.suppress(Exception):

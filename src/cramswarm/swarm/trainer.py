@@ -201,13 +201,17 @@ async def train_shard(cfg: dict, rank: int, trainers: int) -> None:
     mine = shard(total, rank, trainers)
     size = len(mine) if bounded(total) else None  # a seconds budget: until the deadline
     state_file = progress_path(workdir, rank)
-    done = read_json(state_file)["done"] if state_file.exists() else 0
+    previous = read_json(state_file) if state_file.exists() else {}
+    done = previous.get("done", 0)
     watchdog = asyncio.create_task(exit_with_coordinator())
     node = await join_swarm(workdir / ADDR_FILE, host=listen_host(cfg), timeout_s=cfg["join_timeout_s"],
                             announce=True)
     launcher = asyncio.create_task(watch_coordinator(node, cfg["run_id"], cfg["coordinator_grace_s"]))
     client = StageClient(node, cfg["run_id"], cfg["stages"], RetryPolicy(**cfg["retry"]), cfg["seed"] + 7919 * rank,
                          cfg.get("routing", "weighted"))
+    for key, count in previous.get("stats", {}).items():  # a restarted trainer counts on from its earlier lives
+        if key in ("retries", "timeouts", "errors"):
+            client.stats[key] += int(count)
     refresher = asyncio.create_task(client.refresh_forever())
 
     def progress(**extra) -> None:
