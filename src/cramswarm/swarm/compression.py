@@ -42,6 +42,13 @@ def _check(scheme: str) -> None:
         raise ValueError(f"unknown compression scheme {scheme!r}; allowed: {', '.join(SCHEMES)}")
 
 
+def _step(absmax: torch.Tensor) -> torch.Tensor:
+    """absmax / 127, the value of one code step, rounded alike on every device: the divisor is a tensor on
+    ``absmax``'s device, because CUDA divides by a Python number as a multiplication by its reciprocal (1 ulp
+    off for some blocks, which flips the codes of values near a rounding boundary; seen on an H200)."""
+    return absmax / absmax.new_tensor(127.0)
+
+
 def encode(t: torch.Tensor, scheme: str, *, block_size: int = 4096) -> dict:
     """The payload that would travel over the network: tensors plus shape/dtype metadata, on ``t``'s device (a
     peer encodes where it computed and moves only the payload)."""
@@ -66,7 +73,7 @@ def encode(t: torch.Tensor, scheme: str, *, block_size: int = 4096) -> dict:
             padded = padded.view(blocks, block_size)
         low, high = torch.aminmax(padded, dim=1) if blocks else (padded.sum(1), padded.sum(1))
         absmax = torch.maximum(high, -low)   # max |x| per block, without an |x| copy of the tensor
-        scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
+        scale = torch.where(absmax > 0, _step(absmax), torch.ones_like(absmax))
         # round(x / scale) in [-127, 127], + 128: one new tensor, the rest in place (the same values as out of place)
         codes = (padded / scale[:, None]).round_().clamp_(-127, 127).add_(128)
         # only the tensor's own codes travel (the last block's zero padding is restored on decode)
@@ -87,7 +94,7 @@ def decode(payload: dict) -> torch.Tensor:
         else:
             codes = torch.full((absmax.numel() * size,), 128.0, device=absmax.device)
             codes[:numel] = payload["codes"].float()
-        values = codes.view(-1, size).sub_(128.0).mul_((absmax / 127.0)[:, None]).reshape(-1)
+        values = codes.view(-1, size).sub_(128.0).mul_(_step(absmax)[:, None]).reshape(-1)
         return values[:numel].reshape(shape).to(dtype)
     return payload["values"].reshape(shape).to(dtype)
 
