@@ -227,7 +227,7 @@ def simulator(results: Path) -> Finding | None:
 
 
 def gpu(results: Path) -> Finding | None:
-    path = results / "swarm_gpu_codec" / "summaries.json"
+    path = results / "swarm_gpu_launcher" / "summaries.json"   # the launcher's swarm (no coordinator)
     if not path.is_file():
         return None
     record = json.loads(path.read_text())
