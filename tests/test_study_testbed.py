@@ -203,6 +203,8 @@ def test_rebalancing_on_the_testbed_moves_a_peer_to_the_starved_stage(tmp_path, 
     assert [(f.rejoin_after_s, without["testbed"]["hosts"]) for f in without["failures"]] == [(None, 12)] * 2
     first = with_moves["moves"][0]
     assert (first["from_stage"], first["to_stage"]) == (0, 1) and first.get("arrived_s"), with_moves["moves"]
+    # the stage steps only at the end: the mover handed the gradients it held to a replica that stays, none lost
+    assert first["handed_over_samples"] > 0 and first["lost_gradient_samples"] == 0, first
     # after the mover arrived: faster than the same seconds without rebalancing
     after = (first["arrived_s"], duration)
     rates = [study_launcher.rate_in([t for t, _ in r["timeline"]], *after) for r in (without, with_moves)]

@@ -244,3 +244,48 @@ def test_a_stage_peer_bounds_the_onednn_primitive_cache_unless_the_environment_s
     monkeypatch.setenv(KERNEL_CACHE_ENV, "200")
     bound_kernel_cache()
     assert os.environ[KERNEL_CACHE_ENV] == "200"
+
+
+def _syncing_peer(tmp_path, uid: str):
+    from types import SimpleNamespace
+
+    from cramswarm.swarm.peer_sync import SyncingStagePeer
+
+    peer = _peer(1)
+    node = SimpleNamespace(p2p=SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: uid)))
+    cfg = peer.cfg | {"seq_len": 8, "workdir": str(tmp_path)}
+    return SyncingStagePeer(cfg, 1, uid, 1.0, node)
+
+
+def test_a_leaving_peer_hands_its_held_gradients_to_a_replica_that_stays(tmp_path):
+    """peer_rebalance's mover gives what it accumulated since its last step to a replica of its stage (as the
+    emulation's mover does): the heir's gradients become the sum of both, with both sample counts, loss sums and
+    microbatches; the mover holds nothing after. Gradients of another step, or of a microbatch the heir already
+    holds, are refused (they would be stale, or count twice)."""
+    from cramswarm.swarm.compression import encode
+    from cramswarm.swarm.hivemind_peer import flatten_payload
+
+    mover, heir = _syncing_peer(tmp_path, "s1p1"), _syncing_peer(tmp_path, "s1p2")
+
+    def backward(peer, seed: int, mb: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        tensors, meta = {"labels": torch.randint(5, VOCAB, (3, 8), generator=g)}, {"mb": mb}
+        flatten_payload("x", encode(torch.randn(3, 8, ARCH["hidden_size"], generator=g), "none"), tensors, meta)
+        peer._backward(tensors, meta)
+
+    backward(mover, 1, 10)
+    backward(mover, 2, 11)
+    backward(heir, 3, 12)
+    expected = [a.grad + b.grad for a, b in zip(mover.params, heir.params)]
+    loss = mover.local_loss + heir.local_loss
+    tensors, meta = mover._take_held()
+    assert meta["samples"] == 6 and meta["mbs"] == [10, 11] and meta["step"] == 0
+    assert mover.local_samples == 0 and not mover.local_mbs and all(p.grad is None for p in mover.params)
+    assert heir._add_held(tensors, meta) == {"status": "ok"}
+    assert heir.local_samples == 9 and heir.local_mbs == {10, 11, 12} and heir.local_loss == pytest.approx(loss)
+    assert all(torch.allclose(p.grad, e) for p, e in zip(heir.params, expected))
+
+    again = heir._add_held(tensors, meta)   # the same microbatches once more
+    assert again["status"] == "refused" and heir.local_samples == 9
+    heir.step = 1
+    assert heir._add_held(tensors, meta | {"mbs": [20]})["status"] == "refused"   # computed at another step

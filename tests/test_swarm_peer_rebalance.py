@@ -63,8 +63,9 @@ def test_peers_move_one_of_their_own_to_a_starved_stage_and_throughput_recovers(
     assert moves and (moves[0]["from_stage"], moves[0]["to_stage"]) == (0, 1), moves
     assert stats["moves_completed"] == len(moves), moves
     first = moves[0]
-    # the mover drained: it let its admitted calls finish and its gradients go into a step before it left
-    assert first["lost_gradient_samples"] == 0, first
+    # the mover drained: it let its admitted calls finish and handed its gradients to a replica that stays (or
+    # they went into a step) before it left
+    assert first["lost_gradient_samples"] == 0 and first["handed_over_samples"] >= 0, first
     # it serves stage 1 at the end, in step with the replica it downloaded the state from
     assert first["new_uid"] in stats["replica_steps"][1], stats["replica_steps"]
     # no peer was moved back to stage 0 (the gain margin: no ping-pong)

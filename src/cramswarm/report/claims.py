@@ -63,6 +63,7 @@ from scipy import stats
 
 from cramswarm.glue.metrics import PAPER_AVERAGE_COLUMNS
 from cramswarm.io import read_json_object
+from cramswarm.report.swarm_findings import late_windows
 from cramswarm.report.tables import load_results, per_seed_scores, write_table
 
 HOLDS = "holds"
@@ -631,9 +632,7 @@ def _failures_evaluate(manifest):
 
 def _rebalancing_evaluate(manifest):
     data = _read_study(manifest, "rebalancing_recovery")
-    kill_at = float(data["kill_at_s"].iloc[0])
-    end = float((data["t_s"] + data["window_s"]).max())
-    late = data[data["t_s"] >= kill_at + (end - kill_at) / 2].copy()
+    kill_at, late = late_windows(data)
     late["period"] = late["rebalance_period_s"].map(lambda p: "off" if pd.isna(p) else f"{p:g}")
     wide = late.pivot_table(index=["transport", "t_s"], columns="period", values="throughput_mb_s")
     periods = [c for c in wide.columns if c != "off"]

@@ -23,6 +23,7 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
 from cramswarm.report.figures import PALETTE, _new_figure, _save, _style, figure_paths
+from cramswarm.report.swarm_findings import late_windows
 from cramswarm.report.tables import write_table
 
 EXPERIMENTS = ("square_cube", "wiring_throughput", "failures_timeline", "rebalancing_recovery", "compression_loss",
@@ -241,8 +242,9 @@ third-party notes]. Like with like is the dashed line at 500 Mbit/s: a device ra
 
 # ------------------------------------------------------------------------------------------------ transports
 
-def _transport_note(data: pd.DataFrame) -> str:
-    """What each transport of a wiring/failures CSV is, and for testbed rows, on what link they ran."""
+def _transport_note(data: pd.DataFrame, routing: str = "weighted and uniform routing only (no fixed chains)") -> str:
+    """What each transport of a wiring/failures/rebalancing CSV is, and for testbed rows, on what link they ran
+    and with what routing."""
     notes = {"emulation": "emulation: threads in one process, emulated seconds, no network",
              "sim": "sim: the discrete-event simulator, no network"}
     parts = [notes[t] for t in dict.fromkeys(data["transport"]) if t in notes]
@@ -255,7 +257,7 @@ def _transport_note(data: pd.DataFrame) -> str:
         parts.append("testbed: real processes of the launcher (a DHT bootstrap, one process per stage peer and per "
                      "trainer, each on a host of its own: a Linux network namespace) training a tiny crammed BERT "
                      f"on a toy language, {'; '.join(links)}; the peers' speeds are a compute floor of the stage "
-                     "time per work unit, real seconds; weighted and uniform routing only (no fixed chains)")
+                     f"time per work unit, real seconds; {routing}")
     return "Transports - " + "; ".join(parts) + "." if parts else ""
 
 
@@ -419,13 +421,12 @@ def rebalancing_figure(csv: str | os.PathLike, out_dir: str | os.PathLike) -> li
     data = _read(csv, ("transport", "rebalance_period_s", "kill_at_s", "t_s", "window_s", "throughput_mb_s",
                        "peers_up", "moves", "first_move_s"))
     out = Path(out_dir)
-    kill_at = float(data["kill_at_s"].iloc[0])
-    duration = data["t_s"].max() + data["window_s"].iloc[0]
+    kill_at, late = late_windows(data)
     rows = []
     for (transport, period), group in data.groupby(["transport", "rebalance_period_s"], sort=False, dropna=False):
         # windows wholly before the kill, skipping the first (pipeline fill: no microbatch is done yet)
         before = group[(group["t_s"] > 0) & (group["t_s"] + group["window_s"] <= kill_at)]["throughput_mb_s"].mean()
-        after = group[group["t_s"] >= kill_at + (duration - kill_at) / 2]["throughput_mb_s"].mean()
+        after = late.loc[late.index.intersection(group.index), "throughput_mb_s"].mean()
         rows.append({"transport": transport, "rebalance_period_s": period, "before_mb_s": before,
                      "after_mb_s": after, "moves": int(group["moves"].iloc[0]),
                      "first_move_s": group["first_move_s"].iloc[0]})
@@ -460,7 +461,7 @@ starved stage's rate; with rebalancing every T seconds a peer of the least loade
 (Rebalancer: hysteresis 1.5 on the backlog ratio, only if the bottleneck rate improves), loads the stage state and
 serves it, and throughput recovers after about T + the state download. The table gives the mean throughput before
 the kill and over the last half of the run after it, the number of moves and the time of the first.
-{_transport_note(data)}{_testbed_rebalancing(data)}
+{_transport_note(data, "weighted routing")}{_testbed_rebalancing(data)}
 {PAPER_E4}
 """
     return paths + _save_all(fig, out / "rebalancing_recovery", caption)

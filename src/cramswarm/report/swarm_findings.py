@@ -89,14 +89,21 @@ def failures(results: Path) -> Finding | None:
                    _per_transport(kept), _paper("S4"), (path,))
 
 
+def late_windows(data: pd.DataFrame) -> tuple[float, pd.DataFrame]:
+    """A ``rebalancing_recovery`` table's kill time and its windows in the last half of the run after the kill
+    (what the findings block, the claims check and the figure's table all average: the swarm has had time to
+    recover)."""
+    kill_at = float(data["kill_at_s"].iloc[0])
+    end = float((data["t_s"] + data["window_s"]).max())
+    return kill_at, data[data["t_s"] >= kill_at + (end - kill_at) / 2].copy()
+
+
 def rebalancing(results: Path) -> Finding | None:
     path = results / "swarm_study_testbed" / "rebalancing_recovery.csv"
     if not path.is_file():
         return None
     data = pd.read_csv(path, na_values=["NaN"])
-    kill_at = float(data["kill_at_s"].iloc[0])
-    end = float((data["t_s"] + data["window_s"]).max())
-    late = data[data["t_s"] >= kill_at + (end - kill_at) / 2]
+    kill_at, late = late_windows(data)
     out = {}
     for transport, rows in late.groupby("transport", sort=False):
         off = rows[rows["rebalance_period_s"].isna()]

@@ -784,7 +784,8 @@ class Launcher:
             elif event["uid"] in open_moves:
                 open_moves.pop(event["uid"]).update(
                     arrived_s=round(event["time"] - self.start_wall, 3), new_uid=event["new_uid"],
-                    drain_s=event["drain_s"], lost_gradient_samples=event["lost_gradient_samples"])
+                    drain_s=event["drain_s"], handed_over_samples=event.get("handed_over_samples", 0),
+                    lost_gradient_samples=event["lost_gradient_samples"])
         return moves
 
     def _trainer_stats(self) -> dict:

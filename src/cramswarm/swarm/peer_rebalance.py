@@ -22,9 +22,12 @@ peer's stage record lingers up to ``RECORD_TTL_S``, so no decision is taken in t
 
 The mover (``PeerRebalancer.leave``): stops admitting calls (``peer.leaving``: new forward and backward calls are
 refused, the trainers re-send them to another replica and ban this peer until its record is gone), replaces its
-stage record with a tombstone (trainers drop it at their next read), lets the calls it admitted finish and stays in
-its stage's synchronisation until the gradients it holds went into a step (bounded by ``drain_timeout_s``; what
-it still holds then is dropped and counted in ``lost_gradient_samples``). ``move_peer`` then builds the new stage
+stage record with a tombstone (trainers drop it at their next read), lets the calls it admitted finish (and a step
+under way end), then hands the gradients it accumulated since its last step to a replica that stays
+(``SyncingStagePeer.hand_over``: the first by uid that accepts adds them to its own, as the emulation's mover does;
+``handed_over_samples`` in the move record). Only if no replica takes them does it stay in its stage's
+synchronisation until they went into a step (bounded by ``drain_timeout_s``; what it still holds then is dropped
+and counted in ``lost_gradient_samples``). ``move_peer`` then builds the new stage
 in the same process under a new uid (``moved_uid``), and ``hivemind_peer.serve_stage`` serves it: state download
 from a live replica of the new stage (the joining peers' path), declaration, synchronisation. Each move is
 appended to ``moves.jsonl`` in the run's folder (decided, arrived); the launcher reads it for its result and to
@@ -222,7 +225,7 @@ class PeerRebalancer:
                 continue
             self.log_move({"event": "decided", "time": time.time(), **record})
             print(f"[{peer.uid}] moving from stage {move.from_stage} to {move.to_stage} (period {period})", flush=True)
-            record["drain_s"], record["lost_gradient_samples"] = await self.leave()
+            record["drain_s"], record["handed_over_samples"], record["lost_gradient_samples"] = await self.leave()
             peer.migrate_to.set_result((move.to_stage, record))
             return
 
@@ -237,9 +240,10 @@ class PeerRebalancer:
             return None
         return choose_move(loads, hysteresis=self.hysteresis, min_gain=self.min_gain)
 
-    async def leave(self) -> tuple[float, int]:
-        """Stop serving this stage: refuse new calls, withdraw the stage record, let the admitted calls finish and
-        the held gradients go into a step. Returns (seconds it took, gradient samples dropped)."""
+    async def leave(self) -> tuple[float, int, int]:
+        """Stop serving this stage: refuse new calls, withdraw the stage record, let the admitted calls finish, hand
+        the held gradients to a replica that stays (else let them go into the stage's step). Returns (seconds it
+        took, gradient samples handed over, gradient samples dropped)."""
         peer, started = self.peer, time.monotonic()
         peer.leaving = True
         try:  # else its record expires (RECORD_TTL_S); until then the trainers' calls are refused and re-sent
@@ -248,12 +252,20 @@ class PeerRebalancer:
         except Exception as e:
             print(f"[{peer.uid}] could not withdraw its stage record: {e!r}", flush=True)
         deadline = started + self.drain_timeout_s
-        while time.monotonic() < deadline and (peer.meter.queue or peer.admitted or peer.closing
-                                               or peer.ready is not None or peer._held_samples()):
+
+        def busy() -> bool:  # calls admitted or computing, or a step under way
+            return bool(peer.meter.queue or peer.admitted or peer.closing or peer.ready is not None)
+
+        while time.monotonic() < deadline and busy():
+            await asyncio.sleep(0.05)
+        handed = 0
+        if not busy():  # hand what it holds to a replica that stays, as the emulation's mover does
+            handed = await peer.hand_over(max(deadline - time.monotonic(), 1.0))
+        while time.monotonic() < deadline and (busy() or peer._held_samples()):  # else the stage's step takes it
             await asyncio.sleep(0.05)
         lost = peer._held_samples()
         peer.counters["lost_gradient_samples"] += lost
-        return round(time.monotonic() - started, 3), lost
+        return round(time.monotonic() - started, 3), handed, lost
 
 
 async def move_peer(peer, to_stage: int, record: dict):

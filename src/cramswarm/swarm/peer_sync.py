@@ -33,7 +33,9 @@ and
 * a peer that sees a record at a later step (it was left out of a group, or its all-reduce failed) downloads the
   state of the most advanced replica; a peer whose parameter digest differs from that of the lowest uid at the
   same step does too (counted: ``digest_mismatches``). The gradients it held are lost and counted
-  (``lost_gradient_samples``), as in SWARM.
+  (``lost_gradient_samples``), as in SWARM;
+* a peer leaving its stage (``peer_rebalance``) hands the gradients it accumulated since its last step to a replica
+  that stays (``hand_over`` and that replica's ``rpc_handover``), which adds them to its own toward its next step.
 
 Each peer writes its counters to ``peer-<uid>.json`` in the run's folder (atomically, after every step and shard
 write; with what it holds: ``stages.stage_memory``, its stage's parameter and optimizer bytes and its peak and
@@ -79,7 +81,16 @@ from hivemind.utils import get_dht_time
 
 from cramswarm.io import atomic_path, write_json
 from cramswarm.swarm.averaging import averaging_timeout_s
-from cramswarm.swarm.hivemind_peer import DECLARE_PERIOD_S, RECORD_TTL_S, StagePeer, respond, stage_key, unpack
+from cramswarm.swarm.hivemind_peer import (
+    DECLARE_PERIOD_S,
+    RECORD_TTL_S,
+    StagePeer,
+    request,
+    respond,
+    stage_key,
+    stage_records,
+    unpack,
+)
 from cramswarm.swarm.peer_rebalance import LoadMeter, PeerRebalancer, call_units
 from cramswarm.swarm.stages import stage_memory
 from cramswarm.training import accumulation_at, budget_progress, lr_multiplier
@@ -230,7 +241,8 @@ class SyncingStagePeer(StagePeer):
                          "lost_gradient_samples": 0, "averaging_bytes_sent": 0, "averaging_values_sent": 0,
                          "averaging_param_steps": 0, "group_sizes": [], "failed_rounds": 0, "shards_written": 0,
                          "duplicate_samples": 0, "loaded_shard_step": None, "backward_samples": 0,
-                         "admission_wait_s": 0.0, "held_calls": 0, "device": str(self.device)}
+                         "admission_wait_s": 0.0, "held_calls": 0, "device": str(self.device),
+                         "handed_over_samples": 0, "taken_over_samples": 0}
         self.stepped_mbs: set[int] = set()   # microbatches whose gradients the stage has stepped
         self.local_mbs: set[int] = set()     # ... accumulated here since the snapshot
         self.snapshot_mbs: set[int] = set()  # ... in the snapshot
@@ -297,6 +309,36 @@ class SyncingStagePeer(StagePeer):
             self.stepped_mbs |= mbs
             self.snapshot_mbs = set()
         return reply
+
+    def _take_held(self) -> tuple[dict, dict]:
+        """The gradients accumulated since the last snapshot, moved out of this peer (its held samples drop to 0):
+        one flat fp32 vector of summed gradients, and its step, samples, loss sum and microbatches."""
+        flat = torch.cat([p.grad.detach().float().reshape(-1).cpu() if p.grad is not None
+                          else torch.zeros(p.numel()) for p in self.params])
+        meta = {"step": self.step, "samples": self.local_samples, "loss": self.local_loss,
+                "mbs": sorted(self.local_mbs)}
+        for p in self.params:
+            p.grad = None
+        self.local_samples, self.local_loss, self.local_mbs = 0, 0.0, set()
+        return {"grad": flat}, meta
+
+    def _add_held(self, tensors: dict, meta: dict) -> dict:
+        """Add gradients another replica of this stage held (``_take_held``) to this peer's own, toward its next
+        step: refused if they were computed at another step, or share a microbatch with what this stage holds or
+        has stepped (they would count twice)."""
+        if int(meta["step"]) != self.step:
+            return {"status": "refused", "reason": f"at step {self.step}, not {meta['step']}"}
+        mbs = {int(i) for i in meta["mbs"]}
+        if mbs & (self.stepped_mbs | self.local_mbs | self.snapshot_mbs):
+            return {"status": "refused", "reason": "a microbatch held twice"}
+        flat = tensors["grad"]
+        for p, g in zip(self.params, torch.split(flat, [p.numel() for p in self.params])):
+            g = g.to(p.device, p.dtype).view_as(p)
+            p.grad = g if p.grad is None else p.grad.add_(g)
+        self.local_samples += int(meta["samples"])
+        self.local_loss += float(meta["loss"])
+        self.local_mbs |= mbs
+        return {"status": "ok"}
 
     def _extra_state(self) -> dict:
         return {"stepped_samples": self.stepped_samples, "stepped_mbs": sorted(self.stepped_mbs)}
@@ -378,6 +420,50 @@ class SyncingStagePeer(StagePeer):
             self.nudge.set()
         for message in respond(result, out_meta):
             yield message
+
+    async def rpc_handover(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
+                           context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """A replica leaving this stage (``peer_rebalance``) hands this peer the gradients it holds."""
+        tensors, meta = await unpack(requests)
+        if self.leaving or self.closing or self.ready is not None:
+            reply = {"status": "refused", "reason": "leaving or stepping"}
+        else:
+            reply = await self._run(self._add_held, tensors, meta)
+        if reply["status"] == "ok":
+            self.counters["taken_over_samples"] += int(meta["samples"])
+            if self.others_pending + self._held_samples() >= self._target():
+                self.nudge.set()
+        for message in respond({}, reply):
+            yield message
+
+    async def hand_over(self, timeout_s: float) -> int:
+        """Give the gradients this peer accumulated since its last step to another replica of its stage, the first
+        (by uid) that accepts, as the emulation's moving peer does: a peer that leaves its stage loses no samples
+        and need not wait for the stage's step. Only between steps (no snapshot held), with no call admitted.
+        Returns the samples handed over; what no replica took stays here (restored, if still at the same step)."""
+        records = await stage_records(self.node, self.run_id, self.stage)
+        heirs = sorted(uid for uid in records if uid != self.uid)
+        # checked after the last await before the take: no step can begin in between (one event loop)
+        if not heirs or self.local_samples == 0 or self.admitted or self.closing or self.ready is not None or (
+                self.snapshot is not None and self.snapshot[0] == self.step):
+            return 0
+        tensors, meta = await self._run(self._take_held)   # queued on the compute thread before any snapshot
+        for uid in heirs:
+            stub = type(self).get_stub(self.node.p2p, PeerID.from_base58(records[uid][0]), namespace=self.namespace)
+            try:
+                _, reply = await asyncio.wait_for(unpack(await stub.rpc_handover(request(tensors, meta))), timeout_s)
+            except Exception as e:
+                print(f"[{self.uid}] handing its gradients to {uid} failed: {e!r}", flush=True)
+                continue
+            if reply.get("status") == "ok":
+                self.counters["handed_over_samples"] += meta["samples"]
+                print(f"[{self.uid}] handed {meta['samples']} samples' gradients to {uid}", flush=True)
+                await self._publish()   # its record no longer counts them
+                return meta["samples"]
+            print(f"[{self.uid}] {uid} refused its gradients: {reply.get('reason')}", flush=True)
+        if self.closing or self.ready is not None or (await self._run(self._add_held, tensors, meta))["status"] != "ok":
+            self.counters["lost_gradient_samples"] += meta["samples"]   # the stage stepped meanwhile
+        return 0
 
     # -- records ----------------------------------------------------------------------------------------------
     async def _publish(self) -> None:
