@@ -145,8 +145,16 @@ def test_the_driver_decides_only_on_a_complete_view_and_one_claim_wins(tmp_path)
         for uid in ("s0p1", "s0p2", "s0p3"):
             await peers[uid].publish(period, window | {"rate": 1.0})
         assert await peers["s0p1"].view(period) is None  # s1p4 has not published this period yet
-        assert await peers["s0p1"].decide(period) is None
-        await peers["s1p4"].publish(period, window | {"rate": 0.25, "queue": 2.0})
+        assert await peers["s0p1"].decide(period) is None   # nor after the second read
+        counters = peers["s0p1"].peer.counters
+        assert counters["incomplete_views"] == 1 and counters["incomplete_view_missing"] == {"s1p4": 1}
+
+        async def late_publish():   # arrives between the first read of the view and the second
+            await asyncio.sleep(peers["s1p4"].delay_s / 2)
+            await peers["s1p4"].publish(period, window | {"rate": 0.25, "queue": 2.0})
+
+        late, _ = await asyncio.gather(peers["s0p2"].decide(period), late_publish())
+        assert late is not None and peers["s0p2"].peer.counters["late_views"] == 1
         moves = {uid: await p.decide(period) for uid, p in peers.items()}
         assert len(set(moves.values())) == 1  # every peer computes the same move
         move = moves["s1p4"]

@@ -905,6 +905,8 @@ class Launcher:
             averaging_bytes_per_value=[round(b / n, 4) if n else None for b, n in zip(sent, values)],
             moves=moves, moves_completed=sum("arrived_s" in m for m in moves), microbatch_done_s=self._done_times(),
             incomplete_load_views=sum(c.get("incomplete_views", 0) for c in counters),
+            incomplete_view_missing=_summed(c.get("incomplete_view_missing", {}) for c in counters),
+            late_load_views=sum(c.get("late_views", 0) for c in counters),
             peer_loads={c["uid"]: c["load"] for c in counters if "load" in c},
             peer_backward_samples={c["uid"]: c.get("backward_samples", 0) for c in counters},
             step_stalls=self._step_stalls(),
@@ -929,6 +931,15 @@ class Launcher:
 
 
 GONE_TARGET = re.compile(r"gone(\d+):stage(\d+)")
+
+
+def _summed(counts) -> dict[str, int]:
+    """Per key, the sum of the counts of several dicts (the peers' counters)."""
+    total: dict[str, int] = {}
+    for one in counts:
+        for key, n in one.items():
+            total[key] = total.get(key, 0) + n
+    return dict(sorted(total.items()))
 
 
 def parse_gone(target: str) -> tuple[int, int] | None:

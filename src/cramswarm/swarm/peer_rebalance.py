@@ -12,7 +12,8 @@ At ``k T + DECIDE_DELAY`` every peer reads the period-``k`` records of every sta
 function, ``policies.choose_move`` (load = (queue + 1) / summed rate; from the least to the most loaded stage when
 the ratio exceeds the hysteresis and the bottleneck's projected rate grows by more than ``min_gain``; the mover is
 the donor peer with the smallest SHA-1 of its uid). A view is used only when it is complete (every peer declared
-under a stage published a record for period ``k``), so the peers that decide all decide on the same records; the
+under a stage published a record for period ``k``; an incomplete one is read once more ``DECIDE_DELAY`` later, as
+a record may still be on its way), so the peers that decide all decide on the same records; the
 peer the move names acts, the others only watch. Before it acts it stores a claim for period ``k`` and reads the
 claims back ``DECIDE_DELAY`` later: if two peers read different views and both believed themselves the mover, only
 the claim with the smallest uid hash moves - at most one move per period. Nothing is decided while the last move
@@ -144,6 +145,7 @@ class PeerRebalancer:
     def __init__(self, peer, period_s: float, *, hysteresis: float = 1.5, min_gain: float = 0.05,
                  cooldown_periods: int = 1, drain_timeout_s: float | None = None):
         self.peer, self.period_s = peer, period_s
+        self.missing: list[str] = []   # the uids the last incomplete view lacked a record of
         self.hysteresis, self.min_gain, self.cooldown_periods = hysteresis, min_gain, cooldown_periods
         self.delay_s = decide_delay_s(period_s)
         self.drain_timeout_s = drain_timeout_s if drain_timeout_s is not None else 4 * peer.sync_timeout_s
@@ -158,7 +160,7 @@ class PeerRebalancer:
 
     async def view(self, period: int) -> dict[int, list[PeerLoad]] | None:
         """Every stage's period-``period`` loads; None unless every declared peer published one."""
-        loads = {}
+        loads, self.missing = {}, []
         for stage in range(self.peer.num_stages):
             found = await self.node.get(load_key(self.run_id, stage), latest=True)
             entries = found.value if found is not None and isinstance(found.value, dict) else {}
@@ -166,6 +168,7 @@ class PeerRebalancer:
                        if isinstance(e.value, dict) and e.value.get("period") == period}
             declared = set(await stage_records(self.node, self.run_id, stage))
             if not declared <= set(records):
+                self.missing = sorted(declared - set(records))
                 return None
             loads[stage] = [PeerLoad(uid, float(r["queue"]), r["rate"]) for uid, r in sorted(records.items())
                             if uid in declared]
@@ -235,9 +238,17 @@ class PeerRebalancer:
         if await self.quiet(period) or await self.peer._flushing():
             return None
         loads = await self.view(period)
-        if loads is None:
-            self.peer.counters["incomplete_views"] = self.peer.counters.get("incomplete_views", 0) + 1
-            return None
+        if loads is None:  # a record may still be on its way (a slow link, a busy host): read once more
+            await asyncio.sleep(self.delay_s)
+            loads = await self.view(period)
+            counters = self.peer.counters
+            if loads is None:   # counted, with the uids whose records were missing (dead peers, or late ones)
+                counters["incomplete_views"] = counters.get("incomplete_views", 0) + 1
+                missing = counters.setdefault("incomplete_view_missing", {})
+                for uid in self.missing:
+                    missing[uid] = missing.get(uid, 0) + 1
+                return None
+            counters["late_views"] = counters.get("late_views", 0) + 1
         return choose_move(loads, hysteresis=self.hysteresis, min_gain=self.min_gain)
 
     async def leave(self) -> tuple[float, int, int]:
