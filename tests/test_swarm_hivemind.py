@@ -211,13 +211,13 @@ def test_peers_started_as_separate_tasks_train_through_kills_and_exit_with_the_r
 
 @pytest.mark.slow
 def test_tasks_exit_when_their_launcher_dies_without_a_word(tmp_path):
-    """attach: the tasks are not the launcher's children, so they leave on its DHT heartbeat (``coordinator_key``),
-    once it has been missing ``coordinator_grace_s`` (exit code 3)."""
+    """attach: the tasks are not the launcher's children, so they leave on its DHT heartbeat (``launcher_key``),
+    once it has been missing ``launcher_grace_s`` (exit code 3)."""
     rendezvous, logs = tmp_path / "rendezvous", tmp_path / "logs"
     tasks = start_tasks(rendezvous, range(2), logs)
     script = (f"import sys; sys.path.insert(0, {str(TESTS)!r}); import test_swarm_hivemind as t; "
               f"t.ht.run_swarm(t.plan(placement='attach', rendezvous={str(rendezvous)!r}, "
-              f"state_dir={str(rendezvous)!r}, peers_per_stage=[1, 1], coordinator_grace_s=4.0), t.source(), 10**6, "
+              f"state_dir={str(rendezvous)!r}, peers_per_stage=[1, 1], launcher_grace_s=4.0), t.source(), 10**6, "
               f"progress=False)")
     launcher = subprocess.Popen([sys.executable, "-c", script], start_new_session=True,
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from cramswarm.swarm.hivemind_peer import exit_with_coordinator
+from cramswarm.swarm.hivemind_peer import exit_with_parent
 from cramswarm.swarm.processes import ProcessGroups
 from cramswarm.swarm.srun import SrunPlacement
 
@@ -60,7 +60,7 @@ TASK = '''
 import os, subprocess, sys, time
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 with open(sys.argv[1], "w") as out:
-    out.write(f"{os.getpid()} {child.pid} {os.environ.get('CRAMSWARM_COORDINATOR_PID')!r}\\n")
+    out.write(f"{os.getpid()} {child.pid} {os.environ.get('CRAMSWARM_PARENT_PID')!r}\\n")
 time.sleep(600)
 '''
 
@@ -102,7 +102,7 @@ def test_each_process_is_a_job_step_killed_with_scancel(fake_slurm, tmp_path):
     prefix, env = place("s0p1")
     assert prefix[0] == "srun" and {"--jobid=77", "--ntasks=1", "--nodes=1", "--overlap", "--exact",
                                     "--job-name=csrun1.s0p1.1", "--gpus-per-task=1"} <= set(prefix)
-    assert env == {"CRAMSWARM_COORDINATOR_PID": ""}  # under slurmstepd: no parent watchdog
+    assert env == {"CRAMSWARM_PARENT_PID": ""}  # under slurmstepd: no parent watchdog
     assert "--gpus-per-task=1" not in place("trainer0")[0]  # swarm.srun_args: the stage peers' steps only
     place = SrunPlacement("csrun1")
     groups = ProcessGroups(tmp_path, place=place)
@@ -152,6 +152,6 @@ def test_srun_placement_needs_a_slurm_job(monkeypatch):
 
 
 def test_a_process_without_a_watched_parent_does_not_exit_by_the_watchdog(monkeypatch):
-    monkeypatch.setenv("CRAMSWARM_COORDINATOR_PID", "")
+    monkeypatch.setenv("CRAMSWARM_PARENT_PID", "")
     with pytest.raises(asyncio.TimeoutError):
-        asyncio.run(asyncio.wait_for(exit_with_coordinator(), timeout=1.5))
+        asyncio.run(asyncio.wait_for(exit_with_parent(), timeout=1.5))

@@ -91,7 +91,7 @@ def test_swarm_on_the_testbed_survives_a_silently_cut_stage_peer(can_build):
     brief = {k: stats.get(k) for k in ("retries", "timeouts", "errors", "last_error", "host_faults", "stage_steps",
                                        "replica_steps", "stepped_samples", "peers_killed", "rejoins", "resyncs")}
     # every process ran on its own host; a replacement of the cut peer (it exits once the launcher's heartbeat
-    # has been out of its reach for coordinator_grace_s) went to a host that was not cut
+    # has been out of its reach for launcher_grace_s) went to a host that was not cut
     hosts = {name: where[0] for name, where in tb["placement"].items()}
     first = {"bootstrap": "ctl", "s0p1": "s0a", "s0p2": "s0b", "s1p3": "s1a", "s1p4": "s1b", "trainer0": "t0",
              "trainer1": "t1"}

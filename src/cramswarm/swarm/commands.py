@@ -54,7 +54,7 @@ def swarm_pretrain(args) -> int:
     arg(
         "--rendezvous",
         required=True,
-        help="the coordinator's rendezvous folder (swarm-pretrain --rendezvous), on a filesystem this host shares",
+        help="the launcher's rendezvous folder (swarm-pretrain --rendezvous), on a filesystem this host shares",
     ),
     arg(
         "--rank",
@@ -62,7 +62,7 @@ def swarm_pretrain(args) -> int:
         help="this peer's rank, 0 .. stages x peers_per_stage - 1 (default: SLURM_PROCID); it decides stage and speed",
     ),
     arg("--max-restarts", type=int, default=100, help="restarts of a dying peer (count)"),
-    arg("--wait-s", type=float, default=600.0, help="seconds to wait for the coordinator's rendezvous files and swarm"),
+    arg("--wait-s", type=float, default=600.0, help="seconds to wait for the launcher's rendezvous files and swarm"),
 )
 def swarm_peer(args) -> int:
     from cramswarm.swarm.hivemind_peer import run_task

@@ -33,12 +33,11 @@ module's ``StagePeer`` (``rpc_*``; ``peer_sync`` adds its own):
 * ``die`` - fault injection where the launcher cannot signal the process (another host, an attached task): the
   peer SIGKILLs its own process group (itself and its p2pd) right after replying.
 
-The launcher keeps a heartbeat record in the DHT (``coordinator_key``: ``starting``, ``training`` or ``done``,
-re-stored every 2 s with a 10 s expiration; the names keep the word "coordinator" from before issue 17 removed
-the central coordinator). A stage peer exits (code 0) once it reads ``done``, and (code ``COORDINATOR_GONE``) once
-the record has been missing for ``COORDINATOR_GRACE_S``; a peer that joins while the record says ``training``
-downloads its stage's state before it serves. A peer started by a launcher on the same host
-(``CRAMSWARM_COORDINATOR_PID``, the parent's pid) also SIGKILLs its own process group once that parent is gone,
+The launcher keeps a heartbeat record in the DHT (``launcher_key``: ``starting``, ``training`` or ``done``,
+re-stored every 2 s with a 10 s expiration). A stage peer exits (code 0) once it reads ``done``, and (code
+``LAUNCHER_GONE``) once the record has been missing for ``LAUNCHER_GRACE_S``; a peer that joins while the record
+says ``training`` downloads its stage's state before it serves. A peer started by a launcher on the same host
+(``CRAMSWARM_PARENT_PID``, the parent's pid) also SIGKILLs its own process group once that parent is gone,
 so a launcher or supervisor killed without clean-up leaves no peer or p2pd behind.
 
 Addresses: every process listens on ``host`` (an IPv4 address; ``0.0.0.0``: all interfaces) or, when
@@ -92,11 +91,11 @@ from cramswarm.training import autocast, decay_groups, resolve_device, resolve_p
 CHUNK_BYTES = 2**20        # streamed message chunk (well below p2pd's 4 MiB message limit)
 DECLARE_PERIOD_S = 2.0     # a peer re-declares its DHT record this often ...
 RECORD_TTL_S = 10.0        # ... with this expiration; a dead peer's record disappears within this time
-COORDINATOR_GRACE_S = 30.0  # a stage peer exits once the coordinator's heartbeat record is missing this long
-COORDINATOR_GONE = 3       # exit code of a stage peer whose coordinator is gone (its supervisor does not restart it)
+LAUNCHER_GRACE_S = 30.0  # a stage peer exits once the launcher's heartbeat record is missing this long
+LAUNCHER_GONE = 3       # exit code of a stage peer whose launcher is gone (its supervisor does not restart it)
 ADDR_FILE, CONFIG_FILE = "dht_addrs.txt", "config.json"  # in a rendezvous folder, written in the order config, addrs
 JOIN_THROUGH = 32          # a joining process tries this many of the address file's newest entries
-DONE_FILE = "done"         # in a rendezvous folder: the run id of a coordinator that has finished
+DONE_FILE = "done"         # in a rendezvous folder: the run id of a launcher that has finished
 # Set by a placement that puts a process on a host of its own (``cramswarm.testbed.swarm``): the multiaddrs its
 # DHT node listens on and those it announces (space-separated; e.g. a relay's address that other hosts must dial).
 LISTEN_ENV, ANNOUNCE_ENV = "CRAMSWARM_P2P_LISTEN", "CRAMSWARM_P2P_ANNOUNCE"
@@ -136,8 +135,8 @@ class RankTaken(RuntimeError):
     """Another live task holds this task's rank in the rendezvous folder."""
 
 
-class CoordinatorGone(RuntimeError):
-    """The coordinator's heartbeat record has been missing from the DHT for too long."""
+class LauncherGone(RuntimeError):
+    """The launcher's heartbeat record has been missing from the DHT for too long."""
 
 
 def listen_host(cfg: dict) -> str:
@@ -229,22 +228,22 @@ async def join_dht(initial_peers: list[str] | None, *, client_mode: bool, host: 
         raise BootstrapError(f"could not join the swarm DHT through {initial_peers}: {e}") from e
 
 
-def coordinator_key(run_id: str) -> str:
-    """DHT key of the coordinator's heartbeat (value: ``starting``, ``training`` or ``done``)."""
-    return f"{run_id}_coordinator"
+def launcher_key(run_id: str) -> str:
+    """DHT key of the launcher's heartbeat (value: ``starting``, ``training`` or ``done``)."""
+    return f"{run_id}_launcher"
 
 
-async def coordinator_phase(node: DHTNode, run_id: str) -> str | None:
-    found = await node.get(coordinator_key(run_id), latest=True)
+async def launcher_phase(node: DHTNode, run_id: str) -> str | None:
+    found = await node.get(launcher_key(run_id), latest=True)
     return found.value if found is not None and isinstance(found.value, str) else None
 
 
-async def watch_coordinator(node: DHTNode, run_id: str, grace_s: float = COORDINATOR_GRACE_S) -> None:
-    """Return once the coordinator says ``done``; raise ``CoordinatorGone`` once its record is missing ``grace_s``."""
+async def watch_launcher(node: DHTNode, run_id: str, grace_s: float = LAUNCHER_GRACE_S) -> None:
+    """Return once the launcher says ``done``; raise ``LauncherGone`` once its record is missing ``grace_s``."""
     last_seen = time.monotonic()
     while True:
         try:
-            phase = await coordinator_phase(node, run_id)
+            phase = await launcher_phase(node, run_id)
         except Exception:  # a DHT hiccup counts as not seen
             phase = None
         if phase == "done":
@@ -252,7 +251,7 @@ async def watch_coordinator(node: DHTNode, run_id: str, grace_s: float = COORDIN
         if phase is not None:
             last_seen = time.monotonic()
         elif time.monotonic() - last_seen > grace_s:
-            raise CoordinatorGone(f"the coordinator of swarm {run_id} has not been seen for {grace_s:.0f} s")
+            raise LauncherGone(f"the launcher of swarm {run_id} has not been seen for {grace_s:.0f} s")
         await asyncio.sleep(DECLARE_PERIOD_S)
 
 
@@ -423,7 +422,7 @@ class StagePeer(ServicerBase):
     """One replica of one pipeline stage: model slice, AdamW, accumulated gradients, RPC handlers.
 
     All torch work runs on one compute thread (requests queue there, like a device), the RPC handlers and the
-    all-reduce on the asyncio loop. The coordinator imports this class only for ``StagePeer.get_stub``.
+    all-reduce on the asyncio loop. The launcher and the trainers reach a peer through ``get_stub``.
     """
 
     def __init_subclass__(cls, **kwargs):
@@ -648,13 +647,14 @@ class StagePeer(ServicerBase):
     # -- in-stage averaging and state transfer ------------------------------------------------------------
     async def _all_reduce(self, flat: torch.Tensor, weight: int, group_id: bytes, peers: list[PeerID],
                           traffic: dict) -> torch.Tensor:
-        """Weighted average of the flat gradient over ``peers`` (the coordinator's group, same order everywhere),
-        the same decompressed values on every peer; ``traffic`` gets the bytes and values this peer sent."""
+        """Weighted average of the flat gradient over ``peers`` (the group read from the stage's records, the same
+        order everywhere), the same decompressed values on every peer; ``traffic`` gets the bytes and values this
+        peer sent."""
         traffic.update(bytes_sent=0, values_sent=0)
         if len(peers) == 1:
             return flat
         # per-part timeouts (between two parts of one stream); the whole all-reduce's bound, which grows with
-        # the stage, is the coordinator's (averaging.averaging_timeout_s)
+        # the stage, is the caller's (averaging.averaging_timeout_s)
         part_s = chunk_timeout_s(self.averaging_scheme, self.link_mbit_s, self.sync_timeout_s / 2)
         runner = StageAllReduce(
             p2p=self.node.p2p, servicer_type=type(self), prefix=self.namespace, group_id=group_id,
@@ -713,33 +713,33 @@ class StagePeer(ServicerBase):
 # --------------------------------------------------------------------------------------------------------------
 # Entry points
 # --------------------------------------------------------------------------------------------------------------
-async def exit_with_coordinator() -> None:
-    """Kill this process's whole group (itself and its p2pd) once the coordinator that started it is gone. Without
-    ``CRAMSWARM_COORDINATOR_PID`` (unset or empty: a process whose parent is not its starter, e.g. an srun job
-    step's task) it waits forever; such a process leaves on the coordinator's DHT heartbeat instead."""
-    coordinator = int(os.environ.get("CRAMSWARM_COORDINATOR_PID") or "0")
-    if not coordinator:
+async def exit_with_parent() -> None:
+    """Kill this process's whole group (itself and its p2pd) once the launcher that started it is gone. Without
+    ``CRAMSWARM_PARENT_PID`` (unset or empty: a process whose parent is not its starter, e.g. an srun job
+    step's task) it waits forever; such a process leaves on the launcher's DHT heartbeat instead."""
+    parent = int(os.environ.get("CRAMSWARM_PARENT_PID") or "0")
+    if not parent:
         await asyncio.Event().wait()
     while True:
         await asyncio.sleep(1.0)
-        if os.getppid() != coordinator:
+        if os.getppid() != parent:
             os.killpg(os.getpgid(0), signal.SIGKILL)
 
 
 async def serve_bootstrap(addr_file: str, host: str, run_id: str | None = None,
-                          grace_s: float = COORDINATOR_GRACE_S) -> None:
+                          grace_s: float = LAUNCHER_GRACE_S) -> None:
     """The DHT's first node; it writes the address file. With ``run_id`` it also leaves once the launcher of that
     run says ``done`` or its heartbeat has been missing ``grace_s`` (the srun placement: no parent to watch)."""
     node = await join_dht(None, client_mode=False, host=host)
     maddrs = sorted((str(m) for m in await node.p2p.get_visible_maddrs()), key=lambda m: m.startswith("/ip4/127."))
     write_addr_file(addr_file, maddrs)
     print(f"bootstrap DHT at {maddrs}", flush=True)
-    watches = [asyncio.create_task(exit_with_coordinator())]
+    watches = [asyncio.create_task(exit_with_parent())]
     if run_id is not None:
-        watches.append(asyncio.create_task(watch_coordinator(node, run_id, grace_s)))
+        watches.append(asyncio.create_task(watch_launcher(node, run_id, grace_s)))
     done, _ = await asyncio.wait(watches, return_when=asyncio.FIRST_COMPLETED)
     for task in done:
-        with contextlib.suppress(CoordinatorGone):
+        with contextlib.suppress(LauncherGone):
             task.result()
     for daemon in psutil.Process().children():  # its p2pd
         with contextlib.suppress(psutil.Error):
@@ -749,12 +749,12 @@ async def serve_bootstrap(addr_file: str, host: str, run_id: str | None = None,
 
 
 async def serve_stage(args: argparse.Namespace) -> None:
-    """Serve one stage until the launcher is done (exit code 0) or gone (``COORDINATOR_GONE``); a peer that moves
+    """Serve one stage until the launcher is done (exit code 0) or gone (``LAUNCHER_GONE``); a peer that moves
     itself to another stage (``peer_rebalance``) serves that one in the same process."""
     cfg = json.loads(Path(args.config).read_text())
     bound_kernel_cache()
     torch.set_num_threads(1)
-    watchdog = asyncio.create_task(exit_with_coordinator())
+    watchdog = asyncio.create_task(exit_with_parent())
     from cramswarm.swarm.peer_sync import SyncingStagePeer  # peers step by themselves; any live entry joins
 
     node = await join_swarm(args.addr_file, host=listen_host(cfg), timeout_s=cfg["join_timeout_s"], announce=True)
@@ -763,33 +763,33 @@ async def serve_stage(args: argparse.Namespace) -> None:
         peer.migrate_to = asyncio.get_running_loop().create_future()
         await peer.add_p2p_handlers(node.p2p, namespace=peer.namespace)
         with contextlib.suppress(Exception):  # joining a running swarm: take the stage's state first
-            args.load_state = args.load_state or await coordinator_phase(node, peer.run_id) == "training"
+            args.load_state = args.load_state or await launcher_phase(node, peer.run_id) == "training"
         if args.load_state:
             await peer.load_from_replica(cfg["give_up_after_s"])
         print(f"[{peer.uid}] serving stage {peer.stage} (speed {args.speed}) as {node.p2p.peer_id}", flush=True)
         declare = asyncio.create_task(peer.declare_forever())
         background = peer.background_tasks()
-        coordinator = asyncio.create_task(watch_coordinator(node, peer.run_id, cfg.get("coordinator_grace_s",
-                                                                                        COORDINATOR_GRACE_S)))
-        done, _ = await asyncio.wait([declare, watchdog, coordinator, peer.migrate_to, *background],
+        launcher = asyncio.create_task(watch_launcher(node, peer.run_id, cfg.get("launcher_grace_s",
+                                                                                        LAUNCHER_GRACE_S)))
+        done, _ = await asyncio.wait([declare, watchdog, launcher, peer.migrate_to, *background],
                                      return_when=asyncio.FIRST_COMPLETED)
         if peer.migrate_to in done:  # it moves itself (peer_rebalance): (to stage, its move record)
-            for task in (declare, coordinator, *background):
+            for task in (declare, launcher, *background):
                 task.cancel()
-            await asyncio.gather(declare, coordinator, *background, return_exceptions=True)
+            await asyncio.gather(declare, launcher, *background, return_exceptions=True)
             from cramswarm.swarm.peer_rebalance import move_peer
 
             peer = await move_peer(peer, *peer.migrate_to.result())
             args.load_state = True
             continue
         break
-    if coordinator in done and coordinator.exception() is not None:
-        print(f"[{peer.uid}] {coordinator.exception()}; exiting", flush=True)
-        code = COORDINATOR_GONE
+    if launcher in done and launcher.exception() is not None:
+        print(f"[{peer.uid}] {launcher.exception()}; exiting", flush=True)
+        code = LAUNCHER_GONE
     else:
         for task in done:
             task.result()  # a failed declaration or watchdog raises here
-        print(f"[{peer.uid}] the coordinator is done; exiting", flush=True)
+        print(f"[{peer.uid}] the launcher is done; exiting", flush=True)
         code = 0
     # Leave at once: an all-reduce or compute call in flight would hold up an orderly shutdown for many seconds.
     for daemon in psutil.Process().children():
@@ -810,7 +810,7 @@ def rank_of(explicit: int | None) -> int:
 
 
 def finished(rendezvous: Path, run_id: str) -> bool:
-    """Whether the coordinator of ``run_id`` has finished (it writes its run id to the rendezvous' done file)."""
+    """Whether the launcher of ``run_id`` has finished (it writes its run id to the rendezvous' done file)."""
     with contextlib.suppress(OSError):
         return (rendezvous / DONE_FILE).read_text().strip() == run_id
     return False
@@ -839,13 +839,13 @@ def claim_rank(rendezvous: Path, rank: int) -> int:
 
 
 def read_rendezvous(rendezvous: Path, timeout_s: float) -> dict:
-    """The coordinator's config.json, once its address file is there too (the config is written first)."""
+    """The launcher's config.json, once its address file is there too (the config is written first)."""
     deadline = time.monotonic() + timeout_s
     while True:
         read_addr_file(rendezvous / ADDR_FILE, max(deadline - time.monotonic(), 0.0))
         try:
             return json.loads((rendezvous / CONFIG_FILE).read_text())
-        except (OSError, ValueError):  # cleared or rewritten by a coordinator starting right now
+        except (OSError, ValueError):  # cleared or rewritten by a launcher starting right now
             if time.monotonic() > deadline:
                 raise BootstrapError(f"no readable {CONFIG_FILE} in the rendezvous folder {rendezvous}") from None
             time.sleep(0.5)
@@ -855,7 +855,7 @@ def run_task(rendezvous: str | Path, rank: int | None, max_restarts: int = 100, 
     """One peer of an ``attach``/``srun`` swarm (rank -> stage, speed via the rendezvous folder's config), run as
     a child process group and restarted when it dies or moves; returns the exit code of the task.
 
-    ``wait_s``: how long to wait for the coordinator's rendezvous files, and for a swarm to join when the files
+    ``wait_s``: how long to wait for the launcher's rendezvous files, and for a swarm to join when the files
     found belong to an earlier run."""
     rendezvous, rank = Path(rendezvous), rank_of(rank)
     child: subprocess.Popen | None = None
@@ -890,18 +890,18 @@ def run_task(rendezvous: str | Path, rank: int | None, max_restarts: int = 100, 
         args = [sys.executable, "-m", "cramswarm.swarm.hivemind_peer", "stage", "--config",
                 str(rendezvous / CONFIG_FILE), "--stage", str(stage), "--uid", uid, "--addr-file",
                 str(rendezvous / ADDR_FILE), "--speed", repr(speed)] + (["--load-state"] if served else [])
-        env = {**os.environ, "CRAMSWARM_COORDINATOR_PID": str(os.getpid())}
+        env = {**os.environ, "CRAMSWARM_PARENT_PID": str(os.getpid())}
         child = subprocess.Popen(args, env=env, start_new_session=True, stdin=subprocess.DEVNULL)
         code = child.wait()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(child.pid, signal.SIGKILL)  # its p2pd
         if code == 0 or finished(rendezvous, cfg["run_id"]):  # the run is over (this peer may have died last)
             return 0
-        if code == COORDINATOR_GONE:
+        if code == LAUNCHER_GONE:
             return code
         if code == 2 and served:  # the swarm's bootstrap is gone: the run is over
-            return COORDINATOR_GONE
-        if code == 2:  # files of an earlier run, or a coordinator still starting: read them again
+            return LAUNCHER_GONE
+        if code == 2:  # files of an earlier run, or a launcher still starting: read them again
             if time.monotonic() > deadline:
                 return 2
             time.sleep(1.0)
@@ -925,7 +925,7 @@ def main(argv: list[str] | None = None) -> None:
     boot.add_argument("--host", default="127.0.0.1", help="IPv4 address to listen on (0.0.0.0: all interfaces)")
     boot.add_argument("--interface", help="listen on this network interface's IPv4 address (looked up here)")
     boot.add_argument("--run-id", help="leave once this run's launcher says done or its heartbeat is missing")
-    boot.add_argument("--grace-s", type=float, default=COORDINATOR_GRACE_S,
+    boot.add_argument("--grace-s", type=float, default=LAUNCHER_GRACE_S,
                       help="seconds the heartbeat may be missing (with --run-id)")
     stage = roles.add_parser("stage", help="serve one pipeline stage")
     stage.add_argument("--config", required=True)
@@ -934,11 +934,11 @@ def main(argv: list[str] | None = None) -> None:
     stage.add_argument("--addr-file", required=True)
     stage.add_argument("--speed", type=float, default=1.0)
     stage.add_argument("--load-state", action="store_true")
-    task = roles.add_parser("task", help="one peer of a swarm started outside its coordinator (rank -> stage)")
-    task.add_argument("--rendezvous", required=True, help="the coordinator's rendezvous folder (shared filesystem)")
+    task = roles.add_parser("task", help="one peer of a swarm started outside its launcher (rank -> stage)")
+    task.add_argument("--rendezvous", required=True, help="the launcher's rendezvous folder (shared filesystem)")
     task.add_argument("--rank", type=int, help="this peer's rank (default: SLURM_PROCID)")
     task.add_argument("--max-restarts", type=int, default=100, help="restarts of a dying peer before giving up")
-    task.add_argument("--wait-s", type=float, default=600.0, help="seconds to wait for the coordinator's rendezvous")
+    task.add_argument("--wait-s", type=float, default=600.0, help="seconds to wait for the launcher's rendezvous")
     args = parser.parse_args(argv)
     if args.role == "task":
         sys.exit(run_task(args.rendezvous, args.rank, args.max_restarts, args.wait_s))

@@ -78,7 +78,7 @@ class SwarmPlan:
     host: str = "127.0.0.1"         # IPv4 address every process listens on (0.0.0.0: all interfaces)
     interface: str | None = None    # listen on this network interface's IPv4 address instead (looked up per host)
     srun_args: list[str] = field(default_factory=list)  # srun: extra options of the peers' job step(s)
-    coordinator_grace_s: float = 30.0  # attach/srun processes exit once the launcher's heartbeat is missing this long
+    launcher_grace_s: float = 30.0  # attach/srun processes exit once the launcher's heartbeat is missing this long
     startup_timeout_s: float = 180.0
     join_timeout_s: float = 15.0
     decentralised: bool = True      # run under the launcher (independent trainers, peer-driven steps): the only

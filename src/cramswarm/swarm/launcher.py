@@ -26,8 +26,8 @@ after the origin; the trainers take microbatches until the deadline
 and finish the one under way, and the end is that of a counted run (the last, partial global batch, the final
 shards). Only training time counts: a resumed seconds run gets the budget less its earlier lives' training time.
 
-What the launcher still does, and what its death means: it keeps a heartbeat record in the DHT (the key the peers of
-the coordinator's swarm watch, ``hivemind_peer.coordinator_key``); it restarts a trainer that died (same rank: it
+What the launcher still does, and what its death means: it keeps a heartbeat record in the DHT (the key the peers and
+trainers of the swarm watch, ``hivemind_peer.launcher_key``); it restarts a trainer that died (same rank: it
 resumes its shard from its progress file) and a stage peer that died (a fresh uid for the same stage, which
 downloads the stage's state from a live replica before it serves), ``rejoin_after_s`` later; it runs the fault
 injection (``kill_every_s``: SIGKILL of a random stage peer, never the last replica at its stage's latest step; with
@@ -36,7 +36,7 @@ given times; ``gone<N>:stage<S>``: N peers of a stage, never replaced) - it only
 training state; once every trainer reports its shard done it asks the peers for the last, partial global batch
 (``peer_sync.flush_key``), waits until every stage is idle, downloads the stages' parameters from live replicas and
 stops everything. If it dies, the peers and trainers exit: at once where they see their parent gone, else once its
-heartbeat record has been missing ``coordinator_grace_s``.
+heartbeat record has been missing ``launcher_grace_s``.
 
 Checkpoint and resume: with ``state_dir`` (the swarm_pretrain rule's resumable state folder, under
 ``results/.state``) the run's folder is that folder, not a temporary one. The stage peers write their stages'
@@ -92,8 +92,8 @@ from cramswarm.swarm.hivemind_peer import (
     DECLARE_PERIOD_S,
     DONE_FILE,
     RECORD_TTL_S,
-    coordinator_key,
     join_dht,
+    launcher_key,
     listen_host,
     read_addr_file,
     request,
@@ -334,7 +334,7 @@ class Launcher:
                "stages": p.stages, "compression": p.compression, "sync_timeout_s": p.sync_timeout_s,
                "averaging_compression": p.averaging_compression, "link_mbit_s": p.link_mbit_s,
                "join_timeout_s": p.join_timeout_s, "give_up_after_s": p.retry.give_up_after_s, "host": p.host,
-               "interface": p.interface, "coordinator_grace_s": p.coordinator_grace_s, "peer_sync": True,
+               "interface": p.interface, "launcher_grace_s": p.launcher_grace_s, "peer_sync": True,
                "seq_len": seq_len, "workdir": str(self.workdir), "retry": dataclasses.asdict(p.retry),
                "seed": p.seed, "shard_dir": str(self.shard_dir), "checkpoint_every_s": p.checkpoint_every_s,
                "rebalance_period_s": p.rebalance_period_s, "peer_memory_cap_mb": p.peer_memory_cap_mb,
@@ -400,7 +400,7 @@ class Launcher:
         args = ["bootstrap", "--addr-file", str(self.addr_file), "--host", self.host]
         if self.plan.placement == "srun":  # on any node: its own interface's address; no parent to watch
             args += ["--interface", self.plan.interface] if self.plan.interface else []
-            args += ["--run-id", self.run_id, "--grace-s", repr(self.plan.coordinator_grace_s)]
+            args += ["--run-id", self.run_id, "--grace-s", repr(self.plan.launcher_grace_s)]
         self.bootstrap, log = self.groups.spawn(args, "bootstrap")
         deadline = time.monotonic() + self.plan.startup_timeout_s
         while not self.addr_file.exists():
@@ -412,7 +412,7 @@ class Launcher:
         self.node = await join_dht(maddrs, client_mode=True, host=self.host, timeout_s=self.plan.join_timeout_s)
 
     async def _beat(self) -> None:
-        await self.node.store(coordinator_key(self.run_id), self.phase, get_dht_time() + RECORD_TTL_S)
+        await self.node.store(launcher_key(self.run_id), self.phase, get_dht_time() + RECORD_TTL_S)
 
     async def _heartbeat_forever(self) -> None:
         while True:

@@ -393,7 +393,7 @@ class SyncingStagePeer(StagePeer):
 
     async def rpc_backward(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
                            context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        """Admission toward the stage's global batch, as the coordinator's window did: a backward call waits
+        """Admission toward the stage's global batch: a backward call waits
         while this peer is averaging or the stage's samples (others' as last read, plus this peer's) would pass
         the batch, at most ``sync_timeout_s`` (then it counts toward the next step); the rest is ``StagePeer``'s.
         A peer leaving its stage refuses it, before and after the wait."""

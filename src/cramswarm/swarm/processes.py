@@ -48,7 +48,7 @@ def visible_gpus() -> list[str]:
 def peer_gpu(peer_number: int, device: str) -> str | None:
     """The GPU the ``peer_number``-th peer started on this host sees alone (``CUDA_VISIBLE_DEVICES``): this host's
     GPUs in turn, when the recipe's ``device`` is not ``cpu`` and there is a GPU; None (the environment as it is)
-    otherwise. Used by the local placements of the launcher and the coordinator; under srun, SLURM assigns them."""
+    otherwise. Used by the local placements of the launcher; under srun, SLURM assigns them."""
     if device == "cpu":
         return None
     gpus = visible_gpus()
@@ -89,7 +89,7 @@ class ProcessGroups:
               gpu: str | None = None) -> tuple[subprocess.Popen, Path]:
         log = self.workdir / f"{name}.log"
         env = {**os.environ, "PYTHONPATH": self._pythonpath, "OMP_NUM_THREADS": "1",
-               "CRAMSWARM_COORDINATOR_PID": str(os.getpid())}
+               "CRAMSWARM_PARENT_PID": str(os.getpid())}
         if gpu is not None:  # one of this host's GPUs (local placement spreads its peers over them)
             env["CUDA_VISIBLE_DEVICES"] = gpu
         prefix: list[str] = []

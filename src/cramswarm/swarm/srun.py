@@ -6,8 +6,8 @@ peer's step also with ``swarm.srun_args``, e.g. ``--gpus-per-task=1``), so SLURM
 allocation. ``--overlap``: the steps share the job's
 CPUs and memory (the job asks for one CPU per stage peer; the trainers and the bootstrap are light), and a step
 never waits for another to end. The processes run under ``slurmstepd``, not under the launcher: the parent
-watchdog (``CRAMSWARM_COORDINATOR_PID``) is off for them, and they leave once the launcher's DHT heartbeat says
-``done`` or has been missing ``coordinator_grace_s`` (the bootstrap included: ``--run-id``).
+watchdog (``CRAMSWARM_PARENT_PID``) is off for them, and they leave once the launcher's DHT heartbeat says
+``done`` or has been missing ``launcher_grace_s`` (the bootstrap included: ``--run-id``).
 
 Killing: a SIGKILL of the ``srun`` client does not reach the remote task, so ``kill`` finds the process's step
 by its name (``squeue --steps``) and sends it SIGKILL (``scancel --signal=KILL <job>.<step>``): slurmstepd kills
@@ -64,7 +64,7 @@ class SrunPlacement:
                   "--exact", "--overlap", f"--job-name={step}", "--kill-on-bad-exit=0", "--quiet",
                   *(self.srun_args if peer else [])]
         # under slurmstepd the parent is not the launcher: no parent watchdog, the DHT heartbeat ends them
-        return prefix, {"CRAMSWARM_COORDINATOR_PID": ""}
+        return prefix, {"CRAMSWARM_PARENT_PID": ""}
 
     def started_process(self, proc: subprocess.Popen) -> None:
         """Called by ``ProcessGroups.spawn`` right after the ``srun`` client of the last ``__call__`` started."""

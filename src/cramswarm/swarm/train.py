@@ -11,7 +11,7 @@ or step budget fixes the number of microbatches in advance. Training runs on a t
 ``hivemind`` (one process per peer, ``cramswarm.swarm.hivemind_transport.train``, imported only when asked for;
 its processes are started by this process's launcher - ``swarm["placement"]`` ``local``, or ``srun``: each as a
 job step of the SLURM job it runs in - or, with ``attach``, its peers by ``swarm-peer`` tasks that meet the
-coordinator through the ``rendezvous`` folder).
+launcher through the ``rendezvous`` folder).
 The stages are then assembled into one crammed-BERT checkpoint (``stages.assemble_model``), written with
 ``pretrain.save_checkpoint``, with ``train_log.csv`` (pretrain's columns; rows every ``log_every_steps`` steps,
 window means; the held-out loss is evaluated once, at the end) and ``summary.json``, each written atomically.

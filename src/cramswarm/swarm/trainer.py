@@ -27,7 +27,7 @@ backward calls carry its index, ``mb``: a stage peer that stepped or holds it do
 that does not hold it while another replica does counts it again, as a re-sent call does in SWARM). A launcher
 resuming a killed run from the stage shards rewrites the progress files first (``launcher``). The trainer exits
 0 once its shard is done, and like a stage peer once the launcher's heartbeat record has been missing for
-``coordinator_grace_s`` or the launcher that started it is gone.
+``launcher_grace_s`` or the launcher that started it is gone.
 """
 
 from __future__ import annotations
@@ -54,15 +54,15 @@ from cramswarm.swarm.emulation import WORK_UNITS
 from cramswarm.swarm.hivemind_peer import (
     ADDR_FILE,
     BootstrapError,
-    CoordinatorGone,
-    exit_with_coordinator,
+    LauncherGone,
+    exit_with_parent,
     join_swarm,
     listen_host,
     request,
     stage_namespace,
     stage_records,
     unpack,
-    watch_coordinator,
+    watch_launcher,
 )
 from cramswarm.swarm.peer_sync import CLOCK_FILE, SyncingStagePeer, read_clock
 from cramswarm.swarm.policies import NoPeersError, RetryPolicy, make_balancer
@@ -203,10 +203,10 @@ async def train_shard(cfg: dict, rank: int, trainers: int) -> None:
     state_file = progress_path(workdir, rank)
     previous = read_json(state_file) if state_file.exists() else {}
     done = previous.get("done", 0)
-    watchdog = asyncio.create_task(exit_with_coordinator())
+    watchdog = asyncio.create_task(exit_with_parent())
     node = await join_swarm(workdir / ADDR_FILE, host=listen_host(cfg), timeout_s=cfg["join_timeout_s"],
                             announce=True)
-    launcher = asyncio.create_task(watch_coordinator(node, cfg["run_id"], cfg["coordinator_grace_s"]))
+    launcher = asyncio.create_task(watch_launcher(node, cfg["run_id"], cfg["launcher_grace_s"]))
     client = StageClient(node, cfg["run_id"], cfg["stages"], RetryPolicy(**cfg["retry"]), cfg["seed"] + 7919 * rank,
                          cfg.get("routing", "weighted"))
     for key, count in previous.get("stats", {}).items():  # a restarted trainer counts on from its earlier lives
@@ -245,8 +245,8 @@ async def train_shard(cfg: dict, rank: int, trainers: int) -> None:
     if job not in finished:
         job.cancel()
         for task in finished:
-            task.result()  # CoordinatorGone raises here
-        raise CoordinatorGone("the launcher is done before this trainer's shard")
+            task.result()  # LauncherGone raises here
+        raise LauncherGone("the launcher is done before this trainer's shard")
     try:
         job.result()
     except NoPeersError as e:
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
     except BootstrapError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         code = 2
-    except CoordinatorGone as e:
+    except LauncherGone as e:
         print(f"[trainer {args.rank}] {e}; exiting", flush=True)
         code = 3
     except NoPeersError as e:
