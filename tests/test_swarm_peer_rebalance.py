@@ -47,6 +47,24 @@ def test_the_load_meter_averages_the_queue_over_time_and_rates_served_units_per_
     assert call_units("backward", 4, True) == 12  # the last stage's fused forward + backward
 
 
+def test_a_peer_process_is_followed_through_its_moves_to_the_stage_it_last_served(tmp_path):
+    """An attached task restarts its dead peer where the peer last served: the uid's moves in the moves file,
+    decided (new stage) and arrived (new uid), other peers' moves and a half-written last line ignored."""
+    import json
+
+    from cramswarm.swarm.peer_rebalance import stage_after_moves
+
+    path = tmp_path / "moves.jsonl"
+    assert stage_after_moves(path, "s0r2.0", 0) == ("s0r2.0", 0)   # no file: no move
+    events = [{"event": "decided", "uid": "s0r1.0", "from_stage": 0, "to_stage": 1},
+              {"event": "decided", "uid": "s0r2.0", "from_stage": 0, "to_stage": 1},
+              {"event": "arrived", "uid": "s0r2.0", "to_stage": 1, "new_uid": "s0r2.0-s1m1"},
+              {"event": "decided", "uid": "s0r2.0-s1m1", "from_stage": 1, "to_stage": 2}]
+    path.write_text("".join(json.dumps(e) + "\n" for e in events) + '{"event": "arr')
+    assert stage_after_moves(path, "s0r2.0", 0) == ("s0r2.0-s1m1", 2)   # decided, not yet arrived: stage 2
+    assert stage_after_moves(path, "s0r3.0", 0) == ("s0r3.0", 0)
+
+
 def test_a_moved_peer_keeps_its_process_number_in_its_new_uid():
     assert moved_uid("s0p2", 1, 1) == "s1p2m1"
     assert moved_uid("s1p2m1", 0, 2) == "s0p2m2"

@@ -912,8 +912,12 @@ def run_task(rendezvous: str | Path, rank: int | None, max_restarts: int = 100, 
             print(f"[rank {rank}] gave up after {max_restarts} restarts", file=sys.stderr, flush=True)
             return 1
         served, restarts, incarnation = True, restarts + 1, incarnation + 1
-        print(f"[rank {rank}] peer {uid} ended with code {code}; restarting in {cfg['rejoin_after_s']} s",
-              flush=True)
+        # a peer that moved itself to another stage (peer_rebalance) comes back on the stage it last served
+        from cramswarm.swarm.peer_rebalance import MOVES_FILE, stage_after_moves
+
+        _, stage = stage_after_moves(Path(cfg["workdir"]) / MOVES_FILE, uid, stage)
+        print(f"[rank {rank}] peer {uid} ended with code {code}; restarting on stage {stage} in "
+              f"{cfg['rejoin_after_s']} s", flush=True)
         time.sleep(cfg["rejoin_after_s"])
 
 

@@ -134,6 +134,22 @@ class LoadMeter:
             return out
 
 
+def stage_after_moves(moves_file: Path, uid: str, stage: int) -> tuple[str, int]:
+    """The uid and stage a peer process last served: ``uid`` (serving ``stage``) followed through the moves file
+    (a decided move names the new stage, an arrival the new uid; a line being written is left for later)."""
+    lines = moves_file.read_text().splitlines() if moves_file.exists() else []
+    for line in lines:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            break
+        if event.get("uid") == uid:
+            stage = int(event["to_stage"])
+            if event.get("event") == "arrived":
+                uid = event["new_uid"]
+    return uid, stage
+
+
 def call_units(method: str, samples: int, last_stage: bool) -> float:
     """Work units of one served call (``emulation.WORK_UNITS``)."""
     return samples * WORK_UNITS["last" if method == "backward" and last_stage else method]
