@@ -87,7 +87,8 @@ class SwarmPlan:
                                     # "bootstrap" | "trainer<R>" | "peer" | "stage<S>"; "gone<N>:stage<S>": N peers
                                     # of stage S, never replaced) - the kill tests' and rebalancing_recovery's;
                                     # other targets go to ``hosts.fault`` (e.g. "cut:<host>": a testbed link cut)
-    state_dir: Path | None = None   # launcher: resumable run folder (stage shards, trainer progress); None: temporary
+    state_dir: Path | None = None   # launcher: resumable run folder (stage shards, trainer progress); None: the
+                                    # rendezvous folder, else a temporary one
     checkpoint_every_s: float = 60.0  # launcher: seconds between a stage's shard writes (and one at the end)
     hosts: object | None = None     # launcher: where each process runs (``ProcessGroups.place``; None: here);
                                     # ``cramswarm.testbed.swarm.HostPlacement`` puts each on a testbed host

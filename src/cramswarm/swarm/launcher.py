@@ -155,7 +155,10 @@ class Launcher:
                             "(cramswarm.swarm.data), not an iterator")
         self.plan, self.source, self.total, self.progress = plan, source, total_microbatches, progress
         self.rng = random.Random(plan.seed)
-        self.state_dir = Path(plan.state_dir).resolve() if plan.state_dir is not None else None
+        # the run's folder: the plan's state folder, else its rendezvous folder (attach, srun: the tasks read the
+        # config and the DHT addresses there), else a temporary one
+        state_dir = plan.state_dir if plan.state_dir is not None else plan.rendezvous
+        self.state_dir = Path(state_dir).resolve() if state_dir is not None else None
         if self.state_dir is not None:  # resumable: the run's files stay where a rerun finds them
             self.state_dir.mkdir(parents=True, exist_ok=True)
             self.workdir = self.state_dir
