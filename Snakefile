@@ -25,21 +25,6 @@ include: "rules/docs.smk"  # named target `docs`: README/docs numbers from commi
 include: "rules/ablations.smk"  # named targets only
 
 
-# Seconds of work on the submit host rather than sbatch jobs of their own (with --executor slurm).
-localrules:
-    tables,
-    figures,
-    study_record,
-    readme_figures,
-    swarm_report,
-    ablation_arch_report,
-    ablation_schedule_report,
-    ablation_groups_report,
-    ablation_data_report,
-    claims_table,
-    claims_available,
-
-
 rule all:
     """The study: GLUE tables (ours and with the paper's rows), figures and the study record."""
     default_target: True

@@ -3,6 +3,14 @@
 # Their helpers (ABLATIONS, data_reports, data_runs_json) live in common.smk.
 
 
+# The reports: seconds of work on the submit host rather than sbatch jobs of their own (with --executor slurm).
+localrules:
+    ablation_arch_report,
+    ablation_schedule_report,
+    ablation_groups_report,
+    ablation_data_report,
+
+
 rule ablation_arch_report:
     """Figure 1 and the per-variant table (loss, tokens/s, fine-tuned scores) of the architecture ablation."""
     input:

@@ -2,6 +2,16 @@
 # record (config, software versions, per-rule benchmark summary) that heads `snakemake --report`.
 
 
+# Seconds of work on the submit host rather than sbatch jobs of their own (with --executor slurm).
+localrules:
+    tables,
+    figures,
+    study_record,
+    readme_figures,
+    claims_table,
+    claims_available,
+
+
 rule tables:
     """The GLUE tables (median over seeds; Tables 3/4), the vocab-size sweep table (Figure 3) and the GLUE
     table with the paper's published rows below ours (CSV, Markdown, LaTeX)."""

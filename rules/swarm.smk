@@ -4,6 +4,11 @@
 # The placement settings (SWARM_SLURM) and the swarm_study experiment table live in common.smk.
 
 
+# The study's report: seconds of work on the submit host rather than an sbatch job of its own (--executor slurm).
+localrules:
+    swarm_report,
+
+
 rule swarm_pretrain:
     """SWARM pretraining of one run: a pipeline of stages served by replicas (emulated or over hivemind),
     to the same budget and data as a single-process run; with swarm.placement srun one multi-task SLURM job.
