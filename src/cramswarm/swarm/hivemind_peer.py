@@ -526,14 +526,18 @@ class StagePeer(ServicerBase):
         self._emulate_speed(time.perf_counter() - start, 3.0 if self.is_last else 2.0)
         return result, out_meta
 
+    def _flat_grads(self) -> torch.Tensor:
+        """The accumulated gradients as one flat fp32 vector on the host (zeros for a parameter without one)."""
+        return torch.cat([p.grad.detach().float().reshape(-1).cpu() if p.grad is not None
+                          else torch.zeros(p.numel()) for p in self.params])
+
     def _take_snapshot(self, step: int) -> tuple[torch.Tensor, int]:
         """Move the accumulated gradients out of ``.grad`` into one flat fp32 vector divided by the local sample
         count (once per step; kept across reduce retries) and return it. Divided in place and returned as is: the
         all-reduce only reads it (its result is a new tensor), and the step that consumes it (``_apply``: for a
         group of one, the average is this vector) drops the snapshot, so no second copy of the gradients exists."""
         if self.snapshot is None or self.snapshot[0] != step:
-            flat = torch.cat([p.grad.detach().float().reshape(-1).cpu() if p.grad is not None
-                              else torch.zeros(p.numel()) for p in self.params])
+            flat = self._flat_grads()
             for p in self.params:
                 p.grad = None
             if self.local_samples:

@@ -313,8 +313,7 @@ class SyncingStagePeer(StagePeer):
     def _take_held(self) -> tuple[dict, dict]:
         """The gradients accumulated since the last snapshot, moved out of this peer (its held samples drop to 0):
         one flat fp32 vector of summed gradients, and its step, samples, loss sum and microbatches."""
-        flat = torch.cat([p.grad.detach().float().reshape(-1).cpu() if p.grad is not None
-                          else torch.zeros(p.numel()) for p in self.params])
+        flat = self._flat_grads()
         meta = {"step": self.step, "samples": self.local_samples, "loss": self.local_loss,
                 "mbs": sorted(self.local_mbs)}
         for p in self.params:
