@@ -190,6 +190,46 @@ def test_the_driver_decides_only_on_a_complete_view_and_one_claim_wins(tmp_path)
     asyncio.run(scenario())
 
 
+def test_a_peer_whose_decision_rounds_overrun_the_period_still_publishes_every_period(tmp_path):
+    """Reading the DHT may take longer than a period (slow links, a busy host): the peer's load record must still
+    go out every period, else it publishes every other period, out of step with the rest, and no view is ever
+    complete again (a testbed run's first move came at 64 s instead of 16 s this way)."""
+    period_s = 0.4
+
+    class SlowDHT(FakeDHT):
+        async def get(self, key, latest=True):
+            if "_load" in key:   # a decision round: about 1.5 periods of reads
+                await asyncio.sleep(0.3)
+            return await super().get(key, latest)
+
+    async def scenario():
+        node = SlowDHT()
+        published: dict[str, list[int]] = {"s0p1": [], "s1p2": []}
+        drivers = []
+        for uid, stage in (("s0p1", 0), ("s1p2", 1)):
+            await declare(node, stage, uid)
+            peer = FakePeer(node, uid, stage, tmp_path)
+            peer.meter = LoadMeter(now=0.0)
+            driver = PeerRebalancer(peer, period_s=period_s)
+            original = driver.publish
+
+            async def publish(period, window, uid=uid, original=original):
+                published[uid].append(period)
+                await original(period, window)
+
+            driver.publish = publish
+            drivers.append(asyncio.create_task(driver.run()))
+        await asyncio.sleep(8 * period_s)
+        for task in drivers:
+            task.cancel()
+        await asyncio.gather(*drivers, return_exceptions=True)
+        for periods in published.values():   # consecutive periods, none skipped
+            assert len(periods) >= 6 and periods == list(range(periods[0], periods[0] + len(periods))), published
+        return published
+
+    asyncio.run(scenario())
+
+
 def test_the_last_move_holds_decisions_back_in_transit_and_one_period_after_arrival(tmp_path):
     async def scenario():
         node = FakeDHT()

@@ -8,7 +8,8 @@ period (``rate``; forward 1, backward 2, the last stage's fused call 3 per sampl
 emulation count them; None until it has served ``SETTLED_UPDATES`` calls at its stage: a fresh peer's first calls
 pay a cold start). The caller-side latency, which includes queueing and the network, is not used.
 
-At ``k T + DECIDE_DELAY`` every peer reads the period-``k`` records of every stage and evaluates the same pure
+Publishing is a task of its own (a record every period, whatever the decisions cost). At ``k T + DECIDE_DELAY``
+every peer reads the period-``k`` records of every stage and evaluates the same pure
 function, ``policies.choose_move`` (load = (queue + 1) / summed rate; from the least to the most loaded stage when
 the ratio exceeds the hysteresis and the bottleneck's projected rate grows by more than ``min_gain``; the mover is
 the donor peer with the smallest SHA-1 of its uid). A view is used only when it is complete (every peer declared
@@ -175,19 +176,22 @@ class PeerRebalancer:
                               expiration_time=(period + 2) * self.period_s)
 
     async def view(self, period: int) -> dict[int, list[PeerLoad]] | None:
-        """Every stage's period-``period`` loads; None unless every declared peer published one."""
+        """Every stage's period-``period`` loads; None unless every declared peer published one. The stages' load
+        and stage records are read at once (one round trip over a slow link, not one per key)."""
+        stages = range(self.peer.num_stages)
+        found = await asyncio.gather(*(self.node.get(load_key(self.run_id, s), latest=True) for s in stages))
+        declared = await asyncio.gather(*(stage_records(self.node, self.run_id, s) for s in stages))
         loads, self.missing = {}, []
-        for stage in range(self.peer.num_stages):
-            found = await self.node.get(load_key(self.run_id, stage), latest=True)
-            entries = found.value if found is not None and isinstance(found.value, dict) else {}
+        for stage, load, peers in zip(stages, found, declared):
+            entries = load.value if load is not None and isinstance(load.value, dict) else {}
             records = {uid: e.value for uid, e in entries.items()
                        if isinstance(e.value, dict) and e.value.get("period") == period}
-            declared = set(await stage_records(self.node, self.run_id, stage))
-            if not declared <= set(records):
-                self.missing = sorted(declared - set(records))
+            missing = sorted(set(peers) - set(records))
+            if missing:
+                self.missing = missing
                 return None
             loads[stage] = [PeerLoad(uid, float(r["queue"]), r["rate"]) for uid, r in sorted(records.items())
-                            if uid in declared]
+                            if uid in peers]
         return loads
 
     async def quiet(self, period: int) -> bool:
@@ -215,8 +219,26 @@ class PeerRebalancer:
             out.write(json.dumps(event) + "\n")
 
     # -- the loop ---------------------------------------------------------------------------------------------
+    async def publish_every_period(self) -> None:
+        """At each period's start: close the meter's window and publish it. A task of its own, so a decision round
+        that overruns its period (slow DHT reads over a slow link, a busy host) never costs a period's record: with
+        one loop a late round made its peer skip a period and publish only every other one, out of step with the
+        others, and no view was complete again (a testbed run decided its first move at 64 s, not at 16 s)."""
+        peer = self.peer
+        while True:
+            period = math.floor(get_dht_time() / self.period_s) + 1
+            await asyncio.sleep(max(period * self.period_s - get_dht_time(), 0.0))
+            window = peer.meter.window(time.monotonic())
+            peer.counters["load"] = {"period": period, **window}
+            try:
+                await self.publish(period, window)
+            except Exception as e:  # a DHT hiccup: this period's record is missing, the views of it incomplete
+                print(f"[{peer.uid}] load record of period {period} not stored: {e!r}", flush=True)
+
     async def run(self) -> None:
-        """Publish, read, decide every period; returns (with ``peer.migrate_to`` set) once this peer moves."""
+        """Publish every period (``publish_every_period``), and read, decide every period; returns (with
+        ``peer.migrate_to`` set) once this peer moves. A round that ends after the next period's reading time
+        skips to the latest period whose reading time has not passed."""
         peer = self.peer
         arrival = getattr(peer, "arrived_from", None)
         if arrival is not None:  # this peer just moved here: the move is over, the cool-down starts
@@ -224,29 +246,39 @@ class PeerRebalancer:
             record = {**arrival, "arrived": period, "t": get_dht_time()}
             await self.node.store(last_move_key(self.run_id), record, get_dht_time() + 3600)
             self.log_move({"event": "arrived", "time": time.time(), "new_uid": peer.uid, **arrival})
+        publisher = asyncio.create_task(self.publish_every_period())
+        try:
+            move, period = await self.next_move()
+            publisher.cancel()   # this peer leaves its stage: no more records under it
+            record = {"uid": peer.uid, "from_stage": move.from_stage, "to_stage": move.to_stage, "period": period}
+            self.log_move({"event": "decided", "time": time.time(), **record})
+            print(f"[{peer.uid}] moving from stage {move.from_stage} to {move.to_stage} (period {period})",
+                  flush=True)
+            record["drain_s"], record["handed_over_samples"], record["lost_gradient_samples"] = await self.leave()
+            peer.migrate_to.set_result((move.to_stage, record))
+        finally:
+            publisher.cancel()
+
+    async def next_move(self):
+        """Read and decide each period ``DECIDE_DELAY`` after it started, until this peer is the one to move and
+        its claim won: returns (move, period), the move recorded as in transit under ``last_move_key``."""
+        peer = self.peer
         while True:
-            period = math.floor(get_dht_time() / self.period_s) + 1
-            await asyncio.sleep(max(period * self.period_s - get_dht_time(), 0.0))
+            now = get_dht_time()
+            period = math.floor((now - self.delay_s) / self.period_s) + 1
+            await asyncio.sleep(max(period * self.period_s + self.delay_s - get_dht_time(), 0.0))
             try:
-                window = peer.meter.window(time.monotonic())
-                peer.counters["load"] = {"period": period, **window}
-                await self.publish(period, window)
-                await asyncio.sleep(self.delay_s)
                 move = await self.decide(period)
                 if move is None or move.uid != peer.uid or not await self.claim(period, move):
                     continue
-                record = {"uid": peer.uid, "from_stage": move.from_stage, "to_stage": move.to_stage,
-                          "period": period}
-                await self.node.store(last_move_key(self.run_id), {**record, "arrived": None, "t": get_dht_time()},
+                await self.node.store(last_move_key(self.run_id),
+                                      {"uid": peer.uid, "from_stage": move.from_stage, "to_stage": move.to_stage,
+                                       "period": period, "arrived": None, "t": get_dht_time()},
                                       get_dht_time() + 3600)
             except Exception as e:  # a DHT hiccup: this period is skipped
                 print(f"[{peer.uid}] rebalancing round {period} failed: {e!r}", flush=True)
                 continue
-            self.log_move({"event": "decided", "time": time.time(), **record})
-            print(f"[{peer.uid}] moving from stage {move.from_stage} to {move.to_stage} (period {period})", flush=True)
-            record["drain_s"], record["handed_over_samples"], record["lost_gradient_samples"] = await self.leave()
-            peer.migrate_to.set_result((move.to_stage, record))
-            return
+            return move, period
 
     async def decide(self, period: int):
         """The period's move, or None: also while the last move holds decisions back and once the launcher asked
