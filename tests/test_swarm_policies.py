@@ -27,6 +27,7 @@ from cramswarm.swarm.policies import (
     Rebalancer,
     RetryPolicy,
     StageBalancer,
+    StageCall,
     StageSync,
     UniformBalancer,
     _uid_hash,
@@ -161,6 +162,51 @@ def test_retry_policy_timeouts():
     assert far.timeout(backward=False) == 30.0 + CALL_ROUND_TRIPS * 0.5
     assert far.timeout(backward=True) == 75.0 + CALL_ROUND_TRIPS * 0.5
     assert RetryPolicy(rtt_s=0.04).timeout(False) < far.timeout(False)
+
+
+def test_stage_call_retries_on_another_replica_and_gives_up_only_by_the_policy():
+    """The retry rule both trainers use (the launcher's processes, the emulation's threads): a refused peer is
+    banned and the next try goes elsewhere, a timed-out one is only penalised; every failure is a counted retry;
+    a stranded stage yields None until give_up_after_s, then NoPeersError; failures in a row give up by
+    ``RetryPolicy.exhausted``."""
+    counted: dict[str, int] = {}
+
+    def count(key):
+        counted[key] = counted.get(key, 0) + 1
+
+    balancer = StageBalancer(2, rng=random.Random(0))
+    balancer.update_peers({"a": 100.0, "b": 100.0}, now=0.0)
+    call = StageCall(balancer, RetryPolicy(give_up_after_s=60.0), task_size=4, backward=True, count=count,
+                     what="backward")
+    first = call.choose(0.0)
+    call.refused(first, 0.0, 0.5)
+    other = call.choose(0.5)
+    assert other != first and {call.choose(0.6) for _ in range(5)} == {other}   # the refused peer is banned
+    call.timed_out(other, 0.6, 75.6)
+    assert balancer.peers == [other] and call.choose(76.0) == other   # a timeout is not a ban
+    assert counted == {"errors": 1, "timeouts": 1, "retries": 2} and call.attempts == 2
+    # a third failure more than give_up_after_s after the first try: the stage's peers do not answer
+    with pytest.raises(TimeoutError, match="stage 2: 3 backward calls in a row"):
+        call.timed_out(other, 76.0, 151.0)
+    # a peer that answered before and now times out is busy (or gone: its record expires), not unreachable:
+    # retried, never given up on
+    one = StageBalancer(2, rng=random.Random(0))
+    one.update_peers({"d": 1000.0}, now=0.0)
+    busy = StageCall(one, RetryPolicy(give_up_after_s=60.0), task_size=4, backward=True, count=count)
+    busy.succeeded("d", 12.0, 3.0)   # work units over seconds: the balancer's estimate
+    assert one.throughput("d") == pytest.approx(12.0 / 3.0)
+    for k in range(6):
+        busy.timed_out(busy.choose(200.0 + 80 * k), 200.0 + 80 * k, 275.0 + 80 * k)
+    assert busy.attempts == 0 and counted["timeouts"] == 8 and counted["retries"] == 9
+    # a stage with no live peer: None (the caller waits and looks again) until the bound, then NoPeersError
+    empty = StageBalancer(1, rng=random.Random(0))
+    stranded = StageCall(empty, RetryPolicy(give_up_after_s=60.0), task_size=4, backward=False)
+    assert stranded.choose(10.0) is None and stranded.choose(69.0) is None
+    with pytest.raises(NoPeersError, match="stage 1"):
+        stranded.choose(70.0)
+    empty.update_peers({"c": 200.0}, now=70.0)   # a peer came back in time: the clock restarts
+    fresh = StageCall(empty, RetryPolicy(give_up_after_s=60.0), task_size=4, backward=False)
+    assert fresh.choose(70.0) == "c"
 
 
 def loads(*stages, queue=0.0, rate=1.0):

@@ -60,6 +60,7 @@ from cramswarm.swarm.policies import (
     Rebalancer,
     RetryPolicy,
     StageBalancer,
+    StageCall,
     StageSync,
     UniformBalancer,
 )
@@ -467,62 +468,56 @@ class Router:
                 return True
 
     def call(self, stage: int, kind: str, mb: int, data: Any, task_size: float, nbytes: tuple[int, int]) -> Any:
-        """Send one request to a peer of ``stage`` and return its result, retrying until a peer answers."""
+        """Send one request to a peer of ``stage`` and return its result, retrying until a peer answers: the retry
+        rule is ``StageCall``'s, as in the launcher's trainers; a fixed chain waits for its member instead."""
         swarm, clock = self.swarm, self.swarm.clock
         backward = kind != "forward"  # "backward", or "last" (the last stage's forward + backward)
         timeout = self.retry.timeout(backward)
-        first_try, stranded_since = True, None
+        call = None
+        if self.chain is None:
+            call = StageCall(self.balancers[stage], self.retry, task_size=task_size, backward=backward,
+                             count=swarm.count, what=kind)
         while True:
             self._check_deadline()
             now = clock.now()
-            if not first_try:
-                swarm.count("retries")
-            first_try = False
-            if self.chain is not None:
+            if call is None:
                 peer = self.chain[stage]
                 if not peer.alive:  # a fixed pipeline waits for its member to come back
                     clock.sleep(min(timeout, 0.1 * swarm.declare_period_s))
-                    first_try = True
                     continue
             else:
                 self._refresh(stage, now)
-                balancer = self.balancers[stage]
-                try:
-                    uid = balancer.choose(task_size, now, backward=backward)
-                except NoPeersError:
-                    stranded_since = now if stranded_since is None else stranded_since
-                    if now - stranded_since >= self.retry.give_up_after_s:
-                        raise
+                uid = call.choose(now)
+                if uid is None:   # no live peer: look again shortly (NoPeersError once give_up_after_s passed)
                     clock.sleep(0.1 * swarm.declare_period_s)
                     self._refresh(stage, clock.now(), force=True)
-                    first_try = True
                     continue
-                stranded_since = None
                 peer = swarm.by_uid[uid]
                 if not peer.alive or peer.pending_move is not None:  # connection refused
-                    swarm.count("errors")
-                    balancer.report_error(uid, now)
+                    call.refused(uid, now, now)
                     continue
             start = now
             clock.sleep(self.network_s(nbytes[0]))
             request = Request(kind, stage, mb, data)
             peer.queue.put(request)
             if not self._wait(request, timeout):
-                swarm.count("timeouts")
-                if self.chain is None:
-                    self.balancers[stage].report_timeout(peer.uid)
+                if call is None:
+                    swarm.count("timeouts")
+                    swarm.count("retries")
+                else:
+                    call.timed_out(peer.uid, start, clock.now())
                 continue
             if request.error is not None:
-                swarm.count("errors")
-                if self.chain is None:
-                    self.balancers[stage].report_error(peer.uid, clock.now())
+                if call is None:
+                    swarm.count("errors")
+                    swarm.count("retries")
+                else:
+                    call.refused(peer.uid, start, clock.now())
                 continue
             clock.sleep(self.network_s(nbytes[1]))
-            if self.chain is None:
+            if call is not None:
                 # in work units, as the peer's own estimate and the hivemind transport count them
-                self.balancers[stage].report_success(
-                    peer.uid, task_size * swarm.work_units(request), clock.now() - start
-                )
+                call.succeeded(peer.uid, task_size * swarm.work_units(request), clock.now() - start)
             return request.result
 
 
@@ -610,6 +605,9 @@ def run(setup: SwarmSetup, *, clock: ScaledClock | None = None, time_scale: floa
                 with swarm.lock:
                     state["lost"] += 1
                 continue
+            except TimeoutError as exc:   # StageCall gave up: a stage's peers kept failing (the run fails)
+                swarm.record_error(exc)
+                return
             now = clock.now()
             if now > deadline:
                 return
@@ -635,7 +633,7 @@ def run(setup: SwarmSetup, *, clock: ScaledClock | None = None, time_scale: floa
     for thread in threads[setup.trainers :]:
         thread.join(timeout=5.0)
     if swarm.errors:
-        raise RuntimeError("an emulated peer failed") from swarm.errors[0]
+        raise RuntimeError("an emulated peer or trainer failed") from swarm.errors[0]
     served = {peer.uid: peer.served["forward"] for peer in swarm.peers}
     return {
         "transport": "emulation",

@@ -11,6 +11,8 @@ same objects, so routing, retries, rebalancing and in-stage synchronisation beha
   of seconds per sample (``PerformanceEMA``, alpha 0.1); a backward task weighs 2.5x a forward one.
 * ``UniformBalancer`` - the same bookkeeping, choosing uniformly at random (the routing baseline).
 * ``RetryPolicy`` - per-call timeouts (backward = forward x 2.5) and the bound on waiting for any live peer.
+* ``StageCall`` - one stage call's retries on top of a balancer and a ``RetryPolicy``: the one retry loop of the
+  launcher's trainer processes and the emulation's trainer threads (each sends, waits and sleeps its own way).
 * ``Rebalancer`` - adaptive rebalancing (swarm.md 1.5): moves one peer from the least to the most loaded stage
   when the imbalance exceeds a hysteresis factor and the projected bottleneck throughput strictly improves.
 * ``StageSync`` - sample accounting toward one global batch per stage and the replicas' averaging weights.
@@ -22,6 +24,7 @@ import hashlib
 import heapq
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -233,6 +236,76 @@ class RetryPolicy:
         """Give up a call that has timed out or failed ``attempts`` times in a row for ``failing_for_s`` seconds:
         at least 3 attempts and longer than ``give_up_after_s`` (declared peers that never answer)."""
         return attempts >= 3 and failing_for_s > self.give_up_after_s
+
+
+class StageCall:
+    """One stage call's retry rule, shared by the trainers of every transport that sends real calls (the launcher's
+    trainer processes, ``trainer.StageClient``; the emulation's trainer threads, ``emulation.Router``): which
+    replica to try next, what a failed try tells the balancer, when to give up. It only decides; the caller sends,
+    waits and sleeps on its own clock and passes that clock's ``now`` (the balancer compares it with the peers'
+    record expirations).
+
+    A try ends in one of three ways: ``succeeded`` (the balancer learns the peer's throughput, in work units per
+    second), ``timed_out`` (the peer is penalised as slow) or ``refused`` (refused, reset, a remote error, a peer
+    known dead: banned until its record expires). Every failed try is a retry, counted with its kind through
+    ``count`` (``retries``, ``timeouts``, ``errors``), and the microbatch is never dropped here: ``choose`` returns
+    None while no live peer serves the stage (the caller waits ``NO_PEER_WAIT_S`` and re-reads the records) and
+    raises ``NoPeersError`` once that has lasted ``give_up_after_s``; a failed try raises ``TimeoutError`` once
+    ``RetryPolicy.exhausted`` counts the failures in a row: refusals, and timeouts of peers that never answered
+    this trainer (declared peers that never answer; an unreachable address). Sharing this object showed the two
+    trainers apart: the emulation's never gave up, the launcher's gave up on an overloaded replica that only
+    answered late (uniform routing over peers of speed 1 / 0.5 / 0.25, 8 trainers, 30 s timeouts: 4 timeouts in
+    120 s), which would have failed the run; now neither does."""
+
+    NO_PEER_WAIT_S = 0.2   # between two looks for a live peer of a stranded stage (seconds of the caller's clock)
+
+    def __init__(self, balancer, retry: RetryPolicy, *, task_size: float, backward: bool,
+                 count: Callable[[str], None] = lambda key: None, what: str = "call"):
+        self.balancer, self.retry, self.task_size, self.backward = balancer, retry, task_size, backward
+        self.count, self.what = count, what
+        self.attempts = 0
+        self.failing_since: float | None = None
+        self.stranded_since: float | None = None
+
+    def choose(self, now: float) -> str | None:
+        """The replica to send to, or None while the stage has no live peer."""
+        try:
+            uid = self.balancer.choose(self.task_size, now, backward=self.backward)
+        except NoPeersError:
+            self.stranded_since = now if self.stranded_since is None else self.stranded_since
+            if now - self.stranded_since >= self.retry.give_up_after_s:
+                raise
+            return None
+        self.stranded_since = None
+        return uid
+
+    def succeeded(self, uid: str, units: float, seconds: float) -> None:
+        self.balancer.report_success(uid, units, seconds)
+
+    def timed_out(self, uid: str, started: float, now: float) -> None:
+        """The try sent at ``started`` had no answer by ``now``. A peer that has answered this trainer before is
+        reachable, only busy (an overloaded slow replica under uniform routing) or gone (its record expires): its
+        timeout is a retry but does not count toward giving up, which is for peers that never answer."""
+        answered = self.balancer.throughput(uid) is not None
+        self.balancer.report_timeout(uid)
+        self._failed("timeouts", uid, started, now, toward_give_up=not answered)
+
+    def refused(self, uid: str, started: float, now: float) -> None:
+        """The try sent at ``started`` failed at ``now`` (refused, reset, a remote error; a peer known dead)."""
+        self.balancer.report_error(uid, now)
+        self._failed("errors", uid, started, now)
+
+    def _failed(self, kind: str, uid: str, started: float, now: float, toward_give_up: bool = True) -> None:
+        self.count(kind)
+        self.count("retries")
+        if not toward_give_up:
+            return
+        self.attempts += 1
+        self.failing_since = started if self.failing_since is None else self.failing_since
+        if self.retry.exhausted(now - self.failing_since, self.attempts):
+            raise TimeoutError(f"stage {self.balancer.stage}: {self.attempts} {self.what} calls in a row failed or "
+                               f"timed out over {now - self.failing_since:.0f} s (last on {uid}); its declared "
+                               f"peers do not answer (unreachable address? see swarm.host / interface)")
 
 
 @dataclass(frozen=True)

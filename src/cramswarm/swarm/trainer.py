@@ -65,7 +65,7 @@ from cramswarm.swarm.hivemind_peer import (
     watch_launcher,
 )
 from cramswarm.swarm.peer_sync import CLOCK_FILE, SyncingStagePeer, read_clock
-from cramswarm.swarm.policies import NoPeersError, RetryPolicy, make_balancer
+from cramswarm.swarm.policies import NoPeersError, RetryPolicy, StageCall, make_balancer
 
 REFRESH_PERIOD_S = 1.0  # a trainer re-reads the stages' DHT records this often
 EXIT_NO_PEERS = 4       # a stage had no live peer for give_up_after_s
@@ -116,53 +116,41 @@ class StageClient:
 
     async def _call(self, stage: int, method: str, tensors: dict, meta: dict, samples: int, *,
                     fused: bool = False) -> tuple[dict, dict]:
-        """One stage call with SWARM's retry semantics: another replica on a timeout or error, never dropped
-        (``NoPeersError`` once the stage has had no live peer for ``give_up_after_s``; ``TimeoutError`` once
-        ``RetryPolicy`` is exhausted: declared peers that never answer).
+        """One stage call with SWARM's retry semantics, decided by ``policies.StageCall`` (the emulation's trainer
+        threads retry by the same object): another replica on a timeout or error, never dropped (``NoPeersError``
+        once the stage has had no live peer for ``give_up_after_s``; ``TimeoutError`` once ``RetryPolicy`` is
+        exhausted: declared peers that never answer).
 
         ``fused``: the last stage's forward + backward in one call. The peer's throughput estimate counts the
         call's work units (``WORK_UNITS``: forward 1, backward 2, fused 3 per sample, as the emulation does), so
         every stage does the same units per microbatch and the rebalancer can compare stages; counted in samples,
         the last stage (one call per microbatch) looked half as fast as the others (two calls) and drew a
         second peer after a rebalancing move had already evened the stages out."""
-        backward = method == "backward"
         units = samples * WORK_UNITS["last" if fused else method]
-        balancer, retry = self.balancers[stage], self.retry
-        no_peer_since = failing_since = None
-        attempts = 0
+        call = StageCall(self.balancers[stage], self.retry, task_size=samples, backward=method == "backward",
+                         count=self._count, what=method)
         while True:
-            try:
-                uid = balancer.choose(samples, get_dht_time(), backward=backward)
-            except NoPeersError:
-                no_peer_since = no_peer_since or time.monotonic()
-                if time.monotonic() - no_peer_since > retry.give_up_after_s:
-                    raise
-                await asyncio.sleep(0.2)
+            uid = call.choose(get_dht_time())
+            if uid is None:   # no live peer: look again shortly (NoPeersError once give_up_after_s passed)
+                await asyncio.sleep(StageCall.NO_PEER_WAIT_S)
                 with contextlib.suppress(Exception):
                     await self._refresh(stage)
                 continue
-            no_peer_since = None
-            started = time.perf_counter()
-            result = None
+            started, clock = time.perf_counter(), get_dht_time()
             try:
-                result = await asyncio.wait_for(self._rpc(stage, uid, method, tensors, meta), retry.timeout(backward))
+                result = await asyncio.wait_for(self._rpc(stage, uid, method, tensors, meta),
+                                                self.retry.timeout(call.backward))
             except asyncio.TimeoutError:
-                balancer.report_timeout(uid)
-                self.stats["timeouts"] += 1
+                call.timed_out(uid, clock, get_dht_time())
             except Exception as e:  # refused, reset, remote handler error: banned until its record expires
-                balancer.report_error(uid, get_dht_time())
-                self.stats["errors"] += 1
                 self.stats["last_error"] = f"stage {stage} {method} on {uid}: {e!r}"
-            if result is not None:
-                balancer.report_success(uid, units, time.perf_counter() - started)
+                call.refused(uid, clock, get_dht_time())
+            else:
+                call.succeeded(uid, units, time.perf_counter() - started)
                 return result
-            self.stats["retries"] += 1
-            attempts += 1
-            failing_since = failing_since or started
-            if retry.exhausted(time.perf_counter() - failing_since, attempts):
-                raise TimeoutError(f"stage {stage}: {attempts} {method} calls in a row failed or timed out over "
-                                   f"{time.perf_counter() - failing_since:.0f} s (last on {uid}); its declared "
-                                   f"peers do not answer (unreachable address? see swarm.host / interface)")
+
+    def _count(self, key: str) -> None:
+        self.stats[key] += 1
 
     @staticmethod
     def _rename(tensors: dict, meta: dict, old: str, new: str) -> tuple[dict, dict]:
