@@ -32,6 +32,7 @@ from cramswarm.swarm.policies import (
     UniformBalancer,
     _uid_hash,
     choose_move,
+    kill_candidates,
 )
 
 SPEEDS = {"fast": 1.0, "half": 0.5, "quarter": 0.25}
@@ -207,6 +208,19 @@ def test_stage_call_retries_on_another_replica_and_gives_up_only_by_the_policy()
     empty.update_peers({"c": 200.0}, now=70.0)   # a peer came back in time: the clock restarts
     fresh = StageCall(empty, RetryPolicy(give_up_after_s=60.0), task_size=4, backward=False)
     assert fresh.choose(70.0) == "c"
+
+
+def test_kill_candidates_never_take_a_stages_last_up_to_date_replica():
+    """Fault injection's rule (the launcher's and the emulation's): a live replica at its stage's latest step, with
+    another live one there too; the latest step counts dead replicas' records (a copy that stepped, then died)."""
+    steps = {0: {"a": 3, "b": 3, "c": 2},   # c lags: never a victim; a and b may go
+             1: {"d": 5, "e": 5},           # e is dead: d is the last up-to-date copy
+             2: {"f": 7, "g": 6, "h": 6}}   # f (dead) stepped last: g and h are behind it, none may go
+    live = {"a", "b", "c", "d", "g", "h"}
+    assert kill_candidates(steps, live) == ["a", "b"]
+    assert kill_candidates(steps, live - {"b"}) == []
+    assert kill_candidates({0: {"x": 0, "y": 0, "z": 0}}, {"z", "x"}) == ["x", "z"]
+    assert kill_candidates({}, set()) == [] and kill_candidates({0: {}}, set()) == []
 
 
 def loads(*stages, queue=0.0, rate=1.0):

@@ -63,6 +63,7 @@ from cramswarm.swarm.policies import (
     StageCall,
     StageSync,
     UniformBalancer,
+    kill_candidates,
 )
 from cramswarm.swarm.stages import build_swarm_model, split_model
 from cramswarm.training import (
@@ -1011,7 +1012,8 @@ def _peer_specs(swarm_cfg: dict, num_stages: int) -> list[PeerSpec]:
 
 
 def _fault_loop(swarm: _TrainingSwarm, kill_every_s: float, rejoin_after_s: float | None, seed: int) -> None:
-    """Every ``kill_every_s``: kill a random live peer whose stage keeps another live replica."""
+    """Every ``kill_every_s``: kill a random live peer whose stage keeps another live replica
+    (``policies.kill_candidates``, as the launcher chooses)."""
     rng = random.Random(seed)
     rejoins: list[tuple[float, Peer]] = []
     next_kill = swarm.clock.now() + kill_every_s
@@ -1024,12 +1026,13 @@ def _fault_loop(swarm: _TrainingSwarm, kill_every_s: float, rejoin_after_s: floa
         if now < next_kill:
             continue
         next_kill = now + kill_every_s
-        with swarm.membership:
-            candidates = [
-                p
-                for p in swarm.peers
-                if p.alive and p.pending_move is None and sum(q.alive for q in swarm.members(p.stage)) >= 2
-            ]
+        with swarm.membership:   # the launcher's rule (kill_candidates); the replicas here step together
+            steps: dict[int, dict[str, int]] = {}
+            for p in swarm.peers:
+                if p.alive and p in swarm.members(p.stage):
+                    steps.setdefault(p.stage, {})[p.uid] = 0
+            live = {p.uid for p in swarm.peers if p.alive and p.pending_move is None}
+            candidates = [swarm.by_uid[uid] for uid in kill_candidates(steps, live)]
             victim = rng.choice(candidates) if candidates else None
             if victim is not None:
                 swarm.kill(victim)

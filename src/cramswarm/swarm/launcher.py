@@ -112,7 +112,7 @@ from cramswarm.swarm.peer_sync import (
     progress_records,
     stage_stalls,
 )
-from cramswarm.swarm.policies import NoPeersError
+from cramswarm.swarm.policies import NoPeersError, kill_candidates
 from cramswarm.swarm.processes import PeerProcess, ProcessGroups, own_daemons, peer_gpu
 from cramswarm.swarm.trainer import EXIT_NO_PEERS, losses_path, progress_path, shard
 
@@ -504,16 +504,12 @@ class Launcher:
         return RuntimeError(f"trainer {rank} exited with code {code}:\n{log}")
 
     async def _killable(self) -> list[PeerProcess]:
-        """Live peers of stages where at least two live replicas are at the stage's latest step."""
-        found = []
-        for stage in range(self.plan.stages):
-            records = await progress_records(self.node, self.run_id, stage)
-            latest = max((r["step"] for r in records.values()), default=0)
-            current = [self.peers[u] for u, r in records.items()
-                       if r["step"] == latest and u in self.peers and self.peers[u].alive and u not in self.retired]
-            if len(current) >= 2:
-                found.extend(current)
-        return found
+        """Live peers of stages where at least two live replicas are at the stage's latest step
+        (``policies.kill_candidates``, the emulation's rule too)."""
+        steps = {stage: {u: r["step"] for u, r in (await progress_records(self.node, self.run_id, stage)).items()}
+                 for stage in range(self.plan.stages)}
+        live = {u for u, peer in self.peers.items() if peer.alive and u not in self.retired}
+        return [self.peers[u] for u in kill_candidates(steps, live)]
 
     def _kill_peer(self, peer: PeerProcess) -> None:
         self.retired.add(peer.uid)
@@ -541,10 +537,9 @@ class Launcher:
         for stage in range(self.plan.stages):
             records = await progress_records(self.node, self.run_id, stage)
             declared = await stage_records(self.node, self.run_id, stage)
-            latest = max((r["step"] for r in records.values()), default=0)
-            current = [u for u, r in records.items() if r["step"] == latest and u in declared and u not in self.retired]
-            if len(current) >= 2:
-                found.extend((stage, uid, declared[uid][0]) for uid in current)
+            live = set(declared) - self.retired
+            steps = {stage: {u: r["step"] for u, r in records.items()}}
+            found.extend((stage, uid, declared[uid][0]) for uid in kill_candidates(steps, live))
         return found
 
     def _stage_stub(self, stage: int, peer: str):

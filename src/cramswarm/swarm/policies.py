@@ -11,6 +11,7 @@ same objects, so routing, retries, rebalancing and in-stage synchronisation beha
   of seconds per sample (``PerformanceEMA``, alpha 0.1); a backward task weighs 2.5x a forward one.
 * ``UniformBalancer`` - the same bookkeeping, choosing uniformly at random (the routing baseline).
 * ``RetryPolicy`` - per-call timeouts (backward = forward x 2.5) and the bound on waiting for any live peer.
+* ``kill_candidates`` - fault injection's rule: which live replicas may be killed.
 * ``StageCall`` - one stage call's retries on top of a balancer and a ``RetryPolicy``: the one retry loop of the
   launcher's trainer processes and the emulation's trainer threads (each sends, waits and sleeps its own way).
 * ``Rebalancer`` - adaptive rebalancing (swarm.md 1.5): moves one peer from the least to the most loaded stage
@@ -24,7 +25,7 @@ import hashlib
 import heapq
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass
 
 
@@ -306,6 +307,21 @@ class StageCall:
             raise TimeoutError(f"stage {self.balancer.stage}: {self.attempts} {self.what} calls in a row failed or "
                                f"timed out over {now - self.failing_since:.0f} s (last on {uid}); its declared "
                                f"peers do not answer (unreachable address? see swarm.host / interface)")
+
+
+def kill_candidates(steps: Mapping[int, Mapping[str, int]], live: Container[str]) -> list[str]:
+    """Fault injection's victims, one rule for the launcher and the emulation: ``steps`` gives per stage the step
+    each replica's record shows (dead ones too, until their records expire), ``live`` the uids that may be killed
+    (alive, not moving, not already killed). A live replica may be killed if it is at its stage's latest step and
+    at least one other live replica is too, so a kill never takes the last up-to-date copy of a stage. In the order
+    given (the caller's random choice depends on it)."""
+    found = []
+    for replicas in steps.values():
+        latest = max(replicas.values(), default=0)
+        current = [uid for uid, step in replicas.items() if step == latest and uid in live]
+        if len(current) >= 2:
+            found.extend(current)
+    return found
 
 
 @dataclass(frozen=True)
