@@ -250,7 +250,8 @@ class StageCall:
     second), ``timed_out`` (the peer is penalised as slow) or ``refused`` (refused, reset, a remote error, a peer
     known dead: banned until its record expires). Every failed try is a retry, counted with its kind through
     ``count`` (``retries``, ``timeouts``, ``errors``), and the microbatch is never dropped here: ``choose`` returns
-    None while no live peer serves the stage (the caller waits ``NO_PEER_WAIT_S`` and re-reads the records) and
+    None while no live peer serves the stage (the caller waits a moment, ``NO_PEER_WAIT_S`` in the launcher's
+    trainers, and re-reads the records) and
     raises ``NoPeersError`` once that has lasted ``give_up_after_s``; a failed try raises ``TimeoutError`` once
     ``RetryPolicy.exhausted`` counts the failures in a row: refusals, and timeouts of peers that never answered
     this trainer (declared peers that never answer; an unreachable address). Sharing this object showed the two
