@@ -41,6 +41,8 @@ from cramswarm.swarm import hivemind_transport as ht  # noqa: E402
 from cramswarm.swarm import launcher as launcher_mod  # noqa: E402
 from cramswarm.swarm.peer_sync import (  # noqa: E402
     MIN_GATHER_S,
+    GatherView,
+    catch_up_source,
     load_shard,
     newest_shard,
     shard_files,
@@ -115,6 +117,38 @@ def test_shards_partition_the_microbatches_and_step_targets_follow_the_ramp():
     assert step_target(recipe, 32, 0, 0) == (0.0, MICRO)
     assert step_target(recipe, 32, 0, 5) == (0.5, 4 * MICRO)
     assert step_target(recipe, 32, 0, 2)[1] == (1 + int(0.2 / 0.5 * 4)) * MICRO
+
+
+def test_a_replica_downloading_a_step_is_waited_for_and_never_downloaded_from():
+    """The in-stage step's catch-up rules (peer_sync): a replica behind downloads the most advanced settled
+    replica's state, publishing a ``joining`` record meanwhile; the peers at that step count it as on its way
+    (their group is not complete until it has arrived and is ready), and nobody downloads from it."""
+    rec = {"a": {"step": 5, "samples": 8, "digest": "x", "ready": True},
+           "b": {"step": 4, "samples": 0, "digest": "y", "joining": 5},
+           "c": {"step": 3, "samples": 4, "digest": "z"}}
+    # c is behind: it downloads a's state (b, though at a later step than c, is itself downloading)
+    assert catch_up_source(rec, "c", 3, "z") == ("a", False)
+    # a joiner never serves, even as the only replica ahead
+    assert catch_up_source({"b": rec["b"], "c": rec["c"]}, "c", 3, "z") == (None, False)
+    # the reference replica at the same step (lowest settled uid) with another digest: a mismatch
+    same = {"a": {"step": 5, "digest": "x"}, "d": {"step": 5, "digest": "w"}}
+    assert catch_up_source(same, "d", 5, "w") == ("a", True)
+    assert catch_up_source(same, "a", 5, "x") == (None, False)
+    assert catch_up_source(same | {"a": same["a"] | {"joining": 5}}, "d", 5, "w") == (None, False)
+
+    view = GatherView(rec, 5)
+    assert (view.passed, sorted(view.at_step), sorted(view.ready), view.joining) == (False, ["a"], ["a"], ["b"])
+    assert not view.complete()   # b is on its way to step 5: a waits for it rather than stepping alone
+    arrived = GatherView(rec | {"b": {"step": 5, "samples": 0, "digest": "x"}}, 5)
+    assert arrived.joining == [] and not arrived.complete()   # arrived, not yet ready
+    both = GatherView(rec | {"b": {"step": 5, "samples": 0, "digest": "x", "ready": True}}, 5)
+    assert both.complete() and sorted(both.ready) == ["a", "b"]
+    # a joiner at a later step does not count as a replica past this one; a settled one does
+    assert not GatherView({"b": {"step": 4, "joining": 6}}, 5).passed
+    assert GatherView({"e": {"step": 6}}, 5).passed
+    # a replica re-downloading its own step (digest mismatch) is on its way, not a member yet
+    mismatch = GatherView({"a": rec["a"], "d": {"step": 5, "digest": "w", "joining": 5}}, 5)
+    assert sorted(mismatch.at_step) == ["a"] and mismatch.joining == ["d"] and not mismatch.complete()
 
 
 @pytest.mark.slow

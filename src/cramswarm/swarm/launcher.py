@@ -897,6 +897,7 @@ class Launcher:
             replicas_equal=not any(spread), replica_max_abs_diff=spread, process_groups=list(self.groups.pgids),
             resyncs=sum(c["resyncs"] for c in counters), digest_mismatches=sum(c["digest_mismatches"]
                                                                               for c in counters),
+            joining_wait_s=round(sum(c.get("joining_wait_s", 0.0) for c in counters), 3),
             stage_parameters=self.stage_params, averaging_compression=self.plan.averaging_compression,
             peer_memory=[{key: c.get(key) for key in PEER_MEMORY_KEYS} for c in counters],
             averaging_bytes_per_param=[round(b / n, 4) if n else None for b, n in zip(sent, param_steps)],

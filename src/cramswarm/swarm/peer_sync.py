@@ -33,7 +33,11 @@ and
 * a peer that sees a record at a later step (it was left out of a group, or its all-reduce failed) downloads the
   state of the most advanced replica; a peer whose parameter digest differs from that of the lowest uid at the
   same step does too (counted: ``digest_mismatches``). The gradients it held are lost and counted
-  (``lost_gradient_samples``), as in SWARM;
+  (``lost_gradient_samples``), as in SWARM. While it downloads it keeps publishing its record, marked ``joining``
+  with the step it is downloading, and the peers at that step wait for it at their next gather (``GatherView``;
+  at most the download's own bound, ``state_timeout_s``) instead of stepping without it. Without that, a download
+  longer than a step (a stage's state over a slow link) arrived a step old every time: the replica ahead stepped
+  alone while it downloaded, and the one behind downloaded again and never took part in a step again;
 * a peer leaving its stage (``peer_rebalance``) hands the gradients it accumulated since its last step to a replica
   that stays (``hand_over`` and that replica's ``rpc_handover``), which adds them to its own toward its next step.
 
@@ -80,7 +84,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
 from cramswarm.io import atomic_path, write_json
-from cramswarm.swarm.averaging import averaging_timeout_s
+from cramswarm.swarm.averaging import averaging_timeout_s, state_timeout_s
 from cramswarm.swarm.hivemind_peer import (
     DECLARE_PERIOD_S,
     RECORD_TTL_S,
@@ -135,6 +139,42 @@ async def progress_records(node, run_id: str, stage: int) -> dict[str, dict]:
         return {}
     return {uid: entry.value for uid, entry in found.value.items()
             if isinstance(uid, str) and isinstance(entry.value, dict) and "step" in entry.value}
+
+
+def catch_up_source(records: dict[str, dict], uid: str, step: int, digest: str | None) -> tuple[str | None, bool]:
+    """Whose state a peer at ``step`` with parameter digest ``digest`` downloads, from its stage's progress records:
+    the most advanced replica (highest step, then lowest uid) when one is ahead; else, at a step past 0, the
+    reference replica (the lowest uid at ``step``) when its digest differs; else None. A ``joining`` record
+    (its peer is downloading itself) is never a source. Returns (source uid, whether it is a digest mismatch)."""
+    settled = {u: r for u, r in records.items() if r.get("joining") is None}
+    ahead = {u: r for u, r in settled.items() if r["step"] > step}
+    if ahead:
+        return min(ahead, key=lambda u: (-ahead[u]["step"], u)), False
+    same = {u: r for u, r in settled.items() if r["step"] == step and r.get("digest")}
+    if same and digest is not None and step > 0:
+        reference = min(same)
+        if reference != uid and same[reference]["digest"] != digest:
+            return reference, True
+    return None, False
+
+
+class GatherView:
+    """What a ready peer at ``step`` reads from its stage's progress records while it gathers its group: the
+    records at ``step`` (``at_step``), those of them ready to average (``ready``), the peers downloading the state
+    of ``step`` to join it (``joining``: their records say the step they left, or ``step`` itself when they
+    download the reference replica's state over a digest mismatch), and whether a replica is past ``step`` already
+    (``passed``: this peer then catches up instead)."""
+
+    def __init__(self, records: dict[str, dict], step: int):
+        settled = {u: r for u, r in records.items() if r.get("joining") is None}
+        self.passed = any(r["step"] > step for r in settled.values())
+        self.at_step = {u: r for u, r in settled.items() if r["step"] == step}
+        self.ready = {u: r for u, r in self.at_step.items() if r.get("ready")}
+        self.joining = sorted(u for u, r in records.items() if r.get("joining") == step)
+
+    def complete(self) -> bool:
+        """Every peer at ``step`` is ready and none is on its way to it."""
+        return len(self.ready) == len(self.at_step) and not self.joining
 
 
 def shard_files(shard_dir: Path, stage: int) -> list[tuple[int, str, Path]]:
@@ -234,6 +274,7 @@ class SyncingStagePeer(StagePeer):
         self.admitted = 0          # samples of backward calls admitted and not yet computed
         self.closing = False       # taking the step's snapshot: new backward calls wait, admitted ones finish
         self.others_pending = 0    # samples the other peers at this step held at the last read of the records
+        self.joining: int | None = None  # the step whose state this peer is downloading (_catch_up)
         self.nudge = asyncio.Event()  # wakes the synchronisation loop early (this peer's count reached the batch)
         self.last_backward: float | None = None      # wall time the last accumulated backward computation ended
         self.snapshot_backward: float | None = None  # ... of those in the snapshot
@@ -242,7 +283,7 @@ class SyncingStagePeer(StagePeer):
                          "averaging_param_steps": 0, "group_sizes": [], "failed_rounds": 0, "shards_written": 0,
                          "duplicate_samples": 0, "loaded_shard_step": None, "backward_samples": 0,
                          "admission_wait_s": 0.0, "held_calls": 0, "device": str(self.device),
-                         "handed_over_samples": 0, "taken_over_samples": 0}
+                         "handed_over_samples": 0, "taken_over_samples": 0, "joining_wait_s": 0.0}
         self.stepped_mbs: set[int] = set()   # microbatches whose gradients the stage has stepped
         self.local_mbs: set[int] = set()     # ... accumulated here since the snapshot
         self.snapshot_mbs: set[int] = set()  # ... in the snapshot
@@ -468,7 +509,9 @@ class SyncingStagePeer(StagePeer):
     async def _publish(self) -> None:
         value = {"peer": self.peer_id, "step": self.step, "samples": self._held_samples(),
                  "stepped": self.stepped_samples, "digest": self.digest, "ready": False}
-        if self.ready is not None and self.ready[0] == self.step:
+        if self.joining is not None:  # its held gradients go with the download: they count toward no step
+            value.update(joining=self.joining, samples=0)
+        elif self.ready is not None and self.ready[0] == self.step:
             value.update(ready=True, snap=self.ready[1], loss=self.ready[2], at=self.ready[3],
                          mbs=sorted(self.snapshot_mbs))
         await self.node.store(progress_key(self.run_id, self.stage), subkey=self.uid, value=value,
@@ -565,45 +608,63 @@ class SyncingStagePeer(StagePeer):
 
     async def _catch_up(self, records: dict[str, dict]) -> bool:
         """Download the state of a replica that is ahead, or of the reference replica (lowest uid) at this step
-        when the parameter digests differ. Returns whether it did."""
-        ahead = {uid: r for uid, r in records.items() if r["step"] > self.step}
-        source = None
-        if ahead:
-            source = min(ahead, key=lambda uid: (-ahead[uid]["step"], uid))
-        else:
-            same = {uid: r for uid, r in records.items() if r["step"] == self.step and r.get("digest")}
-            if same and self.digest is not None and self.step > 0:
-                reference = min(same)
-                if reference != self.uid and same[reference]["digest"] != self.digest:
-                    source = reference
-                    self.counters["digest_mismatches"] += 1
+        when the parameter digests differ (``catch_up_source``), publishing a ``joining`` record meanwhile so
+        that the peers at that step wait for this one. Returns whether it did."""
+        source, mismatch = catch_up_source(records, self.uid, self.step, self.digest)
         if source is None:
             return False
+        self.counters["digest_mismatches"] += int(mismatch)
         lost = self._held_samples()
-        step = await self.download_state(PeerID.from_base58(records[source]["peer"]))
+        self.joining = int(records[source]["step"])
+        announcing = asyncio.create_task(self._announce_joining())
+        try:
+            step = await self.download_state(PeerID.from_base58(records[source]["peer"]))
+        finally:
+            announcing.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await announcing
+            self.joining = None
         self.counters["lost_gradient_samples"] += lost
         self.counters["resyncs"] += 1
         print(f"[{self.uid}] took the state of {source} (step {step}); {lost} samples' gradients dropped", flush=True)
+        await self._publish()   # at its new step at once: the peers waiting for it see it arrive
         self._write_counters()
         return True
 
+    async def _announce_joining(self) -> None:
+        """While this peer downloads a stage's state: its ``joining`` record, every ``PROGRESS_PERIOD_S``."""
+        while True:
+            try:
+                await self._publish()
+            except Exception as e:  # a DHT hiccup: the next period publishes again
+                print(f"[{self.uid}] publishing the joining record failed: {e!r}", flush=True)
+            await asyncio.sleep(PROGRESS_PERIOD_S)
+
     async def _gather(self, step: int) -> dict[str, dict] | None:
-        """The ready records at ``step`` once every record at it is ready (or ``GATHER_S`` passed); None once a
-        replica is past ``step`` (this peer then catches up)."""
-        started = time.monotonic()
+        """The ready records at ``step`` once every record at it is ready and no peer is downloading the state of
+        ``step`` to join it (``GatherView``), or once ``GATHER_S`` passed since a peer was last seen on its way
+        (a joining peer is waited for at most ``state_timeout_s`` from the gather's start; the seconds are counted
+        in ``joining_wait_s``). None once a replica is past ``step`` (this peer then catches up)."""
+        started = waiting_from = time.monotonic()
+        joiner_bound = state_timeout_s(self.num_params, self.link_mbit_s, self.sync_timeout_s)
         while True:
             await self._publish()
-            records = await progress_records(self.node, self.run_id, self.stage)
-            if any(r["step"] > step for r in records.values()):
+            view = GatherView(await progress_records(self.node, self.run_id, self.stage), step)
+            if view.passed:
                 return None
-            at_step = {uid: r for uid, r in records.items() if r["step"] == step}
-            ready = {uid: r for uid, r in at_step.items() if r.get("ready")}
-            waited = time.monotonic() - started
+            now = time.monotonic()
+            if view.joining and now - started < joiner_bound:
+                if waiting_from == started:
+                    print(f"[{self.uid}] step {step}: waiting for {view.joining} to join it", flush=True)
+                self.counters["joining_wait_s"] += now - waiting_from
+                waiting_from = now   # GATHER_S counts from the last moment a peer was on its way
+            waited = now - waiting_from
+            ready = view.ready
             if waited >= GATHER_S and self.uid not in ready:  # this peer's own record not read back yet
                 ready[self.uid] = {"peer": self.peer_id, "snap": self.ready[1], "loss": self.ready[2],
                                    "at": self.ready[3],
                                    "mbs": sorted(self.snapshot_mbs)}
-            if self.uid in ready and ((len(ready) == len(at_step) and waited >= MIN_GATHER_S) or waited >= GATHER_S):
+            if self.uid in ready and ((view.complete() and waited >= MIN_GATHER_S) or waited >= GATHER_S):
                 return ready
             await asyncio.sleep(0.1)
 
