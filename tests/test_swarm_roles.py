@@ -40,11 +40,15 @@ from test_swarm_hivemind import (  # noqa: E402
 from cramswarm.swarm import hivemind_transport as ht  # noqa: E402
 from cramswarm.swarm import launcher as launcher_mod  # noqa: E402
 from cramswarm.swarm.peer_sync import (  # noqa: E402
+    DHT_ROUNDS,
+    GATHER_S,
     MIN_GATHER_S,
+    PROGRESS_TTL_S,
     GatherView,
     catch_up_source,
     load_shard,
     newest_shard,
+    record_window_s,
     shard_files,
     stage_stalls,
     step_target,
@@ -139,8 +143,11 @@ def test_a_replica_downloading_a_step_is_waited_for_and_never_downloaded_from():
     view = GatherView(rec, 5)
     assert (view.passed, sorted(view.at_step), sorted(view.ready), view.joining) == (False, ["a"], ["a"], ["b"])
     assert not view.complete()   # b is on its way to step 5: a waits for it rather than stepping alone
-    arrived = GatherView(rec | {"b": {"step": 5, "samples": 0, "digest": "x"}}, 5)
-    assert arrived.joining == [] and not arrived.complete()   # arrived, not yet ready
+    # arrived: still joining until its ready record (its first gather) is published
+    arrived = GatherView(rec | {"b": {"step": 5, "samples": 0, "digest": "x", "joining": 5}}, 5)
+    assert arrived.joining == ["b"] and sorted(arrived.at_step) == ["a"] and not arrived.complete()
+    member = GatherView(rec | {"b": {"step": 5, "samples": 0, "digest": "x"}}, 5)
+    assert member.joining == [] and not member.complete()   # a member not yet ready
     both = GatherView(rec | {"b": {"step": 5, "samples": 0, "digest": "x", "ready": True}}, 5)
     assert both.complete() and sorted(both.ready) == ["a", "b"]
     # a joiner at a later step does not count as a replica past this one; a settled one does
@@ -149,6 +156,11 @@ def test_a_replica_downloading_a_step_is_waited_for_and_never_downloaded_from():
     # a replica re-downloading its own step (digest mismatch) is on its way, not a member yet
     mismatch = GatherView({"a": rec["a"], "d": {"step": 5, "digest": "w", "joining": 5}}, 5)
     assert sorted(mismatch.at_step) == ["a"] and mismatch.joining == ["d"] and not mismatch.complete()
+
+
+def test_records_live_and_gathers_wait_for_several_of_the_peers_own_dht_rounds():
+    assert record_window_s(0.0) == record_window_s(0.3) == max(GATHER_S, PROGRESS_TTL_S)   # a fast network
+    assert record_window_s(2.5) == DHT_ROUNDS * 2.5 > GATHER_S   # a round of 2.5 s over a slow link
 
 
 @pytest.mark.slow

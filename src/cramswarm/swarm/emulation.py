@@ -1028,8 +1028,8 @@ def _fault_loop(swarm: _TrainingSwarm, kill_every_s: float, rejoin_after_s: floa
         next_kill = now + kill_every_s
         with swarm.membership:   # the launcher's rule (kill_candidates); the replicas here step together
             steps: dict[int, dict[str, int]] = {}
-            for p in swarm.peers:
-                if p.alive and p in swarm.members(p.stage):
+            for p in swarm.peers:   # the stages' live members (swarm.members' rule), in one pass
+                if p.alive and p.state.member:
                     steps.setdefault(p.stage, {})[p.uid] = 0
             live = {p.uid for p in swarm.peers if p.alive and p.pending_move is None}
             candidates = [swarm.by_uid[uid] for uid in kill_candidates(steps, live)]

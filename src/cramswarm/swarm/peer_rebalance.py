@@ -331,10 +331,10 @@ async def move_peer(peer, to_stage: int, record: dict):
     """The peer that left its stage (``PeerRebalancer.leave``; its tasks are cancelled) becomes a new peer of
     ``to_stage`` in the same process: its progress record is withdrawn, its handlers removed, the new stage built
     under ``moved_uid``. The caller (``serve_stage``) downloads the new stage's state and serves it."""
-    from cramswarm.swarm.peer_sync import PROGRESS_TTL_S, progress_key
+    from cramswarm.swarm.peer_sync import progress_key, record_window_s
 
     await peer.node.store(progress_key(peer.run_id, peer.stage), subkey=peer.uid, value={"left": True},
-                          expiration_time=get_dht_time() + PROGRESS_TTL_S + 1.0)
+                          expiration_time=get_dht_time() + record_window_s(peer.round_s) + 1.0)
     await peer.remove_p2p_handlers(peer.node.p2p, namespace=peer.namespace)
     peer.compute.shutdown(wait=False)
     moves = getattr(peer, "moves", 0) + 1

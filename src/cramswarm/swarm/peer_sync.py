@@ -17,15 +17,14 @@ and
   peer's training time at its snapshot (``at``) and a step's progress is the latest ``at`` of its group (hashed
   into the group id, so every member computes the same learning rate);
 * to step, it lets the backward calls it admitted finish, then moves its accumulated gradients aside (backward
-  calls arriving later count toward the next step),
-  marks its record ready and waits until every peer with a record at its step is ready (at most
-  ``GATHER_S``). The group is **deterministic, from the DHT records** (the ready records at this step, ordered by
-  uid; the group id hashes their uids and sample counts), not hivemind's matchmaking: ``DecentralizedAverager``'s
-  matchmaking needs its own averager process per peer with its own copy of the gradients and forms groups by
-  time windows, while here every replica of a stage must take part in every step or fall behind; a group read
-  from the records that every member reads alike is enough, and a member that read a different set simply fails
-  the all-reduce (group ids differ) and tries again with a fresh read (records of dead peers expire within
-  ``PROGRESS_TTL_S``);
+  calls arriving later count toward the next step), marks its record ready and waits until every peer with a
+  record at its step is ready (at most ``GATHER_S``, see ``record_window_s``). The group is **deterministic, from
+  the DHT records** (the ready records at this step, ordered by uid; the group id hashes their uids and sample
+  counts), not hivemind's matchmaking: ``DecentralizedAverager``'s matchmaking needs its own averager process per
+  peer with its own copy of the gradients and forms groups by time windows, while here every replica of a stage
+  must take part in every step or fall behind; a group read from the records that every member reads alike is
+  enough, and a member that read a different set simply fails the all-reduce (group ids differ) and tries again
+  with a fresh read (records of dead peers expire within ``PROGRESS_TTL_S``, or ``record_window_s``);
 * the group all-reduces the gradients with ``averaging.StageAllReduce`` (compressed by
   ``swarm.averaging_compression``, weighted by each member's samples, the same decompressed average everywhere,
   bounded by ``averaging.averaging_timeout_s``), and each member clips and takes its AdamW step: the same step
@@ -33,11 +32,13 @@ and
 * a peer that sees a record at a later step (it was left out of a group, or its all-reduce failed) downloads the
   state of the most advanced replica; a peer whose parameter digest differs from that of the lowest uid at the
   same step does too (counted: ``digest_mismatches``). The gradients it held are lost and counted
-  (``lost_gradient_samples``), as in SWARM. While it downloads it keeps publishing its record, marked ``joining``
-  with the step it is downloading, and the peers at that step wait for it at their next gather (``GatherView``;
-  at most the download's own bound, ``state_timeout_s``) instead of stepping without it. Without that, a download
-  longer than a step (a stage's state over a slow link) arrived a step old every time: the replica ahead stepped
-  alone while it downloaded, and the one behind downloaded again and never took part in a step again;
+  (``lost_gradient_samples``), as in SWARM. While it downloads, and after it arrived until it is ready at that
+  step, it publishes its record marked ``joining`` with the step, and the peers at that step wait for it at their
+  gather (``GatherView``; at most the download's own bound, ``state_timeout_s``) instead of stepping without it.
+  Without that, over a slow link a replica left out once never got back in: the one ahead stepped alone while it
+  downloaded or before its ready record could be read, and every download arrived a step old;
+* records live, and a ready peer waits for its group, ``record_window_s``: 2 s, or ``DHT_ROUNDS`` of the peer's
+  own recent DHT rounds (publish + read) where those are slower (seconds over a 2 Mbit/s link);
 * a peer leaving its stage (``peer_rebalance``) hands the gradients it accumulated since its last step to a replica
   that stays (``hand_over`` and that replica's ``rpc_handover``), which adds them to its own toward its next step.
 
@@ -102,6 +103,8 @@ from cramswarm.training import accumulation_at, budget_progress, lr_multiplier
 PROGRESS_PERIOD_S = 0.25  # a peer publishes its progress record and reads its stage's this often ...
 PROGRESS_TTL_S = 2.0      # ... with this expiration: a dead peer drops out of its stage's groups within it
 GATHER_S = 2.0            # a ready peer waits at most this long for the other peers at its step to be ready
+DHT_ROUNDS = 4            # ... and the TTL and that wait are at least this many of the peer's own DHT rounds
+                          # (publish + read, ``record_window_s``): over a slow link a round takes seconds
 MIN_GATHER_S = 0.3        # ... and at least this long (records of peers that became ready at once)
 ZERO_WEIGHT = 1e-6        # all-reduce weight of a member without samples (see _step)
 FLUSH_CHECK_S = 1.0       # a peer reads the launcher's flush record at most this often
@@ -175,6 +178,15 @@ class GatherView:
     def complete(self) -> bool:
         """Every peer at ``step`` is ready and none is on its way to it."""
         return len(self.ready) == len(self.at_step) and not self.joining
+
+
+def record_window_s(round_s: float) -> float:
+    """How long a progress record lives and a ready peer waits for its group, given the peer's recent DHT round
+    (one publish and one read of its stage's records, ``round_s`` seconds): ``PROGRESS_TTL_S`` / ``GATHER_S``
+    (both 2 s) on a fast network, ``DHT_ROUNDS`` rounds where rounds are slower. With fixed 2 s windows a round of
+    1-3 s (a 2 Mbit/s link carrying activations) let records expire between publishes and gathers close before a
+    replica's ready record could be read, and the replica was left out of its stage's step."""
+    return max(GATHER_S, PROGRESS_TTL_S, DHT_ROUNDS * round_s)
 
 
 def shard_files(shard_dir: Path, stage: int) -> list[tuple[int, str, Path]]:
@@ -274,7 +286,9 @@ class SyncingStagePeer(StagePeer):
         self.admitted = 0          # samples of backward calls admitted and not yet computed
         self.closing = False       # taking the step's snapshot: new backward calls wait, admitted ones finish
         self.others_pending = 0    # samples the other peers at this step held at the last read of the records
-        self.joining: int | None = None  # the step whose state this peer is downloading (_catch_up)
+        self.joining: int | None = None  # the step whose state this peer is downloading (_catch_up), and
+                                   # after it arrived, until it is ready at that step or finds no peer ready there
+        self.round_s = 0.0         # its recent DHT round (publish + read of its stage's records): record_window_s
         self.nudge = asyncio.Event()  # wakes the synchronisation loop early (this peer's count reached the batch)
         self.last_backward: float | None = None      # wall time the last accumulated backward computation ended
         self.snapshot_backward: float | None = None  # ... of those in the snapshot
@@ -283,7 +297,8 @@ class SyncingStagePeer(StagePeer):
                          "averaging_param_steps": 0, "group_sizes": [], "failed_rounds": 0, "shards_written": 0,
                          "duplicate_samples": 0, "loaded_shard_step": None, "backward_samples": 0,
                          "admission_wait_s": 0.0, "held_calls": 0, "device": str(self.device),
-                         "handed_over_samples": 0, "taken_over_samples": 0, "joining_wait_s": 0.0}
+                         "handed_over_samples": 0, "taken_over_samples": 0, "joining_wait_s": 0.0,
+                         "slowest_dht_round_s": 0.0}
         self.stepped_mbs: set[int] = set()   # microbatches whose gradients the stage has stepped
         self.local_mbs: set[int] = set()     # ... accumulated here since the snapshot
         self.snapshot_mbs: set[int] = set()  # ... in the snapshot
@@ -509,13 +524,24 @@ class SyncingStagePeer(StagePeer):
     async def _publish(self) -> None:
         value = {"peer": self.peer_id, "step": self.step, "samples": self._held_samples(),
                  "stepped": self.stepped_samples, "digest": self.digest, "ready": False}
-        if self.joining is not None:  # its held gradients go with the download: they count toward no step
-            value.update(joining=self.joining, samples=0)
-        elif self.ready is not None and self.ready[0] == self.step:
+        if self.ready is not None and self.ready[0] == self.step:
             value.update(ready=True, snap=self.ready[1], loss=self.ready[2], at=self.ready[3],
                          mbs=sorted(self.snapshot_mbs))
+        elif self.joining is not None:  # held gradients go with the download: they count toward no step
+            value.update(joining=self.joining, samples=0)
         await self.node.store(progress_key(self.run_id, self.stage), subkey=self.uid, value=value,
-                              expiration_time=get_dht_time() + PROGRESS_TTL_S)
+                              expiration_time=get_dht_time() + record_window_s(self.round_s))
+
+    async def _read_records(self) -> dict[str, dict]:
+        """Publish this peer's record and read its stage's, timing the round (``round_s``: the latest round when
+        it is slower, else an average that forgets slowly)."""
+        started = time.monotonic()
+        await self._publish()
+        records = await progress_records(self.node, self.run_id, self.stage)
+        took = time.monotonic() - started
+        self.round_s = took if took > self.round_s else 0.8 * self.round_s + 0.2 * took
+        self.counters["slowest_dht_round_s"] = max(self.counters["slowest_dht_round_s"], round(took, 3))
+        return records
 
     def _write_counters(self) -> None:
         write_json(self.workdir / f"peer-{self.uid}.json",
@@ -551,11 +577,12 @@ class SyncingStagePeer(StagePeer):
             self.nudge.clear()
 
     async def _round(self) -> None:
-        await self._publish()
-        records = await progress_records(self.node, self.run_id, self.stage)
+        records = await self._read_records()
         if await self._catch_up(records):
             return
         at_step = [r for uid, r in records.items() if r["step"] == self.step and uid != self.uid]
+        if self.joining is not None and not any(r.get("ready") for r in at_step):
+            self.joining = None  # arrived and nobody is waiting: an ordinary member of its step now
         self.others_pending = sum(r["samples"] for r in at_step)
         pending = self.others_pending + self._held_samples()
         target = self._target()
@@ -619,11 +646,14 @@ class SyncingStagePeer(StagePeer):
         announcing = asyncio.create_task(self._announce_joining())
         try:
             step = await self.download_state(PeerID.from_base58(records[source]["peer"]))
+        except BaseException:
+            self.joining = None
+            raise
         finally:
             announcing.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await announcing
-            self.joining = None
+        self.joining = step   # still on its way until it is ready at this step (_step) or nobody waits (_round)
         self.counters["lost_gradient_samples"] += lost
         self.counters["resyncs"] += 1
         print(f"[{self.uid}] took the state of {source} (step {step}); {lost} samples' gradients dropped", flush=True)
@@ -642,14 +672,15 @@ class SyncingStagePeer(StagePeer):
 
     async def _gather(self, step: int) -> dict[str, dict] | None:
         """The ready records at ``step`` once every record at it is ready and no peer is downloading the state of
-        ``step`` to join it (``GatherView``), or once ``GATHER_S`` passed since a peer was last seen on its way
-        (a joining peer is waited for at most ``state_timeout_s`` from the gather's start; the seconds are counted
-        in ``joining_wait_s``). None once a replica is past ``step`` (this peer then catches up)."""
+        ``step`` to join it (``GatherView``), or once ``record_window_s`` (``GATHER_S`` on a fast network) passed
+        since a peer was last seen on its way (a joining peer is waited for at most ``state_timeout_s`` from the
+        gather's start; the seconds are counted in ``joining_wait_s``). None once a replica is past ``step`` (this
+        peer then catches up)."""
         started = waiting_from = time.monotonic()
         joiner_bound = state_timeout_s(self.num_params, self.link_mbit_s, self.sync_timeout_s)
         while True:
-            await self._publish()
-            view = GatherView(await progress_records(self.node, self.run_id, self.stage), step)
+            view = GatherView(await self._read_records(), step)
+            window = record_window_s(self.round_s)
             if view.passed:
                 return None
             now = time.monotonic()
@@ -657,14 +688,14 @@ class SyncingStagePeer(StagePeer):
                 if waiting_from == started:
                     print(f"[{self.uid}] step {step}: waiting for {view.joining} to join it", flush=True)
                 self.counters["joining_wait_s"] += now - waiting_from
-                waiting_from = now   # GATHER_S counts from the last moment a peer was on its way
+                waiting_from = now   # the window counts from the last moment a peer was on its way
             waited = now - waiting_from
             ready = view.ready
-            if waited >= GATHER_S and self.uid not in ready:  # this peer's own record not read back yet
+            if waited >= window and self.uid not in ready:  # this peer's own record not read back yet
                 ready[self.uid] = {"peer": self.peer_id, "snap": self.ready[1], "loss": self.ready[2],
                                    "at": self.ready[3],
                                    "mbs": sorted(self.snapshot_mbs)}
-            if self.uid in ready and ((view.complete() and waited >= MIN_GATHER_S) or waited >= GATHER_S):
+            if self.uid in ready and ((view.complete() and waited >= MIN_GATHER_S) or waited >= window):
                 return ready
             await asyncio.sleep(0.1)
 
@@ -681,6 +712,7 @@ class SyncingStagePeer(StagePeer):
             self.closing = False
         phases["snapshot"] = time.time()
         self.ready = (step, samples, self.snapshot_loss, round(self._elapsed(), 3))
+        self.joining = None   # a joiner that arrived is ready now: its record says so (_publish)
         attempts = 0
         while True:
             group = await self._gather(step)

@@ -136,15 +136,15 @@ class StageClient:
                 with contextlib.suppress(Exception):
                     await self._refresh(stage)
                 continue
-            started, clock = time.perf_counter(), get_dht_time()
+            started, sent_at = time.perf_counter(), get_dht_time()
             try:
                 result = await asyncio.wait_for(self._rpc(stage, uid, method, tensors, meta),
                                                 self.retry.timeout(call.backward))
             except asyncio.TimeoutError:
-                call.timed_out(uid, clock, get_dht_time())
+                call.timed_out(uid, sent_at, get_dht_time())
             except Exception as e:  # refused, reset, remote handler error: banned until its record expires
                 self.stats["last_error"] = f"stage {stage} {method} on {uid}: {e!r}"
-                call.refused(uid, clock, get_dht_time())
+                call.refused(uid, sent_at, get_dht_time())
             else:
                 call.succeeded(uid, units, time.perf_counter() - started)
                 return result
