@@ -16,14 +16,14 @@ and
   training start less the training seconds of a resumed run's earlier lives); each ready record carries its
   peer's training time at its snapshot (``at``) and a step's progress is the latest ``at`` of its group (hashed
   into the group id, so every member computes the same learning rate);
-* to step, it lets the backward calls it admitted finish, then moves its accumulated gradients aside (backward
-  calls arriving later count toward the next step), marks its record ready and waits until every peer with a
-  record at its step is ready (at most ``GATHER_S``, see ``record_window_s``). The group is **deterministic, from
-  the DHT records** (the ready records at this step, ordered by uid; the group id hashes their uids and sample
-  counts), not hivemind's matchmaking: ``DecentralizedAverager``'s matchmaking needs its own averager process per
-  peer with its own copy of the gradients and forms groups by time windows, while here every replica of a stage
-  must take part in every step or fall behind; a group read from the records that every member reads alike is
-  enough, and a member that read a different set simply fails the all-reduce (group ids differ) and tries again
+* to step, it lets the backward calls it admitted finish, then moves its accumulated gradients aside (backward calls
+  arriving later count toward the next step), marks its record ready and waits until every peer with a record at its
+  step is ready (at most ``sync_timeout_s``; a dead peer's record expires within ``GATHER_S``, see ``record_window_s``).
+  The group is **deterministic, from the DHT records** (the ready records at this step, ordered by uid; the group id
+  hashes their uids and sample counts), not hivemind's matchmaking: ``DecentralizedAverager``'s matchmaking needs its
+  own averager process per peer with its own copy of the gradients and forms groups by time windows, while here every
+  replica of a stage must take part in every step or fall behind; a group read from the records that every member reads
+  alike is enough, and a member that read a different set simply fails the all-reduce (group ids differ) and tries again
   with a fresh read (records of dead peers expire within ``PROGRESS_TTL_S``, or ``record_window_s``);
 * the group all-reduces the gradients with ``averaging.StageAllReduce`` (compressed by
   ``swarm.averaging_compression``, weighted by each member's samples, the same decompressed average everywhere,
@@ -672,30 +672,38 @@ class SyncingStagePeer(StagePeer):
 
     async def _gather(self, step: int) -> dict[str, dict] | None:
         """The ready records at ``step`` once every record at it is ready and no peer is downloading the state of
-        ``step`` to join it (``GatherView``), or once ``record_window_s`` (``GATHER_S`` on a fast network) passed
-        since a peer was last seen on its way (a joining peer is waited for at most ``state_timeout_s`` from the
-        gather's start; the seconds are counted in ``joining_wait_s``). None once a replica is past ``step`` (this
-        peer then catches up)."""
+        ``step`` to join it (``GatherView.complete``), or once ``record_window_s`` (``GATHER_S`` on a fast network)
+        passed since a peer was last awaited. A peer at ``step`` whose record is live but not ready is awaited for
+        at most ``sync_timeout_s`` from the gather's start (it becomes ready at its next round, which over a slow
+        link takes several DHT round trips; a dead one's record expires), a joining peer for at most
+        ``state_timeout_s`` (its download's bound; the seconds are counted in ``joining_wait_s``). None once a
+        replica is past ``step`` (this peer then catches up)."""
         started = waiting_from = time.monotonic()
         joiner_bound = state_timeout_s(self.num_params, self.link_mbit_s, self.sync_timeout_s)
+        joiner_seen: float | None = None
         while True:
             view = GatherView(await self._read_records(), step)
             window = record_window_s(self.round_s)
             if view.passed:
                 return None
             now = time.monotonic()
-            if view.joining and now - started < joiner_bound:
-                if waiting_from == started:
-                    print(f"[{self.uid}] step {step}: waiting for {view.joining} to join it", flush=True)
-                self.counters["joining_wait_s"] += now - waiting_from
-                waiting_from = now   # the window counts from the last moment a peer was on its way
+            unready = [u for u in view.at_step if u != self.uid and u not in view.ready]
+            joining = view.joining if now - started < joiner_bound else []
+            if joining:
+                if joiner_seen is None:
+                    print(f"[{self.uid}] step {step}: waiting for {joining} to join it", flush=True)
+                else:
+                    self.counters["joining_wait_s"] += now - joiner_seen
+                joiner_seen = now
+            if joining or (unready and now - started < self.sync_timeout_s):
+                waiting_from = now   # the window counts from the last moment a peer was awaited
             waited = now - waiting_from
             ready = view.ready
             if waited >= window and self.uid not in ready:  # this peer's own record not read back yet
                 ready[self.uid] = {"peer": self.peer_id, "snap": self.ready[1], "loss": self.ready[2],
                                    "at": self.ready[3],
                                    "mbs": sorted(self.snapshot_mbs)}
-            if self.uid in ready and ((view.complete() and waited >= MIN_GATHER_S) or waited >= window):
+            if self.uid in ready and ((view.complete() and now - started >= MIN_GATHER_S) or waited >= window):
                 return ready
             await asyncio.sleep(0.1)
 
