@@ -334,7 +334,8 @@ async def move_peer(peer, to_stage: int, record: dict):
     from cramswarm.swarm.peer_sync import progress_key, record_window_s
 
     await peer.node.store(progress_key(peer.run_id, peer.stage), subkey=peer.uid, value={"left": True},
-                          expiration_time=get_dht_time() + record_window_s(peer.round_s) + 1.0)
+                          expiration_time=max(get_dht_time() + record_window_s(peer.round_s),
+                                              peer.record_expiration) + 1.0)
     await peer.remove_p2p_handlers(peer.node.p2p, namespace=peer.namespace)
     peer.compute.shutdown(wait=False)
     moves = getattr(peer, "moves", 0) + 1

@@ -289,6 +289,7 @@ class SyncingStagePeer(StagePeer):
         self.joining: int | None = None  # the step whose state this peer is downloading (_catch_up), and
                                    # after it arrived, until it is ready at that step or finds no peer ready there
         self.round_s = 0.0         # its recent DHT round (publish + read of its stage's records): record_window_s
+        self.record_expiration = 0.0  # DHT time its last progress record expires
         self.nudge = asyncio.Event()  # wakes the synchronisation loop early (this peer's count reached the batch)
         self.last_backward: float | None = None      # wall time the last accumulated backward computation ended
         self.snapshot_backward: float | None = None  # ... of those in the snapshot
@@ -529,8 +530,10 @@ class SyncingStagePeer(StagePeer):
                          mbs=sorted(self.snapshot_mbs))
         elif self.joining is not None:  # held gradients go with the download: they count toward no step
             value.update(joining=self.joining, samples=0)
+        # later records expire later, so the latest stored value wins even where the window shrank meanwhile
+        self.record_expiration = max(get_dht_time() + record_window_s(self.round_s), self.record_expiration + 1e-3)
         await self.node.store(progress_key(self.run_id, self.stage), subkey=self.uid, value=value,
-                              expiration_time=get_dht_time() + record_window_s(self.round_s))
+                              expiration_time=self.record_expiration)
 
     async def _read_records(self) -> dict[str, dict]:
         """Publish this peer's record and read its stage's, timing the round (``round_s``: the latest round when
@@ -550,7 +553,7 @@ class SyncingStagePeer(StagePeer):
                     "runtime_rss_bytes": self.runtime_rss_bytes, "activation_bytes": self.activation_bytes})
 
     def background_tasks(self) -> list[asyncio.Task]:
-        tasks = [asyncio.create_task(self.sync_forever())]
+        tasks = [asyncio.create_task(self.sync_forever()), asyncio.create_task(self.publish_forever())]
         if self.cfg.get("rebalance_period_s"):  # this peer decides moves with its stage's and the others' peers
             tasks.append(asyncio.create_task(PeerRebalancer(self, self.cfg["rebalance_period_s"]).run()))
         return tasks
@@ -563,6 +566,22 @@ class SyncingStagePeer(StagePeer):
                 await self.node.store(key, subkey=self.uid, value=self.peer_id,
                                       expiration_time=get_dht_time() + RECORD_TTL_S)
             await asyncio.sleep(DECLARE_PERIOD_S)
+
+    async def publish_forever(self) -> None:
+        """This peer's progress record, every ``PROGRESS_PERIOD_S``, from a task of its own: the synchronisation
+        loop publishes at each of its reads, but not while it all-reduces or downloads a state (seconds over a slow
+        link), and a record that expired meanwhile made the other replicas count this one as gone and step
+        without it."""
+        while True:
+            started = time.monotonic()
+            try:
+                await self._publish()
+            except Exception as e:  # a DHT hiccup: the next period publishes again
+                print(f"[{self.uid}] publishing the progress record failed: {e!r}", flush=True)
+            took = time.monotonic() - started
+            if took > self.round_s:
+                self.round_s = took
+            await asyncio.sleep(PROGRESS_PERIOD_S)
 
     async def sync_forever(self) -> None:
         self.digest = await self._run(self._digest)
@@ -643,16 +662,12 @@ class SyncingStagePeer(StagePeer):
         self.counters["digest_mismatches"] += int(mismatch)
         lost = self._held_samples()
         self.joining = int(records[source]["step"])
-        announcing = asyncio.create_task(self._announce_joining())
+        await self._publish()   # at once; publish_forever keeps it live while the download lasts
         try:
             step = await self.download_state(PeerID.from_base58(records[source]["peer"]))
         except BaseException:
             self.joining = None
             raise
-        finally:
-            announcing.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await announcing
         self.joining = step   # still on its way until it is ready at this step (_step) or nobody waits (_round)
         self.counters["lost_gradient_samples"] += lost
         self.counters["resyncs"] += 1
@@ -660,15 +675,6 @@ class SyncingStagePeer(StagePeer):
         await self._publish()   # at its new step at once: the peers waiting for it see it arrive
         self._write_counters()
         return True
-
-    async def _announce_joining(self) -> None:
-        """While this peer downloads a stage's state: its ``joining`` record, every ``PROGRESS_PERIOD_S``."""
-        while True:
-            try:
-                await self._publish()
-            except Exception as e:  # a DHT hiccup: the next period publishes again
-                print(f"[{self.uid}] publishing the joining record failed: {e!r}", flush=True)
-            await asyncio.sleep(PROGRESS_PERIOD_S)
 
     async def _gather(self, step: int) -> dict[str, dict] | None:
         """The ready records at ``step`` once every record at it is ready and no peer is downloading the state of
@@ -688,7 +694,7 @@ class SyncingStagePeer(StagePeer):
                 return None
             now = time.monotonic()
             unready = [u for u in view.at_step if u != self.uid and u not in view.ready]
-            joining = view.joining if now - started < joiner_bound else []
+            joining = [u for u in view.joining if u != self.uid] if now - started < joiner_bound else []
             if joining:
                 if joiner_seen is None:
                     print(f"[{self.uid}] step {step}: waiting for {joining} to join it", flush=True)
