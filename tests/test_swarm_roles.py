@@ -158,6 +158,47 @@ def test_a_replica_downloading_a_step_is_waited_for_and_never_downloaded_from():
     assert sorted(mismatch.at_step) == ["a"] and mismatch.joining == ["d"] and not mismatch.complete()
 
 
+def test_a_peer_publishes_its_record_every_period_while_its_sync_loop_is_busy_and_later_records_expire_later():
+    """``publish_forever`` stores the peer's record every period whatever its synchronisation loop is doing (an
+    all-reduce or a state download of seconds over a slow link), each record expiring after the one before even
+    when the peer's window shrinks, and a joining peer's record says which step it joins and counts no samples."""
+    import asyncio
+
+    from cramswarm.swarm.peer_sync import PROGRESS_PERIOD_S, SyncingStagePeer
+
+    stored: list[tuple[float, dict, float]] = []
+
+    class Node:
+        async def store(self, key, subkey, value, expiration_time):
+            stored.append((time.monotonic(), dict(value), expiration_time))
+
+    class Peer:   # the record-keeping part of SyncingStagePeer, on a node that only records what it is given
+        _publish, publish_forever = SyncingStagePeer._publish, SyncingStagePeer.publish_forever
+        node, run_id, stage, uid, peer_id, step, stepped_samples, digest = Node(), "r", 1, "s1p3", "P", 4, 64, "d"
+        ready, snapshot_mbs, round_s, record_expiration = None, set(), 3.0, 0.0
+        joining: int | None = 5
+
+        def _held_samples(self):
+            return 12
+
+    async def run() -> None:
+        peer = Peer()
+        task = asyncio.create_task(peer.publish_forever())
+        await asyncio.sleep(6 * PROGRESS_PERIOD_S)   # the sync loop would be downloading meanwhile
+        peer.round_s, peer.joining = 0.0, None       # arrived; its window shrinks from 12 s to 2 s
+        await asyncio.sleep(6 * PROGRESS_PERIOD_S)
+        task.cancel()
+
+    asyncio.run(run())
+    gaps = [b[0] - a[0] for a, b in zip(stored, stored[1:])]
+    assert len(stored) >= 9 and max(gaps) < 2 * PROGRESS_PERIOD_S, gaps
+    expirations = [e for _, _, e in stored]
+    assert all(b > a for a, b in zip(expirations, expirations[1:])), expirations
+    joining = [v for _, v, _ in stored if "joining" in v]
+    assert joining and all(v["joining"] == 5 and v["samples"] == 0 and v["step"] == 4 for v in joining)
+    assert stored[-1][1]["samples"] == 12 and "joining" not in stored[-1][1]
+
+
 def test_records_live_and_gathers_wait_for_several_of_the_peers_own_dht_rounds():
     assert record_window_s(0.0) == record_window_s(0.3) == max(GATHER_S, PROGRESS_TTL_S)   # a fast network
     assert record_window_s(2.5) == DHT_ROUNDS * 2.5 > GATHER_S   # a round of 2.5 s over a slow link
