@@ -72,3 +72,22 @@ def test_sim_scale_gives_the_range_over_preemption_models_per_swarm_size_and_per
     finding = swarm_findings.sim_scale(tmp_path)
     assert finding.ours == "100 peers: off 80.0-85.0 %, T = 60 s 90.0 %"
     assert "2 preemption models (independent, burst" in finding.setup and "no network" in finding.setup
+
+
+def test_compression_rows_compare_schemes_over_several_seeds_only(tmp_path):
+    folder = tmp_path / "swarm_compression_link"
+    folder.mkdir()
+    args = dict(peers=2, trainers=2, hidden=256, microbatches=32, mbit=2.0, ms=20.0, seeds=3)
+
+    def scheme(name, ratio, loss):
+        return dict(scheme=name, done_mb_s_vs_none=ratio, heldout_loss=loss, heldout_loss_sd=0.05)
+
+    (folder / "mbit2_ms20_seeds3.json").write_text(json.dumps(
+        dict(args=args, summary=[scheme("none", 1.0, 3.3), scheme("fp16", 1.25, 3.4)])))
+    (folder / "mbit2_ms20_none_seeds3.json").write_text(json.dumps(   # a rerun of one scheme: no comparison
+        dict(args=args, summary=[scheme("none", 1.0, 3.2)])))
+    (folder / "mbit5_ms20_seeds1.json").write_text(json.dumps(          # one seed: no spread to compare with
+        dict(args=dict(args, mbit=5.0, seeds=1), summary=[scheme("none", 1.0, 3.3), scheme("fp16", 2.0, 3.3)])))
+    found = swarm_findings.compression(tmp_path)
+    assert len(found) == 1
+    assert "fp16 1.25x" in found[0].ours and "2 Mbit/s" in found[0].setup

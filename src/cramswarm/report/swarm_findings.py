@@ -187,7 +187,7 @@ def compression(results: Path) -> list[Finding]:
     for path in sorted((results / "swarm_compression_link").glob("*_seeds*.json")):
         record = json.loads(path.read_text())
         args, summary = record["args"], record["summary"]
-        if args.get("seeds", 1) < 2:
+        if args.get("seeds", 1) < 2 or len(summary) < 2:  # one seed, or one scheme: nothing compared
             continue
         # `done`: what the trainers finished (recorded since the slow-link fix); before it, the stepped rate
         rate, what = ("done_mb_s_vs_none", "the trainers' finished") if "done_mb_s_vs_none" in summary[0] \
