@@ -175,9 +175,9 @@ class GatherView:
         self.ready = {u: r for u, r in self.at_step.items() if r.get("ready")}
         self.joining = sorted(u for u, r in records.items() if r.get("joining") == step)
 
-    def complete(self) -> bool:
-        """Every peer at ``step`` is ready and none is on its way to it."""
-        return len(self.ready) == len(self.at_step) and not self.joining
+    def complete(self, me: str | None = None) -> bool:
+        """Every peer at ``step`` is ready and none but ``me`` (its own record of a moment ago) is on its way."""
+        return len(self.ready) == len(self.at_step) and not [u for u in self.joining if u != me]
 
 
 def record_window_s(round_s: float) -> float:
@@ -709,7 +709,7 @@ class SyncingStagePeer(StagePeer):
                 ready[self.uid] = {"peer": self.peer_id, "snap": self.ready[1], "loss": self.ready[2],
                                    "at": self.ready[3],
                                    "mbs": sorted(self.snapshot_mbs)}
-            if self.uid in ready and ((view.complete() and now - started >= MIN_GATHER_S) or waited >= window):
+            if self.uid in ready and ((view.complete(self.uid) and now - started >= MIN_GATHER_S) or waited >= window):
                 return ready
             await asyncio.sleep(0.1)
 
