@@ -140,24 +140,25 @@ def test_a_replica_downloading_a_step_is_waited_for_and_never_downloaded_from():
     assert catch_up_source(same, "a", 5, "x") == (None, False)
     assert catch_up_source(same | {"a": same["a"] | {"joining": 5}}, "d", 5, "w") == (None, False)
 
-    view = GatherView(rec, 5)
+    view = GatherView(rec, 5, me="a")
     assert (view.passed, sorted(view.at_step), sorted(view.ready), view.joining) == (False, ["a"], ["a"], ["b"])
     assert not view.complete()   # b is on its way to step 5: a waits for it rather than stepping alone
     # arrived: still joining until its ready record (its first gather) is published
-    arrived = GatherView(rec | {"b": {"step": 5, "samples": 0, "digest": "x", "joining": 5}}, 5)
+    arrived = GatherView(rec | {"b": {"step": 5, "samples": 0, "digest": "x", "joining": 5}}, 5, me="a")
     assert arrived.joining == ["b"] and sorted(arrived.at_step) == ["a"] and not arrived.complete()
-    member = GatherView(rec | {"b": {"step": 5, "samples": 0, "digest": "x"}}, 5)
-    assert member.joining == [] and not member.complete()   # a member not yet ready
-    both = GatherView(rec | {"b": {"step": 5, "samples": 0, "digest": "x", "ready": True}}, 5)
+    member = GatherView(rec | {"b": {"step": 5, "samples": 0, "digest": "x"}}, 5, me="a")
+    assert member.joining == [] and member.unready == ["b"] and not member.complete()   # a member not yet ready
+    assert GatherView(rec | {"b": {"step": 5, "samples": 0, "digest": "x"}}, 5, me="b").unready == []  # not itself
+    both = GatherView(rec | {"b": {"step": 5, "samples": 0, "digest": "x", "ready": True}}, 5, me="a")
     assert both.complete() and sorted(both.ready) == ["a", "b"]
     # a joiner at a later step does not count as a replica past this one; a settled one does
     assert not GatherView({"b": {"step": 4, "joining": 6}}, 5).passed
     assert GatherView({"e": {"step": 6}}, 5).passed
     # a replica re-downloading its own step (digest mismatch) is on its way, not a member yet
-    mismatch = GatherView({"a": rec["a"], "d": {"step": 5, "digest": "w", "joining": 5}}, 5)
+    mismatch = GatherView({"a": rec["a"], "d": {"step": 5, "digest": "w", "joining": 5}}, 5, me="a")
     assert sorted(mismatch.at_step) == ["a"] and mismatch.joining == ["d"] and not mismatch.complete()
     # a joiner that arrived and got ready may still read its own joining record back: it does not wait for itself
-    assert mismatch.complete(me="d")
+    assert GatherView({"a": rec["a"], "d": {"step": 5, "digest": "w", "joining": 5}}, 5, me="d").complete()
 
 
 def test_a_peer_publishes_its_record_every_period_while_its_sync_loop_is_busy_and_later_records_expire_later():

@@ -144,16 +144,21 @@ async def progress_records(node, run_id: str, stage: int) -> dict[str, dict]:
             if isinstance(uid, str) and isinstance(entry.value, dict) and "step" in entry.value}
 
 
+def settled(records: dict[str, dict]) -> dict[str, dict]:
+    """The records of peers that hold a stage state of their own (not ``joining``: downloading one)."""
+    return {u: r for u, r in records.items() if r.get("joining") is None}
+
+
 def catch_up_source(records: dict[str, dict], uid: str, step: int, digest: str | None) -> tuple[str | None, bool]:
     """Whose state a peer at ``step`` with parameter digest ``digest`` downloads, from its stage's progress records:
     the most advanced replica (highest step, then lowest uid) when one is ahead; else, at a step past 0, the
     reference replica (the lowest uid at ``step``) when its digest differs; else None. A ``joining`` record
     (its peer is downloading itself) is never a source. Returns (source uid, whether it is a digest mismatch)."""
-    settled = {u: r for u, r in records.items() if r.get("joining") is None}
-    ahead = {u: r for u, r in settled.items() if r["step"] > step}
+    held = settled(records)
+    ahead = {u: r for u, r in held.items() if r["step"] > step}
     if ahead:
         return min(ahead, key=lambda u: (-ahead[u]["step"], u)), False
-    same = {u: r for u, r in settled.items() if r["step"] == step and r.get("digest")}
+    same = {u: r for u, r in held.items() if r["step"] == step and r.get("digest")}
     if same and digest is not None and step > 0:
         reference = min(same)
         if reference != uid and same[reference]["digest"] != digest:
@@ -166,18 +171,20 @@ class GatherView:
     records at ``step`` (``at_step``), those of them ready to average (``ready``), the peers downloading the state
     of ``step`` to join it (``joining``: their records say the step they left, or ``step`` itself when they
     download the reference replica's state over a digest mismatch), and whether a replica is past ``step`` already
-    (``passed``: this peer then catches up instead)."""
+    (``passed``: this peer then catches up instead). ``me``, the reading peer, is never awaited: ``unready`` and
+    ``joining`` leave it out (its own joining record of a moment ago may still be read back after it arrived)."""
 
-    def __init__(self, records: dict[str, dict], step: int):
-        settled = {u: r for u, r in records.items() if r.get("joining") is None}
-        self.passed = any(r["step"] > step for r in settled.values())
-        self.at_step = {u: r for u, r in settled.items() if r["step"] == step}
+    def __init__(self, records: dict[str, dict], step: int, me: str | None = None):
+        held = settled(records)
+        self.passed = any(r["step"] > step for r in held.values())
+        self.at_step = {u: r for u, r in held.items() if r["step"] == step}
         self.ready = {u: r for u, r in self.at_step.items() if r.get("ready")}
-        self.joining = sorted(u for u, r in records.items() if r.get("joining") == step)
+        self.unready = sorted(u for u in self.at_step if u != me and u not in self.ready)
+        self.joining = sorted(u for u, r in records.items() if r.get("joining") == step and u != me)
 
-    def complete(self, me: str | None = None) -> bool:
-        """Every peer at ``step`` is ready and none but ``me`` (its own record of a moment ago) is on its way."""
-        return len(self.ready) == len(self.at_step) and not [u for u in self.joining if u != me]
+    def complete(self) -> bool:
+        """Every other peer at ``step`` is ready and none is on its way to it."""
+        return not self.unready and not self.joining
 
 
 def record_window_s(round_s: float) -> float:
@@ -688,13 +695,13 @@ class SyncingStagePeer(StagePeer):
         joiner_bound = state_timeout_s(self.num_params, self.link_mbit_s, self.sync_timeout_s)
         joiner_seen: float | None = None
         while True:
-            view = GatherView(await self._read_records(), step)
+            view = GatherView(await self._read_records(), step, self.uid)
             window = record_window_s(self.round_s)
             if view.passed:
                 return None
             now = time.monotonic()
-            unready = [u for u in view.at_step if u != self.uid and u not in view.ready]
-            joining = [u for u in view.joining if u != self.uid] if now - started < joiner_bound else []
+            unready = view.unready
+            joining = view.joining if now - started < joiner_bound else []
             if joining:
                 if joiner_seen is None:
                     print(f"[{self.uid}] step {step}: waiting for {joining} to join it", flush=True)
@@ -709,7 +716,7 @@ class SyncingStagePeer(StagePeer):
                 ready[self.uid] = {"peer": self.peer_id, "snap": self.ready[1], "loss": self.ready[2],
                                    "at": self.ready[3],
                                    "mbs": sorted(self.snapshot_mbs)}
-            if self.uid in ready and ((view.complete(self.uid) and now - started >= MIN_GATHER_S) or waited >= window):
+            if self.uid in ready and ((view.complete() and now - started >= MIN_GATHER_S) or waited >= window):
                 return ready
             await asyncio.sleep(0.1)
 
