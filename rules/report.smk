@@ -129,6 +129,7 @@ rule claims_table:
         table=table(f"{CLAIMS}/claims.csv", "Claims"),
         markdown=f"{CLAIMS}/claims.md",
         readme=f"results/readme/claims_{SOURCE}.csv",  # committed; the README's generated claims block reads it
+        readme_record=f"results/readme/claims_{SOURCE}.csv.provenance.json",  # where its inputs were made
     log:
         f"logs/report/{SOURCE}/claims.log",
     benchmark:

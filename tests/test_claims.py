@@ -296,7 +296,9 @@ def test_cli_writes_the_table_and_its_readme_copy_with_where_its_inputs_were_mad
                     str(out), "--copy-to", str(copy), "--config-files", str(config)], check=True, capture_output=True)
     assert copy.read_bytes() == out.with_suffix(".csv").read_bytes()
     assert out.with_suffix(".md").read_text().startswith("| ID |")
-    entry = docs.load_provenance(copy.parent)["files"]["claims_synthetic.csv"]
+    # recorded beside the copy (the claims rule's own output), not in the folder's provenance.json
+    assert not (copy.parent / "provenance.json").exists()
+    entry = json.loads(docs.sidecar(copy).read_text())
     assert entry["sha256"] == docs.sha256(copy) and entry["from"] == out.with_suffix(".csv").as_posix()
     run = entry["run"]
     assert run["git_commits"] == ["a" * 40] and run["hardware"] == ["NVIDIA H200", "Xeon"]

@@ -217,8 +217,8 @@ def docs(args) -> int:
     arg("--manifest", type=json_arg, required=True,
         help="JSON naming the result files per claim input (rules/common.smk: claims_manifest())"),
     arg("--out-stem", required=True, help="table path without suffix (.csv and .md)"),
-    arg("--copy-to", help="also copy the CSV to this path (the committed results/readme/ folder) and record it in "
-        "that folder's provenance.json with where its inputs were made"),
+    arg("--copy-to", help="also copy the CSV to this path (the committed results/readme/ folder) and record where "
+        "its inputs were made beside it, in <path>.provenance.json"),
     arg("--config-files", nargs="*", default=[], help="the workflow's config files, recorded with the copy"),
 )
 def claims(args) -> int:
@@ -231,9 +231,9 @@ def claims(args) -> int:
         with atomic_path(Path(args.copy_to)) as tmp:
             tmp.write_bytes(paths[0].read_bytes())
         configs = [{"path": Path(c).as_posix(), "sha256": sha256(c)} for c in args.config_files]
-        record_file(args.copy_to, paths[0], inputs_record(args.manifest) | {"source": args.manifest.get("source"),
-                                                                          "config_files": configs})
-        paths = (*paths, Path(args.copy_to))
+        side = record_file(args.copy_to, paths[0], inputs_record(args.manifest)
+                           | {"source": args.manifest.get("source"), "config_files": configs})
+        paths = (*paths, Path(args.copy_to), side)
     for path in paths:
         print(path)
     return 0
