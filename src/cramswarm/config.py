@@ -15,7 +15,15 @@ from typing import Any, Iterable
 import yaml
 from jsonschema import Draft202012Validator, validators
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+
+def _repo_root() -> Path:
+    """The workflow's checkout: the source tree this package lies in (an editable install, as the README's), else
+    the working directory (the package installed as a wheel, run from the checkout as Snakemake runs it)."""
+    tree = Path(__file__).resolve().parents[2]
+    return tree if (tree / "config" / "schema.yaml").is_file() else Path.cwd()
+
+
+REPO_ROOT = _repo_root()
 DEFAULT_SCHEMA = REPO_ROOT / "config" / "schema.yaml"
 
 
