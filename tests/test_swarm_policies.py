@@ -465,3 +465,44 @@ def test_the_rebalancer_keeps_its_cooldown_around_the_same_rule():
     assert rebalancer.decide(starved(), now=0.0) == choose_move(starved())
     assert rebalancer.decide(starved(), now=1.0) is None  # cooling down
     assert rebalancer.decide(starved(), now=3.0) == choose_move(starved())
+
+
+def test_a_microbatch_path_calls_the_stages_in_swarms_order_and_keeps_each_stages_input():
+    """Forward 0..k-2, the last stage's fused call, backward k-2..0 with the input the trainer kept for that stage;
+    the blocking and the asyncio drivers give the same calls and the loss."""
+    import asyncio
+
+    from cramswarm.swarm.policies import PathCall, drive_path, drive_path_async, microbatch_path
+
+    def fake(log):
+        def call(request: PathCall):
+            log.append((request.kind, request.stage, request.payload))
+            if request.kind == "forward":
+                return request.payload + 1          # each stage adds one
+            if request.kind == "last":
+                return 10.0 * request.payload, -request.payload   # (loss, gradient of its input)
+            kept, grad = request.payload
+            return grad - kept
+        return call
+
+    log = []
+    assert drive_path(microbatch_path(3, 0), fake(log)) == 20.0
+    assert log == [("forward", 0, 0), ("forward", 1, 1), ("last", 2, 2), ("backward", 1, (1, -2)),
+                   ("backward", 0, (0, -3))]
+    async_log = []
+
+    async def acall(request):
+        return fake(async_log)(request)
+
+    assert asyncio.run(drive_path_async(microbatch_path(3, 0), acall)) == 20.0 and async_log == log
+    one = []
+    assert drive_path(microbatch_path(1, 5), fake(one)) == 50.0 and one == [("last", 0, 5)]
+
+    def failing(request):
+        if request.kind == "last":
+            raise NoPeersError(request.stage)
+        return request.payload
+    with pytest.raises(NoPeersError):
+        drive_path(microbatch_path(2, 0), failing)
+    with pytest.raises(ValueError, match="at least one stage"):
+        drive_path(microbatch_path(0, 0), failing)

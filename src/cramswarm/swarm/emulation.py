@@ -55,6 +55,7 @@ from cramswarm.swarm.compression import COMPRESSIONS, decode, encode, payload_by
 from cramswarm.swarm.policies import (
     Move,
     NoPeersError,
+    PathCall,
     PeerLoad,
     PerformanceEMA,
     Rebalancer,
@@ -63,7 +64,9 @@ from cramswarm.swarm.policies import (
     StageCall,
     StageSync,
     UniformBalancer,
+    drive_path,
     kill_candidates,
+    microbatch_path,
 )
 from cramswarm.swarm.stages import build_swarm_model, split_model
 from cramswarm.training import (
@@ -1081,14 +1084,13 @@ def train(
             while (item := dispatcher.next()) is not None:
                 mb, inputs, labels = item
                 samples = int(inputs.shape[0])
-                saved, x = [], inputs
+
+                def send(request: PathCall, mb=mb, labels=labels, samples=samples):
+                    payload = (request.payload, labels) if request.kind == "last" else request.payload
+                    return router.call(request.stage, request.kind, mb, payload, samples, (0, 0))
+
                 try:
-                    for stage in range(len(stages) - 1):
-                        saved.append(x)
-                        x = router.call(stage, "forward", mb, x, samples, (0, 0))
-                    _, grad = router.call(len(stages) - 1, "last", mb, (x, labels), samples, (0, 0))
-                    for stage in reversed(range(len(stages) - 1)):
-                        grad = router.call(stage, "backward", mb, (saved[stage], grad), samples, (0, 0))
+                    drive_path(microbatch_path(len(stages), inputs), send)
                 except NoPeersError:
                     with sw.lock:
                         counts["lost"] += 1

@@ -11,6 +11,9 @@ same objects, so routing, retries, rebalancing and in-stage synchronisation beha
   of seconds per sample (``PerformanceEMA``, alpha 0.1); a backward task weighs 2.5x a forward one.
 * ``UniformBalancer`` - the same bookkeeping, choosing uniformly at random (the routing baseline).
 * ``RetryPolicy`` - per-call timeouts (backward = forward x 2.5) and the bound on waiting for any live peer.
+* ``microbatch_path`` - one microbatch's stage calls in SWARM's order, as a generator a trainer drives
+  (``drive_path`` blocking, ``drive_path_async`` on an event loop): the one path of the launcher's trainer processes
+  and the emulation's training threads (each encodes and sends the calls its own way).
 * ``kill_candidates`` - fault injection's rule: which live replicas may be killed.
 * ``StageCall`` - one stage call's retries on top of a balancer and a ``RetryPolicy``: the one retry loop of the
   launcher's trainer processes and the emulation's trainer threads (each sends, waits and sleeps its own way).
@@ -25,8 +28,9 @@ import hashlib
 import heapq
 import math
 import random
-from collections.abc import Callable, Container, Mapping
+from collections.abc import Awaitable, Callable, Container, Generator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 
 class NoPeersError(RuntimeError):
@@ -308,6 +312,55 @@ class StageCall:
             raise TimeoutError(f"stage {self.balancer.stage}: {self.attempts} {self.what} calls in a row failed or "
                                f"timed out over {now - self.failing_since:.0f} s (last on {uid}); its declared "
                                f"peers do not answer (unreachable address? see swarm.host / interface)")
+
+
+@dataclass(frozen=True)
+class PathCall:
+    """One stage call of a microbatch: ``forward`` (``payload``: the stage's input), ``last`` (the last stage's
+    fused forward + backward; ``payload``: its input), ``backward`` (``payload``: the stage's input kept by the
+    trainer, and the gradient of its output: any replica can take it, recomputing the stage's forward)."""
+
+    stage: int
+    kind: str
+    payload: Any
+
+
+def microbatch_path(stages: int, inputs: Any) -> Generator[PathCall, Any, Any]:
+    """One microbatch's calls in SWARM's order: forward through stages 0..k-2 (the trainer keeping each stage's
+    input), the last stage's fused forward + backward, backward through k-2..0. Yields each ``PathCall`` and is
+    sent its answer: a forward call's output; for ``last``, ``(loss, gradient of its input)``; a backward call's
+    gradient of its input. Returns the loss. Payloads are the transport's own (tensors, or tensors with their
+    wire metadata); one stage is a single ``last`` call."""
+    if stages < 1:
+        raise ValueError(f"a microbatch needs at least one stage, got {stages}")
+    kept, x = [], inputs
+    for stage in range(stages - 1):
+        kept.append(x)
+        x = yield PathCall(stage, "forward", x)
+    loss, grad = yield PathCall(stages - 1, "last", x)
+    for stage in range(stages - 2, -1, -1):
+        grad = yield PathCall(stage, "backward", (kept[stage], grad))
+    return loss
+
+
+def drive_path(path: Generator[PathCall, Any, Any], call: Callable[[PathCall], Any]) -> Any:
+    """Run a ``microbatch_path`` with a blocking ``call``; returns its loss (``call``'s exceptions propagate)."""
+    try:
+        request = next(path)
+        while True:
+            request = path.send(call(request))
+    except StopIteration as done:
+        return done.value
+
+
+async def drive_path_async(path: Generator[PathCall, Any, Any], call: Callable[[PathCall], Awaitable[Any]]) -> Any:
+    """``drive_path`` on an event loop: ``call`` is a coroutine function."""
+    try:
+        request = next(path)
+        while True:
+            request = path.send(await call(request))
+    except StopIteration as done:
+        return done.value
 
 
 def kill_candidates(steps: Mapping[int, Mapping[str, int]], live: Container[str]) -> list[str]:

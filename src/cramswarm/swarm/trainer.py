@@ -65,7 +65,15 @@ from cramswarm.swarm.hivemind_peer import (
     watch_launcher,
 )
 from cramswarm.swarm.peer_sync import CLOCK_FILE, SyncingStagePeer, read_clock
-from cramswarm.swarm.policies import NoPeersError, RetryPolicy, StageCall, make_balancer
+from cramswarm.swarm.policies import (
+    NoPeersError,
+    PathCall,
+    RetryPolicy,
+    StageCall,
+    drive_path_async,
+    make_balancer,
+    microbatch_path,
+)
 
 REFRESH_PERIOD_S = 1.0  # a trainer re-reads the stages' DHT records this often
 EXIT_NO_PEERS = 4       # a stage had no live peer for give_up_after_s
@@ -164,22 +172,24 @@ class StageClient:
         stage forward). The backward calls carry their sample count (``samples``: the launcher's peers admit
         them toward the stage's global batch) and, given ``mb``, the microbatch's index (the launcher's peers do not
         accumulate a microbatch they already stepped or hold twice: a trainer resumed from the stage shards)."""
-        samples, last = int(input_ids.shape[0]), self.stages - 1
+        samples = int(input_ids.shape[0])
         index = {} if mb is None else {"mb": int(mb)}
-        inputs = [({"input_ids": input_ids}, {})]
-        for stage in range(last):
-            out, out_meta = await self._call(stage, "forward", *inputs[stage], samples)
-            inputs.append(self._rename(out, out_meta, "y", "x"))
-        tensors, meta = inputs[last]
-        grad, grad_meta = await self._call(last, "backward", {**tensors, "labels": labels},
-                                           {**meta, "samples": samples, **index}, samples, fused=True)
-        loss = grad_meta["loss"]
-        for stage in range(last - 1, -1, -1):
-            tensors, meta = inputs[stage]
+
+        async def send(request: PathCall):   # a stage input is (tensors, meta); a gradient too
+            if request.kind == "forward":
+                out, out_meta = await self._call(request.stage, "forward", *request.payload, samples)
+                return self._rename(out, out_meta, "y", "x")
+            if request.kind == "last":
+                tensors, meta = request.payload
+                grad, grad_meta = await self._call(request.stage, "backward", {**tensors, "labels": labels},
+                                                   {**meta, "samples": samples, **index}, samples, fused=True)
+                return grad_meta["loss"], (grad, grad_meta)
+            (tensors, meta), (grad, grad_meta) = request.payload
             payloads = {**meta.get("payloads", {}), "g": grad_meta["payloads"]["g"]}
-            grad, grad_meta = await self._call(stage, "backward", {**tensors, **grad},
-                                               {"payloads": payloads, "samples": samples, **index}, samples)
-        return loss
+            return await self._call(request.stage, "backward", {**tensors, **grad},
+                                    {"payloads": payloads, "samples": samples, **index}, samples)
+
+        return await drive_path_async(microbatch_path(self.stages, ({"input_ids": input_ids}, {})), send)
 
 
 async def train_shard(cfg: dict, rank: int, trainers: int) -> None:
