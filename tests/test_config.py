@@ -26,6 +26,7 @@ def check(cfg, repo):
         ["mirror.yaml"],
         ["mirror.yaml", "mirror_arch.yaml"],
         ["mirror.yaml", "realtext.yaml"],
+        ["swarm_testbed.yaml"],
     ],
 )
 def test_shipped_configs_validate(repo, overlays, monkeypatch):
@@ -132,6 +133,8 @@ def mutate(cfg, path, value):
         (("models", "no_pretrain", "trainer"), "swarm", ["models.no_pretrain.trainer", "needs pretrain: true"]),
         (("swarm_study", "compression", "stages"), 4, ["swarm_study.compression.stages", "do not divide"]),
         (("swarm_study", "wiring", "speeds"), [1.5], ["swarm_study.wiring.speeds[0]", "maximum"]),
+        (("swarm_study", "rebalancing", "starved_stage"), 3,
+         ["swarm_study.rebalancing.starved_stage", "does not exist"]),
         (("swarm_study", "wiring", "sweep_speeds"), ["fast"], ["swarm_study.wiring.sweep_speeds[0]", "mixed, equal"]),
         (
             ("swarm_study", "sim_scale", "preemption_models"),
@@ -316,3 +319,20 @@ def test_realtext_overlay_takes_the_lr_from_its_own_sweep(repo, tmp_path):
     assert crammed["recipe"]["budget"]["value"] > cfg["ablations"]["budget"]["value"]
     assert runs["no_pretrain"]["arch"] == crammed["arch"]
     assert len(cfg["glue"]["seeds"]) >= MIN_PAIRS
+
+
+def test_the_testbed_study_overlay_hands_every_setting_to_its_experiment(repo):
+    """config/swarm_testbed.yaml reruns the committed testbed study through the workflow: each swarm_study section,
+    as the swarm-study command passes it, binds to its study function, with the testbed among the transports."""
+    import inspect
+
+    from cramswarm.swarm import study
+    from cramswarm.swarm.commands import EXPERIMENTS
+
+    cfg = load_config([repo / "config" / "config.yaml", repo / "config" / "swarm_testbed.yaml"], base_dir=repo)
+    for experiment, section in (("wiring_throughput", "wiring"), ("failures_timeline", "failures"),
+                                ("rebalancing_recovery", "rebalancing")):
+        settings = cfg["swarm_study"][section]
+        assert "testbed" in settings["transports"]
+        kwargs = {EXPERIMENTS[experiment].get(k, k): v for k, v in settings.items()}
+        inspect.signature(getattr(study, experiment)).bind("out.csv", **kwargs)  # TypeError on an unknown key

@@ -269,6 +269,10 @@ def _semantic_errors(cfg: dict, base_dir: Path, schema: dict) -> list[str]:
             errors.append(f"config key '{where}': {name!r} is not in glue.protocols ({', '.join(protocols)})")
     if not any(m["pretrain"] for m in cfg["models"].values()):
         errors.append("config key 'models': at least one model needs pretrain: true")
+    rebalancing = cfg["swarm_study"]["rebalancing"]
+    if rebalancing["starved_stage"] >= rebalancing["stages"]:
+        errors.append(f"config key 'swarm_study.rebalancing.starved_stage': stage {rebalancing['starved_stage']} "
+                      f"does not exist (swarm_study.rebalancing.stages is {rebalancing['stages']}, counted from 0)")
     split = swarm_study_model(cfg)  # the model swarm_study's compression experiment splits into stages
     stages = cfg["swarm_study"]["compression"]["stages"]
     if split in cfg["models"] and cfg["models"][split]["arch"]["layers"] % stages:
