@@ -76,6 +76,22 @@ def test_rebalancing_moves_peers_to_the_bottleneck():
     assert adaptive["lost_microbatches"] == 0
 
 
+def test_the_emulation_and_the_simulator_move_the_same_peer_on_the_same_signal():
+    """Both drive ``Rebalancer`` with each peer's own ``LoadMeter`` window (the launcher's peers publish the same):
+    on one starved setup they move the same peer between the same stages, and agree on the throughput."""
+    from cramswarm.swarm import sim
+
+    setup = SwarmSetup(peers=[PeerSpec(0)] * 4 + [PeerSpec(1)], trainers=8, stage_time_s=1.0,
+                       forward_timeout_s=30.0, duration_s=400.0, rebalance_period_s=40.0)
+    emulated, simulated = run(setup, time_scale=SCALE), sim.run(setup)
+
+    def moves(result):
+        return [(m["uid"], m["from_stage"], m["to_stage"]) for m in result["moves"]]
+
+    assert moves(emulated) == moves(simulated) and len(moves(simulated)) >= 1
+    assert emulated["throughput_mb_s"] == pytest.approx(simulated["throughput_mb_s"], rel=0.15)
+
+
 def test_setup_errors_are_named():
     with pytest.raises(ValueError, match=r"stage\(s\) \[1\] have no peer"):
         run(SwarmSetup(peers=[PeerSpec(0), PeerSpec(2)], trainers=1, stage_time_s=1.0))

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from cramswarm.swarm.policies import _uid_hash
+from cramswarm.swarm.policies import LoadMeter, _uid_hash
 
 pytest.importorskip("hivemind", reason="hivemind is not installed: the peers' rebalancing is untested")
 
@@ -18,7 +18,6 @@ from test_swarm_roles import brief, launch  # noqa: E402
 
 from cramswarm.swarm.hivemind_peer import stage_key  # noqa: E402
 from cramswarm.swarm.peer_rebalance import (  # noqa: E402
-    LoadMeter,
     PeerRebalancer,
     call_units,
     last_move_key,
@@ -26,23 +25,7 @@ from cramswarm.swarm.peer_rebalance import (  # noqa: E402
 )
 
 
-def test_the_load_meter_averages_the_queue_over_time_and_rates_served_units_per_compute_second():
-    meter = LoadMeter(now=0.0)
-    meter.enter(0.0)
-    meter.enter(1.0)
-    meter.exit(3.0)
-    meter.exit(4.0)  # queue: 1 for 1 s, 2 for 2 s, 1 for 1 s, 0 for 6 s -> 6 / 10
-    for _ in range(9):
-        meter.served(units=3.0, seconds=0.5)
-    first = meter.window(now=10.0)
-    assert first["queue"] == pytest.approx(0.6) and first["calls"] == 9 and first["units"] == 27.0
-    assert first["rate"] is None  # not settled: fewer than 10 calls served since the peer started
-    for _ in range(3):
-        meter.served(units=2.0, seconds=1.0)
-    second = meter.window(now=20.0)
-    assert second["queue"] == 0.0 and second["rate"] == pytest.approx(6.0 / 3.0) and second["span_s"] == 10.0
-    third = meter.window(now=25.0)  # no call in this window: the last rate is kept
-    assert third["calls"] == 0 and third["rate"] == pytest.approx(2.0)
+def test_a_served_call_counts_its_work_units():
     assert call_units("forward", 4, False) == 4 and call_units("backward", 4, False) == 8
     assert call_units("backward", 4, True) == 12  # the last stage's fused forward + backward
 

@@ -20,6 +20,7 @@ from cramswarm.swarm.compression import (
 )
 from cramswarm.swarm.policies import (
     CALL_ROUND_TRIPS,
+    LoadMeter,
     Move,
     NoPeersError,
     PeerLoad,
@@ -506,3 +507,41 @@ def test_a_microbatch_path_calls_the_stages_in_swarms_order_and_keeps_each_stage
         drive_path(microbatch_path(2, 0), failing)
     with pytest.raises(ValueError, match="at least one stage"):
         drive_path(microbatch_path(0, 0), failing)
+
+
+def test_the_load_meter_averages_the_queue_over_time_and_rates_served_units_per_compute_second():
+    meter = LoadMeter(now=0.0)
+    meter.enter(0.0)
+    meter.enter(1.0)
+    meter.exit(3.0)
+    meter.exit(4.0)  # queue: 1 for 1 s, 2 for 2 s, 1 for 1 s, 0 for 6 s -> 6 / 10
+    for _ in range(9):
+        meter.served(units=3.0, seconds=0.5)
+    first = meter.window(now=10.0)
+    assert first["queue"] == pytest.approx(0.6) and first["calls"] == 9 and first["units"] == 27.0
+    assert first["rate"] is None  # not settled: fewer than 10 calls served since the peer started
+    for _ in range(3):
+        meter.served(units=2.0, seconds=1.0)
+    second = meter.window(now=20.0)
+    assert second["queue"] == 0.0 and second["rate"] == pytest.approx(6.0 / 3.0) and second["span_s"] == 10.0
+    third = meter.window(now=25.0)  # no call in this window: the last rate is kept
+    assert third["calls"] == 0 and third["rate"] == pytest.approx(2.0)
+
+
+def test_the_load_meter_counts_a_call_from_its_entry_to_an_exit_dated_ahead():
+    """The simulator knows when an admitted call finishes: an exit dated ahead counts from then on, also across
+    windows; a live peer's ``enter`` / ``exit`` and dated exits mix."""
+    meter = LoadMeter(now=0.0)
+    meter.enter(0.0)
+    meter.exit_at(4.0)   # in the queue 0-4 s
+    meter.enter(2.0)
+    meter.exit_at(12.0)  # 2-12 s: crosses the window's end
+    assert meter.queue == 2
+    first = meter.window(now=10.0)   # 1 for 2 s, 2 for 2 s, 1 for 6 s -> 12 / 10
+    assert first["queue"] == pytest.approx(1.2) and meter.queue == 1
+    meter.enter(11.0)
+    meter.exit(13.0)
+    second = meter.window(now=20.0)  # 1 for 1 s, 2 for 1 s, 1 for 1 s, 0 for 7 s -> 4 / 10
+    assert second["queue"] == pytest.approx(0.4) and meter.queue == 0
+    load = meter.load("p", now=30.0)
+    assert load.uid == "p" and load.queue_len == 0.0 and load.samples_per_s is None

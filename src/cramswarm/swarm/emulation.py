@@ -53,11 +53,10 @@ from tqdm.auto import tqdm
 
 from cramswarm.swarm.compression import COMPRESSIONS, decode, encode, payload_bytes, wire_scheme
 from cramswarm.swarm.policies import (
+    LoadMeter,
     Move,
     NoPeersError,
     PathCall,
-    PeerLoad,
-    PerformanceEMA,
     Rebalancer,
     RetryPolicy,
     StageBalancer,
@@ -218,6 +217,7 @@ class Request:
         self.done = threading.Event()
         self.result: Any = None
         self.error: str | None = None
+        self.meter: LoadMeter | None = None  # the serving peer's meter it counts in (``Peer.submit``)
 
     def reply(self, result: Any) -> None:
         self.result = result
@@ -242,9 +242,8 @@ class Peer(threading.Thread):
         self.queue: queue.Queue[Request] = queue.Queue()
         self.status = "up"
         self.incarnation = 0
-        self.busy = False
         self.pending_move: int | None = None
-        self.ema = PerformanceEMA()
+        self.meter = LoadMeter(swarm.clock.now())  # its own queue and service rate: the rebalancer's input
         self.served: dict[str, int] = {"forward": 0, "backward": 0, "last": 0}
         self.state: Any = None  # transport-specific stage state (train: module, optimizer, gradient buffers)
         self._wake = threading.Event()
@@ -254,8 +253,14 @@ class Peer(threading.Thread):
     def alive(self) -> bool:
         return self.status == "up"
 
-    def load(self) -> PeerLoad:
-        return PeerLoad(self.uid, self.queue.qsize() + int(self.busy), self.ema.settled_rate())
+    def submit(self, request: Request) -> None:
+        """Queue ``request`` (a trainer's call); it counts in the meter it entered until the peer is done with it."""
+        request.meter = self.meter
+        self.meter.enter(self.swarm.clock.now())
+        self.queue.put(request)
+
+    def _done(self, request: Request) -> None:
+        request.meter.exit(self.swarm.clock.now())
 
     def _drain(self, error: str | None) -> None:
         while True:
@@ -263,6 +268,7 @@ class Peer(threading.Thread):
                 request = self.queue.get_nowait()
             except queue.Empty:
                 return
+            self._done(request)
             if error is not None:
                 request.fail(error)
 
@@ -294,7 +300,7 @@ class Peer(threading.Thread):
             if self.status == "joining":
                 swarm.join_state(self)
                 clock.sleep(swarm.state_download_s)
-                self.ema, self.status, self._next_declare = PerformanceEMA(), "up", -math.inf
+                self.meter, self.status, self._next_declare = LoadMeter(clock.now()), "up", -math.inf
                 continue
             if self.pending_move is not None:
                 self._move(self.pending_move)
@@ -308,10 +314,10 @@ class Peer(threading.Thread):
             except queue.Empty:
                 continue
             if request.stage != self.stage:
+                self._done(request)
                 request.fail(f"{self.uid} serves stage {self.stage}, not {request.stage}")
                 continue
             incarnation, start = self.incarnation, clock.now()
-            self.busy = True
             try:
                 result = swarm.serve(self, request, incarnation)
             except _Dropped:
@@ -321,10 +327,10 @@ class Peer(threading.Thread):
                 request.fail(f"{self.uid}: {exc!r}")
                 continue
             finally:
-                self.busy = False
+                self._done(request)
             if not self.alive or self.incarnation != incarnation:
                 continue
-            self.ema.update(clock.now() - start, swarm.work_units(request))
+            request.meter.served(swarm.work_units(request), clock.now() - start)
             self.served[request.kind] += 1
             request.reply(result)
 
@@ -337,7 +343,7 @@ class Peer(threading.Thread):
         self.stage = to_stage
         swarm.clock.sleep(swarm.state_download_s)
         self.pending_move = None
-        self.ema, self.status, self._next_declare = PerformanceEMA(), "up", -math.inf
+        self.meter, self.status, self._next_declare = LoadMeter(swarm.clock.now()), "up", -math.inf
 
 
 class _Swarm(abc.ABC):
@@ -408,8 +414,9 @@ class _Swarm(abc.ABC):
     def rebalance_loop(self, rebalancer: Rebalancer, stages: int) -> None:
         while not self.stop.wait(self.clock.wall(rebalancer.period_s)):
             with self.membership:
-                loads = {s: [p.load() for p in self.live(s)] for s in range(stages)}
-                move = rebalancer.decide(loads, self.clock.now())
+                now = self.clock.now()
+                loads = {s: [p.meter.load(p.uid, now) for p in self.live(s)] for s in range(stages)}
+                move = rebalancer.decide(loads, now)
                 if move is not None:
                     self.begin_move(move)
 
@@ -503,7 +510,7 @@ class Router:
             start = now
             clock.sleep(self.network_s(nbytes[0]))
             request = Request(kind, stage, mb, data)
-            peer.queue.put(request)
+            peer.submit(request)
             if not self._wait(request, timeout):
                 if call is None:
                     swarm.count("timeouts")

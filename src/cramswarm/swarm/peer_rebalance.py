@@ -42,7 +42,6 @@ import asyncio
 import json
 import math
 import re
-import threading
 import time
 from pathlib import Path
 
@@ -50,7 +49,7 @@ from hivemind.utils import get_dht_time
 
 from cramswarm.swarm.emulation import WORK_UNITS
 from cramswarm.swarm.hivemind_peer import RECORD_TTL_S, stage_key, stage_records
-from cramswarm.swarm.policies import SETTLED_UPDATES, PeerLoad, _uid_hash, choose_move
+from cramswarm.swarm.policies import PeerLoad, _uid_hash, choose_move
 
 MOVES_FILE = "moves.jsonl"  # in the run's folder: one line per move event, appended by the moving peer
 
@@ -80,59 +79,6 @@ def moved_uid(uid: str, to_stage: int, moves: int) -> str:
     process) and names the new stage and the move (``s1p2m1``); any other uid gets the suffix."""
     match = re.fullmatch(r"s\d+(p\d+)(m\d+)?", uid)
     return f"s{to_stage}{match.group(1)}m{moves}" if match else f"{uid}-s{to_stage}m{moves}"
-
-
-class LoadMeter:
-    """A stage peer's own load over one window: the time-average of the calls in its compute queue (waiting or
-    computing; ``enter`` / ``exit`` from the event loop) and the work units it served per second of compute
-    (``served`` from the compute thread). Times are arguments; the counters are guarded by a lock."""
-
-    def __init__(self, now: float):
-        self._lock = threading.Lock()
-        self.queue = 0
-        self._since = self._start = now
-        self._area = 0.0
-        self._units = self._busy_s = 0.0
-        self._calls = 0
-        self.total_calls = 0
-        self.rate: float | None = None  # the last settled window's rate (kept through windows without calls)
-
-    def _advance(self, now: float) -> None:
-        self._area += self.queue * max(now - self._since, 0.0)
-        self._since = max(now, self._since)
-
-    def enter(self, now: float) -> None:
-        with self._lock:
-            self._advance(now)
-            self.queue += 1
-
-    def exit(self, now: float) -> None:
-        with self._lock:
-            self._advance(now)
-            self.queue -= 1
-
-    def served(self, units: float, seconds: float) -> None:
-        with self._lock:
-            self._units += units
-            self._busy_s += max(seconds, 0.0)
-            self._calls += 1
-            self.total_calls += 1
-
-    def window(self, now: float) -> dict:
-        """Close the window at ``now`` and start the next: its mean queue, served units, compute seconds, calls
-        and the rate (units per compute second; the previous one without calls, None until settled)."""
-        with self._lock:
-            self._advance(now)
-            span = now - self._start
-            mean_queue = self._area / span if span > 0 else float(self.queue)
-            if self._calls and self._busy_s > 0 and self.total_calls >= SETTLED_UPDATES:
-                self.rate = self._units / self._busy_s
-            out = {"queue": mean_queue, "units": self._units, "busy_s": self._busy_s, "calls": self._calls,
-                   "span_s": span, "rate": self.rate if self.total_calls >= SETTLED_UPDATES else None}
-            self._start = self._since = now
-            self._area = self._units = self._busy_s = 0.0
-            self._calls = 0
-            return out
 
 
 def stage_after_moves(moves_file: Path, uid: str, stage: int) -> tuple[str, int]:

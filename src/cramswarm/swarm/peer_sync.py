@@ -96,7 +96,8 @@ from cramswarm.swarm.hivemind_peer import (
     stage_records,
     unpack,
 )
-from cramswarm.swarm.peer_rebalance import LoadMeter, PeerRebalancer, call_units
+from cramswarm.swarm.peer_rebalance import PeerRebalancer, call_units
+from cramswarm.swarm.policies import LoadMeter
 from cramswarm.swarm.stages import stage_memory
 from cramswarm.training import accumulation_at, budget_progress, lr_multiplier
 

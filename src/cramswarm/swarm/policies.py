@@ -1,4 +1,5 @@
-"""SWARM's decision policies as pure objects: no I/O, no clocks, no threads (time is passed in as ``now``).
+"""SWARM's decision policies as pure objects: no I/O, no clocks, no threads of their own (time is passed in as
+``now``).
 
 Every transport (threads in ``emulation``, the discrete-event ``sim``, real hivemind processes) drives these
 same objects, so routing, retries, rebalancing and in-stage synchronisation behave identically everywhere.
@@ -17,6 +18,8 @@ same objects, so routing, retries, rebalancing and in-stage synchronisation beha
 * ``kill_candidates`` - fault injection's rule: which live replicas may be killed.
 * ``StageCall`` - one stage call's retries on top of a balancer and a ``RetryPolicy``: the one retry loop of the
   launcher's trainer processes and the emulation's trainer threads (each sends, waits and sleeps its own way).
+* ``LoadMeter`` - what a stage peer measures of itself for rebalancing (period-averaged queue, service rate): the
+  one signal of the launcher's peers, the emulation's peer threads and the simulator's peers.
 * ``Rebalancer`` - adaptive rebalancing (swarm.md 1.5): moves one peer from the least to the most loaded stage
   when the imbalance exceeds a hysteresis factor and the projected bottleneck throughput strictly improves.
 * ``StageSync`` - sample accounting toward one global batch per stage and the replicas' averaging weights.
@@ -28,6 +31,7 @@ import hashlib
 import heapq
 import math
 import random
+import threading
 from collections.abc import Awaitable, Callable, Container, Generator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -378,11 +382,93 @@ def kill_candidates(steps: Mapping[int, Mapping[str, int]], live: Container[str]
     return found
 
 
+class LoadMeter:
+    """A stage peer's own load over one window, the rebalancer's input on every transport: the time-average of the
+    calls in its compute queue (waiting or computing) and the work units it served per second of its own compute
+    (``served``; the rate of the last window with calls, None until ``SETTLED_UPDATES`` calls were served: a fresh
+    peer's first calls pay a cold start). Caller-side latency, which includes queueing and the network, is not used.
+
+    ``enter`` / ``exit`` date a queue change at ``now``; the simulator, which knows when an admitted call will
+    finish, dates its exit ahead with ``exit_at`` and the change counts from then on. Times are arguments (no
+    clock); a lock guards the counters, as the threaded transports call it from several threads.
+    """
+
+    def __init__(self, now: float):
+        self._lock = threading.Lock()
+        self._queue = 0
+        self._exits: list[float] = []   # dated exits not reached yet (a heap)
+        self._since = self._start = now
+        self._area = 0.0
+        self._units = self._busy_s = 0.0
+        self._calls = 0
+        self.total_calls = 0
+        self.rate: float | None = None  # the last settled window's rate (kept through windows without calls)
+
+    def _advance(self, now: float) -> None:
+        while self._exits and self._exits[0] <= now:
+            at = heapq.heappop(self._exits)
+            self._area += self._queue * max(at - self._since, 0.0)
+            self._since = max(at, self._since)
+            self._queue -= 1
+        self._area += self._queue * max(now - self._since, 0.0)
+        self._since = max(now, self._since)
+
+    @property
+    def queue(self) -> int:
+        """Calls in the queue at the latest time the meter was given."""
+        with self._lock:
+            self._advance(self._since)
+            return self._queue
+
+    def enter(self, now: float) -> None:
+        with self._lock:
+            self._advance(now)
+            self._queue += 1
+
+    def exit(self, now: float) -> None:
+        with self._lock:
+            self._advance(now)
+            self._queue -= 1
+
+    def exit_at(self, at: float) -> None:
+        """A call leaves the queue at ``at`` (now or later)."""
+        with self._lock:
+            heapq.heappush(self._exits, at)
+
+    def served(self, units: float, seconds: float) -> None:
+        with self._lock:
+            self._units += units
+            self._busy_s += max(seconds, 0.0)
+            self._calls += 1
+            self.total_calls += 1
+
+    def window(self, now: float) -> dict:
+        """Close the window at ``now`` and start the next: its mean queue, served units, compute seconds, calls
+        and the rate (units per compute second; the previous one without calls, None until settled)."""
+        with self._lock:
+            self._advance(now)
+            span = now - self._start
+            mean_queue = self._area / span if span > 0 else float(self._queue)
+            if self._calls and self._busy_s > 0 and self.total_calls >= SETTLED_UPDATES:
+                self.rate = self._units / self._busy_s
+            out = {"queue": mean_queue, "units": self._units, "busy_s": self._busy_s, "calls": self._calls,
+                   "span_s": span, "rate": self.rate if self.total_calls >= SETTLED_UPDATES else None}
+            self._start = self._since = max(now, self._since)
+            self._area = self._units = self._busy_s = 0.0
+            self._calls = 0
+            return out
+
+    def load(self, uid: str, now: float) -> "PeerLoad":
+        """Close the window at ``now``: the ``PeerLoad`` the rebalancer reads (mean queue, rate)."""
+        window = self.window(now)
+        return PeerLoad(uid, window["queue"], window["rate"])
+
+
 @dataclass(frozen=True)
 class PeerLoad:
     uid: str
-    queue_len: float       # microbatches waiting
-    samples_per_s: float | None   # EMA throughput; None: not measured yet (a peer that just joined or moved)
+    queue_len: float       # calls in its compute queue, averaged over the period (``LoadMeter``)
+    samples_per_s: float | None   # work units per compute second; None: not settled yet (just joined or moved)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 It runs the same ``SwarmSetup`` as the thread emulation (``cramswarm.swarm.emulation.run``) and returns the same
 result keys, driving the same policy objects (``StageBalancer`` / ``UniformBalancer``, ``RetryPolicy``,
-``Rebalancer``, ``PerformanceEMA``) with the simulated clock passed in as ``now``. Nothing sleeps, so it is
+``Rebalancer``, ``LoadMeter``) with the simulated clock passed in as ``now``. Nothing sleeps, so it is
 exact and deterministic for a seed, and reaches swarms of hundreds to thousands of peers and millions of events
 (swarm.md 6.3).
 
@@ -51,12 +51,12 @@ The model is the emulation's, so the two transports can be compared run for run:
   highest (queued + computing calls + 1) / summed nominal speed of the stage's live peers, as a newcomer
   reading published queue sizes would), loads its state for ``state_download_s`` and declares itself. It is
   peer ``len(peers) + j`` for failure events; a kill of a peer that has not arrived yet is ignored.
-* Rebalancing (``rebalance_period_s``): every period the serving peers' loads (queued + computing calls,
-  throughput measured by the peer itself in forward-call units) go to a ``Rebalancer``; the mover withdraws
+* Rebalancing (``rebalance_period_s``): every period each serving peer's ``LoadMeter`` window (its queued +
+  computing calls averaged over the period, the work units it served per second of compute, None until settled),
+  the signal the launcher's and the emulation's peers measure, goes to a ``Rebalancer``; the mover withdraws
   at once, fails its queued calls (their trainers re-send them), finishes the call it is computing, loads the
-  new stage's state for ``state_download_s`` and then serves the new stage. One difference from the emulation:
-  a peer that has not measured itself yet (just joined) reports its nominal rate instead of stalling the
-  rebalancer for that period, which in large swarms with frequent preemptions would stall it for good.
+  new stage's state for ``state_download_s`` and then serves the new stage. A peer not measured yet counts at its
+  stage's mean measured rate (``Rebalancer.rates``), as everywhere; no peer reports its nominal speed.
 
 ``run(setup)`` simulates one setup; ``heterogeneous_setup`` builds large ones, and the preemption models
 ``poisson_failures`` (independent), ``burst_failures`` (correlated: several peers at once) and ``churn``
@@ -84,9 +84,8 @@ from cramswarm.swarm.emulation import (
     SwarmSetup,
 )
 from cramswarm.swarm.policies import (
+    LoadMeter,
     NoPeersError,
-    PeerLoad,
-    PerformanceEMA,
     Rebalancer,
     RetryPolicy,
     StageBalancer,
@@ -163,7 +162,7 @@ class _Peer:
     withdrawn: bool = False
     served: int = 0                  # forward calls answered
     work: float = 0.0                # compute in forward-call units (backward = BACKWARD_COMPUTE_FACTOR) answered
-    ema: PerformanceEMA = field(default_factory=PerformanceEMA)
+    meter: LoadMeter = field(default_factory=lambda: LoadMeter(0.0))   # its own queue and rate (rebalancer's input)
     latency_s: float = 0.0           # one-way latency of its links
     transfer_s: float = 0.0          # one transfer's time without a NIC (bytes / link bandwidth + latency)
     nic: _Nic | None = None          # None: transfers take ``transfer_s``, never shared
@@ -423,9 +422,11 @@ class Simulator:
         call.start = max(now, peer.free_at)
         call.finish = peer.free_at = call.start + service
         peer.pending.append(call)
+        peer.meter.enter(now)
+        peer.meter.exit_at(call.finish)
         if call.backward and self.step_microbatches is not None:
             self._count_toward_step(stage, call.finish)
-        peer.ema.update(service, self._units(call.stage, call.backward))
+        peer.meter.served(self._units(call.stage, call.backward), service)
         if call.finish <= call.deadline:
             if peer.nic is None:
                 self._schedule(call, call.finish + peer.transfer_s, _REPLY)
@@ -539,7 +540,7 @@ class Simulator:
         if epoch != peer.epoch or peer.status not in ("joining", "moving"):
             return
         peer.status = "up"
-        peer.ema = PerformanceEMA()
+        peer.meter = LoadMeter(self.now)
         self._declare(peer)
 
     def _move(self, peer: _Peer, to_stage: int) -> None:
@@ -558,11 +559,11 @@ class Simulator:
 
     def _on_rebalance(self, _: object) -> None:
         now = self.now
-        loads: dict[int, list[PeerLoad]] = {s: [] for s in range(self.num_stages)}
+        loads: dict[int, list] = {s: [] for s in range(self.num_stages)}
         for peer in self.peers:
             if peer.status == "up":
                 # like the real transports: no rate until measured (no oracle speed), so the same moves happen
-                loads[peer.stage].append(PeerLoad(peer.uid, float(peer.queue_len(now)), peer.ema.settled_rate()))
+                loads[peer.stage].append(peer.meter.load(peer.uid, now))
         move = self.rebalancer.decide(loads, now)
         if move is not None:
             self.moves.append({"t_s": now, "uid": move.uid, "from_stage": move.from_stage,
