@@ -1,5 +1,6 @@
-# Config validation and every helper function of the workflow, so that the other .smk files hold rules only:
-# paths, input and params functions (the resources each job asks a cluster for: rules/resources.smk).
+# Config validation and what several stages share: the config's names, the file paths, the wildcards and the
+# functions more than one rule file calls. A function of one stage's rules is in rules/inputs.smk, what the claims
+# read in rules/claims_manifest.smk, the resources each job asks a cluster for in rules/resources.smk.
 import json
 import math
 import os
@@ -110,41 +111,6 @@ def run_data(wildcards):
     return data_files(RUNS[wildcards.model]["data"], wildcards.vocab)
 
 
-def lr_sweep_summaries(wildcards):
-    """{peak LR: summary.json} of the schedule-sweep runs a model with lr_from_sweep takes its LR from (else empty)."""
-    runs = RUNS[wildcards.model]["lr_from"] or {}
-    return {str(lr): f"{checkpoint_dir(run, MAIN_VOCAB)}/summary.json" for lr, run in runs.items()}
-
-
-def lr_from_arg(wildcards):
-    """The pretrain command's --lr-from option for a model with lr_from_sweep ('' for the others)."""
-    summaries = lr_sweep_summaries(wildcards)
-    return f"--lr-from {shlex.quote(json.dumps(summaries, sort_keys=True))}" if summaries else ""
-
-
-def checkpoint_of(wildcards):
-    return f"{checkpoint_dir(wildcards.model, wildcards.vocab)}/model.safetensors"
-
-
-# The keys of the source's section the GLUE stage reads, so that a change to another (say, the corpus size)
-# does not rerun it. (The corpus stage's keys, for every corpus name: cramswarm.config.corpus_spec.)
-GLUE_SOURCE_KEYS = {
-    "synthetic": ["seed", "glue_train_examples", "glue_validation_examples"],
-    "hub": ["mirror", "glue", "glue_max_train_examples"],
-}
-
-
-def glue_source_spec(wildcards=None):
-    """JSON of the chosen source with only the keys the GLUE stage reads."""
-    section = {key: config[SOURCE][key] for key in GLUE_SOURCE_KEYS[SOURCE]}
-    return json.dumps({"source": SOURCE, SOURCE: section}, sort_keys=True)
-
-
-def corpus_spec_json(wildcards):
-    """JSON of what the corpus stage reads for corpus ``wildcards.corpus`` (and nothing else)."""
-    return json.dumps(corpus_spec(config, wildcards.corpus), sort_keys=True)
-
-
 def arch_json(wildcards):
     return json.dumps(RUNS[wildcards.model]["arch"], sort_keys=True)
 
@@ -153,48 +119,8 @@ def recipe_json(wildcards):
     return json.dumps(RUNS[wildcards.model]["recipe"], sort_keys=True)
 
 
-def protocol_json(wildcards):
-    """The run's GLUE fine-tuning protocol (glue.protocols entry with its name, plus the shared settings)."""
-    return json.dumps(RUNS[wildcards.model]["glue"], sort_keys=True)
-
-
 def runs_of(study):
     return [name for name, run in RUNS.items() if run["study"] == study]
-
-
-def run_dirs_json(study):
-    """{label: checkpoint folder} of one ablation study's runs, for the report command."""
-    return json.dumps({RUNS[r]["label"]: checkpoint_dir(r, MAIN_VOCAB) for r in runs_of(study)})
-
-
-def ablation_checkpoints(study):
-    return [f"{checkpoint_dir(r, MAIN_VOCAB)}/summary.json" for r in runs_of(study)]
-
-
-def ablation_finetunes(study):
-    return [
-        FINETUNE.format(source=SOURCE, model=r, vocab=MAIN_VOCAB, task=task, seed=seed)
-        for r in runs_of(study)
-        for task in config["ablations"]["glue_tasks"]
-        for seed in SEEDS
-    ]
-
-
-def finetune_results(wildcards=None):
-    return [
-        FINETUNE.format(source=SOURCE, model=model, vocab=vocab, task=task, seed=seed)
-        for model, vocab in STUDY_RUNS
-        for task in TASKS
-        for seed in SEEDS
-    ]
-
-
-def pretrain_logs(wildcards=None):
-    return [f"{checkpoint_dir(m, v)}/train_log.csv" for m, v in STUDY_RUNS if MODELS[m]["pretrain"]]
-
-
-def vocab_size(wildcards):
-    return int(wildcards.vocab)
 
 
 def gpus(device):
@@ -206,16 +132,6 @@ def gpus(device):
     return int(device == "cuda")
 
 
-def pretrain_processes_per_node(wildcards):
-    """Data-parallel processes of a pretraining job on each node (pretrain.devices): the rule's threads, one CPU
-    each; profiles/slurm multiplies its GPUs per process by this."""
-    return RUNS[wildcards.model]["recipe"]["devices"]
-
-
-def pretrain_nodes(wildcards):
-    return RUNS[wildcards.model]["recipe"]["nodes"]
-
-
 def pretrain_gpus(wildcards):
     """GPUs per data-parallel process (gpus(); under profiles/slurm its CRAMSWARM_SLURM_GPUS, which the profile
     passes on as CRAMSWARM_GPUS_PER_PROCESS) x processes (pretrain.devices x pretrain.nodes)."""
@@ -225,13 +141,6 @@ def pretrain_gpus(wildcards):
     return per_process * recipe["devices"] * recipe["nodes"]
 
 
-def finetune_gpus(wildcards):
-    return gpus(RUNS[wildcards.model]["glue"]["device"])
-
-
-# --- Functions of single rules, kept here so the rule files hold rules only -----------------------------------
-
-
 def filter_step(wildcards):
     """The last filter of a {filters} chain (the step this job applies) and the corpus it reads."""
     *before, step = wildcards.filters.split("-")
@@ -239,41 +148,9 @@ def filter_step(wildcards):
     return step, (CORPUS if parent == "raw" else FILTERED).format(corpus=wildcards.corpus, filters=parent)
 
 
-def filter_inputs(wildcards):
-    """For filter_corpus, the corpus the step reads, and for a trash step the tokenizer that counts tokens."""
-    step, parent = filter_step(wildcards)
-    inputs = {"corpus": parent}
-    if step.startswith("trash"):  # the corpus's own tokenizer: study family, main vocab, unfiltered corpus
-        inputs["tokenizer"] = TOKENIZER.format(
-            corpus=wildcards.corpus, filters="raw", family=config["tokenizer"]["family"], vocab=MAIN_VOCAB
-        )
-    return inputs
-
-
-def filter_args(wildcards):
-    """For filter_corpus, the step and its settings (dedup shingles and permutations included)."""
-    step, _ = filter_step(wildcards)
-    if step.startswith("trash"):
-        return f"--kind trash --trash-cutoff {step[len('trash'):]}"
-    d = config["data"]
-    return (
-        f"--kind dedup --dedup-threshold {step[len('dedup'):]} --shingle-words {d['dedup_shingle_words']} "
-        f"--num-perm {d['dedup_permutations']}"
-    )
-
-
-def swarm_json(wildcards):
-    return json.dumps(config["swarm"], sort_keys=True)
-
-
-# swarm.placement srun: the job is one SLURM job of stages x peers_per_stage tasks (across nodes: one CPU per stage
-# peer); the launcher runs in its batch step and starts every process (bootstrap, peers, trainers) as its own srun
-# job step (--overlap: the trainers and the bootstrap share the peers' CPUs). `mpi` tells the SLURM plugin the rule
-# calls srun itself (its job step runs the rule as is, not under `srun -n1`). Other placements run one process.
+# --- SWARM's names that the resources and the claims read too (rules/swarm.smk; its functions: rules/inputs.smk) ---
+# the stage peers of a swarm job (with swarm.placement srun, its SLURM tasks)
 SWARM_TASKS = config["swarm"]["stages"] * config["swarm"]["peers_per_stage"]
-SWARM_SRUN = config["swarm"]["placement"] == "srun"
-SWARM_SLURM = {"tasks": SWARM_TASKS, "mpi": "srun"} if SWARM_SRUN else {}
-
 # named target swarm_study: the paper's experiments in miniature (one CSV each), then their tables and figures
 SWARM_STUDY = f"results/swarm_study/{SOURCE}"
 # CSV / figure name (as cramswarm.report.swarm_figures names them) -> the swarm_study config section it runs
@@ -286,136 +163,3 @@ SWARM_EXPERIMENTS = {
     "sim_scale": "sim_scale",
 }
 SWARM_MODEL = swarm_study_model(config)  # the model the compression experiment splits (cramswarm.config)
-
-
-def swarm_study_inputs(wildcards):
-    """The compression experiment trains on the study's blocks at the main vocab size."""
-    return data_files(STUDY_DATA, MAIN_VOCAB) if SWARM_EXPERIMENTS[wildcards.name] == "compression" else {}
-
-
-def swarm_study_settings(wildcards):
-    return json.dumps(config["swarm_study"][SWARM_EXPERIMENTS[wildcards.name]], sort_keys=True)
-
-
-def swarm_study_args(wildcards, input):
-    if SWARM_EXPERIMENTS[wildcards.name] != "compression":
-        return ""
-    arch = shlex.quote(json.dumps(RUNS[SWARM_MODEL]["arch"], sort_keys=True))
-    return f"--blocks {input.blocks} --tokenizer {input.tokenizer} --arch {arch}"
-
-
-ABLATIONS = f"results/ablations/{SOURCE}"
-
-
-def data_reports(recipe):
-    """The stage reports of a data recipe's chain at the main vocab size (only the filters it switches on)."""
-    keys = {**data_wildcards(recipe), "vocab": MAIN_VOCAB}
-    reports = {"corpus": "results/data/{corpus}/corpus.report.json".format(**keys)}
-    steps = keys["filters"].split("-") if keys["filters"] != "raw" else []
-    for i, step in enumerate(steps):
-        kind = "trash" if step.startswith("trash") else "dedup"
-        reports[kind] = "results/data/{corpus}/{chain}/report.json".format(chain="-".join(steps[: i + 1]), **keys)
-    packed = "results/packed/{corpus}/{filters}/{family}-v{vocab}".format(**keys)
-    reports["pack"] = f"{packed}/packed.report.json"
-    reports["order"] = f"{packed}/{keys['order']}/report.json"
-    return reports
-
-
-def data_runs_json():
-    """{run: label, source, cell, data recipe, summary, stage reports} of the Table 2 runs."""
-    runs = {}
-    for run in runs_of("data"):
-        spec = RUNS[run]
-        source, cell = spec["label"].split(" / ")
-        runs[run] = {
-            "label": spec["label"],
-            "source": source,
-            "cell": cell,
-            "data": spec["data"],
-            "summary": f"{checkpoint_dir(run, MAIN_VOCAB)}/summary.json",
-            "reports": data_reports(spec["data"]),
-        }
-    return json.dumps(runs)  # in config order (sources, then cells): the table's row order
-
-
-# --- The papers' claims, checked (rule claims_table, src/cramswarm/report/claims.py) ----------------------------
-CLAIMS = f"results/claims/{SOURCE}"
-# the config files this run merged, in order, once each, relative to the working directory where they lie under it
-CONFIG_FILES = list(
-    dict.fromkeys(
-        (
-            Path(f).resolve().relative_to(Path.cwd())
-            if Path(f).resolve().is_relative_to(Path.cwd())
-            else Path(f).resolve()
-        ).as_posix()
-        for f in workflow.configfiles
-    )
-)
-
-
-def claim_roles():
-    """{role: model name} of the models the claims compare; a role the config lacks is left out."""
-    groups = config["ablations"]["groups"]
-    roles = {"crammed": groups["final_model"], "bert_original": groups["original_model"]}
-    if "izsak" in MODELS:
-        roles["izsak"] = "izsak"
-    if BASELINES:
-        roles["no_pretrain"] = BASELINES[0]
-    swarm = [name for name, spec in MODELS.items() if spec["trainer"] == "swarm"]
-    if swarm:
-        roles["swarm"] = swarm[0]
-    return roles
-
-
-def claims_manifest():
-    """What each claim reads (the manifest of cramswarm.report.claims): the study's fine-tuning results and
-    checkpoints, the arch (the base recipe's shapes only), schedule and data ablation runs, the SWARM study."""
-    glue, checkpoints = {}, {}
-    for model, vocab in STUDY_RUNS:
-        glue.setdefault(model, []).append(vocab)
-        if MODELS[model]["pretrain"]:
-            checkpoints.setdefault(model, {})[str(vocab)] = checkpoint_dir(model, vocab)
-    own_recipe = {f"arch-{name}" for name in config["ablations"]["arch"]["models"]}  # not the base recipe
-    data = {run: dict(zip(("source", "cell"), RUNS[run]["label"].split(" / "))) for run in runs_of("data")}
-    finetune = {
-        "pattern": FINETUNE.replace("{source}", SOURCE),
-        "tasks": TASKS,
-        "seeds": SEEDS,
-        "ablation_tasks": config["ablations"]["glue_tasks"],
-    }
-    return {
-        "source": SOURCE,
-        "main_vocab": MAIN_VOCAB,
-        "roles": claim_roles(),
-        "finetune": finetune,
-        "glue": glue,
-        "checkpoints": checkpoints,
-        "arch": {RUNS[r]["label"]: checkpoint_dir(r, MAIN_VOCAB) for r in runs_of("arch") if r not in own_recipe},
-        "schedule": {RUNS[r]["label"]: checkpoint_dir(r, MAIN_VOCAB) for r in runs_of("schedule")},
-        "data": data,
-        "swarm_study": {name: f"{SWARM_STUDY}/{name}.csv" for name in SWARM_EXPERIMENTS},
-    }
-
-
-def claim_inputs(claim_id):
-    """The files one claim reads (its experiment alone); empty when the config defines nothing for it."""
-    from cramswarm.report.claims import CLAIMS as CLAIM_LIST, MissingInput
-
-    claim = next(c for c in CLAIM_LIST if c.id == claim_id)
-    try:
-        return sorted(set(claim.inputs(claims_manifest())))
-    except MissingInput:
-        return []
-
-
-def claims_inputs(wildcards=None):
-    """Every file a claim reads: the experiments `snakemake claims` runs."""
-    from cramswarm.report.claims import CLAIMS as CLAIM_LIST, MissingInput
-
-    manifest, paths = claims_manifest(), []
-    for claim in CLAIM_LIST:
-        try:
-            paths += claim.inputs(manifest)
-        except MissingInput:  # a role or experiment this config lacks: the claim's row says not run
-            pass
-    return sorted(set(paths))
