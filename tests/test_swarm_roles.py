@@ -3,6 +3,7 @@ decide their steps among themselves, a DHT joinable through any live member - an
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
 import json
@@ -54,7 +55,10 @@ from cramswarm.swarm.peer_sync import (  # noqa: E402
     step_target,
     write_shard,
 )
-from cramswarm.swarm.policies import RetryPolicy  # noqa: E402
+from cramswarm.swarm.policies import (
+    NoPeersError,  # noqa: E402
+    RetryPolicy,  # noqa: E402
+)
 from cramswarm.swarm.processes import PeerProcess, ProcessGroups  # noqa: E402
 from cramswarm.swarm.stages import STATE_BYTES_PER_PARAMETER, build_swarm_model, stage_state_bytes  # noqa: E402
 from cramswarm.swarm.train import UNBOUNDED  # noqa: E402
@@ -724,6 +728,30 @@ def test_local_peers_are_spread_over_the_hosts_gpus_and_srun_peers_keep_slurms(t
         launcher.place = object()  # any placement of its own (testbed host, srun step): no GPU chosen here
         launcher._start_peer(1, 1.0, load_state=False)
         assert started[-1] is None
+
+
+def test_the_end_of_a_run_asks_a_silent_stage_again_with_a_longer_wait(monkeypatch):
+    """A stage whose only replica did not answer in time (a loaded host) is asked again, twice the wait each time,
+    before the run fails with NoPeersError; a stage that answers is asked once."""
+    launcher = launcher_mod.Launcher(plan(decentralised=True), source(), 8, progress=False)
+    asked: list[tuple[int, float]] = []
+    silent = {0: 2, 1: 0}  # stage -> how many times it gives no state before it answers
+
+    async def replicas(stage, floor_s):
+        asked.append((stage, floor_s))
+        if silent[stage]:
+            silent[stage] -= 1
+            return []
+        return [(f"s{stage}p1", 7, {"w": torch.zeros(2)})]
+
+    monkeypatch.setattr(launcher, "_stage_replicas", replicas)
+    states, steps, spread = asyncio.run(launcher._collect_states())
+    floor = 2 * launcher.plan.sync_timeout_s
+    assert asked == [(0, floor), (0, 2 * floor), (0, 4 * floor), (1, floor)]
+    assert steps == {0: {"s0p1": 7}, 1: {"s1p1": 7}} and spread == [0.0, 0.0] and len(states) == 2
+    silent[0] = launcher_mod.COLLECT_ATTEMPTS
+    with pytest.raises(NoPeersError, match="stage 0"):
+        asyncio.run(launcher._collect_states())
 
 
 def start_until_shards(command: list[str], log: Path, state: Path, within_s: float, env=None) -> subprocess.Popen:

@@ -119,6 +119,7 @@ from cramswarm.swarm.trainer import EXIT_NO_PEERS, losses_path, progress_path, s
 TRAINER_MODULE = [sys.executable, "-m", "cramswarm.swarm.trainer"]
 SUPERVISE_PERIOD_S = 0.5  # the launcher checks its processes this often
 IDLE_READS = 3            # a stage is idle once this many reads in a row show no held samples and one step
+COLLECT_ATTEMPTS = 3      # the end of a run asks a stage for its state this many times (twice the wait each time)
 RESUME_FILE = "resume.json"  # in a state folder: what the run was started with (a rerun resumes only the same)
 LOCK_FILE = "launcher.lock"
 TIME_FILE = "launcher.json"  # in a state folder: training seconds so far, first start (wall clock)
@@ -708,22 +709,35 @@ class Launcher:
         self.stats["stepped_microbatches"] = [len(s.get("stepped_mbs", [])) if s else 0 for s in states]
         return [s["module"] if s else None for s in states], [f[0] if f else 0 for f in found]
 
+    async def _stage_replicas(self, stage: int, floor_s: float) -> list[tuple[str, int, dict]]:
+        """(uid, step, module state) of every live replica of ``stage`` that sends its state within the timeout."""
+        replicas = []
+        for uid, (peer, _) in (await stage_records(self.node, self.run_id, stage)).items():
+            stub = self._stage_stub(stage, peer)
+            try:
+                tensors, meta = await asyncio.wait_for(
+                    unpack(await stub.rpc_state(request({}, {}))),
+                    timeout=averaging.state_timeout_s(self.stage_params[stage], self.plan.link_mbit_s, floor_s))
+            except Exception as e:
+                print(f"[launcher] {uid} sent no state of stage {stage} within {floor_s:.0f} s + transfer: {e!r}",
+                      flush=True)
+                continue
+            blob = torch.load(io.BytesIO(tensors["blob"].numpy().tobytes()), weights_only=True, map_location="cpu")
+            replicas.append((uid, meta["step"], blob["module"]))
+        return replicas
+
     async def _collect_states(self) -> tuple[list[dict], dict[int, dict[str, int]], list[float]]:
+        """Every stage's live replicas at the end. A stage none of whose replicas answered is asked again, up to
+        ``COLLECT_ATTEMPTS`` times with twice the wait each time: on a loaded host one slow answer from a stage's
+        only replica failed a run that had reached its budget."""
         states, steps, spread = [], {}, []
         for stage in range(self.plan.stages):
-            replicas = []
-            for uid, (peer, _) in (await stage_records(self.node, self.run_id, stage)).items():
-                stub = self._stage_stub(stage, peer)
-                try:
-                    tensors, meta = await asyncio.wait_for(
-                        unpack(await stub.rpc_state(request({}, {}))),
-                        timeout=averaging.state_timeout_s(self.stage_params[stage], self.plan.link_mbit_s,
-                                                          2 * self.plan.sync_timeout_s))
-                except Exception:
-                    continue
-                blob = torch.load(io.BytesIO(tensors["blob"].numpy().tobytes()), weights_only=True,
-                                  map_location="cpu")
-                replicas.append((uid, meta["step"], blob["module"]))
+            floor_s = 2 * self.plan.sync_timeout_s
+            for _ in range(COLLECT_ATTEMPTS):
+                replicas = await self._stage_replicas(stage, floor_s)
+                if replicas:
+                    break
+                floor_s *= 2
             if not replicas:
                 raise NoPeersError(stage)
             replicas.sort()
