@@ -728,8 +728,9 @@ class Launcher:
 
     async def _collect_states(self) -> tuple[list[dict], dict[int, dict[str, int]], list[float]]:
         """Every stage's live replicas at the end. A stage none of whose replicas answered is asked again, up to
-        ``COLLECT_ATTEMPTS`` times with twice the wait each time: on a loaded host one slow answer from a stage's
-        only replica failed a run that had reached its budget."""
+        ``COLLECT_ATTEMPTS`` times with twice the wait each time: once (test_slurm's resume test, beside other jobs) a
+        stage's only replica sent no state at the end of a run that had reached its budget; why is not known, so
+        each failure is printed."""
         states, steps, spread = [], {}, []
         for stage in range(self.plan.stages):
             floor_s = 2 * self.plan.sync_timeout_s

@@ -45,7 +45,10 @@ class NoPeersError(RuntimeError):
         self.stage = stage
 
 
-SETTLED_UPDATES = 10  # the rebalancer trusts a peer's rate after this many measured calls (see settled_rate)
+# LoadMeter reports a peer's rate to the rebalancer only after this many served calls: a fresh peer's first calls
+# pay a cold start (allocations, caches, a GPU's kernel selection); on the hivemind transport one moved peer's first
+# rate was a quarter of its peers' and the rebalancer moved it straight back.
+SETTLED_UPDATES = 10
 
 
 class PerformanceEMA:
@@ -81,13 +84,6 @@ class PerformanceEMA:
         if spp is None:
             return None
         return 1.0 / max(spp, 1e-12)
-
-    def settled_rate(self, min_updates: int = SETTLED_UPDATES) -> float | None:
-        """``samples_per_second`` once ``min_updates`` calls were measured, else None: the rebalancer's input.
-        A fresh peer's first calls pay a cold start (allocations, caches, a GPU's kernel selection); on the
-        hivemind transport one moved peer's first rate was a quarter of its peers' and the rebalancer moved it
-        straight back."""
-        return self.samples_per_second if self._updates >= min_updates else None
 
 
 class StageBalancer:
@@ -145,11 +141,6 @@ class StageBalancer:
     def throughput(self, uid: str) -> float | None:
         ema = self._ema.get(uid)
         return ema.samples_per_second if ema is not None else None
-
-    def settled_throughput(self, uid: str) -> float | None:
-        """``throughput`` once settled (``PerformanceEMA.settled_rate``): what the rebalancer is given."""
-        ema = self._ema.get(uid)
-        return ema.settled_rate() if ema is not None else None
 
     # -- routing ---------------------------------------------------------------------------------------
     def _cost(self, uid: str, task_size: float, backward: bool) -> float:
