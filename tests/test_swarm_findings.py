@@ -30,6 +30,18 @@ def test_wiring_ratio_comes_from_the_base_run_of_the_csv(tmp_path):
     assert "wiring_throughput.csv" in text.splitlines()[-1]
 
 
+def test_a_wiring_run_on_another_host_is_a_row_of_its_own_naming_the_host(tmp_path):
+    _wiring(tmp_path / "swarm_study_testbed" / "wiring_throughput.csv", weighted=3.0, uniform=1.2)
+    bigger = tmp_path / "swarm_study_testbed_16cores"
+    _wiring(bigger / "wiring_throughput.csv", weighted=3.9, uniform=2.0)
+    (bigger / "run.json").write_text(json.dumps({"host": {"cpu_cores": 16}}))
+    rows = [f for f in swarm_findings.findings(tmp_path) if f.finding.startswith("Throughput-weighted")]
+    assert [f.ours for f in rows] == ["testbed: 2.50x (60 vs 30 % of optimum, 0 lost)",
+                                      "testbed: 1.95x (60 vs 30 % of optimum, 0 lost)"]
+    assert "host" not in rows[0].setup  # no run.json: the host is not claimed
+    assert rows[1].setup.endswith("host: 16 CPU cores; one run each")
+
+
 def test_failures_kept_share_is_the_mean_window_ratio_of_weighted_routing(tmp_path):
     path = tmp_path / "swarm_study_testbed" / "failures_timeline.csv"
     path.parent.mkdir(parents=True)

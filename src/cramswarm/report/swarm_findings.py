@@ -48,8 +48,17 @@ def _per_transport(values: dict[str, str]) -> str:
     return "; ".join(f"{transport}: {text}" for transport, text in values.items())
 
 
-def wiring(results: Path) -> Finding | None:
-    path = results / "swarm_study_testbed" / "wiring_throughput.csv"
+def _host(folder: Path) -> str:
+    """``; host: N CPU cores`` from the folder's ``run.json`` (``host.cpu_cores``), or nothing where unrecorded:
+    the testbed runs every process on one machine, so its core count bounds the real-process rows."""
+    record = folder / "run.json"
+    cores = json.loads(record.read_text()).get("host", {}).get("cpu_cores") if record.is_file() else None
+    return f"; host: {cores} CPU cores" if cores else ""
+
+
+def wiring(results: Path, folder: str = "swarm_study_testbed") -> Finding | None:
+    """Weighted against uniform routing, per transport, from ``<folder>/wiring_throughput.csv``."""
+    path = results / folder / "wiring_throughput.csv"
     if not path.is_file():
         return None
     data = pd.read_csv(path, na_values=["NaN"])
@@ -64,7 +73,7 @@ def wiring(results: Path) -> Finding | None:
                                  f"{int(w['lost_microbatches']) + int(u['lost_microbatches'])} lost)")
     first = data.iloc[0]
     setup = (f"{int(first['stages'])} stages of peers of speed 1 / 0.5 / 0.25, {int(first['trainers'])} trainers, "
-             f"{first['duration_s']:g} s per run{_link(data)}; one run each")
+             f"{first['duration_s']:g} s per run{_link(data)}{_host(path.parent)}; one run each")
     return Finding("Throughput-weighted routing beats uniform routing on mixed peers (weighted / uniform)", setup,
                    _per_transport(ratios), _paper("S3"), (path,))
 
@@ -250,7 +259,7 @@ def gpu(results: Path) -> Finding | None:
 
 
 FINDINGS: tuple[Callable[[Path], Finding | list[Finding] | None], ...] = (
-    wiring, failures, rebalancing, sim_scale,
+    wiring, lambda r: wiring(r, "swarm_study_testbed_16cores"), failures, rebalancing, sim_scale,
     lambda r: square_cube(r, "square_cube_testbed.csv", "CPU, real calls on the testbed"),
     lambda r: square_cube(r, "square_cube_gpu.csv", "GPU, ideal links"),
     compression, simulator, gpu,
