@@ -885,7 +885,7 @@ def test_a_kill_between_the_outputs_and_the_state_folders_removal_trains_nothing
     from test_swarm_train import SWARM
     from test_swarm_train import TINY as TINY_TRAIN
 
-    from cramswarm.swarm import emulation
+    from cramswarm.swarm import emulation_training
     from cramswarm.swarm import train as train_mod
 
     tmp, tok = tiny_run
@@ -898,7 +898,7 @@ def test_a_kill_between_the_outputs_and_the_state_folders_removal_trains_nothing
         found_state.append(sorted(p.name for p in folder.iterdir()) if folder.exists() else None)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / launcher_mod.RESUME_FILE).write_text("{}")
-        result = emulation.train(swarm=swarm, **kw)
+        result = emulation_training.train(swarm=swarm, **kw)
         result.stats["roles"] = "launcher"
         return result
 

@@ -479,7 +479,7 @@ class StagePeer(ServicerBase):
         """A peer of speed s takes compute / s for a call (emulated by sleeping on the compute thread). The compute
         is what the call measured (``seconds``), or with ``peer_unit_time_s`` (``SwarmPlan.peer_unit_time_s``) at
         least ``units`` x that (a microbatch's forward 1, backward 2, the last stage's fused call 3: the work
-        units of ``emulation.WORK_UNITS``): then a call's time stays ``units x peer_unit_time_s / s`` on a loaded
+        units of ``policies.WORK_UNITS``): then a call's time stays ``units x peer_unit_time_s / s`` on a loaded
         host, as long as the real compute fits under it, and peers' speeds keep their ratios whatever else runs.
         A peer of speed >= 1 without the floor does not sleep."""
         floor = units * self.unit_time_s if self.unit_time_s else 0.0

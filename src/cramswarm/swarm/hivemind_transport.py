@@ -34,7 +34,7 @@ import torch
 
 from cramswarm.swarm import averaging
 from cramswarm.swarm.compression import COMPRESSIONS
-from cramswarm.swarm.emulation import TrainResult
+from cramswarm.swarm.emulation_training import TrainResult
 from cramswarm.swarm.policies import ROUTINGS, RetryPolicy
 from cramswarm.swarm.processes import (  # noqa: F401 (leftover_processes, _LIVE_GROUPS, visible_gpus: the tests' names)
     _LIVE_GROUPS,
@@ -189,11 +189,11 @@ def run_swarm(plan: SwarmPlan, source, total_microbatches: int, progress: bool =
 
 def train(*, arch: dict, vocab_size: int, recipe: dict, swarm: dict, batches, total_microbatches: int,
           progress: bool = True, rendezvous: str | Path | None = None, source=None) -> TrainResult:
-    """The swarm_pretrain rule's hivemind transport (``emulation.train``'s signature and result, plus the
+    """The swarm_pretrain rule's hivemind transport (``emulation_training.train``'s signature and result, plus the
     rendezvous folder of the attach and srun placements and the microbatch source, ``data``). The launcher's
     trainers make their own microbatches from ``source`` (the same microbatches as ``batches`` by index);
-    ``batches`` is taken for ``emulation.train``'s signature and not read. Without a source it refuses: the rule
-    always gives one, and the coordinator that took ``batches`` is gone."""
+    ``batches`` is taken for ``emulation_training.train``'s signature and not read. Without a source it refuses:
+    the rule always gives one, and the coordinator that took ``batches`` is gone."""
     if source is None:
         raise ValueError("the hivemind transport needs a microbatch source (cramswarm.swarm.data): its trainers make "
                          "their own microbatches; an iterator of batches cannot be handed to them")

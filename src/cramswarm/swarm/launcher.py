@@ -85,7 +85,7 @@ from tqdm.auto import tqdm
 
 from cramswarm.io import read_json, write_json, write_text
 from cramswarm.swarm import averaging, data
-from cramswarm.swarm.emulation import TrainResult
+from cramswarm.swarm.emulation_training import TrainResult
 from cramswarm.swarm.hivemind_peer import (
     ADDR_FILE,
     CONFIG_FILE,

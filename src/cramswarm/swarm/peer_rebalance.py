@@ -47,9 +47,8 @@ from pathlib import Path
 
 from hivemind.utils import get_dht_time
 
-from cramswarm.swarm.emulation import WORK_UNITS
 from cramswarm.swarm.hivemind_peer import RECORD_TTL_S, stage_key, stage_records
-from cramswarm.swarm.policies import PeerLoad, _uid_hash, choose_move
+from cramswarm.swarm.policies import WORK_UNITS, PeerLoad, _uid_hash, choose_move
 
 MOVES_FILE = "moves.jsonl"  # in the run's folder: one line per move event, appended by the moving peer
 
@@ -98,7 +97,7 @@ def stage_after_moves(moves_file: Path, uid: str, stage: int) -> tuple[str, int]
 
 
 def call_units(method: str, samples: int, last_stage: bool) -> float:
-    """Work units of one served call (``emulation.WORK_UNITS``)."""
+    """Work units of one served call (``policies.WORK_UNITS``)."""
     return samples * WORK_UNITS["last" if method == "backward" and last_stage else method]
 
 

@@ -45,6 +45,10 @@ class NoPeersError(RuntimeError):
         self.stage = stage
 
 
+# Relative compute per sample of a stage call, for the work units a peer serves (``LoadMeter``): forward 1,
+# backward 2 (it recomputes the forward), the last stage's fused forward + backward 3.
+WORK_UNITS = {"forward": 1.0, "backward": 2.0, "last": 3.0}
+
 # LoadMeter reports a peer's rate to the rebalancer only after this many served calls: a fresh peer's first calls
 # pay a cold start (allocations, caches, a GPU's kernel selection); on the hivemind transport one moved peer's first
 # rate was a quarter of its peers' and the rebalancer moved it straight back.

@@ -7,7 +7,7 @@ own microbatches by index (``cramswarm.swarm.data.BlockSource``: the same blocks
 masks drawn from a generator seeded with the seed and its index). The budget is counted the same way (tokens,
 optimizer steps or seconds, checked before each step; a step has ``accumulation_at(t)`` microbatches), so a token
 or step budget fixes the number of microbatches in advance. Training runs on a transport chosen by
-``swarm["transport"]``: ``emulation`` (threads in this process, ``cramswarm.swarm.emulation.train``) or
+``swarm["transport"]``: ``emulation`` (threads in this process, ``cramswarm.swarm.emulation_training.train``) or
 ``hivemind`` (one process per peer, ``cramswarm.swarm.hivemind_transport.train``, imported only when asked for;
 its processes are started by this process's launcher - ``swarm["placement"]`` ``local``, or ``srun``: each as a
 job step of the SLURM job it runs in - or, with ``attach``, its peers by ``swarm-peer`` tasks that meet the
@@ -209,7 +209,7 @@ def swarm_pretrain(
         # the launcher's trainers make the same blocks' microbatches by index (masks seeded per microbatch)
         extra.update(rendezvous=rendezvous, source=BlockSource.for_recipe(blocks_path, n_blocks, recipe, vocab_size))
     else:
-        from cramswarm.swarm.emulation import train as transport_train
+        from cramswarm.swarm.emulation_training import train as transport_train
     result = transport_train(
         arch=arch,
         vocab_size=vocab_size,

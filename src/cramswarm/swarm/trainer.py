@@ -50,7 +50,6 @@ from hivemind.utils import get_dht_time
 
 from cramswarm.io import read_json, write_json
 from cramswarm.swarm.data import bounded, from_spec
-from cramswarm.swarm.emulation import WORK_UNITS
 from cramswarm.swarm.hivemind_peer import (
     ADDR_FILE,
     BootstrapError,
@@ -66,6 +65,7 @@ from cramswarm.swarm.hivemind_peer import (
 )
 from cramswarm.swarm.peer_sync import CLOCK_FILE, SyncingStagePeer, read_clock
 from cramswarm.swarm.policies import (
+    WORK_UNITS,
     NoPeersError,
     PathCall,
     RetryPolicy,

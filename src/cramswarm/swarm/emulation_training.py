@@ -1,0 +1,561 @@
+"""Transport 2's training: crammed BERT trained by the emulation's threads (``emulation``'s peers, directory,
+clock and routers), one process.
+
+Real training of crammed BERT split into stages (``stages.split_model``): each peer holds a replica
+of its stage's module and AdamW state; activations and gradients cross stage boundaries encoded with
+``compression.encode``/``decode`` (a narrowing ``swarm.compression``, bottleneck/maxout, puts a trained layer at each
+boundary, ``stages.build_swarm_model``, and the narrowed tensor travels in fp32); backward goes to any replica of the
+stage and recomputes the stage forward (as in SWARM's code). Each stage accumulates gradients across its replicas
+until the recipe's global batch (``StageSync``), then takes one synchronous step: the gradient average weighted by
+local samples, the same clipping and the same AdamW step on every live replica, so replicas stay bitwise equal. Stages
+step independently (bounded staleness across stages, inherent to SWARM). Gradient clipping is therefore per stage, not
+over the whole model as in single-process pretraining. A stage processes each microbatch's gradient once (a resent
+request is recognised by its microbatch id). A killed peer's unaveraged gradients are lost, as in SWARM (counted in
+``lost_gradient_samples``); the fault injector never kills the last live replica of a stage (its state would be gone);
+a rejoining peer downloads parameters and optimizer state from a live replica. Emulated speed: a peer of speed s
+sleeps ``t_compute * (1/s - 1)`` after each computation.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from tqdm.auto import tqdm
+
+from cramswarm.swarm.compression import COMPRESSIONS, decode, encode, payload_bytes, wire_scheme
+from cramswarm.swarm.emulation import (
+    Dropped,
+    Peer,
+    PeerSpec,
+    Request,
+    Router,
+    ScaledClock,
+    StopRun,
+    Swarm,
+)
+from cramswarm.swarm.policies import (
+    WORK_UNITS,
+    NoPeersError,
+    PathCall,
+    Rebalancer,
+    RetryPolicy,
+    StageSync,
+    drive_path,
+    kill_candidates,
+    microbatch_path,
+)
+from cramswarm.swarm.stages import build_swarm_model, split_model
+from cramswarm.training import (
+    accumulation_at,
+    autocast,
+    budget_progress,
+    decay_groups,
+    lr_multiplier,
+    resolve_precision,
+)
+
+
+@dataclass
+class TrainResult:
+    stage_states: list[dict[str, torch.Tensor]]  # final parameters of each stage (replicas are equal)
+    log: list[dict]  # one row per optimizer step (of the last stage)
+    stats: dict
+
+
+class _Replica:
+    """One peer's copy of its stage: module, AdamW state and its unaveraged gradient sums."""
+
+    def __init__(self, module: torch.nn.Module, recipe: dict, optimizer_state: dict | None = None):
+        self.module = module
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            decay_groups(module, recipe["weight_decay"]),
+            lr=recipe["lr"],
+            betas=tuple(recipe["betas"]),
+            eps=recipe["eps"],
+        )
+        if optimizer_state is not None:
+            self.optimizer.load_state_dict(copy.deepcopy(optimizer_state))
+        self.buffers = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
+        self.mbs: set[int] = set()  # microbatches whose gradients sit in ``buffers``
+        self.member = True  # takes part in its stage's synchronous steps
+        self.lock = threading.Lock()
+
+    @classmethod
+    def copy_of(cls, source: "_Replica", recipe: dict) -> "_Replica":
+        """State download: parameters and optimizer statistics of a live replica."""
+        return cls(copy.deepcopy(source.module), recipe, source.optimizer.state_dict())
+
+
+class _StageState:
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.sync = StageSync(1)
+        self.target_set = False
+        self.step = 0
+        self.seen: set[int] = set()
+        self.losses: list[float] = []
+
+
+class Dispatcher:
+    """Hands out microbatches step by step, counting the budget exactly as ``pretrain.pretrain`` does.
+
+    Before each step's first microbatch: progress t = budget_progress(tokens, steps, elapsed); stop at t >= 1
+    or when ``total`` microbatches were issued; else the step gets ``accumulation_at(t)`` microbatches and its
+    learning-rate multiplier is taken at t. ``plan`` lists (t, microbatches) per step; stage k-th steps use it.
+    """
+
+    def __init__(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], total: int, recipe: dict):
+        self.batches, self.total, self.recipe = batches, total, recipe
+        self.final_accumulation = recipe["batch_sequences"] // recipe["micro_batch_sequences"]
+        self.plan: list[tuple[float, int]] = []
+        self.issued = self.tokens = 0
+        self.left_in_step = 0
+        self.lock = threading.Lock()
+        self.start = time.perf_counter()
+
+    def next(self) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+        with self.lock:
+            if self.left_in_step == 0:
+                if self.issued >= self.total:
+                    return None
+                t = budget_progress(
+                    self.recipe["budget"], self.tokens, len(self.plan), time.perf_counter() - self.start
+                )
+                if t >= 1.0:
+                    return None
+                size = accumulation_at(t, self.final_accumulation, self.recipe["batch_ramp_fraction"])
+                size = min(size, self.total - self.issued)
+                self.plan.append((t, size))
+                self.left_in_step = size
+            try:
+                inputs, labels = next(self.batches)
+            except StopIteration:
+                raise ValueError(
+                    f"the batch iterator ran out after {self.issued} of {self.total} microbatches"
+                ) from None
+            mb = self.issued
+            self.issued += 1
+            self.left_in_step -= 1
+            self.tokens += inputs.numel()
+            return mb, inputs, labels
+
+
+class _TrainingSwarm(Swarm):
+    """Peers that really compute their stage (see the module docstring for the synchronisation rules)."""
+
+    def __init__(
+        self,
+        specs: list[PeerSpec],
+        clock: ScaledClock,
+        stages: list[torch.nn.Module],
+        recipe: dict,
+        swarm_cfg: dict,
+        precision: str,
+        dispatcher: Dispatcher,
+    ):
+        super().__init__(specs, clock, swarm_cfg["forward_timeout_s"], 0.0)
+        self.recipe, self.scheme, self.precision, self.dispatcher = (
+            recipe,
+            wire_scheme(swarm_cfg["compression"]),
+            precision,
+            dispatcher,
+        )
+        self.num_stages = len(stages)
+        self.stage_state = [_StageState() for _ in stages]
+        self.log: list[dict] = []
+        self.boundary_bytes = 0
+        self.flushed_steps = 0
+        for peer in self.peers:
+            peer.state = _Replica(copy.deepcopy(stages[peer.stage]), recipe)
+
+    # -- compute ---------------------------------------------------------------------------------------
+    def _input(self, stage: int, data: Any) -> torch.Tensor:
+        if stage == 0:
+            return data
+        return decode(data).detach().requires_grad_(True)
+
+    def _encode(self, t: torch.Tensor) -> dict:
+        payload = encode(t.detach(), self.scheme)
+        with self.lock:
+            self.boundary_bytes += payload_bytes(payload)
+        return payload
+
+    def work_units(self, request: Request) -> float:
+        return WORK_UNITS[request.kind]
+
+    def serve(self, peer: Peer, request: Request, incarnation: int) -> Any:
+        rep: _Replica = peer.state
+        stage, cpu = request.stage, torch.device("cpu")
+        start = time.perf_counter()
+        grads: list[torch.Tensor | None] = []
+        loss_value = None
+        if request.kind == "forward":
+            x = self._input(stage, request.data)
+            with rep.lock, torch.no_grad(), autocast(self.precision, cpu):
+                out = rep.module(x)
+            result: Any = self._encode(out)
+        else:
+            if request.kind == "last":
+                data, labels = request.data
+            else:
+                data, grad_payload = request.data
+            x = self._input(stage, data)
+            wrt = rep.params + ([x] if stage > 0 else [])
+            with rep.lock:
+                with autocast(self.precision, cpu):
+                    out = rep.module(x, labels) if request.kind == "last" else rep.module(x)
+                if request.kind == "last":
+                    grads = list(torch.autograd.grad(out, wrt, allow_unused=True))
+                    loss_value = float(out.detach())
+                else:
+                    grad_out = decode(grad_payload).to(out.dtype)
+                    grads = list(torch.autograd.grad(out, wrt, grad_outputs=grad_out, allow_unused=True))
+            grad_x = grads.pop() if stage > 0 else None
+            encoded = self._encode(grad_x) if grad_x is not None else None
+            result = (loss_value, encoded) if request.kind == "last" else encoded
+        if peer.speed != 1.0:  # emulated speed: a peer of speed s takes 1/s times as long
+            time.sleep((time.perf_counter() - start) * (1.0 / peer.speed - 1.0))
+        if request.kind != "forward":
+            self._accumulate(peer, incarnation, stage, request.mb, grads, loss_value, int(x.shape[0]))
+        elif not peer.alive or peer.incarnation != incarnation:
+            raise Dropped
+        return result
+
+    # -- in-stage synchronisation ----------------------------------------------------------------------
+    def _accumulate(
+        self,
+        peer: Peer,
+        incarnation: int,
+        stage: int,
+        mb: int,
+        grads: list[torch.Tensor | None],
+        loss: float | None,
+        samples: int,
+    ) -> None:
+        st = self.stage_state[stage]
+        with st.lock:
+            if not peer.alive or peer.incarnation != incarnation:
+                raise Dropped
+            if mb in st.seen:  # a resent request already counted on another replica
+                return
+            rep: _Replica = peer.state
+            st.seen.add(mb)
+            rep.mbs.add(mb)
+            for buf, grad in zip(rep.buffers, grads):
+                if grad is not None:
+                    buf.add_(grad.float(), alpha=samples)
+            if loss is not None:
+                st.losses.append(loss)
+            if not st.target_set:
+                st.sync.target_batch_samples = self.dispatcher.plan[st.step][1] * samples
+                st.target_set = True
+            if st.sync.add(peer.uid, samples):
+                self._step(stage)
+
+    def members(self, stage: int) -> list[Peer]:
+        return sorted((p for p in self.peers if p.stage == stage and p.state.member), key=lambda p: p.uid)
+
+    def _step(self, stage: int) -> None:
+        """One synchronous optimizer step of ``stage`` on every member replica (stage lock held)."""
+        st, recipe = self.stage_state[stage], self.recipe
+        weights, total = st.sync.weights(), st.sync.total
+        members = self.members(stage)
+        by_uid = {p.uid: p.state for p in members}
+        # weighted average of the replicas' local mean gradients (weights = local samples / total)
+        averaged = [torch.zeros_like(buf) for buf in members[0].state.buffers]
+        for uid, weight in weights.items():
+            local = weight * total
+            for avg, buf in zip(averaged, by_uid[uid].buffers):
+                avg.add_(buf, alpha=weight / local)
+        plan = self.dispatcher.plan
+        t, size = plan[min(st.step, len(plan) - 1)]
+        multiplier = lr_multiplier(recipe["schedule"], t, recipe["warmup_fraction"])
+        lr = recipe["lr"] * multiplier
+        for peer in members:
+            rep: _Replica = peer.state
+            with rep.lock:
+                for param, avg in zip(rep.params, averaged):
+                    param.grad = avg.to(param.dtype).clone()
+                if recipe["grad_clip_norm"] is not None:
+                    torch.nn.utils.clip_grad_norm_(rep.params, recipe["grad_clip_norm"])
+                for group in rep.optimizer.param_groups:
+                    group["lr"] = lr
+                rep.optimizer.step()
+                rep.optimizer.zero_grad(set_to_none=True)
+                for buf in rep.buffers:
+                    buf.zero_()
+                rep.mbs.clear()
+        st.step += 1
+        st.sync.reset()
+        st.target_set = False
+        if stage == self.num_stages - 1:
+            loss = sum(st.losses) / len(st.losses) if st.losses else float("nan")
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"swarm pretraining loss became {loss} at step {st.step}; lower pretrain.lr")
+            tokens_per_mb = self.dispatcher.tokens // max(self.dispatcher.issued, 1)
+            self.log.append(
+                {
+                    "step": st.step,
+                    "tokens": sum(n for _, n in plan[: st.step]) * tokens_per_mb,
+                    "progress": t,
+                    "loss": loss,
+                    "lr": lr,
+                    "lr_multiplier": multiplier,
+                    "batch_sequences": total,
+                    "elapsed_s": time.perf_counter() - self.dispatcher.start,
+                }
+            )
+            st.losses.clear()
+
+    def flush(self) -> None:
+        """After the last microbatch: a stage that lost gradients to a crash steps on what it holds."""
+        for stage, st in enumerate(self.stage_state):
+            with st.lock:
+                if st.sync.total > 0:
+                    self._step(stage)
+                    self.flushed_steps += 1
+
+    # -- membership changes ----------------------------------------------------------------------------
+    def kill(self, peer: Peer) -> None:
+        st = self.stage_state[peer.stage]
+        with st.lock:
+            peer.kill()
+            rep: _Replica = peer.state
+            rep.member = False
+            st.sync.remove(peer.uid)
+            st.seen -= rep.mbs  # their gradients are gone: a resent request may count them again
+            rep.mbs.clear()
+            for buf in rep.buffers:
+                buf.zero_()
+
+    def _source(self, stage: int, exclude: Peer) -> Peer:
+        sources = [p for p in self.members(stage) if p is not exclude and p.alive]
+        if not sources:
+            raise NoPeersError(stage)
+        return sources[0]
+
+    def join_state(self, peer: Peer) -> None:  # noqa: B027 (a no-op by default, not abstract)
+        st = self.stage_state[peer.stage]
+        with st.lock:
+            peer.state = _Replica.copy_of(self._source(peer.stage, peer).state, self.recipe)
+
+    def move_state(self, peer: Peer, from_stage: int, to_stage: int) -> None:  # noqa: B027 (a no-op by default)
+        st = self.stage_state[from_stage]
+        with st.lock:  # hand the unaveraged gradients to a replica that stays
+            rep: _Replica = peer.state
+            heir = self._source(from_stage, peer)
+            for mine, theirs in zip(rep.buffers, heir.state.buffers):
+                theirs.add_(mine)
+            heir.state.mbs |= rep.mbs
+            samples = st.sync.remove(peer.uid)
+            if samples:
+                st.sync.add(heir.uid, samples)
+            rep.member = False
+        with self.stage_state[to_stage].lock:  # joins the new stage's steps from here on
+            peer.state = _Replica.copy_of(self._source(to_stage, peer).state, self.recipe)
+            peer.stage = to_stage
+
+    def lost_gradients(self, requested: int) -> list[int]:
+        return [requested - len(st.seen) for st in self.stage_state]
+
+    def replica_spread(self) -> list[float]:
+        """Per stage: the largest absolute parameter difference between live replicas (0.0 = equal)."""
+        spread = []
+        for stage in range(self.num_stages):
+            members = [p for p in self.members(stage) if p.alive]
+            ref = members[0].state.module.state_dict()
+            worst = 0.0
+            for peer in members[1:]:
+                for name, value in peer.state.module.state_dict().items():
+                    worst = max(worst, float((value.float() - ref[name].float()).abs().max()))
+            spread.append(worst)
+        return spread
+
+
+def _peer_specs(swarm_cfg: dict, num_stages: int) -> list[PeerSpec]:
+    per_stage, speeds = swarm_cfg["peers_per_stage"], list(swarm_cfg["peer_speeds"]) or [1.0]
+    if per_stage < 1:
+        raise ValueError(f"swarm.peers_per_stage={per_stage}: every stage needs at least one peer to serve it")
+    if any(s <= 0 for s in speeds):
+        raise ValueError(f"swarm.peer_speeds must be positive, got {speeds}")
+    return [
+        PeerSpec(stage, speeds[(stage * per_stage + r) % len(speeds)])
+        for stage in range(num_stages)
+        for r in range(per_stage)
+    ]
+
+
+def _fault_loop(swarm: _TrainingSwarm, kill_every_s: float, rejoin_after_s: float | None, seed: int) -> None:
+    """Every ``kill_every_s``: kill a random live peer whose stage keeps another live replica
+    (``policies.kill_candidates``, as the launcher chooses)."""
+    rng = random.Random(seed)
+    rejoins: list[tuple[float, Peer]] = []
+    next_kill = swarm.clock.now() + kill_every_s
+    while not swarm.stop.wait(0.02):
+        now = swarm.clock.now()
+        for at, peer in [r for r in rejoins if r[0] <= now]:
+            rejoins.remove((at, peer))
+            peer.revive()
+            swarm.count("rejoins")
+        if now < next_kill:
+            continue
+        next_kill = now + kill_every_s
+        with swarm.membership:   # the launcher's rule (kill_candidates); the replicas here step together
+            steps: dict[int, dict[str, int]] = {}
+            for p in swarm.peers:   # the stages' live members (swarm.members' rule), in one pass
+                if p.alive and p.state.member:
+                    steps.setdefault(p.stage, {})[p.uid] = 0
+            live = {p.uid for p in swarm.peers if p.alive and p.pending_move is None}
+            candidates = [swarm.by_uid[uid] for uid in kill_candidates(steps, live)]
+            victim = rng.choice(candidates) if candidates else None
+            if victim is not None:
+                swarm.kill(victim)
+        if victim is not None:
+            swarm.count("peers_killed")
+            if rejoin_after_s is not None:
+                rejoins.append((now + rejoin_after_s, victim))
+
+
+def train(
+    *,
+    arch: dict,
+    vocab_size: int,
+    recipe: dict,
+    swarm: dict,
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    total_microbatches: int,
+    progress: bool = True,
+) -> TrainResult:
+    """Train crammed BERT with SWARM on peer and trainer threads (see the module docstring).
+
+    ``batches`` yields already-masked (input_ids, labels) microbatches; at most ``total_microbatches`` are
+    used (exactly that many for token or step budgets, which ``train.swarm_pretrain`` computes; a seconds budget
+    stops at the first step boundary past the time). Compute runs on the CPU.
+    """
+    if swarm["compression"] not in COMPRESSIONS:
+        raise ValueError(
+            f"swarm.compression must be one of {', '.join(COMPRESSIONS)}, got {swarm['compression']!r}"
+        )
+    model = build_swarm_model(arch, vocab_size, recipe["seed"], swarm["stages"], swarm["compression"])
+    stages = split_model(model, swarm["stages"])  # StageCountError before any thread starts
+    specs = _peer_specs(swarm, len(stages))
+    if swarm["trainers"] < 1:
+        raise ValueError(f"swarm.trainers={swarm['trainers']}: need at least one trainer")
+    precision = resolve_precision(recipe["precision"], torch.device("cpu"))
+    clock = ScaledClock(1.0)
+    dispatcher = Dispatcher(batches, total_microbatches, recipe)
+    sw = _TrainingSwarm(specs, clock, stages, recipe, swarm, precision, dispatcher)
+    retry = RetryPolicy(forward_timeout_s=swarm["forward_timeout_s"])
+    rng = random.Random(swarm["seed"])
+    counts = {"done": 0, "lost": 0, "tokens": 0}
+
+    def trainer(index: int, seed: float) -> None:
+        router = Router(sw, len(stages), "weighted", retry, random.Random(seed))
+        try:
+            while (item := dispatcher.next()) is not None:
+                mb, inputs, labels = item
+                samples = int(inputs.shape[0])
+
+                def send(request: PathCall, mb=mb, labels=labels, samples=samples):
+                    payload = (request.payload, labels) if request.kind == "last" else request.payload
+                    return router.call(request.stage, request.kind, mb, payload, samples, (0, 0))
+
+                try:
+                    drive_path(microbatch_path(len(stages), inputs), send)
+                except NoPeersError:
+                    with sw.lock:
+                        counts["lost"] += 1
+                    continue
+                with sw.lock:
+                    counts["done"] += 1
+                    counts["tokens"] += inputs.numel()
+        except StopRun:
+            return
+        except BaseException as exc:  # surfaced by the main thread
+            sw.record_error(exc)
+
+    trainers = [
+        threading.Thread(target=trainer, args=(i, rng.random()), name=f"trainer{i}", daemon=True)
+        for i in range(swarm["trainers"])
+    ]
+    helpers = []
+    if swarm.get("kill_every_s"):
+        helpers.append(
+            threading.Thread(
+                target=_fault_loop,
+                daemon=True,
+                args=(sw, swarm["kill_every_s"], swarm.get("rejoin_after_s"), swarm["seed"]),
+            )
+        )
+    if swarm.get("rebalance_period_s"):
+        helpers.append(
+            threading.Thread(
+                target=sw.rebalance_loop, daemon=True, args=(Rebalancer(swarm["rebalance_period_s"]), len(stages))
+            )
+        )
+    bar = tqdm(
+        total=total_microbatches if total_microbatches < 1 << 40 else None,
+        desc="swarm",
+        unit="mb",
+        disable=not progress,
+        mininterval=2.0,
+    )
+    wall_start = dispatcher.start = time.perf_counter()
+    sw.start()
+    for thread in trainers + helpers:
+        thread.start()
+    try:
+        while any(t.is_alive() for t in trainers):
+            time.sleep(0.1)
+            if sw.errors:
+                raise RuntimeError("swarm training failed in a peer or trainer thread") from sw.errors[0]
+            if progress:
+                elapsed = time.perf_counter() - wall_start
+                row = sw.log[-1] if sw.log else None
+                bar.update(counts["done"] - bar.n)
+                bar.set_postfix(
+                    tokens=f"{counts['tokens']:,}",
+                    loss=f"{row['loss']:.3f}" if row else "-",
+                    lr=f"{row['lr']:.2e}" if row else "-",
+                    tok_s=f"{counts['tokens'] / elapsed:,.0f}",
+                )
+        if sw.errors:
+            raise RuntimeError("swarm training failed in a peer or trainer thread") from sw.errors[0]
+        sw.flush()
+    finally:
+        sw.shutdown()
+        bar.close()
+    for thread in helpers:
+        thread.join(timeout=5.0)
+    stage_states = [
+        {k: v.detach().clone() for k, v in sw.members(s)[0].state.module.state_dict().items()}
+        for s in range(len(stages))
+    ]
+    stats = {
+        "transport": "emulation",
+        "microbatches_requested": dispatcher.issued,
+        "microbatches_done": counts["done"],
+        "lost_microbatches": counts["lost"],
+        "lost_gradient_microbatches": sw.lost_gradients(dispatcher.issued),
+        "steps": len(dispatcher.plan),
+        "steps_per_stage": [st.step for st in sw.stage_state],
+        "flushed_steps": sw.flushed_steps,
+        "tokens": dispatcher.tokens,
+        **sw.counters,  # retries, timeouts, errors, peers_killed, rejoins
+        "moves": list(sw.moves),
+        "per_stage_peers": sw.stage_peers(),
+        "replica_max_abs_diff": sw.replica_spread(),
+        "boundary_bytes": sw.boundary_bytes,
+        "compression": swarm["compression"],
+        "precision": precision,
+        "wall_s": round(time.perf_counter() - wall_start, 3),
+    }
+    return TrainResult(stage_states=stage_states, log=list(sw.log), stats=stats)
