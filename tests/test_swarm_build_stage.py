@@ -289,3 +289,56 @@ def test_a_leaving_peer_hands_its_held_gradients_to_a_replica_that_stays(tmp_pat
     assert again["status"] == "refused" and heir.local_samples == 9
     heir.step = 1
     assert heir._add_held(tensors, meta | {"mbs": [20]})["status"] == "refused"   # computed at another step
+
+
+def _backward_call(peer, seed: int, mb: int, **extra) -> None:
+    from cramswarm.swarm.compression import encode
+    from cramswarm.swarm.hivemind_peer import flatten_payload
+
+    g = torch.Generator().manual_seed(seed)
+    tensors, meta = {"labels": torch.randint(5, VOCAB, (3, 8), generator=g)}, {"mb": mb, **extra}
+    flatten_payload("x", encode(torch.randn(3, 8, ARCH["hidden_size"], generator=g), "none"), tensors, meta)
+    peer._backward(tensors, meta)
+
+
+def test_a_resent_microbatch_counts_once_in_the_group_whichever_replicas_hold_it():
+    """The group's ready records decide which re-sent microbatches count: one a member accumulated is dropped,
+    one held apart by several members only is kept by the lowest uid, and every member computes the same."""
+    from cramswarm.swarm.peer_sync import resent_kept, resent_samples
+
+    group = {"s1p2": {"snap": 6, "mbs": [3], "resent": [[5, 4, 1.0], [6, 4, 2.0]]},
+             "s1p1": {"snap": 8, "mbs": [1, 2], "resent": [[3, 4, 0.5], [5, 4, 1.5]]}}
+    kept = resent_kept(group)
+    assert kept == {"s1p1": [5], "s1p2": [6]}
+    assert resent_samples(group, kept) == (8, 3.5)
+    assert resent_kept({"a": {"mbs": [1]}, "b": {"mbs": [2], "resent": [[1, 4, 0.0]]}}) == {}
+
+
+def test_a_peer_holds_a_resent_backward_apart_and_adds_it_only_when_kept(tmp_path):
+    """A backward call marked ``resent`` leaves the peer's accumulated gradients as they were and is held apart,
+    listed in its ready record; added (``_with_resent``) the snapshot equals that of a peer that accumulated both
+    microbatches. The same microbatch again is a duplicate; a state download drops what was held apart."""
+    peer, both = _syncing_peer(tmp_path, "s1p1"), _syncing_peer(tmp_path, "s1p2")
+    _backward_call(peer, 1, 10)
+    alone = [p.grad.clone() for p in peer.params]
+    _backward_call(peer, 2, 11, resent=True)
+    assert all(torch.equal(p.grad, a) for p, a in zip(peer.params, alone))   # accumulated: mb 10 only
+    assert peer.local_samples == 3 and peer.local_mbs == {10} and set(peer.resent) == {11}
+    assert peer._held_samples() == 6 and peer.counters["resent_samples"] == 3
+    _backward_call(peer, 2, 11)   # the first replica's copy, arriving here too: not accumulated again
+    assert peer.counters["duplicate_samples"] == 3 and peer.local_samples == 3
+    _backward_call(both, 1, 10)
+    _backward_call(both, 2, 11)
+
+    flat, samples = peer._take_snapshot(0)
+    assert not peer.resent and [e[0] for e in peer._resent_entries()] == [11]
+    ((n, loss),) = [e[1:] for e in peer._resent_entries()]
+    assert n == 3 and loss == pytest.approx(both.local_loss - peer.snapshot_loss)
+    merged, count = peer._with_resent(flat, samples, [11])
+    reference, reference_samples = both._take_snapshot(0)
+    assert count == reference_samples == 6 and torch.allclose(merged, reference, atol=1e-6)
+    unchanged, count = peer._with_resent(flat, samples, [])
+    assert unchanged is flat and count == samples and peer.snapshot[1] is flat   # the snapshot as it was
+
+    peer._load_extra_state({"stepped_samples": 0, "stepped_mbs": []})   # a download: held gradients go
+    assert not peer.snapshot_resent and not peer.resent

@@ -341,11 +341,10 @@ def test_launcher_swarm_steps_every_sample_once_with_compressed_averaging():
     cap_mb = (max(state) + whole) / 2 / 2**20
     assert max(state) < cap_mb * 2**20 < whole
     result, stats = launch(total, peer_memory_cap_mb=cap_mb)
-    # no failure: every sample stepped once on each stage
-    # (a backward call re-sent after a timeout on a loaded machine counts twice on its stage, as in SWARM)
+    # no failure: every sample stepped once on each stage (a backward call re-sent after a timeout on a loaded
+    # machine is held apart by the replica that takes it and counts once: peer_sync.resent_kept)
     assert stats["trainer_restarts"] == 0 and stats["peers_killed"] == 0, brief(stats)
-    assert all(total * MICRO <= n <= (total + stats["retries"]) * MICRO for n in stats["stepped_samples"]), \
-        brief(stats)
+    assert stats["stepped_samples"] == [total * MICRO] * 2, (brief(stats), stats["duplicate_samples"])
     # the steps hold the recipe's batch up to what the peers admitted between two reads of each other's counts
     # (0.25 s apart), so a step may hold more or less than the batch and the next one makes up for it
     batch = [row["batch_sequences"] for row in result.log]
@@ -371,6 +370,28 @@ def test_launcher_swarm_steps_every_sample_once_with_compressed_averaging():
         assert 2 * m["parameter_bytes"] <= m["optimizer_bytes"] <= 2 * m["parameter_bytes"] + 4096, m
         assert m["peak_rss_bytes"] > m["parameter_bytes"] + m["optimizer_bytes"], m
         assert 2 * m["parameter_bytes"] + m["optimizer_bytes"] <= cap_mb * 2**20, (m, cap_mb)   # + gradients
+
+
+@pytest.mark.slow
+def test_a_backward_call_resent_while_the_first_replica_computes_it_is_stepped_once():
+    """Stage 1's second replica takes 1.5 s per call (speed 0.1 on a 0.05 s work-unit floor) and the trainers wait
+    1.25 s for a backward call: the calls it gets are re-sent to the other replica while it still computes them,
+    and then it accumulates them. The re-sent copies are held apart and dropped at the step (the group's records
+    show the first replica holds the microbatch), so each stage steps every sample once. Measured without the
+    marking (the trainers' re-sends sent as first sends): stage 1 stepped 184 samples of 128."""
+    daemons_before = own_p2p_daemons()
+    total = 32
+    slow = plan(decentralised=True, peers_per_stage=[1, 2], peer_speeds=[1.0, 1.0, 0.1], peer_unit_time_s=0.05,
+                recipe=recipe(micro_batch_sequences=MICRO, batch_sequences=8 * MICRO, lr=3e-3,
+                              batch_ramp_fraction=0.0, budget={"unit": "steps", "value": 1000}),
+                retry=RetryPolicy(forward_timeout_s=0.5, give_up_after_s=120.0))
+    stats = ht.run_swarm(slow, source(), total, progress=False).stats
+    assert stats["microbatches_done"] == total and stats["lost_microbatches"] == 0, brief(stats)
+    assert stats["timeouts"] > 0 and stats["resent_samples"][1] > 0, brief(stats)
+    assert stats["duplicate_samples"][1] > 0, (stats["duplicate_samples"], stats["resent_kept_samples"])
+    assert stats["stepped_samples"] == [total * MICRO] * 2, (brief(stats), stats["duplicate_samples"])
+    assert stats["replica_max_abs_diff"] == [0.0, 0.0], stats["replica_steps"]
+    assert ht.leftover_processes(stats["process_groups"]) == [] and own_p2p_daemons() == daemons_before
 
 
 @pytest.mark.slow

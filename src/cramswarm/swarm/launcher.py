@@ -892,6 +892,9 @@ class Launcher:
                   for s in range(self.plan.stages)]
         param_steps = [sum(c["averaging_param_steps"] for c in counters if c["stage"] == s)
                        for s in range(self.plan.stages)]
+        def per_stage(key: str) -> list[int]:
+            return [sum(c.get(key, 0) for c in counters if c["stage"] == s) for s in range(self.plan.stages)]
+
         log = self._log()
         moves = self._moves()
         self.stats.update(self._trainer_stats())
@@ -907,6 +910,8 @@ class Launcher:
                          for r in range(self.plan.trainers)],
             steps=len(log), stage_steps=[max(steps.values()) for steps in replica_steps.values()],
             stepped_samples=stepped, lost_gradient_samples=[requested * micro - n for n in stepped],
+            duplicate_samples=per_stage("duplicate_samples"), resent_samples=per_stage("resent_samples"),
+            resent_kept_samples=per_stage("resent_kept_samples"),
             wall_s=round(wall_s, 3), throughput_mb_s=round(done / wall_s, 4) if wall_s > 0 else 0.0,
             per_stage_peers=[len(steps) for steps in replica_steps.values()], replica_steps=replica_steps,
             replicas_equal=not any(spread), replica_max_abs_diff=spread, process_groups=list(self.groups.pgids),

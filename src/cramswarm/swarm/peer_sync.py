@@ -66,6 +66,15 @@ lowest uid): the peers of a rerun of a killed launcher resume where the shards e
 microbatch index (``mb``); a call for a microbatch this stage has already stepped, or holds, is computed (its
 input gradient is needed upstream) but its parameter gradients are not accumulated again (``duplicate_samples``),
 so trainers that resume from the shards' microbatches do not count one twice.
+
+**Re-sent backward calls.** A trainer that re-sends a backward call to another replica (the first timed out or
+failed) marks it ``resent``. The first replica may still compute it, so the replica that takes the re-send keeps
+its gradients apart (``resent``: summed gradients, samples and loss per microbatch) and lists them in its ready
+record. At the step every member applies ``resent_kept`` to the group's records: a re-sent microbatch that a member
+of the group accumulated is dropped (``duplicate_samples``), one held apart by several members only is kept by the
+lowest uid, and the keeper adds its copy to its snapshot before the all-reduce. Before this, both copies went into
+the step. One case is left: the first replica's call, when it outlasts the close of that replica's step
+(``sync_timeout_s``), lands after its snapshot and counts toward its next step as well.
 """
 
 from __future__ import annotations
@@ -143,6 +152,29 @@ async def progress_records(node, run_id: str, stage: int) -> dict[str, dict]:
         return {}
     return {uid: entry.value for uid, entry in found.value.items()
             if isinstance(uid, str) and isinstance(entry.value, dict) and "step" in entry.value}
+
+
+def resent_kept(group: dict[str, dict]) -> dict[str, list[int]]:
+    """The re-sent microbatches each member of a step's group adds to its gradients (uid -> microbatches), from
+    the group's ready records: ``mbs`` (accumulated) and ``resent`` (held apart: ``[mb, samples, loss sum]``). A
+    re-sent microbatch that a member accumulated is dropped; of one that several members hold apart only, the
+    lowest uid keeps its copy. Every member reads the same records, so every member computes the same answer."""
+    accumulated = {int(mb) for record in group.values() for mb in record.get("mbs", ())}
+    kept: dict[str, list[int]] = {}
+    claimed: set[int] = set()
+    for uid in sorted(group):
+        for mb, *_ in group[uid].get("resent", ()):
+            if int(mb) not in accumulated and int(mb) not in claimed:
+                claimed.add(int(mb))
+                kept.setdefault(uid, []).append(int(mb))
+    return kept
+
+
+def resent_samples(group: dict[str, dict], kept: dict[str, list[int]]) -> tuple[int, float]:
+    """Samples and loss sum of the kept re-sent microbatches (``resent_kept``) over the group."""
+    entries = [(int(n), float(loss)) for uid, mbs in kept.items()
+               for mb, n, loss in group[uid].get("resent", ()) if int(mb) in mbs]
+    return sum(n for n, _ in entries), sum(loss for _, loss in entries)
 
 
 def settled(records: dict[str, dict]) -> dict[str, dict]:
@@ -307,10 +339,14 @@ class SyncingStagePeer(StagePeer):
                          "duplicate_samples": 0, "loaded_shard_step": None, "backward_samples": 0,
                          "admission_wait_s": 0.0, "held_calls": 0, "device": str(self.device),
                          "handed_over_samples": 0, "taken_over_samples": 0, "joining_wait_s": 0.0,
-                         "slowest_dht_round_s": 0.0}
+                         "slowest_dht_round_s": 0.0, "resent_samples": 0, "resent_kept_samples": 0}
         self.stepped_mbs: set[int] = set()   # microbatches whose gradients the stage has stepped
         self.local_mbs: set[int] = set()     # ... accumulated here since the snapshot
         self.snapshot_mbs: set[int] = set()  # ... in the snapshot
+        # re-sent backward calls held apart since the snapshot, and in it: microbatch -> (summed gradients as one
+        # flat fp32 vector, samples, loss sum); the step adds those that no other replica holds (resent_kept)
+        self.resent: dict[int, tuple[torch.Tensor, int, float]] = {}
+        self.snapshot_resent: dict[int, tuple[torch.Tensor, int, float]] = {}
         self.shard_dir = Path(cfg.get("shard_dir") or self.workdir / "shards")
         self.checkpoint_every_s = float(cfg.get("checkpoint_every_s", 60.0))
         self.shard_step, self.last_write, self.writing = 0, time.monotonic(), False
@@ -332,8 +368,10 @@ class SyncingStagePeer(StagePeer):
     def _backward(self, tensors: dict[str, torch.Tensor], meta: dict) -> tuple[dict, dict]:
         start = time.perf_counter()
         mb = meta.get("mb")
-        if mb is not None and (mb in self.stepped_mbs or mb in self.local_mbs or mb in self.snapshot_mbs):
+        if mb is not None and int(mb) in self._held_mbs():
             return self._duplicate_backward(tensors, meta)
+        if mb is not None and meta.get("resent"):
+            return self._resent_backward(tensors, meta, start)
         result, out_meta = super()._backward(tensors, meta)
         self.meter.served(call_units("backward", out_meta["samples"], self.is_last), time.perf_counter() - start)
         if "loss" in out_meta:
@@ -342,6 +380,47 @@ class SyncingStagePeer(StagePeer):
             self.local_mbs.add(int(mb))
         self.last_backward = time.time()
         return result, out_meta
+
+    def _held_mbs(self) -> set[int]:
+        """Microbatches this stage stepped, or this peer holds toward its step (accumulated or apart)."""
+        return (self.stepped_mbs | self.local_mbs | self.snapshot_mbs | set(self.resent)
+                | set(self.snapshot_resent))
+
+    def _resent_backward(self, tensors: dict[str, torch.Tensor], meta: dict, start: float) -> tuple[dict, dict]:
+        """A re-sent backward call (``meta["resent"]``; the replica it went to first may still compute it): its
+        gradients, samples and loss are kept apart (``resent``) until the step decides whether they count."""
+        held, samples = [p.grad for p in self.params], self.local_samples
+        for p in self.params:
+            p.grad = None
+        try:
+            result, out_meta = super()._backward(tensors, meta)
+            flat = self._flat_grads()
+        finally:
+            for p, g in zip(self.params, held):
+                p.grad = g
+            self.local_samples = samples
+        n = int(out_meta["samples"])
+        self.resent[int(meta["mb"])] = (flat, n, float(out_meta.get("loss", 0.0)) * n)
+        self.counters["resent_samples"] += n
+        self.meter.served(call_units("backward", n, self.is_last), time.perf_counter() - start)
+        self.last_backward = time.time()
+        return result, out_meta
+
+    def _resent_entries(self) -> list[list]:
+        """The snapshot's re-sent microbatches as its ready record lists them: ``[mb, samples, loss sum]``."""
+        return [[mb, n, loss] for mb, (_, n, loss) in sorted(self.snapshot_resent.items())]
+
+    def _with_resent(self, flat: torch.Tensor, samples: int, mbs: list[int]) -> tuple[torch.Tensor, int]:
+        """The snapshot's mean gradient (``flat`` over ``samples``) with the kept re-sent microbatches ``mbs``
+        added: a new vector (the snapshot stays as it is for a retry), and the samples it is the mean of."""
+        if not mbs:
+            return flat, samples
+        sums, n = flat * samples, samples
+        for mb in mbs:
+            grads, count, _ = self.snapshot_resent[mb]
+            sums.add_(grads)
+            n += count
+        return sums.div_(n), n
 
     def _duplicate_backward(self, tensors: dict[str, torch.Tensor], meta: dict) -> tuple[dict, dict]:
         """A microbatch this stage already stepped or holds: the input gradient (and loss) for the trainer, the
@@ -362,6 +441,7 @@ class SyncingStagePeer(StagePeer):
         if self.snapshot is None or self.snapshot[0] != step:
             self.snapshot_loss, self.local_loss = self.local_loss, 0.0
             self.snapshot_mbs, self.local_mbs = self.local_mbs, set()
+            self.snapshot_resent, self.resent = self.resent, {}
             self.snapshot_backward, self.last_backward = self.last_backward, None
         return super()._take_snapshot(step)
 
@@ -372,7 +452,7 @@ class SyncingStagePeer(StagePeer):
         if reply.get("status") == "ok":
             self.stepped_samples += samples
             self.stepped_mbs |= mbs
-            self.snapshot_mbs = set()
+            self.snapshot_mbs, self.snapshot_resent = set(), {}
         return reply
 
     def _take_held(self) -> tuple[dict, dict]:
@@ -393,7 +473,7 @@ class SyncingStagePeer(StagePeer):
         if int(meta["step"]) != self.step:
             return {"status": "refused", "reason": f"at step {self.step}, not {meta['step']}"}
         mbs = {int(i) for i in meta["mbs"]}
-        if mbs & (self.stepped_mbs | self.local_mbs | self.snapshot_mbs):
+        if mbs & self._held_mbs():
             return {"status": "refused", "reason": "a microbatch held twice"}
         flat = tensors["grad"]
         for p, g in zip(self.params, torch.split(flat, [p.numel() for p in self.params])):
@@ -411,6 +491,7 @@ class SyncingStagePeer(StagePeer):
         self.stepped_samples = int(state.get("stepped_samples", 0))
         self.stepped_mbs = {int(i) for i in state.get("stepped_mbs", [])}
         self.local_mbs, self.snapshot_mbs = set(), set()
+        self.resent, self.snapshot_resent = {}, {}
         self.local_loss = self.snapshot_loss = 0.0
         self.ready = None
         self.digest = self._digest()
@@ -424,7 +505,10 @@ class SyncingStagePeer(StagePeer):
     def _held_samples(self) -> int:
         """Samples whose gradients this peer holds toward its current step (snapshot and since)."""
         snap = self.snapshot[2] if self.snapshot is not None and self.snapshot[0] == self.step else 0
-        return self.local_samples + snap + self.admitted
+        apart = sum(n for _, n, _ in self.resent.values())
+        if self.snapshot is not None and self.snapshot[0] == self.step:
+            apart += sum(n for _, n, _ in self.snapshot_resent.values())
+        return self.local_samples + snap + apart + self.admitted
 
     def _elapsed(self) -> float:
         """Seconds of training so far (0 before the launcher started the trainers): a seconds budget's clock."""
@@ -535,7 +619,7 @@ class SyncingStagePeer(StagePeer):
                  "stepped": self.stepped_samples, "digest": self.digest, "ready": False}
         if self.ready is not None and self.ready[0] == self.step:
             value.update(ready=True, snap=self.ready[1], loss=self.ready[2], at=self.ready[3],
-                         mbs=sorted(self.snapshot_mbs))
+                         mbs=sorted(self.snapshot_mbs), resent=self._resent_entries())
         elif self.joining is not None:  # held gradients go with the download: they count toward no step
             value.update(joining=self.joining, samples=0)
         # later records expire later, so the latest stored value wins even where the window shrank meanwhile
@@ -715,8 +799,8 @@ class SyncingStagePeer(StagePeer):
             ready = view.ready
             if waited >= window and self.uid not in ready:  # this peer's own record not read back yet
                 ready[self.uid] = {"peer": self.peer_id, "snap": self.ready[1], "loss": self.ready[2],
-                                   "at": self.ready[3],
-                                   "mbs": sorted(self.snapshot_mbs)}
+                                   "at": self.ready[3], "mbs": sorted(self.snapshot_mbs),
+                                   "resent": self._resent_entries()}
             if self.uid in ready and ((view.complete() and now - started >= MIN_GATHER_S) or waited >= window):
                 return ready
             await asyncio.sleep(0.1)
@@ -742,7 +826,9 @@ class SyncingStagePeer(StagePeer):
             if group is None:
                 return  # someone stepped without this peer: the next round downloads its state
             uids = sorted(group)
-            total = sum(int(group[uid]["snap"]) for uid in uids)
+            kept = resent_kept(group)   # re-sent microbatches: each counts once in the group (module docstring)
+            kept_samples, kept_loss = resent_samples(group, kept)
+            total = sum(int(group[uid]["snap"]) for uid in uids) + kept_samples
             if total == 0:  # nobody holds gradients (e.g. a flush after the last step): nothing to step, and
                 self.ready = self.snapshot = None  # the empty snapshot must not be reused by the next attempt
                 return
@@ -756,8 +842,9 @@ class SyncingStagePeer(StagePeer):
             try:
                 # a member without samples gets a weight of 1e-6, not 0: a reducer that (a sender having died)
                 # finalises with the parts of such members alone would otherwise divide 0 by 0
+                reduced, weight = self._with_resent(flat, samples, kept.get(self.uid, []))
                 averaged = await asyncio.wait_for(
-                    self._all_reduce(flat, samples or ZERO_WEIGHT, group_id, peers, traffic), bound)
+                    self._all_reduce(reduced, weight or ZERO_WEIGHT, group_id, peers, traffic), bound)
                 if not bool(torch.isfinite(averaged).all()):  # every member got these values: all retry
                     raise FloatingPointError("the averaged gradient is not finite")
             except Exception as e:  # a member died, or read another group: read the records again
@@ -772,11 +859,15 @@ class SyncingStagePeer(StagePeer):
             recipe = self.cfg["recipe"]
             multiplier = lr_multiplier(recipe["schedule"], t, recipe["warmup_fraction"])
             self.averaged = (group_id, averaged)
-            mbs = {int(i) for uid in uids for i in group[uid].get("mbs", ())}
+            mbs = {int(i) for uid in uids for i in group[uid].get("mbs", ())} | {mb for m in kept.values() for mb in m}
+            mine = set(kept.get(self.uid, []))
+            apart = {mb: n for mb, (_, n, _) in self.snapshot_resent.items()}
             reply = await self._run(self._apply_counted, group_id, recipe["lr"] * multiplier, total, mbs)
             if reply.get("status") != "ok":
                 raise RuntimeError(f"step {step}: {reply}")
             self.digest, self.ready, self.others_pending = reply["digest"], None, 0
+            self.counters["resent_kept_samples"] += sum(n for mb, n in apart.items() if mb in mine)
+            self.counters["duplicate_samples"] += sum(n for mb, n in apart.items() if mb not in mine)
             phases["applied"] = time.time()
             with open(self.workdir / SYNC_LOG.format(uid=self.uid), "a") as log:
                 log.write(json.dumps({"uid": self.uid, "stage": self.stage, "step": step + 1, "samples": samples,
@@ -790,7 +881,7 @@ class SyncingStagePeer(StagePeer):
                 self.counters["averaging_values_sent"] += traffic.get("values_sent", 0)
                 self.counters["averaging_param_steps"] += self.num_params
             if self.is_last:
-                loss = sum(float(group[uid].get("loss", 0.0)) for uid in uids) / total
+                loss = (sum(float(group[uid].get("loss", 0.0)) for uid in uids) + kept_loss) / total
                 row = {"step": step + 1, "progress": t, "loss": loss, "lr": recipe["lr"] * multiplier,
                        "lr_multiplier": multiplier, "batch_sequences": total,
                        "tokens": self.stepped_samples * self.seq_len, "time": time.time(), "group": uids}

@@ -127,7 +127,9 @@ class StageClient:
         """One stage call with SWARM's retry semantics, decided by ``policies.StageCall`` (the emulation's trainer
         threads retry by the same object): another replica on a timeout or error, never dropped (``NoPeersError``
         once the stage has had no live peer for ``give_up_after_s``; ``TimeoutError`` once ``RetryPolicy`` is
-        exhausted: declared peers that never answer).
+        exhausted: declared peers that never answer). A backward call sent again is marked ``resent``: the replica
+        tried before may still compute it, so the next one holds it apart until its stage's step decides whether it
+        counts (``peer_sync.resent_kept``).
 
         ``fused``: the last stage's forward + backward in one call. The peer's throughput estimate counts the
         call's work units (``WORK_UNITS``: forward 1, backward 2, fused 3 per sample, as the emulation does), so
@@ -137,6 +139,7 @@ class StageClient:
         units = samples * WORK_UNITS["last" if fused else method]
         call = StageCall(self.balancers[stage], self.retry, task_size=samples, backward=method == "backward",
                          count=self._count, what=method)
+        sent = meta
         while True:
             uid = call.choose(get_dht_time())
             if uid is None:   # no live peer: look again shortly (NoPeersError once give_up_after_s passed)
@@ -146,7 +149,7 @@ class StageClient:
                 continue
             started, sent_at = time.perf_counter(), get_dht_time()
             try:
-                result = await asyncio.wait_for(self._rpc(stage, uid, method, tensors, meta),
+                result = await asyncio.wait_for(self._rpc(stage, uid, method, tensors, sent),
                                                 self.retry.timeout(call.backward))
             except asyncio.TimeoutError:
                 call.timed_out(uid, sent_at, get_dht_time())
@@ -156,6 +159,8 @@ class StageClient:
             else:
                 call.succeeded(uid, units, time.perf_counter() - started)
                 return result
+            if method == "backward":  # the replica tried may still compute it: the next one holds it apart
+                sent = {**meta, "resent": True}
 
     def _count(self, key: str) -> None:
         self.stats[key] += 1
