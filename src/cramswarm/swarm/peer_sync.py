@@ -389,16 +389,7 @@ class SyncingStagePeer(StagePeer):
     def _resent_backward(self, tensors: dict[str, torch.Tensor], meta: dict, start: float) -> tuple[dict, dict]:
         """A re-sent backward call (``meta["resent"]``; the replica it went to first may still compute it): its
         gradients, samples and loss are kept apart (``resent``) until the step decides whether they count."""
-        held, samples = [p.grad for p in self.params], self.local_samples
-        for p in self.params:
-            p.grad = None
-        try:
-            result, out_meta = super()._backward(tensors, meta)
-            flat = self._flat_grads()
-        finally:
-            for p, g in zip(self.params, held):
-                p.grad = g
-            self.local_samples = samples
+        result, out_meta, flat = self._backward_apart(tensors, meta, keep=True)
         n = int(out_meta["samples"])
         self.resent[int(meta["mb"])] = (flat, n, float(out_meta.get("loss", 0.0)) * n)
         self.counters["resent_samples"] += n
@@ -425,17 +416,25 @@ class SyncingStagePeer(StagePeer):
     def _duplicate_backward(self, tensors: dict[str, torch.Tensor], meta: dict) -> tuple[dict, dict]:
         """A microbatch this stage already stepped or holds: the input gradient (and loss) for the trainer, the
         accumulated parameter gradients and sample count left as they were."""
+        result, out_meta, _ = self._backward_apart(tensors, meta, keep=False)
+        self.counters["duplicate_samples"] += int(out_meta.get("samples", 0))
+        return result, out_meta
+
+    def _backward_apart(self, tensors: dict[str, torch.Tensor], meta: dict,
+                        keep: bool) -> tuple[dict, dict, torch.Tensor | None]:
+        """``StagePeer._backward`` with this peer's accumulated gradients and sample count left as they were; the
+        call's own parameter gradients as one flat vector if ``keep``, else dropped."""
         held, samples = [p.grad for p in self.params], self.local_samples
         for p in self.params:
             p.grad = None
         try:
             result, out_meta = super()._backward(tensors, meta)
+            flat = self._flat_grads() if keep else None
         finally:
             for p, g in zip(self.params, held):
                 p.grad = g
             self.local_samples = samples
-        self.counters["duplicate_samples"] += int(out_meta.get("samples", 0))
-        return result, out_meta
+        return result, out_meta, flat
 
     def _take_snapshot(self, step: int) -> tuple[torch.Tensor, int]:
         if self.snapshot is None or self.snapshot[0] != step:
@@ -504,10 +503,9 @@ class SyncingStagePeer(StagePeer):
 
     def _held_samples(self) -> int:
         """Samples whose gradients this peer holds toward its current step (snapshot and since)."""
-        snap = self.snapshot[2] if self.snapshot is not None and self.snapshot[0] == self.step else 0
+        current = self.snapshot is not None and self.snapshot[0] == self.step
+        snap = self.snapshot[2] + sum(n for _, n, _ in self.snapshot_resent.values()) if current else 0
         apart = sum(n for _, n, _ in self.resent.values())
-        if self.snapshot is not None and self.snapshot[0] == self.step:
-            apart += sum(n for _, n, _ in self.snapshot_resent.values())
         return self.local_samples + snap + apart + self.admitted
 
     def _elapsed(self) -> float:
