@@ -887,13 +887,12 @@ class Launcher:
         micro = self.plan.recipe["micro_batch_sequences"]
         stepped = [max((c["stepped_samples"] for c in counters if c["stage"] == s), default=0)
                    for s in range(self.plan.stages)]
-        sent = [sum(c["averaging_bytes_sent"] for c in counters if c["stage"] == s) for s in range(self.plan.stages)]
-        values = [sum(c["averaging_values_sent"] for c in counters if c["stage"] == s)
-                  for s in range(self.plan.stages)]
-        param_steps = [sum(c["averaging_param_steps"] for c in counters if c["stage"] == s)
-                       for s in range(self.plan.stages)]
+
         def per_stage(key: str) -> list[int]:
             return [sum(c.get(key, 0) for c in counters if c["stage"] == s) for s in range(self.plan.stages)]
+
+        sent, values = per_stage("averaging_bytes_sent"), per_stage("averaging_values_sent")
+        param_steps = per_stage("averaging_param_steps")
 
         log = self._log()
         moves = self._moves()
