@@ -213,16 +213,23 @@ def test_a_peer_whose_decision_rounds_overrun_the_period_still_publishes_every_p
     asyncio.run(scenario())
 
 
-def test_the_last_move_holds_decisions_back_in_transit_and_one_period_after_arrival(tmp_path):
+def test_the_last_move_holds_decisions_back_in_transit_and_until_a_period_after_its_arrival(tmp_path):
     async def scenario():
         node = FakeDHT()
         driver = PeerRebalancer(FakePeer(node, "s0p1", 0, tmp_path), period_s=1.0)
+        assert driver.gate.transit_s == 60.0   # twice the trainers' give-up (30 s)
         assert not await driver.quiet(10)
-        await node.store(last_move_key("run"), {"uid": "s0p2", "arrived": None, "t": get_dht_time()},
+        moved = {"uid": "s0p2", "from_stage": 0, "to_stage": 1, "period": 9}
+        await node.store(last_move_key("run"), {**moved, "arrived": None, "t": get_dht_time()},
                          get_dht_time() + 3600)
         assert await driver.quiet(10)  # in transit
-        await node.store(last_move_key("run"), {"uid": "s0p2", "arrived": 10, "t": get_dht_time()},
+        await node.store(last_move_key("run"), {**moved, "arrived": None, "t": get_dht_time() - 61.0},
                          get_dht_time() + 3601)
-        assert await driver.quiet(11) and not await driver.quiet(12)
+        assert not await driver.quiet(10)  # in transit for longer than the bound: the mover died on its way
+        await node.store(last_move_key("run"), {**moved, "arrived": 10, "t": get_dht_time()},
+                         get_dht_time() + 3602)
+        assert await driver.quiet(10) and not await driver.quiet(11)   # the next period's loads show the mover
+        cooling = PeerRebalancer(FakePeer(node, "s0p3", 0, tmp_path), period_s=1.0, cooldown_periods=1)
+        assert await cooling.quiet(11) and not await cooling.quiet(12)
 
     asyncio.run(scenario())

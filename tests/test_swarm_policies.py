@@ -20,8 +20,10 @@ from cramswarm.swarm.compression import (
 )
 from cramswarm.swarm.policies import (
     CALL_ROUND_TRIPS,
+    LastMove,
     LoadMeter,
     Move,
+    MoveGate,
     NoPeersError,
     PeerLoad,
     PerformanceEMA,
@@ -247,12 +249,23 @@ def test_rebalancer_hysteresis_keeps_a_balanced_swarm():
     assert rebalancer.decide(state, now=0.0) is None
 
 
-def test_rebalancer_cooldown_allows_one_move_per_period():
-    rebalancer = Rebalancer(period_s=60.0)
+def test_rebalancer_waits_for_the_movers_arrival():
+    """MoveGate, as the launcher's peers apply it: nothing while the move is in transit (for at most transit_s: a
+    mover that died never arrives), nor on the loads of a period that ended before the mover arrived."""
     state = loads(["a", "b", "c", "d"], ["e"])
+    rebalancer = Rebalancer(period_s=60.0)
     assert rebalancer.decide(state, now=0.0) is not None
-    assert rebalancer.decide(state, now=30.0) is None
-    assert rebalancer.decide(state, now=60.0) is not None
+    assert rebalancer.decide(state, now=60.0) is None and rebalancer.decide(state, now=180.0) is None  # in transit
+    assert rebalancer.decide(state, now=240.0) is not None   # in transit for 240 s (transit_s): given up
+    rebalancer = Rebalancer(period_s=60.0)
+    assert rebalancer.decide(state, now=0.0) is not None
+    rebalancer.arrived(90.0)   # serving its new stage in period 1 ([60, 120) s)
+    assert rebalancer.last.arrived == 1
+    assert rebalancer.decide(state, now=120.0) is not None   # period 2's loads show the mover: one move per period
+    assert MoveGate().quiet(LastMove(0, 0.0, arrived=1), 1, 999.0)   # a period that ended before it arrived
+    assert not MoveGate().quiet(LastMove(0, 0.0, arrived=1), 2, 999.0)
+    assert MoveGate(cooldown_periods=2).quiet(LastMove(0, 0.0, arrived=1), 3, 999.0)
+    assert not MoveGate(cooldown_periods=2).quiet(LastMove(0, 0.0, arrived=1), 4, 999.0)
 
 
 def test_rebalancer_converges_without_oscillation():
@@ -268,6 +281,7 @@ def test_rebalancer_converges_without_oscillation():
             moves.append(move)
             members[move.from_stage].remove(move.uid)
             members[move.to_stage].append(move.uid)
+            rebalancer.arrived(now + 0.5)
     assert sorted(len(m) for m in members.values()) == [3, 3]
     assert len(moves) == 2
     assert all(m.to_stage == 1 for m in moves)
@@ -279,6 +293,7 @@ def test_rebalancer_counts_an_unmeasured_peer_at_its_stage_mean():
     costs a state download); counted at its stage's mean rate, [3, 2] stays."""
     rebalancer = Rebalancer(period_s=1.0)
     assert rebalancer.decide(loads(["a", "b", "c", "d"], ["e"]), now=0.0) is not None
+    rebalancer.arrived(1.0)
     moved = loads(["a", "b", "c"], ["e", "d'"], queue=0.0)
     moved[1] = [PeerLoad("e", 4.0, 1.0), PeerLoad("d'", 0.0, None)]
     assert rebalancer.decide(moved, now=5.0) is None
@@ -461,11 +476,12 @@ def test_after_the_move_of_the_slow_test_nothing_moves_back():
         assert choose_move(after, hysteresis=1.0, min_gain=0.0) is None
 
 
-def test_the_rebalancer_keeps_its_cooldown_around_the_same_rule():
+def test_the_rebalancer_keeps_its_gate_around_the_same_rule():
     rebalancer = Rebalancer(period_s=3.0)
     assert rebalancer.decide(starved(), now=0.0) == choose_move(starved())
-    assert rebalancer.decide(starved(), now=1.0) is None  # cooling down
-    assert rebalancer.decide(starved(), now=3.0) == choose_move(starved())
+    assert rebalancer.decide(starved(), now=3.0) is None  # in transit
+    rebalancer.arrived(4.0)
+    assert rebalancer.decide(starved(), now=6.0) == choose_move(starved())
 
 
 def test_a_microbatch_path_calls_the_stages_in_swarms_order_and_keeps_each_stages_input():

@@ -311,6 +311,8 @@ class Peer(threading.Thread):
         swarm.clock.sleep(swarm.state_download_s)
         self.pending_move = None
         self.meter, self.status, self._next_declare = LoadMeter(swarm.clock.now()), "up", -math.inf
+        if swarm.rebalancer is not None:  # no lock: the rebalancer decides nothing while this move is in transit
+            swarm.rebalancer.arrived(swarm.clock.now())
 
 
 class Swarm(abc.ABC):
@@ -326,6 +328,7 @@ class Swarm(abc.ABC):
         self.membership = threading.Lock()  # kill and move decisions: never two at once on one stage
         self.counters = {"retries": 0, "timeouts": 0, "errors": 0, "peers_killed": 0, "rejoins": 0}
         self.moves: list[dict] = []
+        self.rebalancer: Rebalancer | None = None   # set by rebalance_loop; a mover reports its arrival to it
         self.errors: list[BaseException] = []
         self.peers = [Peer(i, spec.stage, spec.speed, self) for i, spec in enumerate(specs)]
         for peer in self.peers:
@@ -379,6 +382,7 @@ class Swarm(abc.ABC):
             peer.join(timeout=5.0)
 
     def rebalance_loop(self, rebalancer: Rebalancer, stages: int) -> None:
+        self.rebalancer = rebalancer
         while not self.stop.wait(self.clock.wall(rebalancer.period_s)):
             with self.membership:
                 now = self.clock.now()

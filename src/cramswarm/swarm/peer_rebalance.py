@@ -19,8 +19,10 @@ peer the move names acts, the others only watch. Before it acts it stores a clai
 claims back ``DECIDE_DELAY`` later: if two peers read different views and both believed themselves the mover, only
 the claim with the smallest uid hash moves - at most one move per period. Nothing is decided while the last move
 (the ``last_move_key`` record) is in transit (for at most 2 x ``give_up_after_s``: a mover that died on its way),
-nor in the ``cooldown_periods`` periods after it arrived, nor once the launcher asked for the last batch. A dead
-peer's stage record lingers up to ``RECORD_TTL_S``, so no decision is taken in the periods right after a death.
+nor on a period that ended before it arrived (``policies.MoveGate``, the timing rule the emulation's and the
+simulator's ``Rebalancer`` apply too; by default no further cool-down: one move per period), nor once the launcher
+asked for the last batch. A dead peer's stage record lingers up to ``RECORD_TTL_S``, so no decision is taken in the
+periods right after a death.
 
 The mover (``PeerRebalancer.leave``): stops admitting calls (``peer.leaving``: new forward and backward calls are
 refused, the trainers re-send them to another replica and ban this peer until its record is gone), replaces its
@@ -48,7 +50,7 @@ from pathlib import Path
 from hivemind.utils import get_dht_time
 
 from cramswarm.swarm.hivemind_peer import RECORD_TTL_S, stage_key, stage_records
-from cramswarm.swarm.policies import WORK_UNITS, PeerLoad, _uid_hash, choose_move
+from cramswarm.swarm.policies import TRANSIT_GIVE_UPS, WORK_UNITS, LastMove, MoveGate, PeerLoad, _uid_hash, choose_move
 
 MOVES_FILE = "moves.jsonl"  # in the run's folder: one line per move event, appended by the moving peer
 
@@ -105,13 +107,14 @@ class PeerRebalancer:
     """One stage peer's rebalancing loop (a background task of ``SyncingStagePeer``; see the module docstring)."""
 
     def __init__(self, peer, period_s: float, *, hysteresis: float = 1.5, min_gain: float = 0.05,
-                 cooldown_periods: int = 1, drain_timeout_s: float | None = None):
+                 cooldown_periods: int = MoveGate.cooldown_periods, drain_timeout_s: float | None = None):
         self.peer, self.period_s = peer, period_s
         self.missing: list[str] = []   # the uids the last incomplete view lacked a record of
-        self.hysteresis, self.min_gain, self.cooldown_periods = hysteresis, min_gain, cooldown_periods
+        self.hysteresis, self.min_gain = hysteresis, min_gain
         self.delay_s = decide_delay_s(period_s)
         self.drain_timeout_s = drain_timeout_s if drain_timeout_s is not None else 4 * peer.sync_timeout_s
-        self.transit_s = 2 * peer.cfg["give_up_after_s"]  # a move record older than this no longer holds decisions
+        # the timing rule of every driver; a move record older than transit_s no longer holds decisions
+        self.gate = MoveGate(cooldown_periods, TRANSIT_GIVE_UPS * peer.cfg["give_up_after_s"])
         self.run_id, self.node = peer.run_id, peer.node
 
     # -- records ----------------------------------------------------------------------------------------------
@@ -140,14 +143,12 @@ class PeerRebalancer:
         return loads
 
     async def quiet(self, period: int) -> bool:
-        """Whether the last move holds decisions back: in transit, or arrived within ``cooldown_periods``."""
+        """Whether the last move holds decisions back (``policies.MoveGate``: in transit, or period ``period`` did
+        not end after its arrival plus ``cooldown_periods``)."""
         found = await self.node.get(last_move_key(self.run_id), latest=True)
-        last = found.value if found is not None and isinstance(found.value, dict) else None
-        if last is None:
-            return False
-        if last.get("arrived") is None:
-            return get_dht_time() - last["t"] < self.transit_s
-        return period - last["arrived"] <= self.cooldown_periods
+        record = found.value if found is not None and isinstance(found.value, dict) else None
+        last = None if record is None else LastMove(record["period"], record["t"], record.get("arrived"))
+        return self.gate.quiet(last, period, get_dht_time())
 
     async def claim(self, period: int, move) -> bool:
         """Claim period ``period``'s move; True if this peer's claim has the smallest uid hash once all are read."""

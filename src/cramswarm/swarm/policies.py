@@ -477,8 +477,51 @@ def _uid_hash(uid: str) -> str:
     return hashlib.sha1(uid.encode()).hexdigest()
 
 
+TRANSIT_GIVE_UPS = 2.0   # a move in transit holds decisions for at most this many trainer give-up times
+
+
+@dataclass
+class LastMove:
+    """The swarm's latest move as every rebalancing driver keeps it (the launcher's peers: the ``last_move_key``
+    record in the DHT)."""
+
+    period: int                 # the period whose loads decided it
+    t: float                    # when it was decided (seconds on the driver's clock)
+    arrived: int | None = None  # the period in which the mover began to serve its new stage; None: in transit
+
+
+@dataclass(frozen=True)
+class MoveGate:
+    """When a swarm may decide its next move: the timing rule every driver applies before ``choose_move``.
+
+    Nothing is decided while the last move is in transit (decided, the mover not serving its new stage yet: it
+    drains its old stage and downloads the new one's state), for at most ``transit_s`` (a mover that died on its
+    way never arrives), nor on the loads of a period that ended before the mover arrived (period index <= the
+    arrival's), nor in the ``cooldown_periods`` periods after that. With the default 0 a move that arrives within
+    its period allows the next decision one period later: one move per period, as the paper's rule has it
+    (SWARM, as our notes paraphrase it); the mover's first, partial window counts it at its stage's mean rate
+    (``Rebalancer.rates``). Deciding while a move is in transit would count the mover at no stage (it withdrew
+    from one, has not declared itself at the other): its new stage would still look starved and a second peer
+    would follow. The emulation and the simulator counted one period from the decision before 2026-11-27, which
+    gives the same moves when the state download takes less than a period (``sim_scale``: 35 of 36 runs
+    identical, one with 16 moves instead of 17)."""
+
+    cooldown_periods: int = 0
+    transit_s: float = TRANSIT_GIVE_UPS * RetryPolicy.give_up_after_s   # the launcher: its own give-up
+
+    def quiet(self, last: LastMove | None, period: int, now: float) -> bool:
+        if last is None:
+            return False
+        if last.arrived is None:
+            return now - last.t < self.transit_s
+        return period - last.arrived <= self.cooldown_periods
+
+
 class Rebalancer:
-    """Adaptive swarm rebalancing: at most one peer moves per period, from the least to the most loaded stage.
+    """Adaptive swarm rebalancing for a driver that sees every peer's load at once (the emulation's rebalancing
+    thread, the simulator): every period, ``MoveGate`` then ``choose_move`` on the period's loads, as each of the
+    launcher's peers does on the records in the DHT (``peer_rebalance``); the driver reports the mover's arrival
+    (``arrived``).
 
     Stage load ``L_s = (sum of queue lengths + 1) / sum of throughputs``: seconds of backlog, plus one
     microbatch of service time so that with empty queues a stage with little capacity still counts as the
@@ -489,7 +532,7 @@ class Rebalancer:
     lengths fluctuate, so the load ratio alone would let a peer ping-pong between two stages of equal capacity
     (3/2 <-> 2/3 peers); measured rates carry a few per cent of noise, hence the margin (0 = plain strict
     improvement). The mover is the donor peer with the smallest SHA-1 of its uid (every peer computes the same
-    answer). After a move, nothing moves for ``cooldown_s`` (default: one period).
+    answer).
 
     A peer with no measured rate yet (``samples_per_s is None``: it just joined or moved) counts at the mean rate
     of its stage's measured peers (of all measured peers if its stage has none; no decision if nobody is
@@ -498,17 +541,21 @@ class Rebalancer:
     peer to be measured would stall rebalancing at scale, where some peer has always just rejoined.
     """
 
-    def __init__(self, period_s: float, *, hysteresis: float = 1.5, cooldown_s: float | None = None,
-                 min_gain: float = 0.05):
+    def __init__(self, period_s: float, *, hysteresis: float = 1.5, cooldown_periods: int = 0,
+                 transit_s: float | None = None, min_gain: float = 0.05):
         if period_s <= 0:
             raise ValueError(f"period_s must be positive, got {period_s}")
         if hysteresis < 1.0:
             raise ValueError(f"hysteresis must be >= 1, got {hysteresis}")
         self.period_s = period_s
         self.hysteresis = hysteresis
-        self.cooldown_s = period_s if cooldown_s is None else cooldown_s
+        self.gate = MoveGate(cooldown_periods, MoveGate.transit_s if transit_s is None else transit_s)
         self.min_gain = min_gain
-        self._quiet_until = -math.inf
+        self.last: LastMove | None = None
+
+    def period(self, now: float) -> int:
+        """The index of the period that ends at ``now`` (the driver decides on period boundaries)."""
+        return round(now / self.period_s)
 
     @staticmethod
     def stage_load(queue_len: float, samples_per_s: float) -> float:
@@ -531,13 +578,20 @@ class Rebalancer:
         return out
 
     def decide(self, loads: dict[int, list[PeerLoad]], now: float) -> Move | None:
-        """``loads``: stage -> its live peers' loads (a stage with no peer: empty list)."""
-        if now < self._quiet_until:
+        """``loads``: stage -> its live peers' loads over the period ending at ``now`` (a stage with no peer: empty
+        list)."""
+        period = self.period(now)
+        if self.gate.quiet(self.last, period, now):
             return None
         move = choose_move(loads, hysteresis=self.hysteresis, min_gain=self.min_gain)
         if move is not None:
-            self._quiet_until = now + self.cooldown_s
+            self.last = LastMove(period, now)
         return move
+
+    def arrived(self, now: float) -> None:
+        """The last move's peer serves its new stage from ``now`` on: the cool-down starts."""
+        if self.last is not None and self.last.arrived is None:
+            self.last.arrived = math.floor(now / self.period_s)
 
 
 def choose_move(loads: dict[int, list[PeerLoad]], *, hysteresis: float = 1.5, min_gain: float = 0.05) -> Move | None:

@@ -539,6 +539,8 @@ class Simulator:
         peer, epoch = payload
         if epoch != peer.epoch or peer.status not in ("joining", "moving"):
             return
+        if peer.status == "moving" and self.rebalancer is not None:
+            self.rebalancer.arrived(self.now)   # the mover serves its new stage: the cool-down starts
         peer.status = "up"
         peer.meter = LoadMeter(self.now)
         self._declare(peer)
