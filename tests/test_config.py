@@ -189,7 +189,12 @@ def test_swarm_models_reject_recipe_keys_their_trainers_lack(repo, tmp_path):
     overlay.write_text("models:\n  swarm:\n    recipe: {dropout: 0.1, optimizer: adam_l2}\n")
     with pytest.raises(ConfigError) as err:
         load_config([repo / "config" / "config.yaml", overlay])
-    assert "models.swarm.recipe.dropout" in str(err.value) and "models.swarm.recipe.optimizer" in str(err.value)
+    assert "models.swarm.recipe.dropout" in str(err.value) and "recompute" in str(err.value)
+    # what their steps do take from pretrain: the optimizer, a ramp in micro-steps, a schedule horizon
+    overlay.write_text("models:\n  swarm:\n    recipe: {optimizer: adam_l2, batch_ramp_micro_steps: 8, "
+                       "schedule_horizon_sequences: {warmup: 16, total: 640}}\n")
+    recipe = load_config([repo / "config" / "config.yaml", overlay])["models"]["swarm"]["recipe"]
+    assert recipe["optimizer"] == "adam_l2" and recipe["batch_ramp_micro_steps"] == 8
 
 
 def test_schedule_sweep_gives_inverse_sqrt_the_reference_warmup(repo):

@@ -125,6 +125,10 @@ def test_shards_partition_the_microbatches_and_step_targets_follow_the_ramp():
     assert step_target(recipe, 32, 0, 0) == (0.0, MICRO)
     assert step_target(recipe, 32, 0, 5) == (0.5, 4 * MICRO)
     assert step_target(recipe, 32, 0, 2)[1] == (1 + int(0.2 / 0.5 * 4)) * MICRO
+    # Cramming v1's ramp counted in micro-batch steps (pretrain's rule, training.step_accumulation): it follows the
+    # stage's stepped samples, whatever the budget's progress
+    v1 = recipe | {"batch_ramp_micro_steps": 8}
+    assert [step_target(v1, 32, n * MICRO, 5)[1] for n in (0, 2, 4, 8)] == [MICRO, 2 * MICRO, 3 * MICRO, 4 * MICRO]
 
 
 def test_a_replica_downloading_a_step_is_waited_for_and_never_downloaded_from():

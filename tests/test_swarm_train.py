@@ -12,6 +12,7 @@ bounded staleness (2-4 trainers) and 8-bit/bf16 noise moved the final loss by at
 0.1 is twice the largest measured gap.
 """
 
+import csv
 import subprocess
 import sys
 
@@ -174,6 +175,33 @@ def test_one_stage_swarm_reproduces_pretraining(tiny_run):
     assert swarm["final_loss"] == pytest.approx(single["final_loss"], abs=1e-4)
     assert swarm["eval_loss"] == pytest.approx(single["eval_loss"], abs=1e-4)
     assert len(swarm["swarm_stats"]["per_stage_peers"][0]) == 2
+
+
+def test_one_stage_swarm_follows_step_based_schedules_and_the_optimizer_as_pretraining_does(tiny_run):
+    """A recipe whose batch ramp counts micro-batch steps (Cramming v1's batch_ramp_micro_steps), whose LR
+    schedule runs over a fixed horizon of sequences (BERT's schedule_horizon_sequences) and whose optimizer is
+    Adam with coupled L2 decay (BERT's adam_l2): the swarm's steps take the batch, learning rate and optimizer
+    pretrain takes (training.step_accumulation, step_lr, make_optimizer), step by step, to the same loss."""
+    tmp_path, tok_path = tiny_run
+    rec = recipe(budget={"unit": "steps", "value": 8}, precision="fp32", eval_points=1, log_every_steps=1,
+                 batch_sequences=32, batch_ramp_micro_steps=8, schedule="linear",
+                 schedule_horizon_sequences={"warmup": 16, "total": 640}, optimizer="adam_l2")
+    single = pretrain(rec, TINY, tmp_path / "blocks.npy", tok_path, tmp_path / "single", progress=False)
+    cfg = SWARM | dict(stages=1, trainers=1, compression="none")
+    swarm = swarm_pretrain(rec, TINY, cfg, tmp_path / "blocks.npy", tok_path, tmp_path / "swarm", progress=False)
+
+    def steps(run: str) -> dict[int, tuple[float, int]]:
+        with open(tmp_path / run / "train_log.csv") as f:
+            return {int(r["step"]): (float(r["lr"]), int(r["batch_sequences"])) for r in csv.DictReader(f)}
+
+    expected = steps("single")
+    assert sorted(expected) == list(range(1, 9))
+    assert [n for _, n in expected.values()] == [8, 8, 16, 24, 32, 32, 32, 32]   # the ramp over 8 micro-steps
+    assert expected[8][0] > 0.5 * rec["lr"]   # on the horizon (over the budget: 0.14 of the peak at step 8)
+    got = steps("swarm")
+    assert sorted(got) == sorted(expected) and [n for _, n in got.values()] == [n for _, n in expected.values()]
+    assert [lr for lr, _ in got.values()] == pytest.approx([lr for lr, _ in expected.values()], rel=1e-4)
+    assert swarm["final_loss"] == pytest.approx(single["final_loss"], abs=1e-4)
 
 
 # -- faults, rebalancing and budgets on the emulation transport ---------------------------------------------------

@@ -27,18 +27,16 @@ from cramswarm.io import atomic_path, write_json
 from cramswarm.models.crammed_bert import unwrap_compiled
 from cramswarm.provenance import provenance
 from cramswarm.training import (
-    accumulation_at,
-    accumulation_at_micro_step,
     autocast,
     budget_progress,
     build_model,
-    lr_multiplier,
     make_optimizer,
     mask_tokens,
     resolve_device,
     resolve_precision,
     save_checkpoint,
-    schedule_point,
+    step_accumulation,
+    step_lr,
 )
 
 # progress: budget fraction at the start of the step, where its LR multiplier and batch size were set.
@@ -334,10 +332,7 @@ def _pretrain(
     precision = resolve_precision(recipe["precision"], device)
     tok, blocks, n_blocks = load_training_data(recipe, tokenizer_path, blocks_path, expected_vocab)
     vocab_size = tok.get_vocab_size()
-    micro, final_accumulation = (
-        recipe["micro_batch_sequences"],
-        recipe["batch_sequences"] // recipe["micro_batch_sequences"],
-    )
+    micro = recipe["micro_batch_sequences"]
     if micro % world.size:
         raise ValueError(
             f"pretrain.micro_batch_sequences: {micro} sequences cannot be split evenly over {world.size} processes "
@@ -455,16 +450,10 @@ def _pretrain(
     running.callback(loader.close)
     try:
         while (t := budget_progress(budget, c["tokens"], c["step"], clock())) < 1.0:
-            multiplier = lr_multiplier(recipe["schedule"], *schedule_point(recipe, t, c["sequences"]))
-            lr = recipe["lr"] * multiplier
+            lr, multiplier = step_lr(recipe, t, c["sequences"])
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            if recipe.get("batch_ramp_micro_steps"):
-                accumulate = accumulation_at_micro_step(
-                    c["sequences"] // micro, recipe["batch_sequences"], micro, recipe["batch_ramp_micro_steps"]
-                )
-            else:
-                accumulate = accumulation_at(t, final_accumulation, recipe["batch_ramp_fraction"])
+            accumulate = step_accumulation(recipe, t, c["sequences"])
             # the step's loss is summed on the device and read once, after the last micro-batch: no host sync per
             # micro-step (a .item() there would wait for every forward and backward to finish)
             step_loss = torch.zeros((), device=device)

@@ -103,6 +103,25 @@ def schedule_point(recipe: dict, t: float, sequences: int) -> tuple[float, float
     return sequences / horizon["total"], horizon["warmup"] / horizon["total"]
 
 
+def step_lr(recipe: dict, t: float, sequences: int) -> tuple[float, float]:
+    """(learning rate, multiplier of the peak) of the optimizer step taken at budget progress ``t`` after
+    ``sequences`` sequences: the recipe's schedule over the budget or over its horizon (``schedule_point``). One
+    rule for ``pretrain``, the emulation's stage steps and the launcher's stage peers."""
+    multiplier = lr_multiplier(recipe["schedule"], *schedule_point(recipe, t, sequences))
+    return recipe["lr"] * multiplier, multiplier
+
+
+def step_accumulation(recipe: dict, t: float, sequences: int) -> int:
+    """Micro-batches of the optimizer step taken at budget progress ``t`` after ``sequences`` sequences: the ramp
+    counted in micro-batch steps (``batch_ramp_micro_steps``, Cramming v1) if the recipe sets one, else over the
+    budget (``batch_ramp_fraction``). One rule for ``pretrain``, the swarm's microbatch plan, the emulation's
+    dispatcher and the launcher's stage peers."""
+    micro, batch = recipe["micro_batch_sequences"], recipe["batch_sequences"]
+    if recipe.get("batch_ramp_micro_steps"):
+        return accumulation_at_micro_step(sequences // micro, batch, micro, recipe["batch_ramp_micro_steps"])
+    return accumulation_at(t, batch // micro, recipe["batch_ramp_fraction"])
+
+
 def make_optimizer(model: torch.nn.Module, recipe: dict, fused: bool | None = None) -> torch.optim.Optimizer:
     """The recipe's optimizer over :func:`decay_groups`: AdamW, or Adam with coupled L2 decay (BERT's)."""
     kind = recipe.get("optimizer", "adamw")

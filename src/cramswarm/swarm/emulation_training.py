@@ -53,12 +53,12 @@ from cramswarm.swarm.policies import (
 )
 from cramswarm.swarm.stages import build_swarm_model, split_model
 from cramswarm.training import (
-    accumulation_at,
     autocast,
     budget_progress,
-    decay_groups,
-    lr_multiplier,
+    make_optimizer,
     resolve_precision,
+    step_accumulation,
+    step_lr,
 )
 
 
@@ -70,17 +70,13 @@ class TrainResult:
 
 
 class _Replica:
-    """One peer's copy of its stage: module, AdamW state and its unaveraged gradient sums."""
+    """One peer's copy of its stage: module, optimizer state (the recipe's, ``training.make_optimizer``) and its
+    unaveraged gradient sums."""
 
     def __init__(self, module: torch.nn.Module, recipe: dict, optimizer_state: dict | None = None):
         self.module = module
         self.params = [p for p in module.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            decay_groups(module, recipe["weight_decay"]),
-            lr=recipe["lr"],
-            betas=tuple(recipe["betas"]),
-            eps=recipe["eps"],
-        )
+        self.optimizer = make_optimizer(module, recipe)
         if optimizer_state is not None:
             self.optimizer.load_state_dict(copy.deepcopy(optimizer_state))
         self.buffers = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
@@ -108,13 +104,13 @@ class Dispatcher:
     """Hands out microbatches step by step, counting the budget exactly as ``pretrain.pretrain`` does.
 
     Before each step's first microbatch: progress t = budget_progress(tokens, steps, elapsed); stop at t >= 1
-    or when ``total`` microbatches were issued; else the step gets ``accumulation_at(t)`` microbatches and its
-    learning-rate multiplier is taken at t. ``plan`` lists (t, microbatches) per step; stage k-th steps use it.
+    or when ``total`` microbatches were issued; else the step gets ``training.step_accumulation`` microbatches
+    and its learning rate is ``training.step_lr`` at t (both as pretrain's). ``plan`` lists (t, microbatches)
+    per step; stage k-th steps use it.
     """
 
     def __init__(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], total: int, recipe: dict):
         self.batches, self.total, self.recipe = batches, total, recipe
-        self.final_accumulation = recipe["batch_sequences"] // recipe["micro_batch_sequences"]
         self.plan: list[tuple[float, int]] = []
         self.issued = self.tokens = 0
         self.left_in_step = 0
@@ -131,7 +127,7 @@ class Dispatcher:
                 )
                 if t >= 1.0:
                     return None
-                size = accumulation_at(t, self.final_accumulation, self.recipe["batch_ramp_fraction"])
+                size = step_accumulation(self.recipe, t, self.issued * self.recipe["micro_batch_sequences"])
                 size = min(size, self.total - self.issued)
                 self.plan.append((t, size))
                 self.left_in_step = size
@@ -277,8 +273,7 @@ class _TrainingSwarm(Swarm):
                 avg.add_(buf, alpha=weight / local)
         plan = self.dispatcher.plan
         t, size = plan[min(st.step, len(plan) - 1)]
-        multiplier = lr_multiplier(recipe["schedule"], t, recipe["warmup_fraction"])
-        lr = recipe["lr"] * multiplier
+        lr, multiplier = step_lr(recipe, t, sum(n for _, n in plan[: st.step]) * recipe["micro_batch_sequences"])
         for peer in members:
             rep: _Replica = peer.state
             with rep.lock:

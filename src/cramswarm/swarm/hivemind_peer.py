@@ -86,7 +86,7 @@ from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 from cramswarm.swarm.averaging import StageAllReduce, average, chunk_timeout_s, codec, state_timeout_s
 from cramswarm.swarm.compression import decode, encode, payload_to, wire_scheme
 from cramswarm.swarm.stages import SavedActivations, build_stage, rss_bytes
-from cramswarm.training import autocast, decay_groups, resolve_device, resolve_precision
+from cramswarm.training import autocast, make_optimizer, resolve_device, resolve_precision
 
 CHUNK_BYTES = 2**20        # streamed message chunk (well below p2pd's 4 MiB message limit)
 DECLARE_PERIOD_S = 2.0     # a peer re-declares its DHT record this often ...
@@ -450,8 +450,7 @@ class StagePeer(ServicerBase):
                                   cfg["compression"], cfg.get("peer_memory_cap_mb")).to(self.device)
         self.module.train()
         self.params = [p for p in self.module.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(decay_groups(self.module, recipe["weight_decay"]), lr=recipe["lr"],
-                                           betas=tuple(recipe["betas"]), eps=recipe["eps"])
+        self.optimizer = make_optimizer(self.module, recipe)   # the recipe's: AdamW, or Adam with L2 (BERT's)
         self.grad_clip = recipe["grad_clip_norm"]
         # what the boundary tensors travel in: a narrowing compression's narrowed tensor goes as is (fp32)
         self.scheme = wire_scheme(cfg["compression"])

@@ -10,7 +10,7 @@ and
   step is ready, or the launcher asked for the last, partial batch (``flush_key``, stored once every trainer
   reported its shard done). The global batch is the recipe batch with pretrain's ramp, at the budget progress
   computed from the stage's stepped samples and steps (tokens = stepped samples x sequence length), so every
-  replica computes the same batch and the same learning rate (``lr_multiplier`` at that progress) from the
+  replica computes the same batch and the same learning rate (``training.step_lr`` at that progress) from the
   stage's own progress: no schedule comes from outside. With a seconds budget the progress is the training time
   over the budget: training time counts from the origin in the launcher's ``clock.json`` (``CLOCK_FILE``: the
   training start less the training seconds of a resumed run's earlier lives); each ready record carries its
@@ -108,7 +108,7 @@ from cramswarm.swarm.hivemind_peer import (
 from cramswarm.swarm.peer_rebalance import PeerRebalancer, call_units
 from cramswarm.swarm.policies import LoadMeter
 from cramswarm.swarm.stages import stage_memory
-from cramswarm.training import accumulation_at, budget_progress, lr_multiplier
+from cramswarm.training import budget_progress, step_accumulation, step_lr
 
 PROGRESS_PERIOD_S = 0.25  # a peer publishes its progress record and reads its stage's this often ...
 PROGRESS_TTL_S = 2.0      # ... with this expiration: a dead peer drops out of its stage's groups within it
@@ -270,11 +270,9 @@ def step_target(recipe: dict, seq_len: int, stepped_samples: int, step: int,
                 elapsed_s: float = 0.0) -> tuple[float, int]:
     """(budget progress, global batch in samples) of a stage's step ``step`` after ``stepped_samples`` and
     ``elapsed_s`` seconds of training: pretrain's accounting (the dispatcher's: progress before the step,
-    ``accumulation_at`` micro-batches)."""
+    ``training.step_accumulation`` micro-batches)."""
     t = budget_progress(recipe["budget"], stepped_samples * seq_len, step, elapsed_s)
-    micro = recipe["micro_batch_sequences"]
-    size = accumulation_at(t, recipe["batch_sequences"] // micro, recipe["batch_ramp_fraction"])
-    return t, size * micro
+    return t, step_accumulation(recipe, t, stepped_samples) * recipe["micro_batch_sequences"]
 
 
 def stage_stalls(rows: list[dict]) -> dict[int, list[dict]]:
@@ -854,13 +852,12 @@ class SyncingStagePeer(StagePeer):
             flat = None   # the snapshot goes with the step (_apply); a group of more than one holds the average
             elapsed = max(float(group[uid].get("at", 0.0)) for uid in uids)  # the group's, for a seconds budget
             t, _ = step_target(self.cfg["recipe"], self.seq_len, self.stepped_samples, step, elapsed)
-            recipe = self.cfg["recipe"]
-            multiplier = lr_multiplier(recipe["schedule"], t, recipe["warmup_fraction"])
+            lr, multiplier = step_lr(self.cfg["recipe"], t, self.stepped_samples)
             self.averaged = (group_id, averaged)
             mbs = {int(i) for uid in uids for i in group[uid].get("mbs", ())} | {mb for m in kept.values() for mb in m}
             mine = set(kept.get(self.uid, []))
             apart = {mb: n for mb, (_, n, _) in self.snapshot_resent.items()}
-            reply = await self._run(self._apply_counted, group_id, recipe["lr"] * multiplier, total, mbs)
+            reply = await self._run(self._apply_counted, group_id, lr, total, mbs)
             if reply.get("status") != "ok":
                 raise RuntimeError(f"step {step}: {reply}")
             self.digest, self.ready, self.others_pending = reply["digest"], None, 0
@@ -880,7 +877,7 @@ class SyncingStagePeer(StagePeer):
                 self.counters["averaging_param_steps"] += self.num_params
             if self.is_last:
                 loss = (sum(float(group[uid].get("loss", 0.0)) for uid in uids) + kept_loss) / total
-                row = {"step": step + 1, "progress": t, "loss": loss, "lr": recipe["lr"] * multiplier,
+                row = {"step": step + 1, "progress": t, "loss": loss, "lr": lr,
                        "lr_multiplier": multiplier, "batch_sequences": total,
                        "tokens": self.stepped_samples * self.seq_len, "time": time.time(), "group": uids}
                 with open(self.workdir / f"log-{self.uid}.jsonl", "a") as log:

@@ -5,8 +5,9 @@ the same cursor order over the packed blocks and the same ``mask_tokens`` calls 
 recipe seed, so both see identical microbatches - except under the hivemind launcher, whose trainers make their
 own microbatches by index (``cramswarm.swarm.data.BlockSource``: the same blocks and masking, each microbatch's
 masks drawn from a generator seeded with the seed and its index). The budget is counted the same way (tokens,
-optimizer steps or seconds, checked before each step; a step has ``accumulation_at(t)`` microbatches), so a token
-or step budget fixes the number of microbatches in advance. Training runs on a transport chosen by
+optimizer steps or seconds, checked before each step; a step has ``training.step_accumulation`` microbatches
+and the learning rate ``training.step_lr``: pretrain's rules, a ramp or schedule horizon in sequences included),
+so a token or step budget fixes the number of microbatches in advance. Training runs on a transport chosen by
 ``swarm["transport"]``: ``emulation`` (threads in this process, ``cramswarm.swarm.emulation_training.train``) or
 ``hivemind`` (one process per peer, ``cramswarm.swarm.hivemind_transport.train``, imported only when asked for;
 its processes are started by this process's launcher - ``swarm["placement"]`` ``local``, or ``srun``: each as a
@@ -42,11 +43,11 @@ from cramswarm.pretrain import LOG_COLUMNS, HeldOut, load_training_data
 from cramswarm.provenance import provenance
 from cramswarm.swarm.stages import assemble_model, build_swarm_model, check_stage_count, split_model
 from cramswarm.training import (
-    accumulation_at,
     budget_progress,
     mask_tokens,
     resolve_precision,
     save_checkpoint,
+    step_accumulation,
 )
 
 TRANSPORTS = ("emulation", "hivemind")
@@ -76,10 +77,9 @@ def planned_microbatches(recipe: dict, block_tokens: int) -> int:
     if budget["unit"] == "seconds":
         return UNBOUNDED
     micro = recipe["micro_batch_sequences"]
-    final = recipe["batch_sequences"] // micro
     total = tokens = steps = 0
     while (t := budget_progress(budget, tokens, steps, 0.0)) < 1.0:
-        size = accumulation_at(t, final, recipe["batch_ramp_fraction"])
+        size = step_accumulation(recipe, t, total * micro)
         total, tokens, steps = total + size, tokens + size * micro * block_tokens, steps + 1
     return total
 
