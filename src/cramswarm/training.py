@@ -111,6 +111,20 @@ def step_lr(recipe: dict, t: float, sequences: int) -> tuple[float, float]:
     return recipe["lr"] * multiplier, multiplier
 
 
+def apply_gradients(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, grads, lr: float,
+                    grad_clip_norm: float | None) -> None:
+    """One optimizer step on gradients computed elsewhere (a swarm stage's averaged ones): set each parameter's
+    ``.grad`` (``grads`` in parameter order, any shape of the same size; clipping changes them in place), clip
+    their global norm, step at ``lr``. The emulation's replicas and the launcher's stage peers step with it."""
+    for param, grad in zip(params, grads):
+        param.grad = grad.to(param.device, param.dtype).view_as(param)
+    if grad_clip_norm is not None:
+        torch.nn.utils.clip_grad_norm_(params, grad_clip_norm)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+
+
 def step_accumulation(recipe: dict, t: float, sequences: int) -> int:
     """Micro-batches of the optimizer step taken at budget progress ``t`` after ``sequences`` sequences: the ramp
     counted in micro-batch steps (``batch_ramp_micro_steps``, Cramming v1) if the recipe sets one, else over the

@@ -53,6 +53,7 @@ from cramswarm.swarm.policies import (
 )
 from cramswarm.swarm.stages import build_swarm_model, split_model
 from cramswarm.training import (
+    apply_gradients,
     autocast,
     budget_progress,
     make_optimizer,
@@ -276,14 +277,9 @@ class _TrainingSwarm(Swarm):
         lr, multiplier = step_lr(recipe, t, sum(n for _, n in plan[: st.step]) * recipe["micro_batch_sequences"])
         for peer in members:
             rep: _Replica = peer.state
-            with rep.lock:
-                for param, avg in zip(rep.params, averaged):
-                    param.grad = avg.to(param.dtype).clone()
-                if recipe["grad_clip_norm"] is not None:
-                    torch.nn.utils.clip_grad_norm_(rep.params, recipe["grad_clip_norm"])
-                for group in rep.optimizer.param_groups:
-                    group["lr"] = lr
-                rep.optimizer.step()
+            with rep.lock:   # its own copy of the average: clipping changes the gradients in place
+                apply_gradients(rep.params, rep.optimizer, [avg.clone() for avg in averaged], lr,
+                                recipe["grad_clip_norm"])
                 rep.optimizer.zero_grad(set_to_none=True)
                 for buf in rep.buffers:
                     buf.zero_()

@@ -86,7 +86,7 @@ from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 from cramswarm.swarm.averaging import StageAllReduce, average, chunk_timeout_s, codec, state_timeout_s
 from cramswarm.swarm.compression import decode, encode, payload_to, wire_scheme
 from cramswarm.swarm.stages import SavedActivations, build_stage, rss_bytes
-from cramswarm.training import autocast, make_optimizer, resolve_device, resolve_precision
+from cramswarm.training import apply_gradients, autocast, make_optimizer, resolve_device, resolve_precision
 
 CHUNK_BYTES = 2**20        # streamed message chunk (well below p2pd's 4 MiB message limit)
 DECLARE_PERIOD_S = 2.0     # a peer re-declares its DHT record this often ...
@@ -551,13 +551,8 @@ class StagePeer(ServicerBase):
             return {"status": "failed", "error": "no averaged gradients held for this group"}
         leftover = [p.grad for p in self.params]  # backward calls that arrived after the snapshot
         self.snapshot = None   # the gradients are averaged: not needed again (a group of one averages in place)
-        for p, g in zip(self.params, torch.split(self.averaged[1], [p.numel() for p in self.params])):
-            p.grad = g.to(p.device, p.dtype).view_as(p)
-        if self.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
+        apply_gradients(self.params, self.optimizer, torch.split(self.averaged[1], [p.numel() for p in self.params]),
+                        lr, self.grad_clip)
         for p, g in zip(self.params, leftover):
             p.grad = g
         self.step += 1
