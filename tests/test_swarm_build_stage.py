@@ -301,6 +301,35 @@ def _backward_call(peer, seed: int, mb: int, **extra) -> None:
     peer._backward(tensors, meta)
 
 
+def test_a_leaving_peer_hands_over_the_resent_microbatches_it_holds_apart(tmp_path):
+    """What a mover held apart (re-sent backward calls, peer_sync) goes to the heir with its accumulated gradients,
+    over the wire format of rpc_handover, and is held apart there in turn (the step's rule decides whether it
+    counts); one the heir accumulated itself is a duplicate and dropped. Nothing is left with the mover, and the
+    heir's snapshot with the kept microbatch equals a peer's that accumulated every microbatch once."""
+    import asyncio
+
+    from cramswarm.swarm.hivemind_peer import request, unpack
+    from cramswarm.swarm.peer_sync import handed_samples
+
+    mover, heir, both = (_syncing_peer(tmp_path, uid) for uid in ("s1p1", "s1p2", "s1p3"))
+    _backward_call(mover, 1, 10)
+    _backward_call(mover, 2, 11, resent=True)
+    _backward_call(mover, 3, 12, resent=True)
+    _backward_call(heir, 3, 12)   # the first replica of microbatch 12 was the heir: it accumulated it
+    for seed, mb in ((1, 10), (2, 11), (3, 12)):
+        _backward_call(both, seed, mb)
+    tensors, meta = asyncio.run(unpack(request(*mover._take_held())))
+    assert meta["samples"] == 3 and [e[0] for e in meta["resent"]] == [11, 12] and handed_samples(meta) == 9
+    assert mover._held_samples() == 0 and not mover.resent and not mover.local_mbs
+    assert heir._add_held(tensors, meta) == {"status": "ok"}
+    assert set(heir.resent) == {11} and heir.local_mbs == {10, 12} and heir.counters["duplicate_samples"] == 3
+    assert heir._held_samples() == 9
+    flat, samples = heir._take_snapshot(0)
+    merged, count = heir._with_resent(flat, samples, [11])
+    reference, reference_samples = both._take_snapshot(0)
+    assert count == reference_samples == 9 and torch.allclose(merged, reference, atol=1e-6)
+
+
 def test_a_resent_microbatch_counts_once_in_the_group_whichever_replicas_hold_it():
     """The group's ready records decide which re-sent microbatches count: one a member accumulated is dropped,
     one held apart by several members only is kept by the lowest uid, and every member computes the same."""

@@ -27,9 +27,10 @@ periods right after a death.
 The mover (``PeerRebalancer.leave``): stops admitting calls (``peer.leaving``: new forward and backward calls are
 refused, the trainers re-send them to another replica and ban this peer until its record is gone), replaces its
 stage record with a tombstone (trainers drop it at their next read), lets the calls it admitted finish (and a step
-under way end), then hands the gradients it accumulated since its last step to a replica that stays
-(``SyncingStagePeer.hand_over``: the first by uid that accepts adds them to its own, as the emulation's mover does;
-``handed_over_samples`` in the move record). Only if no replica takes them does it stay in its stage's
+under way end), then hands the gradients it holds since its last step to a replica that stays
+(``SyncingStagePeer.hand_over``: the first by uid that accepts adds the accumulated ones to its own, as the
+emulation's mover does, and keeps the re-sent ones the mover held apart separate too; ``handed_over_samples`` in
+the move record). Only if no replica takes them does it stay in its stage's
 synchronisation until they went into a step (bounded by ``drain_timeout_s``; what it still holds then is dropped
 and counted in ``lost_gradient_samples``). ``move_peer`` then builds the new stage
 in the same process under a new uid (``moved_uid``), and ``hivemind_peer.serve_stage`` serves it: state download

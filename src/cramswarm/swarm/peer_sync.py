@@ -177,6 +177,11 @@ def resent_samples(group: dict[str, dict], kept: dict[str, list[int]]) -> tuple[
     return sum(n for n, _ in entries), sum(loss for _, loss in entries)
 
 
+def handed_samples(meta: dict) -> int:
+    """Samples of the gradients a leaving replica hands over (``_take_held``): accumulated and held apart."""
+    return int(meta["samples"]) + sum(int(n) for _, n, _ in meta.get("resent", ()))
+
+
 def settled(records: dict[str, dict]) -> dict[str, dict]:
     """The records of peers that hold a stage state of their own (not ``joining``: downloading one)."""
     return {u: r for u, r in records.items() if r.get("joining") is None}
@@ -453,15 +458,20 @@ class SyncingStagePeer(StagePeer):
         return reply
 
     def _take_held(self) -> tuple[dict, dict]:
-        """The gradients accumulated since the last snapshot, moved out of this peer (its held samples drop to 0):
-        one flat fp32 vector of summed gradients, and its step, samples, loss sum and microbatches."""
+        """The gradients held since the last snapshot, moved out of this peer (its held samples drop to 0): one
+        flat fp32 vector of the accumulated gradients' sum, with its step, samples, loss sum and microbatches, and
+        the re-sent microbatches held apart (``resent``: one row each, listed ``[mb, samples, loss sum]``)."""
         flat = self._flat_grads()
+        apart = sorted(self.resent.items())
         meta = {"step": self.step, "samples": self.local_samples, "loss": self.local_loss,
-                "mbs": sorted(self.local_mbs)}
+                "mbs": sorted(self.local_mbs), "resent": [[mb, n, loss] for mb, (_, n, loss) in apart]}
+        tensors = {"grad": flat}
+        if apart:
+            tensors["resent"] = torch.stack([grads for _, (grads, _, _) in apart])
         for p in self.params:
             p.grad = None
-        self.local_samples, self.local_loss, self.local_mbs = 0, 0.0, set()
-        return {"grad": flat}, meta
+        self.local_samples, self.local_loss, self.local_mbs, self.resent = 0, 0.0, set(), {}
+        return tensors, meta
 
     def _add_held(self, tensors: dict, meta: dict) -> dict:
         """Add gradients another replica of this stage held (``_take_held``) to this peer's own, toward its next
@@ -469,8 +479,8 @@ class SyncingStagePeer(StagePeer):
         has stepped (they would count twice)."""
         if int(meta["step"]) != self.step:
             return {"status": "refused", "reason": f"at step {self.step}, not {meta['step']}"}
-        mbs = {int(i) for i in meta["mbs"]}
-        if mbs & self._held_mbs():
+        mbs, held = {int(i) for i in meta["mbs"]}, self._held_mbs()
+        if mbs & held:
             return {"status": "refused", "reason": "a microbatch held twice"}
         flat = tensors["grad"]
         for p, g in zip(self.params, torch.split(flat, [p.numel() for p in self.params])):
@@ -479,6 +489,13 @@ class SyncingStagePeer(StagePeer):
         self.local_samples += int(meta["samples"])
         self.local_loss += float(meta["loss"])
         self.local_mbs |= mbs
+        # re-sent microbatches held apart go on being held apart here (the step's rule, resent_kept, decides);
+        # one this peer accumulated, stepped or holds apart itself is counted already
+        for row, (mb, n, loss) in enumerate(meta.get("resent", ())):
+            if int(mb) in held or int(mb) in mbs:
+                self.counters["duplicate_samples"] += int(n)
+            else:
+                self.resent[int(mb)] = (tensors["resent"][row], int(n), float(loss))
         return {"status": "ok"}
 
     def _extra_state(self) -> dict:
@@ -574,21 +591,23 @@ class SyncingStagePeer(StagePeer):
         else:
             reply = await self._run(self._add_held, tensors, meta)
         if reply["status"] == "ok":
-            self.counters["taken_over_samples"] += int(meta["samples"])
+            self.counters["taken_over_samples"] += handed_samples(meta)
             if self.others_pending + self._held_samples() >= self._target():
                 self.nudge.set()
         for message in respond({}, reply):
             yield message
 
     async def hand_over(self, timeout_s: float) -> int:
-        """Give the gradients this peer accumulated since its last step to another replica of its stage, the first
-        (by uid) that accepts, as the emulation's moving peer does: a peer that leaves its stage loses no samples
-        and need not wait for the stage's step. Only between steps (no snapshot held), with no call admitted.
-        Returns the samples handed over; what no replica took stays here (restored, if still at the same step)."""
+        """Give the gradients this peer holds since its last step (accumulated, and re-sent ones held apart) to
+        another replica of its stage, the first (by uid) that accepts, as the emulation's moving peer does: a peer
+        that leaves its stage loses no samples and need not wait for the stage's step. Only between steps (no
+        snapshot held), with no call admitted. Returns the samples handed over; what no replica took stays here
+        (restored, if still at the same step)."""
         records = await stage_records(self.node, self.run_id, self.stage)
         heirs = sorted(uid for uid in records if uid != self.uid)
         # checked after the last await before the take: no step can begin in between (one event loop)
-        if not heirs or self.local_samples == 0 or self.admitted or self.closing or self.ready is not None or (
+        nothing = self.local_samples == 0 and not self.resent
+        if not heirs or nothing or self.admitted or self.closing or self.ready is not None or (
                 self.snapshot is not None and self.snapshot[0] == self.step):
             return 0
         tensors, meta = await self._run(self._take_held)   # queued on the compute thread before any snapshot
@@ -600,13 +619,13 @@ class SyncingStagePeer(StagePeer):
                 print(f"[{self.uid}] handing its gradients to {uid} failed: {e!r}", flush=True)
                 continue
             if reply.get("status") == "ok":
-                self.counters["handed_over_samples"] += meta["samples"]
-                print(f"[{self.uid}] handed {meta['samples']} samples' gradients to {uid}", flush=True)
+                self.counters["handed_over_samples"] += handed_samples(meta)
+                print(f"[{self.uid}] handed {handed_samples(meta)} samples' gradients to {uid}", flush=True)
                 await self._publish()   # its record no longer counts them
-                return meta["samples"]
+                return handed_samples(meta)
             print(f"[{self.uid}] {uid} refused its gradients: {reply.get('reason')}", flush=True)
         if self.closing or self.ready is not None or (await self._run(self._add_held, tensors, meta))["status"] != "ok":
-            self.counters["lost_gradient_samples"] += meta["samples"]   # the stage stepped meanwhile
+            self.counters["lost_gradient_samples"] += handed_samples(meta)   # the stage stepped meanwhile
         return 0
 
     # -- records ----------------------------------------------------------------------------------------------
