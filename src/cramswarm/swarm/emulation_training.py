@@ -2,18 +2,19 @@
 clock and routers), one process.
 
 Real training of crammed BERT split into stages (``stages.split_model``): each peer holds a replica
-of its stage's module and AdamW state; activations and gradients cross stage boundaries encoded with
+of its stage's module and optimizer state; activations and gradients cross stage boundaries encoded with
 ``compression.encode``/``decode`` (a narrowing ``swarm.compression``, bottleneck/maxout, puts a trained layer at each
 boundary, ``stages.build_swarm_model``, and the narrowed tensor travels in fp32); backward goes to any replica of the
 stage and recomputes the stage forward (as in SWARM's code). Each stage accumulates gradients across its replicas
 until the recipe's global batch (``StageSync``), then takes one synchronous step: the gradient average weighted by
-local samples, the same clipping and the same AdamW step on every live replica, so replicas stay bitwise equal. Stages
-step independently (bounded staleness across stages, inherent to SWARM). Gradient clipping is therefore per stage, not
-over the whole model as in single-process pretraining. A stage processes each microbatch's gradient once (a resent
-request is recognised by its microbatch id). A killed peer's unaveraged gradients are lost, as in SWARM (counted in
-``lost_gradient_samples``); the fault injector never kills the last live replica of a stage (its state would be gone);
-a rejoining peer downloads parameters and optimizer state from a live replica. Emulated speed: a peer of speed s
-sleeps ``t_compute * (1/s - 1)`` after each computation.
+local samples, the same clipping and the same optimizer step (the recipe's, ``training.apply_gradients``) on every
+live replica, so replicas stay bitwise equal. Stages step independently (bounded staleness across stages,
+inherent to SWARM). Gradient clipping is therefore per stage, not over the whole model as in single-process
+pretraining. A stage processes each microbatch's gradient once (a resent request is recognised by its microbatch
+id). A killed peer's unaveraged gradients are lost, as in SWARM (counted in ``lost_gradient_samples``);
+the fault injector never kills the last live replica of a stage (its state would be gone); a rejoining peer downloads
+parameters and optimizer state from a live replica. Emulated speed: a peer of speed s sleeps
+``t_compute * (1/s - 1)`` after each computation.
 """
 
 from __future__ import annotations

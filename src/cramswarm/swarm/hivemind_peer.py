@@ -419,7 +419,7 @@ def blob_tensor(data: bytes) -> torch.Tensor:
 # Stage peer
 # --------------------------------------------------------------------------------------------------------------
 class StagePeer(ServicerBase):
-    """One replica of one pipeline stage: model slice, AdamW, accumulated gradients, RPC handlers.
+    """One replica of one pipeline stage: model slice, the recipe's optimizer, accumulated gradients, RPC handlers.
 
     All torch work runs on one compute thread (requests queue there, like a device), the RPC handlers and the
     all-reduce on the asyncio loop. The launcher and the trainers reach a peer through ``get_stub``.

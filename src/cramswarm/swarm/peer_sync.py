@@ -27,7 +27,7 @@ and
   with a fresh read (records of dead peers expire within ``PROGRESS_TTL_S``, or ``record_window_s``);
 * the group all-reduces the gradients with ``averaging.StageAllReduce`` (compressed by
   ``swarm.averaging_compression``, weighted by each member's samples, the same decompressed average everywhere,
-  bounded by ``averaging.averaging_timeout_s``), and each member clips and takes its AdamW step: the same step
+  bounded by ``averaging.averaging_timeout_s``), and each member clips and takes its optimizer step: the same step
   from the same state, so replicas stay bitwise equal;
 * a peer that sees a record at a later step (it was left out of a group, or its all-reduce failed) downloads the
   state of the most advanced replica; a peer whose parameter digest differs from that of the lowest uid at the
@@ -55,7 +55,7 @@ group read from the records), ``reduced`` (the all-reduce done) and ``applied`` 
 calls are admitted again) - with its stage, the step, its own and the group's samples and the all-reduce attempts.
 From them ``stage_stalls`` computes how long each step held a stage's backward calls back.
 
-**Stage shards** (checkpoint and resume): a stage's state - parameters, AdamW state, step, stepped samples (what
+**Stage shards** (checkpoint and resume): a stage's state - parameters, optimizer state, step, stepped samples (what
 the LR schedule and the batch ramp are computed from) and the indices of the microbatches whose gradients it
 has stepped - is written to the run's shard folder (``shard_dir``) as ``stage<S>.step<N>.<uid>.pt``
 (``write_shard``: atomic, older files of the stage removed after). Only the lowest uid among the records at the
