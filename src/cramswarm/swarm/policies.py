@@ -96,8 +96,13 @@ class StageBalancer:
     The heap holds one ``[virtual_time, tiebreak, uid]`` entry per known peer. ``choose`` pops the smallest
     usable entry, charges it ``size / throughput`` (``size`` is the task size, x ``backward_multiplier`` for
     backward tasks) and pushes it back. A peer not measured yet is charged at the mean throughput of the stage's
-    measured peers (1 sample per second if none is): charged 1 s per sample beside peers that take
-    milliseconds, a peer that had just moved in got one call and then waited out the rest of a run.
+    measured peers (1 sample per second if none is, as SWARM's balancer charges an unmeasured peer): charged 1 s per
+    sample beside peers that take milliseconds, a peer that had just moved in got one call and then waited out the
+    rest of a run. What a peer was charged before its first measurement is provisional: each measurement of the
+    stage makes those charges again, at the peer's own rate once it has one, else at the stage's measured mean
+    (``_reprice``). Without that, the first peer a trainer chose at the start of a run (no peer measured: 1 s per
+    sample) was charged seconds while the next one was charged measured milliseconds, and the first waited out
+    most of a short run (on the testbed, a stage-0 peer served no backward call in a 40 s run).
     """
 
     def __init__(self, stage: int, *, alpha: float = 0.1, backward_multiplier: float = 2.5,
@@ -110,6 +115,7 @@ class StageBalancer:
         self._records: dict[str, float] = {}  # uid -> record expiration time
         self._banned: dict[str, float] = {}   # uid -> the expiration of the record it was banned under
         self._ema: dict[str, PerformanceEMA] = {}
+        self._provisional: dict[str, list[float]] = {}  # uid -> [sizes, cost] charged before it was measured
         self._now = -math.inf
         self.stats: dict[str, int] = {"chosen": 0, "timeouts": 0, "errors": 0}
         self.chosen_per_peer: dict[str, int] = {}
@@ -175,14 +181,41 @@ class StageBalancer:
             heapq.heappush(self._heap, entry)
         if chosen is None:
             raise NoPeersError(self.stage)
-        chosen[0] += self._cost(chosen[2], task_size, backward)
+        cost = self._cost(chosen[2], task_size, backward)
+        chosen[0] += cost
+        if self.throughput(chosen[2]) is None:
+            charged = self._provisional.setdefault(chosen[2], [0.0, 0.0])
+            charged[0] += task_size * (self.backward_multiplier if backward else 1.0)
+            charged[1] += cost
         heapq.heappush(self._heap, chosen)
         return self._record_choice(chosen[2])
 
     # -- feedback --------------------------------------------------------------------------------------
     def report_success(self, uid: str, samples: float, seconds: float) -> None:
-        """Feed the end-to-end call duration (network + queueing + compute) into the peer's EMA."""
+        """Feed the end-to-end call duration (network + queueing + compute) into the peer's EMA, and re-price the
+        provisional charges (``_reprice``)."""
         self._ema.setdefault(uid, PerformanceEMA(self.alpha)).update(seconds, samples)
+        if self._provisional:
+            self._reprice()
+
+    def _reprice(self) -> None:
+        """Charges made while a peer was unmeasured, made again at what is known now: a measured peer's at its own
+        rate (final), an unmeasured one's at the stage's measured mean (provisional still). Its heap key moves by
+        the difference."""
+        known = [r for r in (self.throughput(entry[2]) for entry in self._heap) if r is not None]
+        mean = sum(known) / len(known) if known else None
+        shifts = {}
+        for uid, charged in list(self._provisional.items()):
+            rate = self.throughput(uid)
+            if rate is not None:
+                del self._provisional[uid]
+            elif mean is None:
+                continue
+            cost = charged[0] / (rate if rate is not None else mean)
+            shifts[uid], charged[1] = cost - charged[1], cost
+        for entry in self._heap:
+            entry[0] += shifts.get(entry[2], 0.0)
+        heapq.heapify(self._heap)
 
     def report_timeout(self, uid: str) -> None:
         """Deadline exceeded: not banned (its heap key already grew, so another peer is usually next)."""
