@@ -98,11 +98,11 @@ def test_a_new_peer_beside_fast_peers_gets_its_share_before_it_is_measured():
     order = [balancer.choose(1.0, 1.0) for _ in range(9)]  # no feedback: the newcomer stays unmeasured
     assert order.count("new") >= 3, order  # (the old charge of 1 s per sample: once in 9)
 
-def test_a_peer_chosen_before_any_was_measured_is_re_priced_at_its_first_measurement():
-    """At the start of a run no peer is measured: the first choice is charged 1 s per sample, the next (after the
-    first call came back) the measured milliseconds. Unless the first charge is made again at the peer's measured
-    rate, the first peer waits out the others' next 200 calls (a testbed run's stage-0 peer served no backward
-    call in 40 s)."""
+def test_calls_charged_before_any_peer_was_measured_are_priced_again_at_the_first_measurement():
+    """At the start of a run no peer is measured: the first two calls are charged 1 s per sample. Unless those
+    charges are made again at the first measurement (the measured peer's at its rate, the other's at the stage's
+    mean), one of the two waits out the other's next 200 calls (a testbed run's stage-0 peer served
+    no backward call in 40 s)."""
     speeds = {"a": 200.0, "b": 200.0}  # 5 ms per sample each
     balancer = StageBalancer(0, rng=random.Random(0))
     balancer.update_peers(dict.fromkeys(speeds, 100.0), now=0.0)
