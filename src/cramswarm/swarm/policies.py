@@ -100,9 +100,9 @@ class StageBalancer:
     call and then waited out the rest of a run. While no peer of the stage is measured, a call is charged 1 s per
     sample (as SWARM's balancer charges an unmeasured peer); those charges are made again at the stage's first
     measurement: the measured peer's calls at its rate, the others' at that rate as the stage's mean
-    (``_reprice``). Without that, the first peer a trainer
-    chose at the start of a run was charged seconds while the next one was charged measured milliseconds, and the
-    first waited out most of a short run (on the testbed, a stage-0 peer served no backward call in a 40 s run).
+    (``_reprice``). Without that, the first peer a trainer chose at the start of a run was charged seconds while
+    the next one was charged measured milliseconds, and the first waited out most of a short run (on the testbed, a
+    stage-0 peer served no backward call in a 40 s run).
     """
 
     def __init__(self, stage: int, *, alpha: float = 0.1, backward_multiplier: float = 2.5,
@@ -153,17 +153,21 @@ class StageBalancer:
         ema = self._ema.get(uid)
         return ema.samples_per_second if ema is not None else None
 
+    def _mean_rate(self) -> float | None:
+        """The mean throughput of the stage's measured peers (None if none is measured)."""
+        known = [r for r in (self.throughput(entry[2]) for entry in self._heap) if r is not None]
+        return sum(known) / len(known) if known else None
+
     # -- routing ---------------------------------------------------------------------------------------
     def _charge(self, uid: str, task_size: float, backward: bool) -> float:
         """What a call of ``task_size`` to ``uid`` is charged (seconds of its virtual time)."""
         size = task_size * (self.backward_multiplier if backward else 1.0)
         rate = self.throughput(uid)
         if rate is None:
-            known = [r for r in (self.throughput(entry[2]) for entry in self._heap) if r is not None]
-            if not known:  # no peer of the stage measured: 1 s per sample, priced again at the first measurement
+            rate = self._mean_rate()
+            if rate is None:  # no peer of the stage measured: 1 s per sample, priced again at the first measurement
                 self._provisional[uid] = self._provisional.get(uid, 0.0) + size
                 return size
-            rate = sum(known) / len(known)
         return size / rate
 
     def _record_choice(self, uid: str) -> str:
@@ -202,12 +206,10 @@ class StageBalancer:
         """The charges made while no peer was measured, made again now that one is: a measured peer's at its own
         rate, an unmeasured one's at the stage's mean measured rate (as ``_charge`` charges it from now on). Each
         peer's heap key moves by the difference; the charges are final."""
-        rates = {entry[2]: self.throughput(entry[2]) for entry in self._heap}
-        known = [r for r in rates.values() if r is not None]
-        if not known:
+        mean = self._mean_rate()
+        if mean is None:
             return
-        mean = sum(known) / len(known)
-        shifts = {uid: size / (rates.get(uid) or mean) - size for uid, size in self._provisional.items()}
+        shifts = {uid: size / (self.throughput(uid) or mean) - size for uid, size in self._provisional.items()}
         self._provisional = {}
         for entry in self._heap:
             entry[0] += shifts.get(entry[2], 0.0)
