@@ -98,6 +98,26 @@ def test_a_new_peer_beside_fast_peers_gets_its_share_before_it_is_measured():
     order = [balancer.choose(1.0, 1.0) for _ in range(9)]  # no feedback: the newcomer stays unmeasured
     assert order.count("new") >= 3, order  # (the old charge of 1 s per sample: once in 9)
 
+def test_calls_charged_before_any_peer_was_measured_are_priced_again_at_the_first_measurement():
+    """At the start of a run no peer is measured: the first two calls are charged 1 s per sample. Unless those
+    charges are made again at the first measurement (the measured peer's at its rate, the other's at the stage's
+    mean), one of the two waits out the other's next 200 calls (a testbed run's stage-0 peer served
+    no backward call in 40 s)."""
+    speeds = {"a": 200.0, "b": 200.0}  # 5 ms per sample each
+    balancer = StageBalancer(0, rng=random.Random(0))
+    balancer.update_peers(dict.fromkeys(speeds, 100.0), now=0.0)
+    first = balancer.choose(4.0, 0.0, backward=True)  # charged 4 x 2.5 samples at 1 sample per second
+    second = balancer.choose(4.0, 0.0)                # the other one, still unmeasured: 4 s
+    assert first != second
+    balancer.report_success(first, 4.0, 4.0 / speeds[first])
+    counts = serve(balancer, speeds, 40)
+    assert min(counts.values()) >= 15, counts  # (without the re-pricing: the first peer got none of the 40)
+    # charges made once a peer was measured are final: a later measurement moves nothing
+    key = {entry[2]: entry[0] for entry in balancer._heap}
+    balancer.report_success(second, 4.0, 1.0)
+    assert {entry[2]: entry[0] for entry in balancer._heap} == key
+
+
 
 def test_backward_tasks_weigh_more():
     balancer = StageBalancer(0, rng=random.Random(0))

@@ -96,8 +96,13 @@ class StageBalancer:
     The heap holds one ``[virtual_time, tiebreak, uid]`` entry per known peer. ``choose`` pops the smallest
     usable entry, charges it ``size / throughput`` (``size`` is the task size, x ``backward_multiplier`` for
     backward tasks) and pushes it back. A peer not measured yet is charged at the mean throughput of the stage's
-    measured peers (1 sample per second if none is): charged 1 s per sample beside peers that take
-    milliseconds, a peer that had just moved in got one call and then waited out the rest of a run.
+    measured peers: charged 1 s per sample beside peers that take milliseconds, a peer that had just moved in got one
+    call and then waited out the rest of a run. While no peer of the stage is measured, a call is charged 1 s per
+    sample (as SWARM's balancer charges an unmeasured peer); those charges are made again at the stage's first
+    measurement: the measured peer's calls at its rate, the others' at that rate as the stage's mean
+    (``_reprice``). Without that, the first peer a trainer chose at the start of a run was charged seconds while
+    the next one was charged measured milliseconds, and the first waited out most of a short run (on the testbed, a
+    stage-0 peer served no backward call in a 40 s run).
     """
 
     def __init__(self, stage: int, *, alpha: float = 0.1, backward_multiplier: float = 2.5,
@@ -110,6 +115,7 @@ class StageBalancer:
         self._records: dict[str, float] = {}  # uid -> record expiration time
         self._banned: dict[str, float] = {}   # uid -> the expiration of the record it was banned under
         self._ema: dict[str, PerformanceEMA] = {}
+        self._provisional: dict[str, float] = {}  # uid -> samples charged at 1 s each while none was measured
         self._now = -math.inf
         self.stats: dict[str, int] = {"chosen": 0, "timeouts": 0, "errors": 0}
         self.chosen_per_peer: dict[str, int] = {}
@@ -133,6 +139,7 @@ class StageBalancer:
         self._heap = [entry for entry in self._heap if entry[2] in records]
         heapq.heapify(self._heap)
         self._banned = {uid: exp for uid, exp in self._banned.items() if uid in records}
+        self._provisional = {uid: charged for uid, charged in self._provisional.items() if uid in records}
 
     def _usable(self, uid: str) -> bool:
         return uid in self._records and uid not in self._banned and self._records[uid] >= self._now
@@ -146,13 +153,21 @@ class StageBalancer:
         ema = self._ema.get(uid)
         return ema.samples_per_second if ema is not None else None
 
+    def _mean_rate(self) -> float | None:
+        """The mean throughput of the stage's measured peers (None if none is measured)."""
+        known = [r for r in (self.throughput(entry[2]) for entry in self._heap) if r is not None]
+        return sum(known) / len(known) if known else None
+
     # -- routing ---------------------------------------------------------------------------------------
-    def _cost(self, uid: str, task_size: float, backward: bool) -> float:
+    def _charge(self, uid: str, task_size: float, backward: bool) -> float:
+        """What a call of ``task_size`` to ``uid`` is charged (seconds of its virtual time)."""
         size = task_size * (self.backward_multiplier if backward else 1.0)
         rate = self.throughput(uid)
         if rate is None:
-            known = [r for r in (self.throughput(entry[2]) for entry in self._heap) if r is not None]
-            rate = sum(known) / len(known) if known else 1.0
+            rate = self._mean_rate()
+            if rate is None:  # no peer of the stage measured: 1 s per sample, priced again at the first measurement
+                self._provisional[uid] = self._provisional.get(uid, 0.0) + size
+                return size
         return size / rate
 
     def _record_choice(self, uid: str) -> str:
@@ -175,14 +190,30 @@ class StageBalancer:
             heapq.heappush(self._heap, entry)
         if chosen is None:
             raise NoPeersError(self.stage)
-        chosen[0] += self._cost(chosen[2], task_size, backward)
+        chosen[0] += self._charge(chosen[2], task_size, backward)
         heapq.heappush(self._heap, chosen)
         return self._record_choice(chosen[2])
 
     # -- feedback --------------------------------------------------------------------------------------
     def report_success(self, uid: str, samples: float, seconds: float) -> None:
-        """Feed the end-to-end call duration (network + queueing + compute) into the peer's EMA."""
+        """Feed the end-to-end call duration (network + queueing + compute) into the peer's EMA; the stage's first
+        measurement re-prices what was charged before it (``_reprice``)."""
         self._ema.setdefault(uid, PerformanceEMA(self.alpha)).update(seconds, samples)
+        if self._provisional:
+            self._reprice()
+
+    def _reprice(self) -> None:
+        """The charges made while no peer was measured, made again now that one is: a measured peer's at its own
+        rate, an unmeasured one's at the stage's mean measured rate (as ``_charge`` charges it from now on). Each
+        peer's heap key moves by the difference; the charges are final."""
+        mean = self._mean_rate()
+        if mean is None:
+            return
+        shifts = {uid: size / (self.throughput(uid) or mean) - size for uid, size in self._provisional.items()}
+        self._provisional = {}
+        for entry in self._heap:
+            entry[0] += shifts.get(entry[2], 0.0)
+        heapq.heapify(self._heap)
 
     def report_timeout(self, uid: str) -> None:
         """Deadline exceeded: not banned (its heap key already grew, so another peer is usually next)."""
