@@ -46,6 +46,8 @@ from cramswarm.swarm.peer_sync import (  # noqa: E402
     MIN_GATHER_S,
     PROGRESS_TTL_S,
     GatherView,
+    SyncingStagePeer,
+    admission_share,
     catch_up_source,
     load_shard,
     newest_shard,
@@ -192,6 +194,9 @@ def test_a_peer_publishes_its_record_every_period_while_its_sync_loop_is_busy_an
         def _held_samples(self):
             return 12
 
+        def _rate(self):
+            return 0.0
+
     async def run() -> None:
         peer = Peer()
         task = asyncio.create_task(peer.publish_forever())
@@ -208,6 +213,66 @@ def test_a_peer_publishes_its_record_every_period_while_its_sync_loop_is_busy_an
     joining = [v for _, v, _ in stored if "joining" in v]
     assert joining and all(v["joining"] == 5 and v["samples"] == 0 and v["step"] == 4 for v in joining)
     assert stored[-1][1]["samples"] == 12 and "joining" not in stored[-1][1]
+
+
+def test_admission_shares_deal_the_batchs_remaining_calls_by_the_replicas_rates():
+    equal = {"a": 1.0, "b": 1.0}
+    assert [admission_share(16, 4, u, equal) for u in "ab"] == [8, 8]
+    assert [admission_share(4, 4, u, equal) for u in "ab"] == [4, 0]       # one call left: the lowest uid's
+    assert [admission_share(16, 4, u, {"a": 0.0, "b": 0.0}) for u in "ab"] == [8, 8]   # nobody measured yet
+    assert [admission_share(16, 4, u, {"a": 9.0, "b": 1.0}) for u in "ab"] == [16, 0]  # 3.6 + 0.4 calls
+    three = {"a": 1.0, "b": 2.0, "c": 1.0}
+    # 1.25 + 2.5 + 1.25 of 5 calls: 1, 2 and 1, and the fifth to the largest remainder (b's 0.5)
+    assert [admission_share(20, 4, u, three) for u in "abc"] == [4, 12, 4]
+    assert admission_share(3, 4, "a", equal) == 0 and admission_share(-4, 4, "a", equal) == 0
+    assert admission_share(16, 4, "z", equal) == 0   # a peer whose record was not read takes no share
+    # every deal hands out the remaining calls exactly, whoever reads it
+    for remaining in range(0, 41):
+        for rates in (equal, three, {"a": 0.3, "b": 5.0, "c": 0.0, "d": 2.2}):
+            assert sum(admission_share(remaining, 4, u, rates) for u in rates) == remaining // 4 * 4
+
+
+def test_replicas_admitting_on_stale_counts_hold_the_batch_between_them():
+    """Two replicas of a stage receive a stage's calls in turn and neither reads the other's count meanwhile: each
+    admits its share of what the batch lacked at the last read, then holds its calls until a read shows the other's
+    count as of after their arrival. Before the shares each admitted the whole batch (32 samples for 16)."""
+
+    class Replica:   # SyncingStagePeer's admission rules on counts this test sets
+        _full, _over_share = SyncingStagePeer._full, SyncingStagePeer._over_share
+
+        def __init__(self, uid: str):
+            self.uid, self.held, self.others_pending, self.since_read = uid, 0, 0, 0
+            self.read_remaining, self.read_rates, self.read_stamp = 16, {"a": 1.0, "b": 1.0}, 0.0
+
+        def _held_samples(self):
+            return self.held
+
+        def _target(self):
+            return 16
+
+        def admit(self, samples: int, arrived: float) -> bool:
+            if self._full(samples) or self._over_share(samples, arrived):
+                return False
+            self.held += samples
+            self.since_read += samples
+            return True
+
+    a, b = Replica("a"), Replica("b")
+    admitted = [r.admit(4, arrived=1.0 + i) for i in range(8) for r in (a, b)]
+    assert (a.held, b.held, sum(admitted)) == (8, 8, 4)
+    # a read of records published before the held call arrived lifts nothing; one published after it does, and
+    # then the other's count shows the batch full
+    for r, other in ((a, b), (b, a)):
+        r.others_pending, r.read_remaining, r.since_read, r.read_stamp = other.held, 0, 0, 0.5
+        assert not r.admit(4, arrived=1.0)
+        r.read_stamp = 2.0
+        assert r._over_share(4, arrived=1.0) is False and not r.admit(4, arrived=1.0)   # full
+    # a replica holding nothing admits a call larger than what is left, unless the others hold the batch already
+    c = Replica("c")
+    c.others_pending, c.read_stamp = 14, float("inf")
+    assert c.admit(4, arrived=1.0)
+    c.held, c.others_pending = 0, 16
+    assert not c.admit(4, arrived=1.0)
 
 
 def test_records_live_and_gathers_wait_for_several_of_the_peers_own_dht_rounds():

@@ -121,6 +121,7 @@ FLUSH_CHECK_S = 1.0       # a peer reads the launcher's flush record at most thi
 SHARD_GLOB = "stage{stage}.step*.pt"
 SYNC_LOG = "sync-{uid}.jsonl"  # in the run's folder: one line per step a peer took (the step's phases)
 CLOCK_FILE = "clock.json"  # in the run's folder: the training clock's origin and a seconds budget's deadline
+RATE_WINDOW_S = 2.0       # a peer's published admission rate: backward samples it admitted over this many seconds
 
 
 def read_clock(workdir: Path, run_id: str) -> dict:
@@ -175,6 +176,28 @@ def resent_samples(group: dict[str, dict], kept: dict[str, list[int]]) -> tuple[
     entries = [(int(n), float(loss)) for uid, mbs in kept.items()
                for mb, n, loss in group[uid].get("resent", ()) if int(mb) in mbs]
     return sum(n for n, _ in entries), sum(loss for _, loss in entries)
+
+
+def admission_share(remaining: int, call_samples: int, me: str, rates: dict[str, float]) -> int:
+    """Samples of its stage's batch that peer ``me`` may admit on its own between two reads of its replicas' records.
+
+    ``remaining``: the samples the batch still lacked at the read (the target less every record's count at the
+    step, ``me``'s included); ``rates``: each replica's published admission rate (samples per second, ``me``'s
+    included). The remaining batch is cut into calls of ``call_samples`` and the calls are dealt out in proportion
+    to the rates (equal shares where no replica admitted anything lately), the leftover calls to the largest
+    remainders, ties to the lowest uid. Every replica that read the same records computes the same deal, and the
+    shares add up to the remaining calls, so replicas that admit on last-read counts together hold the batch
+    rather than each filling it up (see ``SyncingStagePeer.rpc_backward``)."""
+    if remaining <= 0 or call_samples <= 0 or me not in rates:
+        return 0
+    calls = remaining // call_samples
+    uids = sorted(rates)
+    total = sum(max(0.0, float(r)) for r in rates.values())
+    exact = {u: calls * (max(0.0, float(rates[u])) / total if total > 0 else 1.0 / len(uids)) for u in uids}
+    dealt = {u: int(exact[u]) for u in uids}
+    for u in sorted(uids, key=lambda u: (dealt[u] - exact[u], u))[:calls - sum(dealt.values())]:
+        dealt[u] += 1
+    return dealt[me] * call_samples
 
 
 def handed_samples(meta: dict) -> int:
@@ -329,6 +352,12 @@ class SyncingStagePeer(StagePeer):
         self.admitted = 0          # samples of backward calls admitted and not yet computed
         self.closing = False       # taking the step's snapshot: new backward calls wait, admitted ones finish
         self.others_pending = 0    # samples the other peers at this step held at the last read of the records
+        # admission between reads (rpc_backward, admission_share): what the batch lacked at the last read, the
+        # replicas' admission rates then, the oldest publish time (DHT clock) of the other records at this step
+        # read then, and the samples this peer admitted since
+        self.read_remaining, self.read_rates, self.read_stamp, self.since_read = 0, {uid: 0.0}, 0.0, 0
+        self.admissions: list[tuple[float, int]] = []   # (monotonic time, samples) of recent admissions
+        self.publishing, self.republish = False, False   # a record store under way (publish_soon), one more asked
         self.joining: int | None = None  # the step whose state this peer is downloading (_catch_up), and
                                    # after it arrived, until it is ready at that step or finds no peer ready there
         self.round_s = 0.0         # its recent DHT round (publish + read of its stage's records): record_window_s
@@ -552,19 +581,44 @@ class SyncingStagePeer(StagePeer):
         for message in respond(result, out_meta):
             yield message
 
+    def _rate(self) -> float:
+        """Backward samples this peer admitted per second over the last ``RATE_WINDOW_S`` (its published rate)."""
+        since = time.monotonic() - RATE_WINDOW_S
+        self.admissions = [(t, n) for t, n in self.admissions if t >= since]
+        return sum(n for _, n in self.admissions) / RATE_WINDOW_S
+
+    def _full(self, samples: int) -> bool:
+        """Whether a backward call of ``samples`` would take the stage past its batch, by the counts last read (a
+        peer holding nothing admits a call larger than what is left, unless the others hold the batch already)."""
+        held, target = self._held_samples(), self._target()
+        return (held > 0 or self.others_pending >= target) and self.others_pending + held + samples > target
+
+    def _over_share(self, samples: int, arrived: float) -> bool:
+        """Whether a backward call of ``samples`` that arrived at DHT time ``arrived`` passes this peer's share of
+        what the batch lacked at the last read (``admission_share``) and no read since shows every other record at
+        the step published after it arrived: the other replicas may have filled the rest meanwhile."""
+        if self.read_stamp >= arrived:
+            return False
+        share = admission_share(self.read_remaining, samples, self.uid, self.read_rates)
+        return self.since_read + samples > share
+
     async def rpc_backward(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
                            context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        """Admission toward the stage's global batch: a backward call waits
-        while this peer is averaging or the stage's samples (others' as last read, plus this peer's) would pass
-        the batch, at most ``sync_timeout_s`` (then it counts toward the next step); the rest is ``StagePeer``'s.
-        A peer leaving its stage refuses it, before and after the wait."""
+        """Admission toward the stage's global batch: a backward call waits while this peer is averaging, or the
+        stage's samples (others' as last read, plus this peer's) would pass the batch, or it passes this peer's
+        share of what the batch lacked at the last read (``admission_share``) until a read shows every other
+        replica's count as of after its arrival (at most ``record_window_s``: a dead replica's record is not
+        renewed) - in all at most ``sync_timeout_s`` (then it counts toward the next step); the rest is
+        ``StagePeer``'s. Without the shares, replicas that shared a stage's calls each admitted up to the batch on
+        the other's count of up to 0.25 s before, and steps held up to twice the batch. A peer leaving its stage
+        refuses the call, before and after the wait."""
         tensors, meta = await unpack(requests)
         self._refuse_if_leaving()
         samples = int(meta.get("samples", 0))
-        arrived = time.monotonic()
+        arrived, arrived_dht = time.monotonic(), get_dht_time()
         deadline = arrived + self.sync_timeout_s
-        while time.monotonic() < deadline and (self.closing or self.ready is not None or (
-                self._held_samples() > 0 and self.others_pending + self._held_samples() + samples > self._target())):
+        while time.monotonic() < deadline and (self.closing or self.ready is not None or self._full(samples) or (
+                time.monotonic() - arrived < record_window_s(self.round_s) and self._over_share(samples, arrived_dht))):
             self.nudge.set()
             await asyncio.sleep(0.02)
         if (waited := time.monotonic() - arrived) > 0.001:
@@ -572,6 +626,11 @@ class SyncingStagePeer(StagePeer):
             self.counters["held_calls"] += 1
         self._refuse_if_leaving()
         self.admitted += samples
+        self.since_read += samples
+        self.admissions.append((time.monotonic(), samples))
+        self.publish_soon()   # the replicas holding calls wait for a count of this peer's as of after their arrival
+        if self.since_read + samples > admission_share(self.read_remaining, samples, self.uid, self.read_rates):
+            self.nudge.set()   # its share is spent: publish its count now, for the replicas holding calls
         try:
             result, out_meta = await self._metered(self._backward, tensors, meta)
         finally:
@@ -631,7 +690,8 @@ class SyncingStagePeer(StagePeer):
     # -- records ----------------------------------------------------------------------------------------------
     async def _publish(self) -> None:
         value = {"peer": self.peer_id, "step": self.step, "samples": self._held_samples(),
-                 "stepped": self.stepped_samples, "digest": self.digest, "ready": False}
+                 "stepped": self.stepped_samples, "digest": self.digest, "ready": False, "rate": self._rate(),
+                 "t": get_dht_time()}
         if self.ready is not None and self.ready[0] == self.step:
             value.update(ready=True, snap=self.ready[1], loss=self.ready[2], at=self.ready[3],
                          mbs=sorted(self.snapshot_mbs), resent=self._resent_entries())
@@ -641,6 +701,27 @@ class SyncingStagePeer(StagePeer):
         self.record_expiration = max(get_dht_time() + record_window_s(self.round_s), self.record_expiration + 1e-3)
         await self.node.store(progress_key(self.run_id, self.stage), subkey=self.uid, value=value,
                               expiration_time=self.record_expiration)
+
+    def publish_soon(self) -> None:
+        """Store this peer's record now, in a task of its own (one store at a time; one more if asked meanwhile)."""
+        if self.publishing:
+            self.republish = True
+            return
+        self.publishing = True
+        asyncio.create_task(self._publish_now())
+
+    async def _publish_now(self) -> None:
+        try:
+            while True:
+                self.republish = False
+                try:
+                    await self._publish()
+                except Exception as e:  # a DHT hiccup: publish_forever stores it again within a period
+                    print(f"[{self.uid}] publishing the progress record failed: {e!r}", flush=True)
+                if not self.republish:
+                    return
+        finally:
+            self.publishing = False
 
     async def _read_records(self) -> dict[str, dict]:
         """Publish this peer's record and read its stage's, timing the round (``round_s``: the latest round when
@@ -712,6 +793,10 @@ class SyncingStagePeer(StagePeer):
         self.others_pending = sum(r["samples"] for r in at_step)
         pending = self.others_pending + self._held_samples()
         target = self._target()
+        self.read_remaining, self.since_read = target - pending, 0
+        self.read_rates = {uid: float(r.get("rate", 0.0)) for uid, r in records.items()
+                           if r["step"] == self.step and uid != self.uid} | {self.uid: self._rate()}
+        self.read_stamp = min((float(r.get("t", 0.0)) for r in at_step), default=float("inf"))
         if any(r.get("ready") for r in at_step) or pending >= target:
             await self._step()
         elif pending > 0 and await self._flushing():
@@ -880,6 +965,8 @@ class SyncingStagePeer(StagePeer):
             if reply.get("status") != "ok":
                 raise RuntimeError(f"step {step}: {reply}")
             self.digest, self.ready, self.others_pending = reply["digest"], None, 0
+            # the next batch, dealt by the rates last read until this peer reads its replicas' counts again
+            self.read_remaining, self.since_read = self._target() - self._held_samples(), 0
             self.counters["resent_kept_samples"] += sum(n for mb, n in apart.items() if mb in mine)
             self.counters["duplicate_samples"] += sum(n for mb, n in apart.items() if mb not in mine)
             phases["applied"] = time.time()
