@@ -177,9 +177,10 @@ def test_a_peer_publishes_its_record_every_period_while_its_sync_loop_is_busy_an
     when the peer's window shrinks, and a joining peer's record says which step it joins and counts no samples."""
     import asyncio
 
-    from cramswarm.swarm.peer_sync import PROGRESS_PERIOD_S, SyncingStagePeer
+    from cramswarm.swarm.peer_sync import COUNTERS_PERIOD_S, PROGRESS_PERIOD_S, SyncingStagePeer
 
     stored: list[tuple[float, dict, float]] = []
+    written: list[float] = []   # the counters file, rewritten every COUNTERS_PERIOD_S
 
     class Node:
         async def store(self, key, subkey, value, expiration_time):
@@ -197,6 +198,9 @@ def test_a_peer_publishes_its_record_every_period_while_its_sync_loop_is_busy_an
         def _rate(self):
             return 0.0
 
+        def _write_counters(self):
+            written.append(time.monotonic())
+
     async def run() -> None:
         peer = Peer()
         task = asyncio.create_task(peer.publish_forever())
@@ -213,6 +217,9 @@ def test_a_peer_publishes_its_record_every_period_while_its_sync_loop_is_busy_an
     joining = [v for _, v, _ in stored if "joining" in v]
     assert joining and all(v["joining"] == 5 and v["samples"] == 0 and v["step"] == 4 for v in joining)
     assert stored[-1][1]["samples"] == 12 and "joining" not in stored[-1][1]
+    # and its counters file every COUNTERS_PERIOD_S (a peer cut off from its stage takes no step to write it at)
+    assert len(written) == int(12 * PROGRESS_PERIOD_S // COUNTERS_PERIOD_S) and written[0] - stored[0][0] >= \
+        COUNTERS_PERIOD_S, written
 
 
 def test_admission_shares_deal_the_batchs_remaining_calls_by_the_replicas_rates():

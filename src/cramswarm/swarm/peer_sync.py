@@ -43,10 +43,10 @@ and
   that stays (``hand_over`` and that replica's ``rpc_handover``), which adds them to its own toward its next step.
 
 Each peer writes its counters to ``peer-<uid>.json`` in the run's folder (atomically, after every step and shard
-write; with what it holds: ``stages.stage_memory``, its stage's parameter and optimizer bytes and its peak and
-current RSS; ``runtime_rss_bytes``, its RSS before the stage was built; ``activation_bytes``, the most one backward
-call saved for backward; and the seconds its backward calls waited for admission, ``admission_wait_s`` over
-``held_calls`` calls) and, on the last stage, one line per
+write, and every ``COUNTERS_PERIOD_S`` from its publishing task; with what it holds: ``stages.stage_memory``, its
+stage's parameter and optimizer bytes and its peak and current RSS; ``runtime_rss_bytes``, its RSS before the stage
+was built; ``activation_bytes``, the most one backward call saved for backward; and the seconds its backward calls
+waited for admission, ``admission_wait_s`` over ``held_calls`` calls) and, on the last stage, one line per
 step (step, progress, mean loss of the group's samples, LR, samples) to ``log-<uid>.jsonl``. Every peer also
 writes one line per step it took to ``sync-<uid>.jsonl`` (``SYNC_LOG``): the wall-clock times (``time.time()``)
 of its phases - ``last_backward`` (the end of the last backward computation in its snapshot; None without one),
@@ -122,6 +122,7 @@ SHARD_GLOB = "stage{stage}.step*.pt"
 SYNC_LOG = "sync-{uid}.jsonl"  # in the run's folder: one line per step a peer took (the step's phases)
 CLOCK_FILE = "clock.json"  # in the run's folder: the training clock's origin and a seconds budget's deadline
 RATE_WINDOW_S = 2.0       # a peer's published admission rate: backward samples it admitted over this many seconds
+COUNTERS_PERIOD_S = 2.0   # a peer rewrites its counters file at least this often (also at steps and shard writes)
 
 
 def read_clock(workdir: Path, run_id: str) -> dict:
@@ -760,12 +761,19 @@ class SyncingStagePeer(StagePeer):
         loop publishes at each of its reads, but not while it all-reduces or downloads a state (seconds over a slow
         link), and a record that expired meanwhile made the other replicas count this one as gone and step
         without it."""
+        counted = time.monotonic()
         while True:
             started = time.monotonic()
             try:
                 await self._publish()
             except Exception as e:  # a DHT hiccup: the next period publishes again
                 print(f"[{self.uid}] publishing the progress record failed: {e!r}", flush=True)
+            if started - counted >= COUNTERS_PERIOD_S:   # a peer cut off from its stage steps no more, and its
+                counted = started                        # calls served would otherwise not reach the file
+                try:
+                    self._write_counters()
+                except OSError as e:   # a full disk or a removed folder: the next period tries again
+                    print(f"[{self.uid}] writing its counters failed: {e!r}", flush=True)
             took = time.monotonic() - started
             if took > self.round_s:
                 self.round_s = took
