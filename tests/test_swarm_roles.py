@@ -354,6 +354,29 @@ def test_the_runs_routing_reaches_every_trainers_balancers_and_unknown_routings_
         plan(routing="random").validate()
 
 
+def test_a_trainers_balancer_leaves_out_the_seconds_a_peer_held_its_call_for_its_stage():
+    """A backward call that a peer held back for its stage's step or batch (``peer_sync``'s admission; the reply's
+    ``held_s``) is measured without that wait: the balancer rates the replica's own speed, not the stage's pause."""
+    import asyncio
+
+    from cramswarm.swarm.trainer import StageClient
+
+    def measured(held_s: float) -> float:
+        client = StageClient(None, "run", 1, RetryPolicy(), seed=0)
+        client.balancers[0].update_peers({"p": time.time() + 100.0}, now=time.time())
+
+        async def rpc(stage, uid, method, tensors, meta):
+            await asyncio.sleep(0.3)
+            return {}, {"samples": 4, "held_s": held_s}
+
+        client._rpc = rpc
+        asyncio.run(client._call(0, "backward", {}, {"samples": 4}, 4))
+        return client.balancers[0].throughput("p")   # work units (backward: 2 per sample) per second
+
+    assert measured(0.0) == pytest.approx(8 / 0.3, rel=0.25)
+    assert measured(0.2) == pytest.approx(8 / 0.1, rel=0.25)
+
+
 def test_a_peers_emulated_speed_scales_its_measured_compute_or_the_configured_floor(monkeypatch):
     """``StagePeer._emulate_speed``: a call of speed s takes compute / s (the rest slept on the compute thread); with
     ``peer_unit_time_s`` the compute counts as at least work units x that, so a loaded host's slower real compute

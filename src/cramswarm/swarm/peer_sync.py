@@ -603,6 +603,13 @@ class SyncingStagePeer(StagePeer):
         share = admission_share(self.read_remaining, samples, self.uid, self.read_rates)
         return self.since_read + samples > share
 
+    def _held_by_batch(self, samples: int, arrived: float, arrived_dht: float) -> bool:
+        """Whether the batch rules hold back a backward call of ``samples`` that arrived at ``arrived`` (monotonic)
+        / ``arrived_dht`` (DHT time): the batch is full, or the call passes this peer's share (for at most
+        ``record_window_s``)."""
+        return self._full(samples) or (time.monotonic() - arrived < record_window_s(self.round_s)
+                                       and self._over_share(samples, arrived_dht))
+
     async def rpc_backward(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
                            context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """Admission toward the stage's global batch: a backward call waits while this peer is averaging, or the
@@ -611,15 +618,18 @@ class SyncingStagePeer(StagePeer):
         replica's count as of after its arrival (at most ``record_window_s``: a dead replica's record is not
         renewed) - in all at most ``sync_timeout_s`` (then it counts toward the next step); the rest is
         ``StagePeer``'s. Without the shares, replicas that shared a stage's calls each admitted up to the batch on
-        the other's count of up to 0.25 s before, and steps held up to twice the batch. A peer leaving its stage
+        the other's count of up to 0.25 s before, and steps held up to twice the batch. The reply's ``held_s`` is the
+        wait: the stage's, not this replica's (every replica's calls wait for a step), so the trainers' balancers
+        leave it out of the call's time. Counted in, it flattened the measured speeds (for example a speed-1 call of
+        0.3 s that waited 1 s for a step looked 1.3 s beside 2.2 s for a speed-0.25 one). A peer leaving its stage
         refuses the call, before and after the wait."""
         tensors, meta = await unpack(requests)
         self._refuse_if_leaving()
         samples = int(meta.get("samples", 0))
         arrived, arrived_dht = time.monotonic(), get_dht_time()
         deadline = arrived + self.sync_timeout_s
-        while time.monotonic() < deadline and (self.closing or self.ready is not None or self._full(samples) or (
-                time.monotonic() - arrived < record_window_s(self.round_s) and self._over_share(samples, arrived_dht))):
+        while time.monotonic() < deadline and (self.closing or self.ready is not None
+                                               or self._held_by_batch(samples, arrived, arrived_dht)):
             self.nudge.set()
             await asyncio.sleep(0.02)
         if (waited := time.monotonic() - arrived) > 0.001:
@@ -637,6 +647,7 @@ class SyncingStagePeer(StagePeer):
         finally:
             self.admitted -= samples
         self.counters["backward_samples"] += samples  # what the trainers' routing gave this peer
+        out_meta = {**out_meta, "held_s": round(waited, 4)}   # the trainer's balancer leaves it out of the call's time
         if self.others_pending + self._held_samples() >= self._target():
             self.nudge.set()
         for message in respond(result, out_meta):

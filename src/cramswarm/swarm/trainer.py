@@ -157,7 +157,10 @@ class StageClient:
                 self.stats["last_error"] = f"stage {stage} {method} on {uid}: {e!r}"
                 call.refused(uid, sent_at, get_dht_time())
             else:
-                call.succeeded(uid, units, time.perf_counter() - started)
+                # less the seconds the peer held a backward call back for its stage's step or batch (peer_sync's
+                # admission): a wait of the stage, not of this replica, that would flatten the measured speeds
+                took = time.perf_counter() - started
+                call.succeeded(uid, units, max(took - float(result[1].get("held_s", 0.0)), 1e-3))
                 return result
             if method == "backward":  # the replica tried may still compute it: the next one holds it apart
                 sent = {**meta, "resent": True}
