@@ -359,6 +359,7 @@ class SyncingStagePeer(StagePeer):
         self.read_remaining, self.read_rates, self.read_stamp, self.since_read = 0, {uid: 0.0}, 0.0, 0
         self.admissions: list[tuple[float, int]] = []   # (monotonic time, samples) of recent admissions
         self.publishing, self.republish = False, False   # a record store under way (publish_soon), one more asked
+        self.publish_task: asyncio.Task | None = None
         self.joining: int | None = None  # the step whose state this peer is downloading (_catch_up), and
                                    # after it arrived, until it is ready at that step or finds no peer ready there
         self.round_s = 0.0         # its recent DHT round (publish + read of its stage's records): record_window_s
@@ -641,7 +642,7 @@ class SyncingStagePeer(StagePeer):
         self.admissions.append((time.monotonic(), samples))
         self.publish_soon()   # the replicas holding calls wait for a count of this peer's as of after their arrival
         if self.since_read + samples > admission_share(self.read_remaining, samples, self.uid, self.read_rates):
-            self.nudge.set()   # its share is spent: publish its count now, for the replicas holding calls
+            self.nudge.set()   # its share is spent: read the replicas' counts now, for a new deal
         try:
             result, out_meta = await self._metered(self._backward, tensors, meta)
         finally:
@@ -720,7 +721,7 @@ class SyncingStagePeer(StagePeer):
             self.republish = True
             return
         self.publishing = True
-        asyncio.create_task(self._publish_now())
+        self.publish_task = asyncio.create_task(self._publish_now())   # referenced: the loop keeps weak ones only
 
     async def _publish_now(self) -> None:
         try:
