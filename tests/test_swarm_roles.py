@@ -246,6 +246,7 @@ def test_replicas_admitting_on_stale_counts_hold_the_batch_between_them():
 
     class Replica:   # SyncingStagePeer's admission rules on counts this test sets
         _full, _over_share = SyncingStagePeer._full, SyncingStagePeer._over_share
+        _past_share = SyncingStagePeer._past_share
 
         def __init__(self, uid: str):
             self.uid, self.held, self.others_pending, self.since_read = uid, 0, 0, 0

@@ -599,10 +599,12 @@ class SyncingStagePeer(StagePeer):
         """Whether a backward call of ``samples`` that arrived at DHT time ``arrived`` passes this peer's share of
         what the batch lacked at the last read (``admission_share``) and no read since shows every other record at
         the step published after it arrived: the other replicas may have filled the rest meanwhile."""
-        if self.read_stamp >= arrived:
-            return False
-        share = admission_share(self.read_remaining, samples, self.uid, self.read_rates)
-        return self.since_read + samples > share
+        return self.read_stamp < arrived and self._past_share(samples)
+
+    def _past_share(self, samples: int) -> bool:
+        """Whether ``samples`` more than this peer admitted since the last read pass its share of what the batch
+        lacked at that read (``admission_share``)."""
+        return self.since_read + samples > admission_share(self.read_remaining, samples, self.uid, self.read_rates)
 
     def _held_by_batch(self, samples: int, arrived: float, arrived_dht: float) -> bool:
         """Whether the batch rules hold back a backward call of ``samples`` that arrived at ``arrived`` (monotonic)
@@ -641,7 +643,7 @@ class SyncingStagePeer(StagePeer):
         self.since_read += samples
         self.admissions.append((time.monotonic(), samples))
         self.publish_soon()   # the replicas holding calls wait for a count of this peer's as of after their arrival
-        if self.since_read + samples > admission_share(self.read_remaining, samples, self.uid, self.read_rates):
+        if self._past_share(samples):
             self.nudge.set()   # its share is spent: read the replicas' counts now, for a new deal
         try:
             result, out_meta = await self._metered(self._backward, tensors, meta)
@@ -807,17 +809,16 @@ class SyncingStagePeer(StagePeer):
         records = await self._read_records()
         if await self._catch_up(records):
             return
-        at_step = [r for uid, r in records.items() if r["step"] == self.step and uid != self.uid]
-        if self.joining is not None and not any(r.get("ready") for r in at_step):
+        at_step = {uid: r for uid, r in records.items() if r["step"] == self.step and uid != self.uid}
+        if self.joining is not None and not any(r.get("ready") for r in at_step.values()):
             self.joining = None  # arrived and nobody is waiting: an ordinary member of its step now
-        self.others_pending = sum(r["samples"] for r in at_step)
+        self.others_pending = sum(r["samples"] for r in at_step.values())
         pending = self.others_pending + self._held_samples()
         target = self._target()
         self.read_remaining, self.since_read = target - pending, 0
-        self.read_rates = {uid: float(r.get("rate", 0.0)) for uid, r in records.items()
-                           if r["step"] == self.step and uid != self.uid} | {self.uid: self._rate()}
-        self.read_stamp = min((float(r.get("t", 0.0)) for r in at_step), default=float("inf"))
-        if any(r.get("ready") for r in at_step) or pending >= target:
+        self.read_rates = {uid: float(r.get("rate", 0.0)) for uid, r in at_step.items()} | {self.uid: self._rate()}
+        self.read_stamp = min((float(r.get("t", 0.0)) for r in at_step.values()), default=float("inf"))
+        if any(r.get("ready") for r in at_step.values()) or pending >= target:
             await self._step()
         elif pending > 0 and await self._flushing():
             await self._step()
@@ -834,7 +835,7 @@ class SyncingStagePeer(StagePeer):
             self.flush_seen = found is not None and found.value is True
         return self.flush_seen
 
-    def _writes_shard(self, records: dict[str, dict], at_step: list[dict]) -> bool:
+    def _writes_shard(self, records: dict[str, dict], at_step: dict[str, dict]) -> bool:
         """Whether this peer writes its stage's shard now: it is the lowest uid at the stage's latest step, its
         step has no shard yet, and ``checkpoint_every_s`` passed since its last write - or the launcher asked for
         the last batch and the stage holds no samples (the final shard)."""
@@ -844,7 +845,7 @@ class SyncingStagePeer(StagePeer):
             return False
         if time.monotonic() - self.last_write >= self.checkpoint_every_s:
             return True
-        idle = self._held_samples() == 0 and not any(r["samples"] or r.get("ready") for r in at_step)
+        idle = self._held_samples() == 0 and not any(r["samples"] or r.get("ready") for r in at_step.values())
         return idle and self.flush_seen
 
     async def _write_shard(self) -> None:

@@ -196,8 +196,10 @@ class StageBalancer:
 
     # -- feedback --------------------------------------------------------------------------------------
     def report_success(self, uid: str, samples: float, seconds: float) -> None:
-        """Feed the end-to-end call duration (network + queueing + compute) into the peer's EMA; the stage's first
-        measurement re-prices what was charged before it (``_reprice``)."""
+        """Feed a call's duration into the peer's EMA: end to end (network + the peer's queue + compute), less any
+        seconds the peer held the call back for its stage's step or batch (the reply's ``held_s``, which the
+        launcher's trainers subtract: a wait of the stage, not of this replica). The stage's first measurement
+        re-prices what was charged before it (``_reprice``)."""
         self._ema.setdefault(uid, PerformanceEMA(self.alpha)).update(seconds, samples)
         if self._provisional:
             self._reprice()
