@@ -239,6 +239,43 @@ def test_admission_shares_deal_the_batchs_remaining_calls_by_the_replicas_rates(
             assert sum(admission_share(remaining, 4, u, rates) for u in rates) == remaining // 4 * 4
 
 
+def test_a_steps_snapshot_runs_after_the_call_computing_and_before_the_calls_queued():
+    """A step moves the accumulated gradients aside as soon as the call computing ends (``StagePeer._run_next``);
+    the calls queued on the compute thread wait for it and count toward the next step. Before, the step waited for
+    every call its peer had admitted, so at each step every replica waited for the slowest replica's queue."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cramswarm.swarm.hivemind_peer import StagePeer
+
+    class Peer:   # StagePeer's compute scheduling alone
+        _run, _run_next, _in_turn, _first = StagePeer._run, StagePeer._run_next, StagePeer._in_turn, StagePeer._first
+
+        def __init__(self):
+            self.compute, self.next_thread = ThreadPoolExecutor(1), ThreadPoolExecutor(1)
+            self.state_lock, self.next_waiting = threading.Lock(), False
+
+    order: list[str] = []
+
+    def job(name: str, seconds: float) -> str:
+        order.append(f"{name} starts")
+        time.sleep(seconds)
+        order.append(f"{name} ends")
+        return name
+
+    async def main() -> list[str]:
+        peer = Peer()
+        computing = asyncio.ensure_future(peer._run(job, "call", 0.3))
+        queued = [asyncio.ensure_future(peer._run(job, f"queued{i}", 0.02)) for i in range(3)]
+        await asyncio.sleep(0.1)
+        snapshot = await peer._run_next(job, "snapshot", 0.0)
+        assert not peer.next_waiting
+        return [snapshot] + list(await asyncio.gather(computing, *queued))
+
+    assert asyncio.run(main()) == ["snapshot", "call", "queued0", "queued1", "queued2"]
+    assert order == ["call starts", "call ends", "snapshot starts", "snapshot ends"] + [
+        f"queued{i} {e}" for i in range(3) for e in ("starts", "ends")], order
+
+
 def test_replicas_admitting_on_stale_counts_hold_the_batch_between_them():
     """Two replicas of a stage receive a stage's calls in turn and neither reads the other's count meanwhile: each
     admits its share of what the batch lacked at the last read, then holds its calls until a read shows the other's

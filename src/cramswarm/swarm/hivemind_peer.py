@@ -65,6 +65,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -459,6 +460,10 @@ class StagePeer(ServicerBase):
         self.sync_timeout_s = cfg["sync_timeout_s"]
         self.unit_time_s = cfg.get("peer_unit_time_s")  # emulated compute floor per work unit at speed 1 (or None)
         self.compute = ThreadPoolExecutor(1, thread_name_prefix=f"stage{stage}-compute")
+        # a job that must not wait for the compute queue (_run_next: a step's snapshot) runs on a thread of its own;
+        # the lock keeps it and the compute jobs from touching the stage's state at once
+        self.state_lock, self.next_waiting = threading.Lock(), False
+        self.next_thread = ThreadPoolExecutor(1, thread_name_prefix=f"stage{stage}-next")
         self.step = 0
         self.local_samples = 0
         self.snapshot: tuple[int, torch.Tensor, int] | None = None  # (step, flat fp32 gradient sums, samples)
@@ -471,7 +476,27 @@ class StagePeer(ServicerBase):
         return self.stage == self.num_stages - 1
 
     async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.compute, fn, *args)
+        """``fn(*args)`` on the compute thread, after the jobs queued there."""
+        return await asyncio.get_running_loop().run_in_executor(self.compute, self._in_turn, fn, *args)
+
+    async def _run_next(self, fn, *args):
+        """``fn(*args)`` as soon as the compute job running now ends, before those queued behind it."""
+        self.next_waiting = True
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.next_thread, self._first, fn, *args)
+        finally:
+            self.next_waiting = False
+
+    def _in_turn(self, fn, *args):
+        while self.next_waiting:   # a _run_next job goes first (it clears the flag once it holds the lock)
+            time.sleep(0.001)
+        with self.state_lock:
+            return fn(*args)
+
+    def _first(self, fn, *args):
+        with self.state_lock:
+            self.next_waiting = False
+            return fn(*args)
 
     # -- compute (on the compute thread) ------------------------------------------------------------------
     def _emulate_speed(self, seconds: float, units: float) -> None:

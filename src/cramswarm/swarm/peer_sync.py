@@ -16,9 +16,11 @@ and
   training start less the training seconds of a resumed run's earlier lives); each ready record carries its
   peer's training time at its snapshot (``at``) and a step's progress is the latest ``at`` of its group (hashed
   into the group id, so every member computes the same learning rate);
-* to step, it lets the backward calls it admitted finish, then moves its accumulated gradients aside (backward calls
-  arriving later count toward the next step), marks its record ready and waits until every peer with a record at its
-  step is ready (at most ``sync_timeout_s``; a dead peer's record expires within ``GATHER_S``, see ``record_window_s``).
+* to step, it moves the gradients it accumulated aside as soon as the call it computes ends (``_run_next``: the
+  backward calls admitted and still queued, like those arriving later, count toward the next step; until
+  2026-11-27 the step waited for every admitted call, so each step waited for the slowest replica's queue),
+  marks its record ready and waits until every peer with a record at its step is ready (at most
+  ``sync_timeout_s``; a dead peer's record expires within ``GATHER_S``, see ``record_window_s``).
   The group is **deterministic, from the DHT records** (the ready records at this step, ordered by uid; the group id
   hashes their uids and sample counts), not hivemind's matchmaking: ``DecentralizedAverager``'s matchmaking needs its
   own averager process per peer with its own copy of the gradients and forms groups by time windows, while here every
@@ -50,7 +52,7 @@ waited for admission, ``admission_wait_s`` over ``held_calls`` calls) and, on th
 step (step, progress, mean loss of the group's samples, LR, samples) to ``log-<uid>.jsonl``. Every peer also
 writes one line per step it took to ``sync-<uid>.jsonl`` (``SYNC_LOG``): the wall-clock times (``time.time()``)
 of its phases - ``last_backward`` (the end of the last backward computation in its snapshot; None without one),
-``close`` (the step began: admitted calls finish, new backward calls wait), ``snapshot``, ``gathered`` (the
+``close`` (the step began: new backward calls wait), ``snapshot``, ``gathered`` (the
 group read from the records), ``reduced`` (the all-reduce done) and ``applied`` (the optimizer step taken; backward
 calls are admitted again) - with its stage, the step, its own and the group's samples and the all-reduce attempts.
 From them ``stage_stalls`` computes how long each step held a stage's backward calls back.
@@ -351,7 +353,12 @@ class SyncingStagePeer(StagePeer):
                                    # the snapshot) while waiting to average
         self.clock_origin: float | None = None  # CLOCK_FILE's origin, once read
         self.admitted = 0          # samples of backward calls admitted and not yet computed
-        self.closing = False       # taking the step's snapshot: new backward calls wait, admitted ones finish
+        self.queued: dict[int, int] = {}   # admitted backward calls not yet computing: admission number -> samples
+        self.admissions_made = 0
+        # what the batch of a step adds to the recipe's (_target): the samples this peer's last step left queued
+        # (step, samples), and at the last read, what the other replicas at the step left
+        self.carried, self.others_carried = (0, 0), 0
+        self.closing = False       # taking the step's snapshot: new backward calls wait (admitted ones go on)
         self.others_pending = 0    # samples the other peers at this step held at the last read of the records
         # admission between reads (rpc_backward, admission_share): what the batch lacked at the last read, the
         # replicas' admission rates then, the oldest publish time (DHT clock) of the other records at this step
@@ -401,6 +408,7 @@ class SyncingStagePeer(StagePeer):
 
     def _backward(self, tensors: dict[str, torch.Tensor], meta: dict) -> tuple[dict, dict]:
         start = time.perf_counter()
+        self.queued.pop(meta.get("admission"), None)   # computing: its gradients go into the next snapshot
         mb = meta.get("mb")
         if mb is not None and int(mb) in self._held_mbs():
             return self._duplicate_backward(tensors, meta)
@@ -472,6 +480,7 @@ class SyncingStagePeer(StagePeer):
 
     def _take_snapshot(self, step: int) -> tuple[torch.Tensor, int]:
         if self.snapshot is None or self.snapshot[0] != step:
+            self.carried = (step + 1, sum(list(self.queued.values())))   # admitted toward this step, still queued
             self.snapshot_loss, self.local_loss = self.local_loss, 0.0
             self.snapshot_mbs, self.local_mbs = self.local_mbs, set()
             self.snapshot_resent, self.resent = self.resent, {}
@@ -561,7 +570,16 @@ class SyncingStagePeer(StagePeer):
         return max(0.0, time.time() - self.clock_origin) if self.clock_origin is not None else 0.0
 
     def _target(self) -> int:
-        return step_target(self.cfg["recipe"], self.seq_len, self.stepped_samples, self.step, self._elapsed())[1]
+        """The samples this step of the stage holds: the recipe's batch (``training.step_target``), plus the samples
+        of the calls the replicas had admitted toward the step before and left queued at their snapshots. Those
+        count toward this step, so without them each step would hold the recipe's batch less what was queued at
+        its end; with them the steps hold the batch on average (a step's excess is the next one's shortfall)."""
+        base = step_target(self.cfg["recipe"], self.seq_len, self.stepped_samples, self.step, self._elapsed())[1]
+        return base + self._own_carried() + self.others_carried
+
+    def _own_carried(self) -> int:
+        step, samples = self.carried
+        return samples if step == self.step else 0
 
     def _refuse_if_leaving(self) -> None:
         if self.leaving:  # the trainer re-sends the call to another replica of this stage
@@ -641,6 +659,9 @@ class SyncingStagePeer(StagePeer):
         self._refuse_if_leaving()
         self.admitted += samples
         self.since_read += samples
+        admission, self.admissions_made = self.admissions_made, self.admissions_made + 1
+        self.queued[admission] = samples
+        meta = {**meta, "admission": admission}
         self.admissions.append((time.monotonic(), samples))
         self.publish_soon()   # the replicas holding calls wait for a count of this peer's as of after their arrival
         if self._past_share(samples):
@@ -649,6 +670,7 @@ class SyncingStagePeer(StagePeer):
             result, out_meta = await self._metered(self._backward, tensors, meta)
         finally:
             self.admitted -= samples
+            self.queued.pop(admission, None)
         self.counters["backward_samples"] += samples  # what the trainers' routing gave this peer
         out_meta = {**out_meta, "held_s": round(waited, 4)}   # the trainer's balancer leaves it out of the call's time
         if self.others_pending + self._held_samples() >= self._target():
@@ -706,7 +728,7 @@ class SyncingStagePeer(StagePeer):
     async def _publish(self) -> None:
         value = {"peer": self.peer_id, "step": self.step, "samples": self._held_samples(),
                  "stepped": self.stepped_samples, "digest": self.digest, "ready": False, "rate": self._rate(),
-                 "t": get_dht_time()}
+                 "carried": self._own_carried(), "t": get_dht_time()}
         if self.ready is not None and self.ready[0] == self.step:
             value.update(ready=True, snap=self.ready[1], loss=self.ready[2], at=self.ready[3],
                          mbs=sorted(self.snapshot_mbs), resent=self._resent_entries())
@@ -813,6 +835,7 @@ class SyncingStagePeer(StagePeer):
         if self.joining is not None and not any(r.get("ready") for r in at_step.values()):
             self.joining = None  # arrived and nobody is waiting: an ordinary member of its step now
         self.others_pending = sum(r["samples"] for r in at_step.values())
+        self.others_carried = sum(int(r.get("carried", 0)) for r in at_step.values())
         pending = self.others_pending + self._held_samples()
         target = self._target()
         self.read_remaining, self.since_read = target - pending, 0
@@ -929,12 +952,12 @@ class SyncingStagePeer(StagePeer):
     async def _step(self) -> None:
         step = self.step
         phases = {"close": time.time()}
-        self.closing = True  # the calls this peer admitted (and published) belong to this step: let them finish
+        # the snapshot holds the calls this peer computed; those admitted and not yet computed count toward the
+        # next step (as in SWARM, where a peer's progress counts the samples it accumulated): waiting for them made
+        # every replica wait for the slowest replica's queue at each step
+        self.closing = True
         try:
-            deadline = time.monotonic() + self.sync_timeout_s
-            while self.admitted and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
-            flat, samples = await self._run(self._take_snapshot, step)
+            flat, samples = await self._run_next(self._take_snapshot, step)
         finally:
             self.closing = False
         phases["snapshot"] = time.time()
@@ -985,7 +1008,7 @@ class SyncingStagePeer(StagePeer):
             reply = await self._run(self._apply_counted, group_id, lr, total, mbs)
             if reply.get("status") != "ok":
                 raise RuntimeError(f"step {step}: {reply}")
-            self.digest, self.ready, self.others_pending = reply["digest"], None, 0
+            self.digest, self.ready, self.others_pending, self.others_carried = reply["digest"], None, 0, 0
             # the next batch, dealt by the rates last read until this peer reads its replicas' counts again
             self.read_remaining, self.since_read = self._target() - self._held_samples(), 0
             self.counters["resent_kept_samples"] += sum(n for mb, n in apart.items() if mb in mine)
