@@ -1005,7 +1005,9 @@ class SyncingStagePeer(StagePeer):
             mbs = {int(i) for uid in uids for i in group[uid].get("mbs", ())} | {mb for m in kept.values() for mb in m}
             mine = set(kept.get(self.uid, []))
             apart = {mb: n for mb, (_, n, _) in self.snapshot_resent.items()}
-            reply = await self._run(self._apply_counted, group_id, lr, total, mbs)
+            # as soon as the call computing ends, like the snapshot: behind the calls queued, a slow replica took
+            # its step seconds after the others and was left out of their next group
+            reply = await self._run_next(self._apply_counted, group_id, lr, total, mbs)
             if reply.get("status") != "ok":
                 raise RuntimeError(f"step {step}: {reply}")
             self.digest, self.ready, self.others_pending, self.others_carried = reply["digest"], None, 0, 0
