@@ -188,6 +188,7 @@ def test_a_peer_publishes_its_record_every_period_while_its_sync_loop_is_busy_an
 
     class Peer:   # the record-keeping part of SyncingStagePeer, on a node that only records what it is given
         _publish, publish_forever = SyncingStagePeer._publish, SyncingStagePeer.publish_forever
+        _own_carried, carried = SyncingStagePeer._own_carried, (4, 8)   # 8 samples left queued by step 3
         node, run_id, stage, uid, peer_id, step, stepped_samples, digest = Node(), "r", 1, "s1p3", "P", 4, 64, "d"
         ready, snapshot_mbs, round_s, record_expiration = None, set(), 3.0, 0.0
         joining: int | None = 5
@@ -217,6 +218,7 @@ def test_a_peer_publishes_its_record_every_period_while_its_sync_loop_is_busy_an
     joining = [v for _, v, _ in stored if "joining" in v]
     assert joining and all(v["joining"] == 5 and v["samples"] == 0 and v["step"] == 4 for v in joining)
     assert stored[-1][1]["samples"] == 12 and "joining" not in stored[-1][1]
+    assert all(v["carried"] == 8 for _, v, _ in stored)   # what its last step left queued, for the stage's target
     # and its counters file every COUNTERS_PERIOD_S (a peer cut off from its stage takes no step to write it at)
     assert len(written) == int(12 * PROGRESS_PERIOD_S // COUNTERS_PERIOD_S) and written[0] - stored[0][0] >= \
         COUNTERS_PERIOD_S, written
