@@ -543,11 +543,11 @@ class StagePeer(ServicerBase):
             else:
                 grad = decode(payload_to(restore_payload("g", tensors, meta), self.device))
                 out.backward(grad.to(out.dtype))
-        self.local_samples += samples
         result: dict = {}
         if x.is_floating_point():
             flatten_payload("g", payload_to(encode(x.grad.float(), self.scheme), "cpu"), result, out_meta)
         self._emulate_speed(time.perf_counter() - start, 3.0 if self.is_last else 2.0)
+        self.local_samples += samples   # held once the call's (emulated) compute ends, not during its sleep
         return result, out_meta
 
     def _flat_grads(self) -> torch.Tensor:

@@ -354,10 +354,12 @@ class SyncingStagePeer(StagePeer):
         self.clock_origin: float | None = None  # CLOCK_FILE's origin, once read
         self.admitted = 0          # samples of backward calls admitted and not yet computed
         self.queued: dict[int, int] = {}   # admitted backward calls not yet computing: admission number -> samples
+        self.computed: dict[int, int] = {}  # ... computed, whose samples the peer holds, not yet off ``admitted``
         self.admissions_made = 0
         # what the batch of a step adds to the recipe's (_target): the samples this peer's last step left queued
         # (step, samples), and at the last read, what the other replicas at the step left
         self.carried, self.others_carried = (0, 0), 0
+        self.trigger: dict | None = None   # the counts this peer read when it last stepped (_round)
         self.closing = False       # taking the step's snapshot: new backward calls wait (admitted ones go on)
         self.others_pending = 0    # samples the other peers at this step held at the last read of the records
         # admission between reads (rpc_backward, admission_share): what the batch lacked at the last read, the
@@ -407,8 +409,16 @@ class SyncingStagePeer(StagePeer):
         return result, out_meta
 
     def _backward(self, tensors: dict[str, torch.Tensor], meta: dict) -> tuple[dict, dict]:
+        admission = meta.get("admission")
+        self.queued.pop(admission, None)   # computing: its gradients go into the next snapshot
+        try:
+            return self._backward_held(tensors, meta)
+        finally:
+            if admission is not None:   # held now (or, a duplicate, not at all): no longer in ``admitted``'s count
+                self.computed[admission] = int(meta.get("samples", 0))
+
+    def _backward_held(self, tensors: dict[str, torch.Tensor], meta: dict) -> tuple[dict, dict]:
         start = time.perf_counter()
-        self.queued.pop(meta.get("admission"), None)   # computing: its gradients go into the next snapshot
         mb = meta.get("mb")
         if mb is not None and int(mb) in self._held_mbs():
             return self._duplicate_backward(tensors, meta)
@@ -561,7 +571,9 @@ class SyncingStagePeer(StagePeer):
         current = self.snapshot is not None and self.snapshot[0] == self.step
         snap = self.snapshot[2] + sum(n for _, n, _ in self.snapshot_resent.values()) if current else 0
         apart = sum(n for _, n, _ in self.resent.values())
-        return self.local_samples + snap + apart + self.admitted
+        # a computed call's samples are held from the end of its compute, and in ``admitted`` until its reply
+        # leaves: counted twice meanwhile, they made the stage step short of its batch (176 samples of 192 typical)
+        return self.local_samples + snap + apart + self.admitted - sum(list(self.computed.values()))
 
     def _elapsed(self) -> float:
         """Seconds of training so far (0 before the launcher started the trainers): a seconds budget's clock."""
@@ -671,6 +683,7 @@ class SyncingStagePeer(StagePeer):
         finally:
             self.admitted -= samples
             self.queued.pop(admission, None)
+            self.computed.pop(admission, None)
         self.counters["backward_samples"] += samples  # what the trainers' routing gave this peer
         out_meta = {**out_meta, "held_s": round(waited, 4)}   # the trainer's balancer leaves it out of the call's time
         if self.others_pending + self._held_samples() >= self._target():
@@ -842,8 +855,13 @@ class SyncingStagePeer(StagePeer):
         self.read_rates = {uid: float(r.get("rate", 0.0)) for uid, r in at_step.items()} | {self.uid: self._rate()}
         self.read_stamp = min((float(r.get("t", 0.0)) for r in at_step.values()), default=float("inf"))
         if any(r.get("ready") for r in at_step.values()) or pending >= target:
+            # what this peer read when it stepped (the sync log's ``trigger``): the others' samples, its own, the target
+            self.trigger = {"others": self.others_pending, "own": pending - self.others_pending, "target": target,
+                            "ready": sorted(u for u, r in at_step.items() if r.get("ready"))}
             await self._step()
         elif pending > 0 and await self._flushing():
+            self.trigger = {"others": self.others_pending, "own": pending - self.others_pending, "target": target,
+                            "flush": True}
             await self._step()
         elif self.step > self.shard_step and not self.writing:
             await self._flushing()  # the final shard waits for the launcher's flush record
@@ -1019,6 +1037,7 @@ class SyncingStagePeer(StagePeer):
             with open(self.workdir / SYNC_LOG.format(uid=self.uid), "a") as log:
                 log.write(json.dumps({"uid": self.uid, "stage": self.stage, "step": step + 1, "samples": samples,
                                       "group_samples": total, "group": len(uids), "attempts": attempts,
+                                      "trigger": self.trigger,
                                       "last_backward": self.snapshot_backward if samples else None}
                                      | phases) + "\n")
             self.counters["steps_taken"] += 1
