@@ -278,6 +278,34 @@ def test_a_steps_snapshot_runs_after_the_call_computing_and_before_the_calls_que
         f"queued{i} {e}" for i in range(3) for e in ("starts", "ends")], order
 
 
+def test_a_backward_calls_samples_count_once_toward_the_batch_from_admission_to_reply():
+    """A call's samples count as admitted while it waits and computes, then as held (accumulated): never twice (a
+    computed call counted in both made steps go short of the batch), and a call whose RPC was cancelled while it
+    waited counts only once it computes, on its own entry."""
+
+    class Peer:   # SyncingStagePeer's count of held samples on state this test sets
+        _held_samples, _calls_samples = SyncingStagePeer._held_samples, SyncingStagePeer._calls_samples
+
+        def __init__(self):
+            self.local_samples, self.snapshot, self.step, self.resent, self.snapshot_resent = 0, None, 0, {}, {}
+            self.calls: dict[int, dict] = {}
+
+    peer = Peer()
+    first, second = {"samples": 8, "state": "queued"}, {"samples": 4, "state": "queued"}
+    peer.calls.update({0: first, 1: second})
+    assert peer._held_samples() == 12 and peer._calls_samples("queued") == 12
+    first["state"] = "computing"
+    assert peer._held_samples() == 12 and peer._calls_samples("queued") == 4   # what a snapshot now carries
+    first["state"], peer.local_samples = "computed", 8    # accumulated: held, no longer counted as admitted
+    assert peer._held_samples() == 12
+    del peer.calls[0]                                     # its reply left
+    assert peer._held_samples() == 12
+    del peer.calls[1]                                     # the trainer gave up on the other call while it waited
+    assert peer._held_samples() == 8
+    second["state"], peer.local_samples = "computed", 12  # computed later all the same: held once
+    assert peer._held_samples() == 12
+
+
 def test_replicas_admitting_on_stale_counts_hold_the_batch_between_them():
     """Two replicas of a stage receive a stage's calls in turn and neither reads the other's count meanwhile: each
     admits its share of what the batch lacked at the last read, then holds its calls until a read shows the other's

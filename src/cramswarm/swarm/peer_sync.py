@@ -352,9 +352,12 @@ class SyncingStagePeer(StagePeer):
         self.ready: tuple[int, int, float, float] | None = None  # (step, samples, loss sum, training seconds at
                                    # the snapshot) while waiting to average
         self.clock_origin: float | None = None  # CLOCK_FILE's origin, once read
-        self.admitted = 0          # samples of backward calls admitted and not yet computed
-        self.queued: dict[int, int] = {}   # admitted backward calls not yet computing: admission number -> samples
-        self.computed: dict[int, int] = {}  # ... computed, whose samples the peer holds, not yet off ``admitted``
+        self.admitted = 0          # samples of backward calls admitted whose replies have not left
+        # the backward calls admitted whose replies have not left, by admission number: their samples and state
+        # ("queued", "computing", "computed": held from then on in the accumulated gradients or apart). The call's
+        # RPC removes its entry when it ends; a call whose RPC was cancelled may still compute later, on its own
+        # entry, which no longer counts
+        self.calls: dict[int, dict] = {}
         self.admissions_made = 0
         # what the batch of a step adds to the recipe's (_target): the samples this peer's last step left queued
         # (step, samples), and at the last read, what the other replicas at the step left
@@ -409,13 +412,12 @@ class SyncingStagePeer(StagePeer):
         return result, out_meta
 
     def _backward(self, tensors: dict[str, torch.Tensor], meta: dict) -> tuple[dict, dict]:
-        admission = meta.get("admission")
-        self.queued.pop(admission, None)   # computing: its gradients go into the next snapshot
+        call = meta.get("call", {})
+        call["state"] = "computing"   # its gradients go into the next snapshot
         try:
             return self._backward_held(tensors, meta)
         finally:
-            if admission is not None:   # held now (or, a duplicate, not at all): no longer in ``admitted``'s count
-                self.computed[admission] = int(meta.get("samples", 0))
+            call["state"] = "computed"   # held now (or, a duplicate, not at all): its admission no longer counts
 
     def _backward_held(self, tensors: dict[str, torch.Tensor], meta: dict) -> tuple[dict, dict]:
         start = time.perf_counter()
@@ -490,7 +492,7 @@ class SyncingStagePeer(StagePeer):
 
     def _take_snapshot(self, step: int) -> tuple[torch.Tensor, int]:
         if self.snapshot is None or self.snapshot[0] != step:
-            self.carried = (step + 1, sum(list(self.queued.values())))   # admitted toward this step, still queued
+            self.carried = (step + 1, self._calls_samples("queued"))   # admitted toward this step, still queued
             self.snapshot_loss, self.local_loss = self.local_loss, 0.0
             self.snapshot_mbs, self.local_mbs = self.local_mbs, set()
             self.snapshot_resent, self.resent = self.resent, {}
@@ -571,9 +573,13 @@ class SyncingStagePeer(StagePeer):
         current = self.snapshot is not None and self.snapshot[0] == self.step
         snap = self.snapshot[2] + sum(n for _, n, _ in self.snapshot_resent.values()) if current else 0
         apart = sum(n for _, n, _ in self.resent.values())
-        # a computed call's samples are held from the end of its compute, and in ``admitted`` until its reply
-        # leaves: counted twice meanwhile, they made the stage step short of its batch (176 samples of 192 typical)
-        return self.local_samples + snap + apart + self.admitted - sum(list(self.computed.values()))
+        # a computed call's samples are held from the end of its compute; counted as admitted too until its reply
+        # left, they made the stage step short of its batch (176 samples of 192 typical)
+        return self.local_samples + snap + apart + self._calls_samples("queued", "computing")
+
+    def _calls_samples(self, *states: str) -> int:
+        """Samples of the admitted backward calls in ``states`` (``calls``)."""
+        return sum(c["samples"] for c in list(self.calls.values()) if c["state"] in states)
 
     def _elapsed(self) -> float:
         """Seconds of training so far (0 before the launcher started the trainers): a seconds budget's clock."""
@@ -672,8 +678,8 @@ class SyncingStagePeer(StagePeer):
         self.admitted += samples
         self.since_read += samples
         admission, self.admissions_made = self.admissions_made, self.admissions_made + 1
-        self.queued[admission] = samples
-        meta = {**meta, "admission": admission}
+        self.calls[admission] = call = {"samples": samples, "state": "queued"}
+        meta = {**meta, "call": call}
         self.admissions.append((time.monotonic(), samples))
         self.publish_soon()   # the replicas holding calls wait for a count of this peer's as of after their arrival
         if self._past_share(samples):
@@ -682,8 +688,7 @@ class SyncingStagePeer(StagePeer):
             result, out_meta = await self._metered(self._backward, tensors, meta)
         finally:
             self.admitted -= samples
-            self.queued.pop(admission, None)
-            self.computed.pop(admission, None)
+            self.calls.pop(admission, None)
         self.counters["backward_samples"] += samples  # what the trainers' routing gave this peer
         out_meta = {**out_meta, "held_s": round(waited, 4)}   # the trainer's balancer leaves it out of the call's time
         if self.others_pending + self._held_samples() >= self._target():
