@@ -371,3 +371,48 @@ def test_a_peer_holds_a_resent_backward_apart_and_adds_it_only_when_kept(tmp_pat
 
     peer._load_extra_state({"stepped_samples": 0, "stepped_mbs": []})   # a download: held gradients go
     assert not peer.snapshot_resent and not peer.resent
+
+
+def test_calls_computed_while_a_peer_steps_count_once_whichever_step_holds_their_microbatch(tmp_path):
+    """A peer that took its step's snapshot holds apart the calls it computes until it applies the step: there a
+    late call (or a re-sent one held apart) whose microbatch the step holds through another replica's copy is
+    dropped, and the other late calls are accumulated toward the next step, as if computed after the step.
+    Before, a call queued at its first replica when that replica stepped counted in this step (the re-sent copy
+    elsewhere) and in the next (accumulated at once)."""
+    peer, reference = _syncing_peer(tmp_path, "s1p1"), _syncing_peer(tmp_path, "s1p2")
+    _backward_call(peer, 1, 10)
+    flat, samples = peer._take_snapshot(0)
+    assert peer._stepping() and samples == 3
+    _backward_call(peer, 2, 11)                # queued here, re-sent to the other replica, which stepped it
+    _backward_call(peer, 3, 12)                # queued here only
+    _backward_call(peer, 4, 13, resent=True)   # a re-send whose first replica's copy is in the step
+    assert all(p.grad is None for p in peer.params) and peer.local_samples == 0
+    assert set(peer.late) == {11, 12} and set(peer.resent) == {13} and peer._held_samples() == 3 + 9
+    _backward_call(peer, 2, 11)                # the same microbatch again: a duplicate, not held twice
+    assert peer.counters["duplicate_samples"] == 3 and set(peer.late) == {11, 12}
+
+    peer.averaged = (b"group", flat)
+    assert peer._apply_counted(b"group", 1e-3, 9, {10, 11, 13})["status"] == "ok"
+    assert not peer._stepping() and not peer.late and not peer.resent
+    assert peer.local_mbs == {12} and peer.local_samples == 3 and peer.counters["duplicate_samples"] == 3 + 6
+    _backward_call(reference, 3, 12)
+    assert peer.local_loss == pytest.approx(reference.local_loss)
+    assert all(torch.allclose(p.grad, r.grad, atol=1e-6) for p, r in zip(peer.params, reference.params))
+    assert peer._held_samples() == 3 and peer._held_mbs() >= {10, 11, 12, 13}
+
+    _backward_call(peer, 5, 14)                # between steps: accumulated at once, as before
+    assert peer.local_mbs == {12, 14} and not peer.late
+    peer._take_snapshot(1)
+    _backward_call(peer, 6, 15)
+    peer._drop_snapshot()                      # a step that stepped nothing: the late call is accumulated
+    assert peer.local_mbs == {15} and peer.local_samples == 3 and not peer.late
+
+
+def test_a_peer_downloading_a_state_drops_the_calls_it_held_apart_while_stepping(tmp_path):
+    peer = _syncing_peer(tmp_path, "s1p1")
+    _backward_call(peer, 1, 10)
+    peer._take_snapshot(0)
+    _backward_call(peer, 2, 11)
+    assert peer._held_samples() == 6
+    peer._load_extra_state({"stepped_samples": 0, "stepped_mbs": []})
+    assert not peer.late and 11 not in peer._held_mbs()

@@ -120,7 +120,7 @@ class FakePeer:
         self.cfg, self.sync_timeout_s, self.workdir = {"give_up_after_s": 30.0}, 5.0, tmp_path
         self.counters = {"lost_gradient_samples": 0}
         self.leaving = self.closing = False
-        self.admitted, self.ready = 0, None
+        self.calls, self.ready = {}, None
 
     def _held_samples(self) -> int:
         return 0

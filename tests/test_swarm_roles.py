@@ -288,6 +288,7 @@ def test_a_backward_calls_samples_count_once_toward_the_batch_from_admission_to_
 
         def __init__(self):
             self.local_samples, self.snapshot, self.step, self.resent, self.snapshot_resent = 0, None, 0, {}, {}
+            self.late: dict = {}
             self.calls: dict[int, dict] = {}
 
     peer = Peer()

@@ -260,7 +260,7 @@ class PeerRebalancer:
         deadline = started + self.drain_timeout_s
 
         def busy() -> bool:  # calls admitted or computing, or a step under way
-            return bool(peer.meter.queue or peer.admitted or peer.closing or peer.ready is not None)
+            return bool(peer.meter.queue or peer.calls or peer.closing or peer.ready is not None)
 
         while time.monotonic() < deadline and busy():
             await asyncio.sleep(0.05)

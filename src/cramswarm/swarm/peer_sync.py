@@ -75,8 +75,12 @@ its gradients apart (``resent``: summed gradients, samples and loss per microbat
 record. At the step every member applies ``resent_kept`` to the group's records: a re-sent microbatch that a member
 of the group accumulated is dropped (``duplicate_samples``), one held apart by several members only is kept by the
 lowest uid, and the keeper adds its copy to its snapshot before the all-reduce. Before this, both copies went into
-the step. One case is left: the first replica's call, when it outlasts the close of that replica's step
-(``sync_timeout_s``), lands after its snapshot and counts toward its next step as well.
+the step. The two copies can also fall into different steps: the first replica computes its call after its
+snapshot (it was queued there), while the re-sent copy is in the step being taken; or the re-sent copy is computed
+after its replica's snapshot, while the first is in the step. So a peer holds apart every call it computes while it
+steps (``late``) and, when it applies the step, drops those and the re-sent ones whose microbatch the step holds
+(``duplicate_samples``) and accumulates the other late ones (``_settle_late``). Until 2026-11-28 such a call counted
+in both steps.
 """
 
 from __future__ import annotations
@@ -352,7 +356,6 @@ class SyncingStagePeer(StagePeer):
         self.ready: tuple[int, int, float, float] | None = None  # (step, samples, loss sum, training seconds at
                                    # the snapshot) while waiting to average
         self.clock_origin: float | None = None  # CLOCK_FILE's origin, once read
-        self.admitted = 0          # samples of backward calls admitted whose replies have not left
         # the backward calls admitted whose replies have not left, by admission number: their samples and state
         # ("queued", "computing", "computed": held from then on in the accumulated gradients or apart). The call's
         # RPC removes its entry when it ends; a call whose RPC was cancelled may still compute later, on its own
@@ -393,6 +396,9 @@ class SyncingStagePeer(StagePeer):
         # flat fp32 vector, samples, loss sum); the step adds those that no other replica holds (resent_kept)
         self.resent: dict[int, tuple[torch.Tensor, int, float]] = {}
         self.snapshot_resent: dict[int, tuple[torch.Tensor, int, float]] = {}
+        # backward calls computed while this peer steps (snapshot taken, step not applied), held apart the same
+        # way until it applies the step (_settle_late): another replica's re-sent copy may be in that step
+        self.late: dict[int, tuple[torch.Tensor, int, float]] = {}
         self.shard_dir = Path(cfg.get("shard_dir") or self.workdir / "shards")
         self.checkpoint_every_s = float(cfg.get("checkpoint_every_s", 60.0))
         self.shard_step, self.last_write, self.writing = 0, time.monotonic(), False
@@ -426,6 +432,8 @@ class SyncingStagePeer(StagePeer):
             return self._duplicate_backward(tensors, meta)
         if mb is not None and meta.get("resent"):
             return self._resent_backward(tensors, meta, start)
+        if mb is not None and self._stepping():
+            return self._late_backward(tensors, meta, start)
         result, out_meta = super()._backward(tensors, meta)
         self.meter.served(call_units("backward", out_meta["samples"], self.is_last), time.perf_counter() - start)
         if "loss" in out_meta:
@@ -438,7 +446,40 @@ class SyncingStagePeer(StagePeer):
     def _held_mbs(self) -> set[int]:
         """Microbatches this stage stepped, or this peer holds toward its step (accumulated or apart)."""
         return (self.stepped_mbs | self.local_mbs | self.snapshot_mbs | set(self.resent)
-                | set(self.snapshot_resent))
+                | set(self.snapshot_resent) | set(self.late))
+
+    def _stepping(self) -> bool:
+        """Whether this peer took its step's snapshot and has not applied the step yet."""
+        return self.snapshot is not None and self.snapshot[0] == self.step
+
+    def _late_backward(self, tensors: dict[str, torch.Tensor], meta: dict, start: float) -> tuple[dict, dict]:
+        """A backward call computed while this peer steps (a call it admitted before the snapshot and had queued):
+        held apart (``late``) until the step is applied. If the call's trainer gave up on it meanwhile (it waited
+        past the trainer's timeout), a copy re-sent to another replica may be in the step being taken (this peer's
+        snapshot does not list the microbatch); accumulated at once, it would count in the next step too."""
+        result, out_meta, flat = self._backward_apart(tensors, meta, keep=True)
+        n = int(out_meta["samples"])
+        self.late[int(meta["mb"])] = (flat, n, float(out_meta.get("loss", 0.0)) * n)
+        self.meter.served(call_units("backward", n, self.is_last), time.perf_counter() - start)
+        self.last_backward = time.time()
+        return result, out_meta
+
+    def _settle_late(self, stepped: set[int]) -> None:
+        """After a step that stepped the microbatches ``stepped`` (or, empty, a step given up): the calls held apart
+        while it was taken (``late``) are added to the accumulated gradients toward the next step, except those of
+        a stepped microbatch (a re-sent copy counted there: ``duplicate_samples``); so are the re-sent calls held
+        apart since the snapshot (``resent``), which otherwise stay apart for the next step's group."""
+        for mb in [mb for mb in self.resent if mb in stepped]:
+            self.counters["duplicate_samples"] += self.resent.pop(mb)[1]
+        late, self.late = self.late, {}
+        for mb, (flat, n, loss) in late.items():
+            if mb in stepped:
+                self.counters["duplicate_samples"] += n
+                continue
+            self._add_flat(flat)
+            self.local_samples += n
+            self.local_loss += loss
+            self.local_mbs.add(mb)
 
     def _resent_backward(self, tensors: dict[str, torch.Tensor], meta: dict, start: float) -> tuple[dict, dict]:
         """A re-sent backward call (``meta["resent"]``; the replica it went to first may still compute it): its
@@ -507,6 +548,7 @@ class SyncingStagePeer(StagePeer):
             self.stepped_samples += samples
             self.stepped_mbs |= mbs
             self.snapshot_mbs, self.snapshot_resent = set(), {}
+            self._settle_late(mbs)
         return reply
 
     def _take_held(self) -> tuple[dict, dict]:
@@ -534,10 +576,7 @@ class SyncingStagePeer(StagePeer):
         mbs, held = {int(i) for i in meta["mbs"]}, self._held_mbs()
         if mbs & held:
             return {"status": "refused", "reason": "a microbatch held twice"}
-        flat = tensors["grad"]
-        for p, g in zip(self.params, torch.split(flat, [p.numel() for p in self.params])):
-            g = g.to(p.device, p.dtype).view_as(p)
-            p.grad = g if p.grad is None else p.grad.add_(g)
+        self._add_flat(tensors["grad"])
         self.local_samples += int(meta["samples"])
         self.local_loss += float(meta["loss"])
         self.local_mbs |= mbs
@@ -550,6 +589,17 @@ class SyncingStagePeer(StagePeer):
                 self.resent[int(mb)] = (tensors["resent"][row], int(n), float(loss))
         return {"status": "ok"}
 
+    def _drop_snapshot(self) -> None:
+        """End a step that stepped nothing: the snapshot goes, the calls held apart meanwhile are accumulated."""
+        self.snapshot = None
+        self._settle_late(set())
+
+    def _add_flat(self, flat: torch.Tensor) -> None:
+        """Add gradient sums held as one flat fp32 vector (``_flat_grads``' layout) to the accumulated ones."""
+        for p, g in zip(self.params, torch.split(flat, [p.numel() for p in self.params])):
+            g = g.to(p.device, p.dtype).view_as(p)
+            p.grad = g if p.grad is None else p.grad.add_(g)
+
     def _extra_state(self) -> dict:
         return {"stepped_samples": self.stepped_samples, "stepped_mbs": sorted(self.stepped_mbs)}
 
@@ -557,7 +607,7 @@ class SyncingStagePeer(StagePeer):
         self.stepped_samples = int(state.get("stepped_samples", 0))
         self.stepped_mbs = {int(i) for i in state.get("stepped_mbs", [])}
         self.local_mbs, self.snapshot_mbs = set(), set()
-        self.resent, self.snapshot_resent = {}, {}
+        self.resent, self.snapshot_resent, self.late = {}, {}, {}
         self.local_loss = self.snapshot_loss = 0.0
         self.ready = None
         self.digest = self._digest()
@@ -572,7 +622,7 @@ class SyncingStagePeer(StagePeer):
         """Samples whose gradients this peer holds toward its current step (snapshot and since)."""
         current = self.snapshot is not None and self.snapshot[0] == self.step
         snap = self.snapshot[2] + sum(n for _, n, _ in self.snapshot_resent.values()) if current else 0
-        apart = sum(n for _, n, _ in self.resent.values())
+        apart = sum(n for _, n, _ in self.resent.values()) + sum(n for _, n, _ in self.late.values())
         # a computed call's samples are held from the end of its compute; counted as admitted too until its reply
         # left, they made the stage step short of its batch (176 samples of 192 typical)
         return self.local_samples + snap + apart + self._calls_samples("queued", "computing")
@@ -675,7 +725,6 @@ class SyncingStagePeer(StagePeer):
             self.counters["admission_wait_s"] += waited
             self.counters["held_calls"] += 1
         self._refuse_if_leaving()
-        self.admitted += samples
         self.since_read += samples
         admission, self.admissions_made = self.admissions_made, self.admissions_made + 1
         self.calls[admission] = call = {"samples": samples, "state": "queued"}
@@ -687,7 +736,6 @@ class SyncingStagePeer(StagePeer):
         try:
             result, out_meta = await self._metered(self._backward, tensors, meta)
         finally:
-            self.admitted -= samples
             self.calls.pop(admission, None)
         self.counters["backward_samples"] += samples  # what the trainers' routing gave this peer
         out_meta = {**out_meta, "held_s": round(waited, 4)}   # the trainer's balancer leaves it out of the call's time
@@ -721,7 +769,7 @@ class SyncingStagePeer(StagePeer):
         heirs = sorted(uid for uid in records if uid != self.uid)
         # checked after the last await before the take: no step can begin in between (one event loop)
         nothing = self.local_samples == 0 and not self.resent
-        if not heirs or nothing or self.admitted or self.closing or self.ready is not None or (
+        if not heirs or nothing or self.calls or self.closing or self.ready is not None or (
                 self.snapshot is not None and self.snapshot[0] == self.step):
             return 0
         tensors, meta = await self._run(self._take_held)   # queued on the compute thread before any snapshot
@@ -859,14 +907,12 @@ class SyncingStagePeer(StagePeer):
         self.read_remaining, self.since_read = target - pending, 0
         self.read_rates = {uid: float(r.get("rate", 0.0)) for uid, r in at_step.items()} | {self.uid: self._rate()}
         self.read_stamp = min((float(r.get("t", 0.0)) for r in at_step.values()), default=float("inf"))
-        if any(r.get("ready") for r in at_step.values()) or pending >= target:
-            # what this peer read when it stepped (the sync log's ``trigger``): the others' samples, its own, the target
+        ready = sorted(u for u, r in at_step.items() if r.get("ready"))
+        if ready or pending >= target or (pending > 0 and await self._flushing()):
+            # what this peer read when it stepped (the sync log's ``trigger``): the others' samples, its own, the
+            # target, the replicas ready at its step, and whether the launcher's flush made it step short
             self.trigger = {"others": self.others_pending, "own": pending - self.others_pending, "target": target,
-                            "ready": sorted(u for u, r in at_step.items() if r.get("ready"))}
-            await self._step()
-        elif pending > 0 and await self._flushing():
-            self.trigger = {"others": self.others_pending, "own": pending - self.others_pending, "target": target,
-                            "flush": True}
+                            "ready": ready, "flush": not ready and pending < target}
             await self._step()
         elif self.step > self.shard_step and not self.writing:
             await self._flushing()  # the final shard waits for the launcher's flush record
@@ -997,7 +1043,8 @@ class SyncingStagePeer(StagePeer):
             kept_samples, kept_loss = resent_samples(group, kept)
             total = sum(int(group[uid]["snap"]) for uid in uids) + kept_samples
             if total == 0:  # nobody holds gradients (e.g. a flush after the last step): nothing to step, and
-                self.ready = self.snapshot = None  # the empty snapshot must not be reused by the next attempt
+                self.ready = None  # the empty snapshot must not be reused by the next attempt
+                await self._run_next(self._drop_snapshot)
                 return
             group_id = hashlib.sha1("|".join([self.run_id, str(self.stage), str(step)] +
                                              [f"{uid}:{group[uid]['snap']}:{group[uid].get('at', 0.0)}"
