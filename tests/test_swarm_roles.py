@@ -285,6 +285,7 @@ def test_a_backward_calls_samples_count_once_toward_the_batch_from_admission_to_
 
     class Peer:   # SyncingStagePeer's count of held samples on state this test sets
         _held_samples, _calls_samples = SyncingStagePeer._held_samples, SyncingStagePeer._calls_samples
+        _stepping = SyncingStagePeer._stepping
 
         def __init__(self):
             self.local_samples, self.snapshot, self.step, self.resent, self.snapshot_resent = 0, None, 0, {}, {}

@@ -465,10 +465,11 @@ class SyncingStagePeer(StagePeer):
         return result, out_meta
 
     def _settle_late(self, stepped: set[int]) -> None:
-        """After a step that stepped the microbatches ``stepped`` (or, empty, a step given up): the calls held apart
-        while it was taken (``late``) are added to the accumulated gradients toward the next step, except those of
-        a stepped microbatch (a re-sent copy counted there: ``duplicate_samples``); so are the re-sent calls held
-        apart since the snapshot (``resent``), which otherwise stay apart for the next step's group."""
+        """After a step that stepped the microbatches ``stepped`` (or, empty, a step that stepped nothing): the calls
+        held apart while it was taken (``late``) are added to the accumulated gradients toward the next step, but
+        those of a stepped microbatch are dropped (a re-sent copy counted there: ``duplicate_samples``). Re-sent
+        calls held apart since the snapshot (``resent``) are dropped if their microbatch was stepped, and otherwise
+        stay apart for the next step's group."""
         for mb in [mb for mb in self.resent if mb in stepped]:
             self.counters["duplicate_samples"] += self.resent.pop(mb)[1]
         late, self.late = self.late, {}
@@ -620,8 +621,7 @@ class SyncingStagePeer(StagePeer):
 
     def _held_samples(self) -> int:
         """Samples whose gradients this peer holds toward its current step (snapshot and since)."""
-        current = self.snapshot is not None and self.snapshot[0] == self.step
-        snap = self.snapshot[2] + sum(n for _, n, _ in self.snapshot_resent.values()) if current else 0
+        snap = self.snapshot[2] + sum(n for _, n, _ in self.snapshot_resent.values()) if self._stepping() else 0
         apart = sum(n for _, n, _ in self.resent.values()) + sum(n for _, n, _ in self.late.values())
         # a computed call's samples are held from the end of its compute; counted as admitted too until its reply
         # left, they made the stage step short of its batch (176 samples of 192 typical)
@@ -769,8 +769,7 @@ class SyncingStagePeer(StagePeer):
         heirs = sorted(uid for uid in records if uid != self.uid)
         # checked after the last await before the take: no step can begin in between (one event loop)
         nothing = self.local_samples == 0 and not self.resent
-        if not heirs or nothing or self.calls or self.closing or self.ready is not None or (
-                self.snapshot is not None and self.snapshot[0] == self.step):
+        if not heirs or nothing or self.calls or self.closing or self.ready is not None or self._stepping():
             return 0
         tensors, meta = await self._run(self._take_held)   # queued on the compute thread before any snapshot
         for uid in heirs:
