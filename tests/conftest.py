@@ -102,7 +102,7 @@ def tiny_run(tmp_path):
 def recipe(**kw):
     """The default config's pretrain section (schema defaults filled in), shrunk to test size."""
     base = dict(budget={"unit": "steps", "value": 30}, micro_batch_sequences=8, batch_sequences=16, lr=3e-3,
-                warmup_fraction=0.0, precision="bf16", device="cpu", log_every_steps=5, eval_blocks=16, eval_points=2)
+                warmup_fraction=0.0, precision="auto", device="cpu", log_every_steps=5, eval_blocks=16, eval_points=2)
     return DEFAULT["pretrain"] | base | kw
 
 

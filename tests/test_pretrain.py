@@ -19,7 +19,6 @@ from cramswarm.training import (
     decay_groups,
     lr_multiplier,
     mask_tokens,
-    resolve_precision,
 )
 
 
@@ -191,11 +190,6 @@ def test_pretrain_rejects_holding_out_every_block(tiny_run):
     n = len(np.load(folder / "blocks.npy"))
     with pytest.raises(ValueError, match="pretrain.eval_blocks"):
         pretrain(recipe(eval_blocks=n - 4), ARCH, folder / "blocks.npy", tok_path, folder / "x", progress=False)
-
-
-def test_precision_auto_is_bf16_on_cpu():
-    assert resolve_precision("auto", torch.device("cpu")) == "bf16"
-    assert resolve_precision("fp32", torch.device("cpu")) == "fp32"
 
 
 def test_pretrain_resumes_from_saved_state_in_process(tiny_run):

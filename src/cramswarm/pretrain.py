@@ -26,14 +26,13 @@ from cramswarm.distributed import World
 from cramswarm.io import atomic_path, write_json
 from cramswarm.models.crammed_bert import unwrap_compiled
 from cramswarm.provenance import provenance
+from cramswarm.precision import autocast, choose_precision
 from cramswarm.training import (
-    autocast,
     budget_progress,
     build_model,
     make_optimizer,
     mask_tokens,
     resolve_device,
-    resolve_precision,
     save_checkpoint,
     step_accumulation,
     step_lr,
@@ -329,7 +328,9 @@ def _pretrain(
     if world.size > 1 and device.type == "cuda":
         device = torch.device("cuda", world.local_rank)
     say = print if world.main else lambda *args, **kwargs: None
-    precision = resolve_precision(recipe["precision"], device)
+    chosen = choose_precision(recipe["precision"], device)
+    precision = chosen.name
+    say(f"precision {precision} ({chosen.reason})", flush=True)
     tok, blocks, n_blocks = load_training_data(recipe, tokenizer_path, blocks_path, expected_vocab)
     vocab_size = tok.get_vocab_size()
     micro = recipe["micro_batch_sequences"]
@@ -576,6 +577,7 @@ def _pretrain(
         "skipped_nonfinite": c["skipped_nonfinite"],
         "reloaded_after_nonfinite": c["reloaded"],
         "precision": precision,
+        "precision_reason": chosen.reason,
         "device": str(device),
         "processes": world.size,
         "recipe": recipe,

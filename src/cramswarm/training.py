@@ -167,24 +167,6 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_precision(name: str, device: torch.device) -> str:
-    """``auto``: bf16 on CPUs and on GPUs that support it, fp16 (with a GradScaler) on older GPUs."""
-    if name != "auto":
-        return name
-    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        return "fp16"
-    return "bf16"
-
-
-def autocast(precision: str, device: torch.device):
-    if precision == "fp32":
-        return torch.autocast(device.type, enabled=False)
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    if dtype == torch.float16 and device.type != "cuda":
-        raise ValueError("precision fp16 needs a CUDA device; use bf16 or fp32 on CPU")
-    return torch.autocast(device.type, dtype=dtype)
-
-
 def accumulation_at(t: float, final_accumulation: int, ramp_fraction: float) -> int:
     """Micro-batches per optimizer step at budget progress ``t``: one at the start, growing linearly in
     micro-batch steps to ``final_accumulation`` at ``t = ramp_fraction`` (Cramming's batch-size ramp)."""

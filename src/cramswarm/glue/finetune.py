@@ -31,7 +31,8 @@ from cramswarm.glue.metrics import compute_metrics
 from cramswarm.glue.tasks import get_task
 from cramswarm.io import write_json
 from cramswarm.provenance import provenance
-from cramswarm.training import autocast, resolve_device, resolve_precision
+from cramswarm.precision import autocast, choose_precision
+from cramswarm.training import resolve_device
 
 BUCKET_POOL_BATCHES = 50  # batches per pool inside which examples are sorted by length
 # Keys of a protocol (cramswarm.config.glue_protocol: a glue.protocols entry plus the shared settings).
@@ -158,7 +159,8 @@ def finetune(
     start = time.perf_counter()
     torch.manual_seed(seed)
     device = resolve_device(protocol["device"])
-    precision = resolve_precision(precision, device)
+    chosen = choose_precision(precision, device)
+    precision = chosen.name
     model, tok = load_model(checkpoint, task, protocol["dropout"])
     model.to(device)
     train_rows = read_glue(data_path, "train")
@@ -220,6 +222,8 @@ def finetune(
         "protocol": {key: protocol[key] for key in ("name", *PROTOCOL_KEYS) if key in protocol},
         "steps": total_steps,
         "final_lr": scheduler.get_last_lr()[0],
+        "precision": precision,
+        "precision_reason": chosen.reason,
         "epochs": protocol["epochs"],
         "train_examples": len(train_rows),
         "train_loss_per_epoch": [round(x, 5) for x in losses],
@@ -285,11 +289,13 @@ def finetune_seeds(
     """
     if len(seeds) != len(outs):
         raise ValueError(f"{len(seeds)} seeds but {len(outs)} output paths")
+    resolved = choose_precision(precision, resolve_device(protocol["device"]))
+    print(f"precision {resolved.name} ({resolved.reason})", flush=True)
     results = []
     for seed, out in zip(seeds, outs):
         cached = None
         if cache_dir is not None:
-            key = cache_key(checkpoint, task, data_path, seed, protocol, labels, precision)
+            key = cache_key(checkpoint, task, data_path, seed, protocol, labels, resolved.name)
             cached = Path(cache_dir) / f"{task}-s{seed}-{key}.json"
             if cached.is_file():
                 result = json.loads(cached.read_text())

@@ -53,12 +53,11 @@ from cramswarm.swarm.policies import (
     microbatch_path,
 )
 from cramswarm.swarm.stages import build_swarm_model, split_model
+from cramswarm.precision import autocast, resolve_precision
 from cramswarm.training import (
     apply_gradients,
-    autocast,
     budget_progress,
     make_optimizer,
-    resolve_precision,
     step_accumulation,
     step_lr,
 )

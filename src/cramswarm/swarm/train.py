@@ -42,10 +42,10 @@ from cramswarm.io import atomic_path, read_json, write_json
 from cramswarm.pretrain import LOG_COLUMNS, HeldOut, load_training_data
 from cramswarm.provenance import provenance
 from cramswarm.swarm.stages import assemble_model, build_swarm_model, check_stage_count, split_model
+from cramswarm.precision import choose_precision
 from cramswarm.training import (
     budget_progress,
     mask_tokens,
-    resolve_precision,
     save_checkpoint,
     step_accumulation,
 )
@@ -195,6 +195,9 @@ def swarm_pretrain(
                   f"state folder (nothing to train)", flush=True)
             remove_state(state_dir)
             return read_json(out_dir / "summary.json")
+    # CPU peers (and the evaluation below) run in this precision; a peer on a GPU chooses for its GPU
+    chosen = choose_precision(recipe["precision"], torch.device("cpu"))
+    print(f"precision {chosen.name} on the CPU ({chosen.reason})", flush=True)
     tok, blocks, n_blocks = load_training_data(recipe, tokenizer_path, blocks_path, expected_vocab)
     vocab_size = tok.get_vocab_size()
     micro = recipe["micro_batch_sequences"]
@@ -229,7 +232,7 @@ def swarm_pretrain(
         stage.load_state_dict(state)
     model = assemble_model(stages, shape.config)
     device = torch.device("cpu")
-    precision = resolve_precision(recipe["precision"], device)
+    precision = chosen.name
     eval_loss = None
     if recipe["eval_blocks"]:
         heldout = HeldOut(blocks[n_blocks:], recipe["eval_mask_rate"], vocab_size, micro)
@@ -257,6 +260,7 @@ def swarm_pretrain(
         "parameters": sum(p.numel() for p in model.parameters()),
         "budget": recipe["budget"],
         "precision": precision,
+        "precision_reason": chosen.reason,
         "device": str(device),
         "recipe": recipe,
         "arch": arch,
