@@ -15,8 +15,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 import cramswarm  # noqa: E402,F401  (registers the Auto classes)
 from cramswarm.data import tokenizer as tokenization  # noqa: E402
 from cramswarm.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM  # noqa: E402
-from cramswarm.pretrain import HeldOut, pretrain  # noqa: E402
 from cramswarm.precision import resolve_precision  # noqa: E402
+from cramswarm.pretrain import HeldOut, pretrain  # noqa: E402
 from cramswarm.training import resolve_device  # noqa: E402
 
 CUDA = torch.device("cuda")

@@ -25,8 +25,8 @@ from cramswarm.data.packing import load_blocks
 from cramswarm.distributed import World
 from cramswarm.io import atomic_path, write_json
 from cramswarm.models.crammed_bert import unwrap_compiled
-from cramswarm.provenance import provenance
 from cramswarm.precision import autocast, choose_precision
+from cramswarm.provenance import provenance
 from cramswarm.training import (
     budget_progress,
     build_model,

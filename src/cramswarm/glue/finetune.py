@@ -30,8 +30,8 @@ from cramswarm.data.sources import read_glue
 from cramswarm.glue.metrics import compute_metrics
 from cramswarm.glue.tasks import get_task
 from cramswarm.io import write_json
-from cramswarm.provenance import provenance
 from cramswarm.precision import autocast, choose_precision
+from cramswarm.provenance import provenance
 from cramswarm.training import resolve_device
 
 BUCKET_POOL_BATCHES = 50  # batches per pool inside which examples are sorted by length

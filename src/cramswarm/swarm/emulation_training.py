@@ -30,6 +30,7 @@ from typing import Any, Iterator
 import torch
 from tqdm.auto import tqdm
 
+from cramswarm.precision import autocast, resolve_precision
 from cramswarm.swarm.compression import COMPRESSIONS, decode, encode, payload_bytes, wire_scheme
 from cramswarm.swarm.emulation import (
     Dropped,
@@ -53,7 +54,6 @@ from cramswarm.swarm.policies import (
     microbatch_path,
 )
 from cramswarm.swarm.stages import build_swarm_model, split_model
-from cramswarm.precision import autocast, resolve_precision
 from cramswarm.training import (
     apply_gradients,
     budget_progress,

@@ -84,10 +84,10 @@ from hivemind.utils.asyncio import achain, as_aiter
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
+from cramswarm.precision import autocast, resolve_precision
 from cramswarm.swarm.averaging import StageAllReduce, average, chunk_timeout_s, codec, state_timeout_s
 from cramswarm.swarm.compression import decode, encode, payload_to, wire_scheme
 from cramswarm.swarm.stages import SavedActivations, build_stage, rss_bytes
-from cramswarm.precision import autocast, resolve_precision
 from cramswarm.training import apply_gradients, make_optimizer, resolve_device
 
 CHUNK_BYTES = 2**20        # streamed message chunk (well below p2pd's 4 MiB message limit)

@@ -39,10 +39,10 @@ import numpy as np
 import torch
 
 from cramswarm.io import atomic_path, read_json, write_json
+from cramswarm.precision import choose_precision
 from cramswarm.pretrain import LOG_COLUMNS, HeldOut, load_training_data
 from cramswarm.provenance import provenance
 from cramswarm.swarm.stages import assemble_model, build_swarm_model, check_stage_count, split_model
-from cramswarm.precision import choose_precision
 from cramswarm.training import (
     budget_progress,
     mask_tokens,
