@@ -6,7 +6,8 @@
 * CPU: bf16 only where this CPU has native bf16 matmuls, as torch reports them (AMX tiles or AVX512-BF16
   on x86, with torch dispatching AVX512 kernels); fp32 on every other x86 CPU, where torch emulates bf16
   matmuls (measured 70x slower than fp32 on an AVX2-only AMD EPYC). On other architectures (ARM, POWER)
-  torch reports no such flag, so a short matmul probe, measured once per process, decides: bf16 where it is not slower than fp32.
+  torch reports no such flag, so a short matmul probe, measured once per process, decides: bf16 where it
+  is not slower than fp32.
 
 An explicit ``bf16`` on a CPU without native bf16 still runs, with a one-line warning naming the slowdown the
 probe measured. :func:`choose_precision` returns the precision with its reason, which every pretraining
