@@ -12,8 +12,10 @@ Measures, each with the command a user types:
 Every command runs in the clone with ``PYTHONPATH`` set to the clone's ``src/``, so the code measured is the
 commit's, whatever is installed. Writes one CSV row per measurement (the measured wall time, the target, whether
 it was met, the job count where Snakemake planned jobs, the commit, the cores and the load average when it
-started); ``python -m cramswarm docs`` renders it in the README (block ``table:front_door.csv``). Run it on an
-otherwise idle machine: the load column says whether it was.
+started, torch's CPU capability and the precision ``precision: auto`` chose there, so that nobody reads another
+CPU's number as theirs); ``python -m cramswarm docs`` renders it in the README (block ``table:front_door.csv``).
+Run it on an otherwise idle machine: the load column says whether it was. ``ATEN_CPU_CAPABILITY=avx2
+ONEDNN_MAX_CPU_ISA=AVX2`` in its environment measures an AVX512 CPU as one without native bf16.
 
     python benchmarks/front_door.py --smoke --out results/readme/front_door.csv
 """
@@ -41,7 +43,8 @@ PAPER_OVERLAYS = {
 }
 SMOKE = ["--cores", "2", "--configfile", "config/config.yaml", "config/test/tiny.yaml"]
 DEFAULT = ["--cores", "8"]
-FIELDS = ("measurement", "command", "wall_s", "target_s", "met", "jobs", "commit", "date_utc", "cores", "load_1min")
+FIELDS = ("measurement", "command", "wall_s", "target_s", "met", "jobs", "commit", "date_utc", "cores", "load_1min",
+          "cpu_capability", "auto_precision")  # fmt: skip
 
 
 def timed(cmd: list[str], cwd: Path, env: dict) -> tuple[float, str]:
@@ -83,12 +86,17 @@ def main(argv: list[str] | None = None) -> int:
         if shared.is_dir() and not (clone.parent / "shared").exists():
             (clone.parent / "shared").symlink_to(shared)
         env = {**os.environ, "PYTHONPATH": str(clone / "src")}
+        # what the machine is: torch's CPU capability and what precision: auto picks on it (bf16 only where native)
+        probe = ("import torch; from cramswarm import precision as p; "
+                 "print(p.cpu_capability(), p.choose_precision('auto', torch.device('cpu')).name)")
+        _, machine = timed([sys.executable, "-c", probe], clone, env)
+        capability, auto_precision = machine.split()[-2:]
 
         def record(name: str, command: list[str], wall: float, target: float, jobs: int | None, load: float) -> None:
             row = dict(measurement=name, command=" ".join(command), wall_s=f"{wall:.2f}", target_s=f"{target:g}",
                        met="yes" if wall <= target else "no", jobs="" if jobs is None else jobs, commit=commit,
                        date_utc=datetime.now(UTC).strftime("%Y-%m-%d"), cores=os.cpu_count(),
-                       load_1min=f"{load:.1f}")  # fmt: skip
+                       load_1min=f"{load:.1f}", cpu_capability=capability, auto_precision=auto_precision)  # fmt: skip
             rows.append(row)
             print(f"{name:<36} {wall:8.2f} s (target {target:g} s) {'' if jobs is None else f'{jobs} jobs'}")
 
