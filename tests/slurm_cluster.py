@@ -18,6 +18,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from conftest import snakemake
+
 CONF = Path("/etc/slurm/slurm.conf")
 MARK = "# Test cluster of cramswarm's tests/slurm_cluster.py (removed when the tests end)\n"
 LOCK = Path("/tmp/cramswarm-slurm-test.lock")
@@ -196,3 +198,15 @@ PartitionName={self.partition} Nodes={self.node} Default=YES MaxTime=INFINITE St
             fields = dict(re.findall(r"(\w+)=(\S*)", run("scontrol", "show", "job", job["id"]).stdout))
             job.update(restarts=int(fields["Restarts"]), time_limit=fields["TimeLimit"], tres=fields["TRES"])
         return jobs
+
+
+def env(**values):
+    """This environment without CRAMSWARM_SLURM_* variables, plus ``values``."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("CRAMSWARM_SLURM_")}
+    return {**base, **values}
+
+
+def planned_resources(work, *args, environ=None) -> dict[str, str]:
+    """{rule: its 'resources:' line} of a dry run."""
+    out = snakemake(work, "-n", *args, env=environ, timeout=300).stdout
+    return dict(re.findall(r"^(?:local)?rule (\w+):\n(?:    .*\n)*?    resources: (.*)$", out, re.M))

@@ -5,7 +5,7 @@ pretraining jobs go through `snakemake --workflow-profile profiles/slurm` exactl
 CPU-only cluster's user. SLURM requeues the pretrain job mid-run (as a preempting scheduler does); it must
 resume from its saved state, and the outputs must equal the local run's. Bad input (a missing partition, a
 GPU job on a partition without GPUs) must fail fast with sbatch's message. Where SLURM cannot be installed or
-started, the cluster tests skip with the reason; the dry-run checks of the profiles run everywhere.
+started, the cluster tests skip with the reason. The profiles' dry-run checks are in test_slurm_profile.py.
 """
 
 import contextlib
@@ -23,7 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import TINY, copy_workflow, job_stats, planned_jobs, snakemake
-from slurm_cluster import LocalSlurm, Unavailable, run
+from slurm_cluster import LocalSlurm, Unavailable, env, planned_resources, run
 
 pytestmark = pytest.mark.slurm
 
@@ -42,11 +42,6 @@ def workflow(tmp_path_factory, name):
     work = copy_workflow(tmp_path_factory.mktemp(name))
     (work / "slurm_test.yaml").write_text(OVERLAY)
     return work
-
-
-def env(**values):
-    base = {k: v for k, v in os.environ.items() if not k.startswith("CRAMSWARM_SLURM_")}
-    return {**base, **values}
 
 
 @pytest.fixture(scope="module")
@@ -192,68 +187,6 @@ def test_gpu_job_on_a_partition_without_gpus_fails_with_sbatchs_message(on_slurm
 
 
 # The profiles' resources, from dry runs (no cluster needed).
-def planned_resources(work, *args, environ=None) -> dict[str, str]:
-    """{rule: its 'resources:' line} of a dry run."""
-    out = snakemake(work, "-n", *args, env=environ, timeout=300).stdout
-    return dict(re.findall(r"^(?:local)?rule (\w+):\n(?:    .*\n)*?    resources: (.*)$", out, re.M))
-
-
-@pytest.fixture(scope="module")
-def dry(tmp_path_factory):
-    return copy_workflow(tmp_path_factory.mktemp("dry"))
-
-
-def test_slurm_profile_puts_gpu_rules_on_the_gpu_partition(dry):
-    environ = env(CRAMSWARM_SLURM_PARTITION="cpu", CRAMSWARM_SLURM_GPU_PARTITION="gpu", CRAMSWARM_SLURM_GPUS="2",
-                  CRAMSWARM_SLURM_ACCOUNT="lab")
-    resources = planned_resources(dry, "--workflow-profile", "profiles/slurm", f"{PRETRAIN}/summary.json", *TINY,
-                                  environ=environ)
-    assert "slurm_partition=gpu" in resources["pretrain"] and "gpu=2" in resources["pretrain"]
-    assert "slurm_account=lab" in resources["pretrain"]
-    assert "slurm_partition=cpu" in resources["train_tokenizer"] and "gpu" not in resources["train_tokenizer"]
-    # memory and time are the rules' own (estimated from the config), not the profile's
-    local = planned_resources(dry, f"{PRETRAIN}/summary.json", *TINY)
-    for rule in ("pretrain", "train_tokenizer", "pack_corpus"):
-        for key in ("runtime", "mem_mb"):
-            assert re.search(rf"\b{key}=(\d+)", resources[rule])[1] == re.search(rf"\b{key}=(\d+)", local[rule])[1]
-
-
-def test_data_parallel_pretraining_asks_for_a_gpu_per_process(dry, tmp_path):
-    """pretrain.devices x pretrain.nodes processes: the profile's GPUs per process times that, the nodes, one CPU
-    per process on a node (threads), and memory for each process."""
-    overlay = tmp_path / "ddp.yaml"
-    target = [f"{PRETRAIN}/summary.json", *TINY]
-    single = planned_resources(dry, "--workflow-profile", "profiles/slurm", *target,
-                               environ=env(CRAMSWARM_SLURM_GPUS="1"))["pretrain"]  # fmt: skip
-    overlay.write_text("pretrain:\n  devices: 2\n")
-    gpus = planned_resources(dry, "--workflow-profile", "profiles/slurm", *target, str(overlay),
-                             environ=env(CRAMSWARM_SLURM_GPUS="1"))["pretrain"]  # fmt: skip
-    assert "gpu=1" in single and "nodes=1" in single
-    assert "gpu=2" in gpus and "nodes=1" in gpus
-    assert int(re.search(r"\bmem_mb=(\d+)", gpus)[1]) > int(re.search(r"\bmem_mb=(\d+)", single)[1])
-    overlay.write_text("pretrain:\n  devices: 2\n  nodes: 2\n")
-    cpus = planned_resources(dry, "--workflow-profile", "profiles/slurm", *target, str(overlay),
-                             environ=env(CRAMSWARM_SLURM_GPUS="0"))["pretrain"]  # fmt: skip
-    assert "gpu=0" in cpus and "nodes=2" in cpus
-
-
-def test_local_gpu_jobs_hold_the_default_profiles_one_gpu(dry, tmp_path):
-    """pretrain and finetune hold the `gpu` that profiles/default caps at 1 where a GPU driver is there
-    (device auto), and none when their config says device: cpu."""
-    (tmp_path / "nvidia-smi").write_text("#!/bin/sh\n")
-    (tmp_path / "nvidia-smi").chmod(0o755)
-    with_gpu = env(PATH=f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    target = f"{PRETRAIN}/summary.json"
-    assert "gpu=1" in planned_resources(dry, target, *TINY, environ=with_gpu)["pretrain"]
-    cpu = tmp_path / "cpu.yaml"
-    cpu.write_text("pretrain:\n  device: cpu\n")
-    assert "gpu=0" in planned_resources(dry, target, *TINY, str(cpu), environ=with_gpu)["pretrain"]
-    finetune = "results/glue/synthetic/no_pretrain/v128/sst2/s0.json"  # glue.jobs per_model: rule finetune_model
-    assert "gpu=1" in planned_resources(dry, finetune, *TINY, environ=with_gpu)["finetune_model"]
-    cpu.write_text("glue:\n  device: cpu\n")
-    assert "gpu=0" in planned_resources(dry, finetune, *TINY, str(cpu), environ=with_gpu)["finetune_model"]
-
-
 # SWARM with swarm.placement srun: one SLURM job (2 stages x 1 peer: --ntasks=2, one CPU each on the 2-CPU test
 # node) whose batch step runs the launcher; every process it starts (bootstrap DHT, stage peers, trainers) is its own
 # srun job step (--overlap: they share the job's CPUs). Mid-run the test SIGKILLs a trainer's step (scancel): the

@@ -1,7 +1,7 @@
 """Transport 1 (real hivemind processes on localhost): joining the DHT, bounded calls, the attach placement's
 tasks (started apart from the launcher), clean-up. The launcher's training, kills, averaging and resume are in
 test_swarm_roles.py; peer-decided rebalancing in test_swarm_peer_rebalance.py; the in-stage all-reduce's traffic per
-codec in test_swarm_averaging.py. This file's helpers (plan, source, the tasks) serve those files too."""
+codec in test_swarm_averaging.py. Their shared helpers are in swarm_helpers.py."""
 
 from __future__ import annotations
 
@@ -23,42 +23,24 @@ import pytest
 
 pytest.importorskip("hivemind", reason="hivemind is not installed: transport 1 (real hivemind processes) is untested")
 
-from conftest import ARCH, recipe  # noqa: E402
+from swarm_helpers import (  # noqa: E402
+    MICRO,
+    NOWHERE,
+    job_tasks,
+    own_p2p_daemons,
+    plan,
+    processes_naming,
+    source,
+    start_tasks,
+    wait_all,
+)
 
 from cramswarm.swarm import hivemind_transport as ht  # noqa: E402
 from cramswarm.swarm.hivemind_peer import BootstrapError, RankTaken, claim_rank, join_swarm, listen_host  # noqa: E402
 from cramswarm.swarm.policies import RetryPolicy  # noqa: E402
-from cramswarm.swarm.toy import CountingSource, counting_microbatches  # noqa: E402
 from cramswarm.swarm.trainer import StageClient  # noqa: E402
 
-TINY = ARCH | dict(layers=2, hidden_size=64, heads=2, intermediate_size=128, max_positions=32)
-VOCAB, MICRO, SEQ = 128, 4, 32
-# A well-formed multiaddr of a peer that does not exist (nothing listens on port 1).
-NOWHERE = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWEpV7iEfzTwJ4NkkVYcuRhqCVNppEeuuE5eAqRXZUePKk"
 TESTS = Path(__file__).resolve().parent
-
-
-def batches(seed: int = 0):
-    """Masked microbatches of a learnable language: each sequence counts upward through 16 tokens (in order: what
-    the launcher refuses, its trainers make their own from a ``source``)."""
-    return counting_microbatches(MICRO, SEQ, seed)
-
-
-def source(seed: int = 0) -> CountingSource:
-    """The same language by microbatch index: the launcher's trainers make their own microbatches from it."""
-    return CountingSource(MICRO, SEQ, seed)
-
-
-def plan(**kw) -> ht.SwarmPlan:
-    base = dict(arch=TINY, vocab_size=VOCAB, peers_per_stage=[2, 2], trainers=2, compression="blockwise8",
-                recipe=recipe(micro_batch_sequences=MICRO, batch_sequences=4 * MICRO, lr=3e-3, batch_ramp_fraction=0.0,
-                              budget={"unit": "steps", "value": 1000}),
-                retry=RetryPolicy(forward_timeout_s=5.0, give_up_after_s=30.0), startup_timeout_s=120.0)
-    return ht.SwarmPlan(**(base | kw))
-
-
-def own_p2p_daemons() -> list[int]:
-    return sorted(ht._own_daemons())
 
 
 def test_unreachable_or_garbage_bootstrap_fails_fast_with_a_clear_error(tmp_path):
@@ -117,53 +99,6 @@ def test_declared_peers_that_never_answer_fail_the_trainers_call_within_the_boun
     assert len(calls) >= 3 and calls[0] == (0, "s0p1", "forward"), calls
     assert client.stats["timeouts"] == client.stats["retries"] == len(calls)
     assert 1.0 < waited < 30, waited
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Peers the launcher did not start (placements attach and srun): the tasks of a multi-node job
-# --------------------------------------------------------------------------------------------------------------
-def start_tasks(rendezvous, ranks, logs):
-    """Stand-ins for the tasks of one multi-node job: `swarm-peer` processes started apart from the launcher
-    (here before it, as the tasks of an srun step may be), each knowing only the rendezvous folder and its rank."""
-    logs.mkdir(exist_ok=True)
-    return [subprocess.Popen([sys.executable, "-m", "cramswarm", "swarm-peer", "--rendezvous", str(rendezvous),
-                              "--rank", str(rank)], stdout=open(logs / f"rank{rank}.log", "w"),
-                             stderr=subprocess.STDOUT, start_new_session=True) for rank in ranks]
-
-
-@contextlib.contextmanager
-def job_tasks(tmp_path, ranks):
-    """``start_tasks`` in ``tmp_path``; on leaving, tasks still running are SIGKILLed unless the launcher has
-    written its ``done`` file (they are leaving by themselves then). Yields (rendezvous, logs, tasks)."""
-    rendezvous, logs = tmp_path / "rendezvous", tmp_path / "logs"
-    tasks = start_tasks(rendezvous, ranks, logs)
-    try:
-        yield rendezvous, logs, tasks
-    finally:
-        for task in tasks:
-            if task.poll() is None and not (rendezvous / "done").exists():
-                os.killpg(task.pid, signal.SIGKILL)
-
-
-def processes_naming(text):
-    """Live processes whose command line mentions ``text`` (the tasks' peers and p2pd daemons carry the folder)."""
-    found = []
-    for proc in psutil.process_iter(["cmdline", "status"]):
-        with contextlib.suppress(psutil.Error):
-            if proc.info["status"] != psutil.STATUS_ZOMBIE and any(text in part for part in proc.info["cmdline"] or []):
-                found.append(proc.pid)
-    return found
-
-
-def wait_all(tasks, logs, timeout_s=60):
-    codes = []
-    for task in tasks:
-        try:
-            codes.append(task.wait(timeout=timeout_s))
-        except subprocess.TimeoutExpired:
-            task.kill()
-            codes.append(None)
-    assert codes == [0] * len(tasks), "\n".join(p.read_text()[-1500:] for p in sorted(logs.glob("*.log")))
 
 
 @pytest.mark.slow

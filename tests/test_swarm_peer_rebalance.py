@@ -13,8 +13,7 @@ from cramswarm.swarm.policies import LoadMeter, _uid_hash
 pytest.importorskip("hivemind", reason="hivemind is not installed: the peers' rebalancing is untested")
 
 from hivemind.utils import ValueWithExpiration, get_dht_time  # noqa: E402
-from test_swarm_hivemind import MICRO  # noqa: E402
-from test_swarm_roles import brief, launch  # noqa: E402
+from swarm_helpers import MICRO, brief, launch  # noqa: E402
 
 from cramswarm.swarm.hivemind_peer import stage_key  # noqa: E402
 from cramswarm.swarm.peer_rebalance import (  # noqa: E402

@@ -19,7 +19,9 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import ARCH, recipe
+from conftest import recipe
+from swarm_helpers import PARITY_NATS, SWARM
+from swarm_helpers import TRAIN_TINY as TINY
 from transformers import AutoModel, AutoModelForMaskedLM
 
 from cramswarm.data import tokenizer as tokenization
@@ -29,13 +31,6 @@ from cramswarm.swarm.emulation_training import train
 from cramswarm.swarm.stages import StageCountError, assemble_model, build_swarm_model, split_model
 from cramswarm.swarm.train import UNBOUNDED, planned_microbatches, swarm_pretrain
 from cramswarm.training import build_model, save_checkpoint
-
-PARITY_NATS = 0.1
-TINY = ARCH | dict(layers=2, hidden_size=64, heads=2, intermediate_size=128)
-SWARM = dict(transport="emulation", stages=2, peers_per_stage=2, peer_speeds=[1.0], trainers=2,
-             compression="blockwise8", averaging_compression="fp16", link_mbit_s=100.0, forward_timeout_s=30.0,
-             kill_every_s=None, rejoin_after_s=5.0, rebalance_period_s=None, seed=0, placement="local",
-             host="127.0.0.1", interface=None, srun_args=[], startup_timeout_s=180.0)
 
 
 def masked_batch(vocab=100, rows=4, length=16, seed=0):
@@ -159,7 +154,7 @@ def test_swarm_pretrain_matches_single_process(tiny_run):
     assert sorted(loaded.state_dict()) == sorted(build_model(TINY, loaded.config.vocab_size, 0).state_dict())
     blocks = np.load(tmp_path / "blocks.npy")
     heldout = HeldOut(blocks[-rec["eval_blocks"]:], rec["eval_mask_rate"], loaded.config.vocab_size, 8)
-    assert heldout.loss(loaded, "bf16", torch.device("cpu")) == pytest.approx(swarm["eval_loss"], abs=1e-4)
+    assert heldout.loss(loaded, swarm["precision"], torch.device("cpu")) == pytest.approx(swarm["eval_loss"], abs=1e-4)
     assert {"model.safetensors", "config.json", "summary.json", "train_log.csv"} <= {
         p.name for p in (tmp_path / "swarm").iterdir()}
 

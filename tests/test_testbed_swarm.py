@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("hivemind", reason="hivemind is not installed: transport 1 (real hivemind processes) is untested")
 
-from test_swarm_hivemind import MICRO, own_p2p_daemons, plan, source  # noqa: E402
+from swarm_helpers import MICRO, own_p2p_daemons, plan, source  # noqa: E402
 
 from cramswarm.swarm import hivemind_transport as ht  # noqa: E402
 from cramswarm.swarm.policies import CALL_ROUND_TRIPS  # noqa: E402

@@ -1,0 +1,478 @@
+"""The launcher's swarm run for real (hivemind processes on localhost): independent trainer processes, stage peers
+that decide their steps among themselves, a DHT joinable through any live member - and SIGKILLs of each role
+mid-run. The roles' logic without a run (records, shards, admission, reruns) is in test_swarm_roles.py."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+pytest.importorskip("hivemind", reason="hivemind is not installed: transport 1 (real hivemind processes) is untested")
+
+from conftest import ARCH, recipe  # noqa: E402
+from swarm_helpers import (
+    MICRO,
+    TINY,
+    VOCAB,
+    brief,
+    launch,
+    own_p2p_daemons,
+    plan,
+    processes_naming,
+    safe_cmdline,
+    source,
+    start_tasks,
+    start_until_shards,  # noqa: E402
+    wait_all,
+)
+
+from cramswarm.swarm import hivemind_transport as ht  # noqa: E402
+from cramswarm.swarm import launcher as launcher_mod  # noqa: E402
+from cramswarm.swarm.peer_sync import (  # noqa: E402
+    MIN_GATHER_S,
+)
+from cramswarm.swarm.policies import (
+    RetryPolicy,  # noqa: E402
+)
+from cramswarm.swarm.stages import STATE_BYTES_PER_PARAMETER, build_swarm_model, stage_state_bytes  # noqa: E402
+from cramswarm.swarm.train import UNBOUNDED  # noqa: E402
+from cramswarm.swarm.trainer import shard  # noqa: E402
+
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.mark.slow
+def test_a_narrowing_compression_trains_under_the_launcher_and_its_layers_reach_the_checkpoint():
+    """maxout2 on the hivemind transport: the peers build their halves of the boundary layer, the narrowed tensor
+    crosses the boundary, and the stage states assemble into the model the emulation would train."""
+    from cramswarm.swarm.stages import assemble_model, split_model
+
+    result, _ = launch(48, compression="maxout2")   # 12 steps: launch checks the loss falls, nothing is lost
+    shape = build_swarm_model(TINY, VOCAB, 0, 2, "maxout2")
+    stages = split_model(shape, 2)
+    for stage, state in zip(stages, result.stage_states, strict=True):
+        stage.load_state_dict(state)   # strict: the boundary layers' parameters are there, no more, no less
+    model = assemble_model(stages, shape.config)
+    assert any(name.startswith("bert.boundaries.") for name, _ in model.named_parameters())
+    inputs, labels = source(seed=7)[0]
+    assert torch.isfinite(model(input_ids=inputs, labels=labels).loss)
+
+
+@pytest.mark.slow
+def test_launcher_swarm_steps_every_sample_once_with_compressed_averaging():
+    total = 96
+    # a cap each stage's state fits under while the whole model's does not: the peers build their stage only
+    state = stage_state_bytes(plan().arch, plan().vocab_size, 2)
+    whole = STATE_BYTES_PER_PARAMETER * sum(p.numel() for p in build_swarm_model(plan().arch, plan().vocab_size, 0,
+                                                                                 1, "none").parameters())
+    cap_mb = (max(state) + whole) / 2 / 2**20
+    assert max(state) < cap_mb * 2**20 < whole
+    result, stats = launch(total, peer_memory_cap_mb=cap_mb)
+    # no failure: every sample stepped once on each stage (a backward call re-sent after a timeout on a loaded
+    # machine is held apart by the replica that takes it and counts once: peer_sync.resent_kept)
+    assert stats["trainer_restarts"] == 0 and stats["peers_killed"] == 0, brief(stats)
+    assert stats["stepped_samples"] == [total * MICRO] * 2, (brief(stats), stats["duplicate_samples"])
+    # the steps hold the recipe's batch up to what the peers admitted between two reads of each other's counts
+    # (0.25 s apart), so a step may hold more or less than the batch and the next one makes up for it
+    batch = [row["batch_sequences"] for row in result.log]
+    assert sum(batch) == stats["stepped_samples"][1] and max(batch) <= 2 * 4 * MICRO, batch
+    assert len(batch) >= 0.75 * total / 4, batch
+    # the peers' steps are timed (a step whose lines hold no samples of their own - a member that counted another's
+    # record, then failed the all-reduce - has no batch end and is left out): a stage's backward calls are held
+    # for at least the gather's minimum
+    stalls = stats["step_stalls"]
+    assert sorted(stalls) == ["0", "1"], stalls
+    assert {e["step"] for e in stalls["1"]} <= {row["step"] for row in result.log}, (stalls, result.log)
+    assert len(stalls["1"]) >= 0.9 * len(batch) and stalls["0"], stalls
+    assert all(e["gather_s"] >= MIN_GATHER_S and e["stall_s"] >= MIN_GATHER_S
+               for entries in stalls.values() for e in entries), stalls
+    assert all(1.99 <= b <= 2.0 * 1.01 for b in stats["averaging_bytes_per_param"]), stats
+    # each peer holds its own stage only: its parameter count is its stage's, its AdamW state two moments of it
+    memory = stats["peer_memory"]
+    assert sorted(m["stage"] for m in memory) == [0, 0, 1, 1], memory
+    assert len(stats["peer_devices"]) == 4 and set(stats["peer_devices"].values()) == {"cpu"}, stats["peer_devices"]
+    for m in memory:
+        assert m["stage_parameter_count"] == stats["stage_parameters"][m["stage"]], (m, stats["stage_parameters"])
+        assert m["parameter_bytes"] == 4 * m["stage_parameter_count"], m
+        assert 2 * m["parameter_bytes"] <= m["optimizer_bytes"] <= 2 * m["parameter_bytes"] + 4096, m
+        assert m["peak_rss_bytes"] > m["parameter_bytes"] + m["optimizer_bytes"], m
+        assert 2 * m["parameter_bytes"] + m["optimizer_bytes"] <= cap_mb * 2**20, (m, cap_mb)   # + gradients
+
+
+@pytest.mark.slow
+def test_a_backward_call_resent_while_the_first_replica_computes_it_is_stepped_once():
+    """Stage 1's second replica takes 1.5 s per call (speed 0.1 on a 0.05 s work-unit floor) and the trainers wait
+    1.25 s for a backward call: the calls it gets are re-sent to the other replica while it still computes them,
+    and then it accumulates them. The re-sent copies are held apart and dropped at the step (the group's records
+    show the first replica holds the microbatch), so each stage steps every sample once. Measured without the
+    marking (the trainers' re-sends sent as first sends): stage 1 stepped 184 samples of 128."""
+    daemons_before = own_p2p_daemons()
+    total = 32
+    slow = plan(decentralised=True, peers_per_stage=[1, 2], peer_speeds=[1.0, 1.0, 0.1], peer_unit_time_s=0.05,
+                recipe=recipe(micro_batch_sequences=MICRO, batch_sequences=8 * MICRO, lr=3e-3,
+                              batch_ramp_fraction=0.0, budget={"unit": "steps", "value": 1000}),
+                retry=RetryPolicy(forward_timeout_s=0.5, give_up_after_s=120.0))
+    stats = ht.run_swarm(slow, source(), total, progress=False).stats
+    assert stats["microbatches_done"] == total and stats["lost_microbatches"] == 0, brief(stats)
+    assert stats["timeouts"] > 0 and stats["resent_samples"][1] > 0, brief(stats)
+    assert stats["duplicate_samples"][1] > 0, (stats["duplicate_samples"], stats["resent_kept_samples"])
+    assert stats["stepped_samples"] == [total * MICRO] * 2, (brief(stats), stats["duplicate_samples"])
+    assert stats["replica_max_abs_diff"] == [0.0, 0.0], stats["replica_steps"]
+    assert ht.leftover_processes(stats["process_groups"]) == [] and own_p2p_daemons() == daemons_before
+
+
+@pytest.mark.slow
+def test_sigkill_of_a_trainer_mid_run_resumes_its_shard_and_loses_no_microbatch():
+    total = 160
+    _, stats = launch(total, faults=[(4.0, "trainer0")], rejoin_after_s=0.5)
+    assert [k["uid"] for k in stats["killed"]] == ["trainer0"] and stats["trainer_restarts"] == 1, brief(stats)
+    # a microbatch under way when the trainer died is sent again: its gradient may count twice on a stage
+    # (and so may a call re-sent to another replica after a timeout or error: one more microbatch per re-send)
+    assert all(total * MICRO <= n <= (total + 1 + stats["retries"]) * MICRO for n in stats["stepped_samples"]), \
+        brief(stats)
+
+
+@pytest.mark.slow
+def test_sigkill_of_the_process_that_started_the_dht_does_not_stop_training_or_newcomers():
+    total = 160
+    # the bootstrap dies first; a peer killed later is replaced by a fresh one that must join through the
+    # addresses the other processes appended to the address file
+    _, stats = launch(total, faults=[(3.0, "bootstrap"), (6.0, "peer")], rejoin_after_s=0.5)
+    assert stats["bootstrap_killed"] == 1 and stats["peers_killed"] == 1 and stats["rejoins"] == 1, brief(stats)
+    restarted = [uid for steps in stats["replica_steps"].values() for uid in steps if int(uid.split("p")[1]) > 4]
+    assert restarted, stats["replica_steps"]
+
+
+@pytest.mark.slow
+def test_random_peer_kills_under_the_launcher_lose_no_microbatch():
+    total = 240
+    _, stats = launch(total, peer_speeds=[0.5], kill_every_s=5.0, rejoin_after_s=0.2)
+    assert stats["peers_killed"] >= 2 and stats["rejoins"] >= 1, brief(stats)
+    # a killed peer's unaveraged gradients are lost (as in SWARM), at most a global batch per kill and stage
+    lost = stats["lost_gradient_samples"]
+    assert all(-MICRO <= n <= stats["peers_killed"] * 4 * MICRO for n in lost), brief(stats)
+
+
+@pytest.mark.slow
+def test_a_seconds_budget_under_the_launcher_ends_at_its_deadline_and_loses_no_microbatch():
+    budget_s = 20.0
+    timed = plan().recipe | {"budget": {"unit": "seconds", "value": budget_s}}
+    daemons_before = own_p2p_daemons()
+    result = ht.run_swarm(plan(decentralised=True, recipe=timed), source(), UNBOUNDED, progress=False)
+    stats = result.stats
+    assert stats["roles"] == "launcher" and stats["deadline_s"] == budget_s, brief(stats)
+    done = stats["microbatches_done"]
+    # every microbatch a trainer took before the deadline was finished, and stepped on every stage
+    assert done >= 8 and stats["microbatches_requested"] == done and stats["lost_microbatches"] == 0, brief(stats)
+    assert stats["microbatches_with_loss"] == done and stats["stepped_microbatches"] == [done, done], brief(stats)
+    assert stats["shard_sizes"] == [None, None]  # no count: the trainers ran until the deadline
+    # it ends near its budget: no microbatch was taken after the deadline, the last ones finished just after it
+    finished = stats["microbatch_done_s"]
+    assert budget_s - 5.0 <= finished[-1] <= budget_s + 10.0, finished[-5:]
+    assert budget_s <= stats["wall_s"] <= budget_s + 15.0, stats["wall_s"]
+    # the learning rate followed the training time: the last stage's steps' progress rises to about 1
+    progress = [row["progress"] for row in result.log]
+    assert progress == sorted(progress) and 0.75 <= progress[-1] <= 1.5, progress
+    # the last partial batch was flushed and the checkpoint assembled from the stages' final shards
+    assert stats["assembled_from"] == ["shard", "shard"] and stats["shard_steps"] == stats["stage_steps"]
+    assert stats["replicas_equal"] and stats["replica_max_abs_diff"] == [0.0, 0.0], stats["replica_steps"]
+    assert len(result.stage_states) == 2 and all(result.stage_states)
+    assert ht.leftover_processes(stats["process_groups"]) == [] and own_p2p_daemons() == daemons_before
+
+
+@pytest.mark.slow
+def test_swarm_pretrain_under_the_launcher_trains_from_the_blocks_file_to_a_seconds_budget(tiny_run):
+    """The rule's path end to end: the trainers read the packed blocks file and mask their microbatches
+    themselves, until the deadline; the checkpoint and summary are written, the state folder goes."""
+    import yaml
+
+    from cramswarm.config import DEFAULT_SCHEMA
+    from cramswarm.swarm.train import swarm_pretrain
+
+    tmp_path, tok_path = tiny_run
+    keys = yaml.safe_load(Path(DEFAULT_SCHEMA).read_text())["properties"]["swarm"]["properties"]
+    swarm = {key: spec["default"] for key, spec in keys.items()} | {
+        "transport": "hivemind", "stages": 2, "peers_per_stage": 1, "trainers": 2, "forward_timeout_s": 5.0}
+    rec = recipe(budget={"unit": "seconds", "value": 15.0})
+    summary = swarm_pretrain(rec, ARCH | {"layers": 2}, swarm, tmp_path / "blocks.npy", tok_path, tmp_path / "out",
+                             progress=False, rendezvous=tmp_path / "rendezvous")
+    stats = summary["swarm_stats"]
+    done = stats["microbatches_done"]
+    assert stats["roles"] == "launcher" and stats["deadline_s"] == 15.0, brief(stats)
+    assert done >= 4 and stats["lost_microbatches"] == 0 and stats["stepped_microbatches"] == [done, done], \
+        brief(stats)
+    assert summary["tokens"] == done * rec["micro_batch_sequences"] * 32
+    assert 15.0 <= summary["elapsed_s"] <= 30.0 and summary["eval_loss"] > 0, summary["elapsed_s"]
+    assert stats["assembled_from"] == ["shard", "shard"]
+    assert (tmp_path / "out" / "model.safetensors").exists() and (tmp_path / "out" / "summary.json").exists()
+    assert not (tmp_path / "rendezvous" / "launcher").exists()  # the state folder goes once the run succeeded
+
+
+@pytest.mark.slow
+def test_attached_peers_serve_the_launchers_swarm_and_their_tasks_restart_them(tmp_path):
+    """placement attach under the launcher: the stage peers are `swarm-peer` tasks started apart from it (here before
+    it), which find the run through its folder; the launcher starts only the bootstrap DHT and the trainers. One
+    task's peer is SIGKILLed from outside once training runs: its task starts it again, nothing is lost."""
+    total, state, logs = 320, tmp_path / "state", tmp_path / "logs"
+    tasks = start_tasks(state, range(3), logs)  # ranks 0, 1: stage 0; rank 2: stage 1
+
+    def kill_rank1s_peer():  # SIGKILL of the process group of rank 1's peer (the peer and its p2pd)
+        deadline = time.monotonic() + 600
+        while not (state / "trainer0.losses.jsonl").exists() and not (state / "done").exists():
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.2)
+        children = psutil.Process(tasks[1].pid).children()
+        if children:
+            os.killpg(children[0].pid, signal.SIGKILL)
+
+    outside = threading.Thread(target=kill_rank1s_peer, daemon=True)
+    outside.start()
+    try:
+        result, stats = launch(total, placement="attach", rendezvous=state, state_dir=state, interface="lo",
+                               peers_per_stage=[2, 1], rejoin_after_s=0.2)
+    finally:
+        for task in tasks:
+            if task.poll() is None and not (state / "done").exists():
+                os.killpg(task.pid, signal.SIGKILL)
+    assert stats["placement"] == "attach" and stats["peers_killed"] == 0 and stats["rejoins"] == 0  # not the launcher's
+    uids = sorted(uid for steps in stats["replica_steps"].values() for uid in steps)
+    assert [uid.split(".")[0] for uid in uids] == ["s0r0", "s0r1", "s1r2"], uids
+    rank1 = (logs / "rank1.log").read_text()
+    assert re.search(r"\[rank 1\] peer s0r1\.0 ended with code -9", rank1), rank1[-3000:]
+    # the tasks read the launcher's `done` and exit 0; none of their processes, nor the launcher's, is left
+    wait_all(tasks, logs)
+    assert processes_naming(str(state)) == []
+
+
+@pytest.mark.slow
+def test_peers_and_trainers_exit_when_the_launcher_is_sigkilled(tmp_path):
+    code = ("import sys; sys.path.insert(0, {tests!r}); import test_swarm_roles as t; "
+            "t.ht.run_swarm(t.plan(decentralised=True), t.source(), 2000, progress=False)")
+    launcher = subprocess.Popen([sys.executable, "-c", code.format(tests=str(TESTS))], start_new_session=True,
+                                stdout=open(tmp_path / "launcher.log", "w"), stderr=subprocess.STDOUT)
+    workdir = None
+    try:
+        deadline, trainers = time.monotonic() + 180, []
+        while time.monotonic() < deadline and len(trainers) < 2:  # up to the trainers' start
+            assert launcher.poll() is None, (tmp_path / "launcher.log").read_text()[-3000:]
+            children = psutil.Process(launcher.pid).children(recursive=True)
+            trainers = [c for c in children if "cramswarm.swarm.trainer" in " ".join(safe_cmdline(c))]
+            time.sleep(0.5)
+        assert len(trainers) == 2, (tmp_path / "launcher.log").read_text()[-3000:]
+        cmdline = safe_cmdline(trainers[0])
+        workdir = Path(cmdline[cmdline.index("--config") + 1]).parent  # the launcher's run folder
+        time.sleep(3.0)
+        started = psutil.Process(launcher.pid).children(recursive=True)
+        started = [c for c in started if c.ppid() != launcher.pid or c.name() != "p2pd"]  # not the launcher's own
+        assert len(started) >= 7  # bootstrap, 4 peers, 2 trainers (and their p2pd daemons)
+        os.killpg(launcher.pid, signal.SIGKILL)  # the launcher and its own p2pd (the others have their own groups)
+        launcher.wait()
+        # each process sees its parent gone within a second and SIGKILLs its own group (itself and its p2pd)
+        gone, alive = psutil.wait_procs(started, timeout=30)
+        assert alive == [], [safe_cmdline(p) for p in alive]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+        if workdir is not None:  # a SIGKILLed launcher cannot remove it
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_a_rerun_after_the_launcher_is_sigkilled_resumes_from_the_stage_shards(tmp_path):
+    """(d): SIGKILL of the launcher's process group mid-run (every process dies), then the same command again."""
+    total, state = 160, tmp_path / "state"
+    code = ("import sys; sys.path.insert(0, {tests!r}); import test_swarm_roles as t; from pathlib import Path; "
+            "t.ht.run_swarm(t.plan(decentralised=True, state_dir=Path({state!r}), checkpoint_every_s=1.0), "
+            "t.source(), {total}, progress=False)")
+    first = start_until_shards([sys.executable, "-c", code.format(tests=str(TESTS), state=str(state), total=total)],
+                               tmp_path / "launcher.log", state, within_s=300)
+    try:
+        started = psutil.Process(first.pid).children(recursive=True)
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+        gone, alive = psutil.wait_procs(started, timeout=30)
+        assert alive == [], [safe_cmdline(p) for p in alive]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(first.pid, signal.SIGKILL)
+    done_before = sum(json.loads((state / f"trainer{r}.json").read_text())["done"] for r in (0, 1))
+    assert 0 < done_before < total
+    result, stats = launch(total, state_dir=state, checkpoint_every_s=1.0)
+    resumed = stats["resumed"]
+    # it resumed from the shards: the stages started at their shards' steps, the log goes on after them
+    assert all(step >= 3 for step in resumed["shard_steps"]), resumed
+    assert stats["first_logged_step"] == resumed["shard_steps"][1] + 1, (stats["first_logged_step"], resumed)
+    assert all(done <= before for done, before in zip(resumed["trainer_done"], resumed["trainer_done_before"]))
+    # its training time counts both lives (not the gap between them); the log's times run from the first start
+    assert 0 < resumed["wall_s_before"] < stats["wall_s"], (resumed, stats["wall_s"])
+    assert 0 <= result.log[0]["elapsed_s"] <= result.log[-1]["elapsed_s"]
+    # the same end as an uninterrupted run: every microbatch stepped exactly once on every stage (those stepped
+    # before the kill are skipped when the resumed trainers send them again), the checkpoint from the final shards
+    assert stats["stepped_microbatches"] == [total, total], brief(stats)
+    assert all(total * MICRO <= n <= (total + stats["retries"]) * MICRO for n in stats["stepped_samples"]), \
+        brief(stats)
+    assert stats["assembled_from"] == ["shard", "shard"] and stats["shard_steps"] == stats["stage_steps"]
+    # the state folder outlives the run: its caller (swarm_pretrain) removes it once its outputs are written
+    assert (state / launcher_mod.RESUME_FILE).exists()
+
+
+@pytest.mark.slow
+def test_a_rerun_on_a_finished_runs_state_folder_trains_nothing_and_gives_the_same_checkpoint(tmp_path):
+    """A run killed after its training but before its caller removed the state folder, whose outputs are gone
+    (Snakemake deletes a failed job's outputs): the rerun resumes from the final shards with nothing left to train."""
+    total, state = 96, tmp_path / "state"
+    first, stats = launch(total, state_dir=state, checkpoint_every_s=1.0)
+    assert (state / launcher_mod.RESUME_FILE).exists()  # left to the caller (swarm_pretrain)
+    again, stats = launch(total, state_dir=state, checkpoint_every_s=1.0)
+    sizes = [len(shard(total, r, 2)) for r in range(2)]
+    assert stats["resumed"]["trainer_done"] == stats["resumed"]["trainer_done_before"] == sizes, stats["resumed"]
+    assert stats["first_logged_step"] is None  # no step taken in the second life
+    assert stats["stepped_microbatches"] == [total, total] and stats["assembled_from"] == ["shard", "shard"]
+    assert again.log == first.log
+    for mine, theirs in zip(again.stage_states, first.stage_states):
+        assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+
+
+@pytest.mark.slow
+def test_sigkill_of_all_peers_of_a_stage_but_one_at_once_loses_no_microbatch():
+    """(e): two of stage 0's three peers SIGKILLed at once; the survivor serves alone until they rejoin."""
+    total = 160
+    result, stats = launch(total, peers_per_stage=[3, 2], faults=[(5.0, "stage0")], rejoin_after_s=0.5)
+    assert [k["stage"] for k in stats["killed"]] == [0, 0] and stats["rejoins"] == 2, brief(stats)
+    assert stats["per_stage_peers"] == [3, 2], stats["replica_steps"]
+    # the killed peers' unaveraged gradients are lost (as in SWARM): at most a global batch each, and so are a
+    # replica's when it was left out of a step and downloaded the state (a resync; more of them under load)
+    # (the count is the microbatches' samples minus those stepped: a call re-sent to another replica may count
+    # twice, one microbatch per retry, and push it below 0)
+    low, high = -stats["retries"] * MICRO, (2 + stats["resyncs"]) * 4 * MICRO
+    assert all(low <= n <= high for n in stats["lost_gradient_samples"]), (stats["lost_gradient_samples"], low, high)
+
+
+@pytest.mark.slow
+def test_sigkill_of_the_rules_own_process_leaves_nothing_behind_and_a_rerun_resumes_from_the_shards(tiny_run):
+    """(d) at the rule's level: the command rule swarm_pretrain runs (its arguments; a tiny model and data),
+    SIGKILLed alone - not its process group - once both stages wrote a shard: every process it started dies with it
+    (its peers, trainers and DHT bootstrap see their parent gone; its own p2pd gets the kernel's parent-death
+    signal). The same command again resumes from the shards and ends like an uninterrupted run."""
+    import yaml
+
+    from cramswarm.config import DEFAULT_SCHEMA
+    from cramswarm.data import tokenizer as tokenization
+
+    tmp, tok = tiny_run
+    keys = yaml.safe_load(Path(DEFAULT_SCHEMA).read_text())["properties"]["swarm"]["properties"]
+    swarm = {key: spec["default"] for key, spec in keys.items()} | dict(
+        transport="hivemind", stages=2, peers_per_stage=2, trainers=2, peer_speeds=[1.0], compression="blockwise8",
+        averaging_compression="fp16", checkpoint_every_s=1.0, forward_timeout_s=5.0, startup_timeout_s=120.0)
+    steps = 40
+    rec = recipe(micro_batch_sequences=MICRO, batch_sequences=4 * MICRO, lr=3e-3, batch_ramp_fraction=0.0,
+                 budget={"unit": "steps", "value": steps}, log_every_steps=5, eval_blocks=16)
+    total = 4 * steps
+    vocab = tokenization.load(tok).get_vocab_size()
+    out, rendezvous = tmp / "results" / "swarm" / "crammed", tmp / "results" / ".state" / "swarm" / "crammed"
+    state = rendezvous / "launcher"
+    # rules/swarm.smk's shell command, argument for argument
+    command = [sys.executable, "-m", "cramswarm", "swarm-pretrain", "--recipe", json.dumps(rec),
+               "--arch", json.dumps(TINY), "--swarm", json.dumps(swarm), "--blocks", str(tmp / "blocks.npy"),
+               "--tokenizer", str(tok), "--vocab-size", str(vocab), "--out-dir", str(out),
+               "--rendezvous", str(rendezvous), "--run", "crammed", "--threads", "2"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS.parent / "src"),
+                                                                     os.environ.get("PYTHONPATH")]))}
+    first = start_until_shards(command, tmp / "first.log", state, within_s=240, env=env)
+    try:
+        started = psutil.Process(first.pid).children(recursive=True)
+        names = [" ".join(safe_cmdline(p)) for p in started]
+        assert sum("cramswarm.swarm.trainer" in n for n in names) == 2, names
+        assert sum(" stage " in n for n in names) == 4 and sum(" bootstrap " in n for n in names) == 1, names
+        assert any(p.name() == "p2pd" and p.ppid() == first.pid for p in started), names  # the command's own
+        os.kill(first.pid, signal.SIGKILL)  # the command's process only, not its group
+        first.wait()
+        gone, alive = psutil.wait_procs(started, timeout=30)
+        assert alive == [], [safe_cmdline(p) for p in alive]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(first.pid, signal.SIGKILL)
+    assert not out.exists() or not (out / "summary.json").exists()
+    done_before = sum(json.loads((state / f"trainer{r}.json").read_text())["done"] for r in (0, 1))
+    assert 0 < done_before < total
+
+    rerun = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           timeout=300)
+    assert rerun.returncode == 0, rerun.stdout[-3000:]
+    assert "resuming the swarm run" in rerun.stdout, rerun.stdout[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    stats = summary["swarm_stats"]
+    resumed = stats["resumed"]
+    # it resumed from the shards (each stage at its shard's step), not from step 0
+    assert all(step >= 3 for step in resumed["shard_steps"]), resumed
+    assert stats["first_logged_step"] == resumed["shard_steps"][1] + 1, (stats["first_logged_step"], resumed)
+    # the budget reached, every microbatch done once and stepped exactly once on every stage
+    assert summary["tokens"] == total * MICRO * 32
+    assert stats["microbatches_done"] == stats["microbatches_requested"] == total, brief(stats)
+    assert stats["lost_microbatches"] == 0 and stats["microbatches_with_loss"] == total, brief(stats)
+    assert stats["stepped_microbatches"] == [total, total], brief(stats)
+    assert stats["replicas_equal"], stats["replica_max_abs_diff"]
+    # the loss falls (train_log.csv's window means, from the first life's steps to the last)
+    rows = (out / "train_log.csv").read_text().splitlines()
+    column = rows[0].split(",").index("loss")
+    losses = [float(row.split(",")[column]) for row in rows[1:]]
+    assert len(losses) >= 4 and losses[-1] < losses[0] - 0.3, losses
+    assert (out / "model.safetensors").exists() and not state.exists()  # outputs written, then the folder gone
+    assert ht.leftover_processes(stats["process_groups"]) == []
+
+
+@pytest.mark.slow
+def test_hivemind_swarm_pretraining_matches_single_process_within_the_emulations_tolerance(tiny_run):
+    """Loss parity on hivemind: swarm_pretrain under the launcher (2 stages x 2 peers, 3 trainer processes, blockwise
+    8-bit boundaries, fp16 averaging, bf16) against cramswarm.pretrain on the same blocks and step budget (the
+    launcher's trainers draw each microbatch's masks from its own seed, cramswarm.swarm.data, at the same rate):
+    within test_swarm_train's PARITY_NATS, the emulation's tolerance, in final training loss and held-out loss.
+    Measured (2026-11-26, loaded 2-core machine; 3 runs): swarm minus single-process final training loss -0.027,
+    -0.060, -0.032 nats (a window mean over microbatches whose masks differ from pretrain's), held-out +0.013,
+    +0.026, +0.018. The swarm's steps overshoot the global batch (microbatches arriving while a stage averages join
+    that step): 25-27, not 30."""
+    import yaml
+    from swarm_helpers import PARITY_NATS, SWARM
+    from swarm_helpers import TRAIN_TINY as TINY_TRAIN
+
+    from cramswarm.config import DEFAULT_SCHEMA
+    from cramswarm.pretrain import pretrain
+    from cramswarm.swarm.train import swarm_pretrain
+
+    tmp, tok = tiny_run
+    keys = yaml.safe_load(Path(DEFAULT_SCHEMA).read_text())["properties"]["swarm"]["properties"]
+    cfg = {key: spec["default"] for key, spec in keys.items()} | SWARM | dict(
+        transport="hivemind", trainers=3, forward_timeout_s=5.0, startup_timeout_s=120.0)
+    rec = recipe(budget={"unit": "steps", "value": 30})
+    single = pretrain(rec, TINY_TRAIN, tmp / "blocks.npy", tok, tmp / "single", progress=False)
+    swarm = swarm_pretrain(rec, TINY_TRAIN, cfg, tmp / "blocks.npy", tok, tmp / "swarm", progress=False,
+                           rendezvous=tmp / "rendezvous")
+    stats = swarm["swarm_stats"]
+    print("parity", json.dumps({"single": [single["final_loss"], single["eval_loss"], single["steps"]],
+                                "swarm": [swarm["final_loss"], swarm["eval_loss"], swarm["steps"]],
+                                "stage_steps": stats["stage_steps"], "wall_s": stats["wall_s"]}))
+    assert stats["roles"] == "launcher" and swarm["tokens"] == single["tokens"] == 30 * 16 * 32
+    assert stats["microbatches_done"] == stats["microbatches_requested"] == 60 and stats["lost_microbatches"] == 0
+    # no fault is injected, but a replica left out of a step (load) downloads the state and drops the gradients it
+    # held, which the run counts (lost_gradient_samples), as the kill tests allow: seen once in CI, [60, 59]; the
+    # bound is a global batch per resync and one more (the last, partial batch)
+    per_batch = rec["batch_sequences"] // rec["micro_batch_sequences"]
+    least = 60 - (1 + stats["resyncs"]) * per_batch
+    assert all(least <= n <= 60 for n in stats["stepped_microbatches"]) and stats["replicas_equal"], \
+        (stats["stepped_microbatches"], stats["lost_gradient_samples"], stats["resyncs"], brief(stats))
+    assert abs(swarm["final_loss"] - single["final_loss"]) < PARITY_NATS
+    assert abs(swarm["eval_loss"] - single["eval_loss"]) < PARITY_NATS
