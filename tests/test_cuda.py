@@ -188,7 +188,7 @@ def test_hivemind_swarm_peers_train_on_the_gpu():
     """SWARM's stage peers (hivemind processes, recipe device auto) compute on the GPU their process sees: the
     swarm trains, loses no microbatch, and its replicas stay bitwise equal."""
     pytest.importorskip("hivemind", reason="hivemind is not installed")
-    import test_swarm_hivemind as swarm
+    import swarm_helpers as swarm
 
     on_gpu = swarm.plan().recipe | {"device": "auto"}
     result = swarm.ht.run_swarm(swarm.plan(peers_per_stage=[2, 1], recipe=on_gpu), swarm.source(), 160,

@@ -150,7 +150,7 @@ def test_tasks_exit_when_their_launcher_dies_without_a_word(tmp_path):
     once it has been missing ``launcher_grace_s`` (exit code 3)."""
     rendezvous, logs = tmp_path / "rendezvous", tmp_path / "logs"
     tasks = start_tasks(rendezvous, range(2), logs)
-    script = (f"import sys; sys.path.insert(0, {str(TESTS)!r}); import test_swarm_hivemind as t; "
+    script = (f"import sys; sys.path.insert(0, {str(TESTS)!r}); import swarm_helpers as t; "
               f"t.ht.run_swarm(t.plan(placement='attach', rendezvous={str(rendezvous)!r}, "
               f"state_dir={str(rendezvous)!r}, peers_per_stage=[1, 1], launcher_grace_s=4.0), t.source(), 10**6, "
               f"progress=False)")
