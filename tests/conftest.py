@@ -148,3 +148,14 @@ def can_build():
             pytest.fail(f"CRAMSWARM_REQUIRE_NETNS is set, but no testbed can be built here: {reason}")
         pytest.skip(reason)
 
+
+
+TIERS = ("swarm", "e2e", "slurm", "netns")  # the tiers `python -m pytest` leaves out (pyproject's addopts)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests of a tier (real processes, clusters, whole Snakemake runs) get a 15-minute ceiling instead of the
+    default 5 (pyproject's ``timeout``), unless they name their own with ``@pytest.mark.timeout``."""
+    for item in items:
+        if item.get_closest_marker("timeout") is None and any(item.get_closest_marker(t) for t in TIERS):
+            item.add_marker(pytest.mark.timeout(900))

@@ -126,7 +126,6 @@ def test_runtime_bound_counts_testbed_runs_in_real_seconds():
         2 * (120.0 + study.TESTBED_START_S))
 
 
-@pytest.mark.slow
 @pytest.mark.netns
 def test_wiring_on_the_testbed_runs_real_processes_and_leaves_nothing(tmp_path, monkeypatch, can_build):
     """One stage of peers of speed 1 and 0.25, two trainers, each process on its own host at 100 Mb/s, 20 ms one way:
@@ -166,7 +165,6 @@ def test_wiring_on_the_testbed_runs_real_processes_and_leaves_nothing(tmp_path, 
     assert "csw-" not in links
 
 
-@pytest.mark.slow
 @pytest.mark.netns
 def test_rebalancing_on_the_testbed_moves_a_peer_to_the_starved_stage(tmp_path, monkeypatch, can_build):
     """2 stages x 3 peers of speed 1, 5 trainers, each process on its own host at 100 Mb/s, 20 ms one way; 3 s into

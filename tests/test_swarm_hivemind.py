@@ -101,7 +101,7 @@ def test_declared_peers_that_never_answer_fail_the_trainers_call_within_the_boun
     assert 1.0 < waited < 30, waited
 
 
-@pytest.mark.slow
+@pytest.mark.swarm
 def test_peers_started_as_separate_tasks_train_through_kills_and_exit_with_the_run(tmp_path):
     """attach with kill_every_s under the launcher: it asks a random peer to die (its ``die`` RPC), the peer's task
     restarts it; one more peer is SIGKILLed from outside. The launcher started neither."""
@@ -144,7 +144,7 @@ def test_peers_started_as_separate_tasks_train_through_kills_and_exit_with_the_r
     assert processes_naming(str(rendezvous)) == []
 
 
-@pytest.mark.slow
+@pytest.mark.swarm
 def test_tasks_exit_when_their_launcher_dies_without_a_word(tmp_path):
     """attach: the tasks are not the launcher's children, so they leave on its DHT heartbeat (``launcher_key``),
     once it has been missing ``launcher_grace_s`` (exit code 3)."""
@@ -176,6 +176,7 @@ def test_tasks_exit_when_their_launcher_dies_without_a_word(tmp_path):
     assert processes_naming(str(rendezvous)) == []
 
 
+@pytest.mark.swarm
 def test_missing_tasks_fail_within_the_startup_timeout_naming_the_stages(tmp_path):
     with job_tasks(tmp_path, [0]) as (rendezvous, logs, tasks):  # one of the two peers ever starts
         started = time.monotonic()

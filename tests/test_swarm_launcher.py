@@ -54,7 +54,7 @@ from cramswarm.swarm.trainer import shard  # noqa: E402
 TESTS = Path(__file__).resolve().parent
 
 
-@pytest.mark.slow
+@pytest.mark.swarm
 def test_a_narrowing_compression_trains_under_the_launcher_and_its_layers_reach_the_checkpoint():
     """maxout2 on the hivemind transport: the peers build their halves of the boundary layer, the narrowed tensor
     crosses the boundary, and the stage states assemble into the model the emulation would train."""
@@ -71,7 +71,6 @@ def test_a_narrowing_compression_trains_under_the_launcher_and_its_layers_reach_
     assert torch.isfinite(model(input_ids=inputs, labels=labels).loss)
 
 
-@pytest.mark.slow
 def test_launcher_swarm_steps_every_sample_once_with_compressed_averaging():
     total = 96
     # a cap each stage's state fits under while the whole model's does not: the peers build their stage only
@@ -112,7 +111,7 @@ def test_launcher_swarm_steps_every_sample_once_with_compressed_averaging():
         assert 2 * m["parameter_bytes"] + m["optimizer_bytes"] <= cap_mb * 2**20, (m, cap_mb)   # + gradients
 
 
-@pytest.mark.slow
+@pytest.mark.swarm
 def test_a_backward_call_resent_while_the_first_replica_computes_it_is_stepped_once():
     """Stage 1's second replica takes 1.5 s per call (speed 0.1 on a 0.05 s work-unit floor) and the trainers wait
     1.25 s for a backward call: the calls it gets are re-sent to the other replica while it still computes them,
@@ -134,7 +133,7 @@ def test_a_backward_call_resent_while_the_first_replica_computes_it_is_stepped_o
     assert ht.leftover_processes(stats["process_groups"]) == [] and own_p2p_daemons() == daemons_before
 
 
-@pytest.mark.slow
+@pytest.mark.swarm
 def test_sigkill_of_a_trainer_mid_run_resumes_its_shard_and_loses_no_microbatch():
     total = 160
     _, stats = launch(total, faults=[(4.0, "trainer0")], rejoin_after_s=0.5)
@@ -145,7 +144,7 @@ def test_sigkill_of_a_trainer_mid_run_resumes_its_shard_and_loses_no_microbatch(
         brief(stats)
 
 
-@pytest.mark.slow
+@pytest.mark.swarm
 def test_sigkill_of_the_process_that_started_the_dht_does_not_stop_training_or_newcomers():
     total = 160
     # the bootstrap dies first; a peer killed later is replaced by a fresh one that must join through the
@@ -156,7 +155,7 @@ def test_sigkill_of_the_process_that_started_the_dht_does_not_stop_training_or_n
     assert restarted, stats["replica_steps"]
 
 
-@pytest.mark.slow
+@pytest.mark.swarm
 def test_random_peer_kills_under_the_launcher_lose_no_microbatch():
     total = 240
     _, stats = launch(total, peer_speeds=[0.5], kill_every_s=5.0, rejoin_after_s=0.2)
@@ -166,7 +165,7 @@ def test_random_peer_kills_under_the_launcher_lose_no_microbatch():
     assert all(-MICRO <= n <= stats["peers_killed"] * 4 * MICRO for n in lost), brief(stats)
 
 
-@pytest.mark.slow
+@pytest.mark.swarm
 def test_a_seconds_budget_under_the_launcher_ends_at_its_deadline_and_loses_no_microbatch():
     budget_s = 20.0
     timed = plan().recipe | {"budget": {"unit": "seconds", "value": budget_s}}
@@ -193,7 +192,7 @@ def test_a_seconds_budget_under_the_launcher_ends_at_its_deadline_and_loses_no_m
     assert ht.leftover_processes(stats["process_groups"]) == [] and own_p2p_daemons() == daemons_before
 
 
-@pytest.mark.slow
+@pytest.mark.swarm
 def test_swarm_pretrain_under_the_launcher_trains_from_the_blocks_file_to_a_seconds_budget(tiny_run):
     """The rule's path end to end: the trainers read the packed blocks file and mask their microbatches
     themselves, until the deadline; the checkpoint and summary are written, the state folder goes."""
@@ -221,7 +220,7 @@ def test_swarm_pretrain_under_the_launcher_trains_from_the_blocks_file_to_a_seco
     assert not (tmp_path / "rendezvous" / "launcher").exists()  # the state folder goes once the run succeeded
 
 
-@pytest.mark.slow
+@pytest.mark.swarm
 def test_attached_peers_serve_the_launchers_swarm_and_their_tasks_restart_them(tmp_path):
     """placement attach under the launcher: the stage peers are `swarm-peer` tasks started apart from it (here before
     it), which find the run through its folder; the launcher starts only the bootstrap DHT and the trainers. One
@@ -258,7 +257,7 @@ def test_attached_peers_serve_the_launchers_swarm_and_their_tasks_restart_them(t
     assert processes_naming(str(state)) == []
 
 
-@pytest.mark.slow
+@pytest.mark.swarm
 def test_peers_and_trainers_exit_when_the_launcher_is_sigkilled(tmp_path):
     code = ("import sys; sys.path.insert(0, {tests!r}); import swarm_helpers as t; "
             "t.ht.run_swarm(t.plan(decentralised=True), t.source(), 2000, progress=False)")
@@ -293,7 +292,6 @@ def test_peers_and_trainers_exit_when_the_launcher_is_sigkilled(tmp_path):
             shutil.rmtree(workdir, ignore_errors=True)
 
 
-@pytest.mark.slow
 def test_a_rerun_after_the_launcher_is_sigkilled_resumes_from_the_stage_shards(tmp_path):
     """(d): SIGKILL of the launcher's process group mid-run (every process dies), then the same command again."""
     total, state = 160, tmp_path / "state"
@@ -332,7 +330,7 @@ def test_a_rerun_after_the_launcher_is_sigkilled_resumes_from_the_stage_shards(t
     assert (state / launcher_mod.RESUME_FILE).exists()
 
 
-@pytest.mark.slow
+@pytest.mark.swarm
 def test_a_rerun_on_a_finished_runs_state_folder_trains_nothing_and_gives_the_same_checkpoint(tmp_path):
     """A run killed after its training but before its caller removed the state folder, whose outputs are gone
     (Snakemake deletes a failed job's outputs): the rerun resumes from the final shards with nothing left to train."""
@@ -349,7 +347,7 @@ def test_a_rerun_on_a_finished_runs_state_folder_trains_nothing_and_gives_the_sa
         assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
 
 
-@pytest.mark.slow
+@pytest.mark.swarm
 def test_sigkill_of_all_peers_of_a_stage_but_one_at_once_loses_no_microbatch():
     """(e): two of stage 0's three peers SIGKILLed at once; the survivor serves alone until they rejoin."""
     total = 160
@@ -364,7 +362,7 @@ def test_sigkill_of_all_peers_of_a_stage_but_one_at_once_loses_no_microbatch():
     assert all(low <= n <= high for n in stats["lost_gradient_samples"]), (stats["lost_gradient_samples"], low, high)
 
 
-@pytest.mark.slow
+@pytest.mark.swarm
 def test_sigkill_of_the_rules_own_process_leaves_nothing_behind_and_a_rerun_resumes_from_the_shards(tiny_run):
     """(d) at the rule's level: the command rule swarm_pretrain runs (its arguments; a tiny model and data),
     SIGKILLed alone - not its process group - once both stages wrote a shard: every process it started dies with it
@@ -437,7 +435,6 @@ def test_sigkill_of_the_rules_own_process_leaves_nothing_behind_and_a_rerun_resu
     assert ht.leftover_processes(stats["process_groups"]) == []
 
 
-@pytest.mark.slow
 def test_hivemind_swarm_pretraining_matches_single_process_within_the_emulations_tolerance(tiny_run):
     """Loss parity on hivemind: swarm_pretrain under the launcher (2 stages x 2 peers, 3 trainer processes, blockwise
     8-bit boundaries, fp16 averaging, bf16) against cramswarm.pretrain on the same blocks and step budget (the

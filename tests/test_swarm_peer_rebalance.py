@@ -53,7 +53,7 @@ def test_a_moved_peer_keeps_its_process_number_in_its_new_uid():
     assert moved_uid("custom", 3, 1) == "custom-s3m1"
 
 
-@pytest.mark.slow
+@pytest.mark.swarm
 def test_peers_move_one_of_their_own_to_a_starved_stage_and_throughput_recovers():
     # stage 0: two peers of speed 0.25; stage 1: one of speed 0.025 (the bottleneck: a tenth of stage 0's rate)
     total = 160

@@ -7,7 +7,6 @@ of the generator: they read only the lexicon's word attributes and the text.
 import statistics
 import subprocess
 import sys
-import time
 from collections import Counter
 
 import pytest
@@ -425,14 +424,8 @@ def test_paraphrase_pairs_differ_by_lexical_edits():
                 assert words and all(x.synset == y.synset and x is not y for x, y in zip(words[::2], words[1::2]))
 
 
-# --- speed -----------------------------------------------------------------------------------------------
-
-
-def test_generation_is_fast():
-    start = time.perf_counter()
-    n = sum(1 for _ in syn.corpus_documents(5000, 3))
-    assert n == 5000 and time.perf_counter() - start < 2.5
+def test_generation_yields_the_sizes_asked_for():
+    """Sizes only: generation speed is measured by benchmarks/synthetic_generation.py, not asserted here."""
+    assert sum(1 for _ in syn.corpus_documents(5000, 3)) == 5000
     for task, split in SPLITS:
-        start = time.perf_counter()
-        syn.glue_split(task, split, 2000, 3)
-        assert time.perf_counter() - start < 1.0, task
+        assert len(syn.glue_split(task, split, 2000, 3)) == 2000, (task, split)

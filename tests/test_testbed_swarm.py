@@ -74,7 +74,6 @@ def test_the_plan_learns_the_shaped_link_and_the_relays_round_trip():
     with pytest.raises(ValueError, match="bandwidth_mbit=0"):
         tbswarm.link_plan(base, 0)
 
-@pytest.mark.slow
 @pytest.mark.netns
 def test_swarm_on_the_testbed_survives_a_silently_cut_stage_peer(can_build):
     """2 stages x 2 peers and 2 trainers, each on its own host, 100 Mb/s, 20 ms one way through the relay; the

@@ -17,7 +17,6 @@ def workdir(tmp_path_factory):
     return work
 
 
-@pytest.mark.slow
 def test_tiny_study_writes_tables_and_figures(workdir):
     table = pd.read_csv(workdir / "results" / "tables" / "synthetic" / "glue.csv")
     assert set(zip(table["model"], table["vocab"])) == {
@@ -71,7 +70,7 @@ def _tables_without_swarm(root):
     return tables
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_second_run_from_scratch_writes_the_same_bytes(workdir, tmp_path):
     """Tokenizers, blocks, single-process checkpoints and GLUE tables are bit-reproducible on a CPU."""
     again = copy_workflow(tmp_path)
@@ -93,7 +92,6 @@ def test_a_second_run_from_scratch_writes_the_same_bytes(workdir, tmp_path):
     print("swarm row, largest difference between two runs:", max(abs(rows[0][c] - rows[1][c]) for c in numeric))
 
 
-@pytest.mark.slow
 def test_report_builds_with_every_table_figure_and_the_study_record(workdir):
     snakemake(workdir, "--report", "results/report.html", *TINY)
     html = (workdir / "results" / "report.html").read_text()
@@ -115,12 +113,10 @@ def test_report_builds_with_every_table_figure_and_the_study_record(workdir):
     assert "Geiping &amp; Goldstein 2022" in html and "vocab sizes 128, 160" in html
 
 
-@pytest.mark.slow
 def test_finished_run_reruns_nothing(workdir):
     assert planned_jobs(workdir, *TINY) == {}
 
 
-@pytest.mark.slow
 def test_changing_one_vocab_size_reruns_only_its_dependents(workdir):
     overlay = workdir / "config" / "test" / "vocab.yaml"
     overlay.write_text("tokenizer:\n  vocab_sizes: [128, 192]\n")
@@ -138,7 +134,6 @@ def test_changing_one_vocab_size_reruns_only_its_dependents(workdir):
     }
 
 
-@pytest.mark.slow
 def test_changing_a_finetuning_value_reruns_finetuning_only(workdir):
     overlay = workdir / "config" / "test" / "lr.yaml"
     overlay.write_text("glue:\n  protocols:\n    crammed:\n      lr: 1.0e-4\n")
@@ -147,7 +142,6 @@ def test_changing_a_finetuning_value_reruns_finetuning_only(workdir):
     assert jobs == {"finetune_model": 5, "tables": 1, "figures": 1, "study_record": 1, "all": 1}
 
 
-@pytest.mark.slow
 def test_switching_one_models_protocol_reruns_its_finetuning_only(workdir):
     overlay = workdir / "config" / "test" / "protocol.yaml"
     overlay.write_text("models:\n  no_pretrain:\n    glue_protocol: bert_checkpoint\n")
@@ -155,7 +149,6 @@ def test_switching_one_models_protocol_reruns_its_finetuning_only(workdir):
     assert jobs == {"finetune_model": 1, "tables": 1, "figures": 1, "study_record": 1, "all": 1}
 
 
-@pytest.mark.slow
 def test_changing_the_glue_data_size_keeps_the_corpus_and_checkpoints(workdir):
     overlay = workdir / "config" / "test" / "rows.yaml"
     overlay.write_text("synthetic:\n  glue_train_examples: 48\n")
@@ -163,14 +156,13 @@ def test_changing_the_glue_data_size_keeps_the_corpus_and_checkpoints(workdir):
     assert jobs == {"glue_data": 3, "finetune_model": 6, "tables": 1, "figures": 1, "study_record": 1, "all": 1}
 
 
-@pytest.mark.slow
 def test_named_targets_resolve(workdir):
     for target in ("tokenizers", "pretrain_all", "glue", "ablation_vocab"):
         # already built by the full run (target first: --configfile takes every following word)
         assert planned_jobs(workdir, target, *TINY) == {}
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_ablation_targets_build_tables_and_figures(workdir):
     jobs = planned_jobs(workdir, "ablation_arch", "ablation_schedule", "ablation_groups", *TINY)
     # tiny overlay: arch = base + depth2 + bert_original; schedule = 2 x 2; groups = 4 rows; no study run is reused
@@ -201,7 +193,6 @@ def test_ablation_targets_build_tables_and_figures(workdir):
     assert '"mask_rate": 0.15' in summary and '"norm_scheme": "post"' in summary
 
 
-@pytest.mark.slow
 def test_settings_that_change_no_file_rerun_nothing(workdir):
     # the memory cap bounds memory only; the study's filters are off, so their settings are in no file's key
     overlay = workdir / "config" / "test" / "cap.yaml"
@@ -210,7 +201,6 @@ def test_settings_that_change_no_file_rerun_nothing(workdir):
     assert planned_jobs(workdir, *TINY, str(overlay.relative_to(workdir))) == {"study_record": 1, "all": 1}
 
 
-@pytest.mark.slow
 def test_changing_the_block_order_reorders_and_retrains_only(workdir):
     overlay = workdir / "config" / "test" / "order.yaml"
     overlay.write_text("data:\n  order: sentence-length\n")
@@ -229,7 +219,6 @@ def test_changing_the_block_order_reorders_and_retrains_only(workdir):
     }
 
 
-@pytest.mark.slow
 def test_ablation_data_reuses_files_shared_with_the_study_and_between_cells(workdir):
     jobs = planned_jobs(workdir, "ablation_data", *TINY)
     # sources synthetic + noisy x cells none / filtered / filtered_sorted / filtered_dedup (tiny overlay)
@@ -246,7 +235,7 @@ def test_ablation_data_reuses_files_shared_with_the_study_and_between_cells(work
     }
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_ablation_data_writes_table2_with_stage_counts(workdir):
     overlay = workdir / "config" / "test" / "table2.yaml"
     overlay.write_text(
@@ -285,7 +274,7 @@ def test_ablation_data_writes_table2_with_stage_counts(workdir):
     assert "GLUE scores" in (out / "data_table2.md").read_text()
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_swarm_study_builds_every_experiment_table_and_figure(workdir):
     jobs = planned_jobs(workdir, "swarm_study", *TINY)
     assert jobs == {"swarm_experiment": 6, "swarm_report": 1, "swarm_study": 1}  # the study's blocks are reused
@@ -310,7 +299,7 @@ def test_swarm_study_builds_every_experiment_table_and_figure(workdir):
     assert "SWARM" in html and "rebalancing_recovery.png" in html
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_claims_target_writes_a_verdict_per_claim_from_the_files(workdir):
     # after the study, the ablations and the swarm study above, the claims need no experiment of their own beyond
     # the Table 2 cells that the data ablation test above left out (it ran 3 cells of one source)
