@@ -123,6 +123,14 @@ def runs_of(study):
     return [name for name, run in RUNS.items() if run["study"] == study]
 
 
+# Local runs: every job holds `cpu_cores` (its threads; profiles/default) out of this machine's cores, whatever --cores
+# says, so `snakemake --cores 8` on 2 cores runs two one-thread jobs at a time, the longest first (`priority`), instead
+# of eight at a quarter of a core each with the longest (the critical path) finishing last. Cluster runs (--jobs) and
+# an explicit --resources cpu_cores=N are left as they are.
+if workflow.global_resources["_nodes"].value is None and "cpu_cores" not in workflow.global_resources:
+    workflow.register_resource("cpu_cores", max(len(os.sched_getaffinity(0)), 2))  # 2: the swarm rule's threads
+
+
 def gpus(device):
     """GPUs a job holds (the `gpu` resource): none for device cpu, one for cuda, and for auto one only where
     this machine has a GPU driver. profiles/default caps the sum at 1, so local GPU jobs run one at a time

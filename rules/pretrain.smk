@@ -72,6 +72,7 @@ rule pretrain:
         "logs/pretrain/{source}/{model}/v{vocab}.log",
     benchmark:
         "results/benchmarks/pretrain/{source}/{model}/v{vocab}.tsv"
+    priority: critical_path_priority  # the longest run first
     conda:
         "../envs/cramswarm.yaml"
     threads: pretrain_processes_per_node  # pretrain.devices: one CPU per data-parallel process (one torch thread each)

@@ -53,6 +53,12 @@ def training_mem_mb(arch, vocab, sequences, seq_len, device, **kwargs):
     return est.training_mem_mb(arch, vocab, sequences, seq_len, device_of(device), **kwargs)
 
 
+def critical_path_priority(wildcards):
+    """A pretraining job's priority: its estimated seconds, so the longest (the study's critical path: the run, then
+    its fine-tuning) starts first when cores are scarce; fine-tuning and data jobs keep priority 0."""
+    return int(pretrain_seconds(wildcards.model, int(wildcards.vocab)))
+
+
 def pretrain_seconds(run, vocab):
     recipe = RUNS[run]["recipe"]
     return est.pretrain_seconds(recipe, RUNS[run]["arch"], vocab, BLOCK_TOKENS, device_of(recipe["device"]))
