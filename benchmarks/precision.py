@@ -36,6 +36,7 @@ import torch  # noqa: E402
 
 from cramswarm import precision as prec  # noqa: E402
 from cramswarm.config import load_config  # noqa: E402
+from cramswarm.io import atomic_path  # noqa: E402
 from cramswarm.provenance import hardware  # noqa: E402
 from cramswarm.training import build_model, make_optimizer, mask_tokens  # noqa: E402
 
@@ -130,15 +131,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row['capability']:<16} {row['measure']:<22} {row['precision']:<5} {float(row['rate']):>10.1f} "
               f"{row['unit']:<9} {float(row['vs_fp32']):6.3g}x fp32   auto: {row['auto_chooses']}")
     if args.out:
-        out_path = Path(args.out)
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out_path.with_name(out_path.name + ".tmp")
-        with tmp.open("w", newline="") as handle:
+        with atomic_path(args.out) as tmp, tmp.open("w", newline="") as handle:
             writer = csv.DictWriter(handle, fieldnames=FIELDS)
             writer.writeheader()
             writer.writerows(rows)
-        tmp.replace(out_path)
-        print(f"wrote {out_path}")
+        print(f"wrote {args.out}")
     return 0
 
 
