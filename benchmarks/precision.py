@@ -84,7 +84,7 @@ def pretrain_tokens_per_s(precision: str, steps: int) -> float:
 def measure(args: argparse.Namespace) -> list[dict]:
     """This process's rows: both precisions, both measurements."""
     chosen = prec.choose_precision("auto", torch.device("cpu"))
-    flags = prec.native_bf16_flags() if prec.cpu_capability().startswith("AVX512") else []
+    flags = prec.native_bf16_flags()
     common = dict(cpu=hardware()["cpu"], capability=prec.cpu_capability(), native_bf16="+".join(flags) or "none",
                   auto_chooses=f"{chosen.name} ({chosen.reason.removeprefix('auto: ')})")  # fmt: skip
     rows = []

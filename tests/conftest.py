@@ -1,8 +1,10 @@
+import atexit
 import contextlib
 import os
 import re
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +19,13 @@ SHARED_HUB = REPO.parent / "shared" / "data" / "hub"
 # Processes the tests start (`python -m cramswarm`, Snakemake and SLURM jobs) run this checkout's code as well,
 # whichever checkout pip's editable install points at (pyproject's pytest `pythonpath` covers this process only).
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))
+
+# torch.compile's on-disk kernel cache, one per test session (removed at exit): kernels an earlier session built
+# for another CPU, or under another ISA cap (ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA), crashed or gave NaN when
+# reused by the compile tests.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="cramswarm-inductor-")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 
 # The hub cannot be reached from CI; everything real is read from the local mirror.
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

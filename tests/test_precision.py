@@ -14,7 +14,7 @@ def cpu(monkeypatch):
     """Stub what the CPU reports: ``cpu(flags, machine, slowdown)``; clears the per-process caches."""
 
     def stub(flags=(), machine="x86_64", slowdown=70.0, capability="AVX2"):
-        monkeypatch.setattr(prec, "native_bf16_flags", lambda: list(flags))
+        monkeypatch.setattr(prec, "cpu_bf16_flags", lambda: list(flags))
         monkeypatch.setattr(prec, "cpu_capability", lambda: capability)
         monkeypatch.setattr(prec.platform, "machine", lambda: machine)
         monkeypatch.setattr(prec, "_best_time", lambda dtype: slowdown if dtype == torch.bfloat16 else 1.0)

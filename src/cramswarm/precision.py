@@ -42,8 +42,8 @@ def cpu_capability() -> str:
     return torch.backends.cpu.get_cpu_capability()
 
 
-def native_bf16_flags() -> list[str]:
-    """The native-bf16 features torch reports on this CPU: ``AMX`` and/or ``AVX512-BF16`` (x86 only)."""
+def cpu_bf16_flags() -> list[str]:
+    """The bf16 features torch reports on this CPU: ``AMX`` and/or ``AVX512-BF16`` (x86 only)."""
     flags = []
     if torch.cpu._is_amx_tile_supported():
         flags.append("AMX")
@@ -70,12 +70,17 @@ def bf16_slowdown() -> float:
     return _best_time(torch.bfloat16) / max(_best_time(torch.float32), 1e-9)
 
 
+def native_bf16_flags() -> list[str]:
+    """:func:`cpu_bf16_flags` where torch dispatches AVX512 kernels, else none (``ATEN_CPU_CAPABILITY=avx2``
+    caps the dispatch, as ``ONEDNN_MAX_CPU_ISA=AVX2`` caps oneDNN's: the CPU then runs bf16 emulated)."""
+    return cpu_bf16_flags() if cpu_capability().startswith("AVX512") else []
+
+
 @lru_cache(maxsize=1)
 def cpu_bf16() -> tuple[bool, str]:
     """Whether this CPU runs bf16 natively, and what says so."""
     capability = cpu_capability()
-    # the flags count where torch dispatches AVX512 kernels (ATEN_CPU_CAPABILITY=avx2 caps it, as oneDNN's ISA cap)
-    flags = native_bf16_flags() if capability.startswith("AVX512") else []
+    flags = native_bf16_flags()
     if flags:
         return True, f"CPU {capability} with native bf16 ({', '.join(flags)})"
     if platform.machine().lower() in X86:
