@@ -89,6 +89,15 @@ def processes_naming(text):
     return found
 
 
+def processes_left(text, within_s=30.0):
+    """``processes_naming(text)`` once it is empty or ``within_s`` seconds have passed: processes that were told to
+    end (or lost their parent) take a moment to go, longer on a loaded machine."""
+    deadline = time.monotonic() + within_s
+    while (found := processes_naming(text)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return found
+
+
 def wait_all(tasks, logs, timeout_s=60):
     codes = []
     for task in tasks:
@@ -169,3 +178,14 @@ def start_until_shards(command: list[str], log: Path, state: Path, within_s: flo
         with contextlib.suppress(ProcessLookupError):
             os.killpg(first.pid, signal.SIGKILL)
         raise
+
+
+def running(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """The processes of ``procs`` still running: a zombie has exited (its parent died before reaping it, and a
+    container's PID 1 may never reap it), so it is left out."""
+    alive = []
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(proc)
+    return alive

@@ -24,6 +24,7 @@ import psutil
 import pytest
 from conftest import TINY, copy_workflow, job_stats, planned_jobs, snakemake
 from slurm_cluster import LocalSlurm, Unavailable, env, planned_resources, run
+from swarm_helpers import processes_left
 
 pytestmark = pytest.mark.slurm
 
@@ -300,18 +301,9 @@ def test_swarm_processes_run_as_job_steps_and_a_killed_rule_resumes(cluster, loc
     total = stats["microbatches_requested"]  # each stepped exactly once on every stage, across both jobs
     assert stats["stepped_microbatches"] == [total, total] and stats["assembled_from"] == ["shard", "shard"]
     # nothing outlived the run: no process, no job step, no state folder
-    assert processes_naming(str(work / SWARM_STATE)) == []
+    assert processes_left(str(work / SWARM_STATE)) == []
     assert not any(name.startswith("cs") for name in job_steps())
     assert not (work / SWARM_STATE / "launcher").exists()
-
-
-def processes_naming(text):
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        with contextlib.suppress(psutil.Error):
-            if any(text in part for part in proc.info["cmdline"] or []):
-                found.append(proc.pid)
-    return found
 
 
 # Data-parallel pretraining through the profile: pretrain.devices 2 on the 2-CPU test node is one SLURM job with
@@ -335,4 +327,4 @@ def test_data_parallel_pretraining_runs_as_one_slurm_job(cluster, local, tmp_pat
     summary = json.loads((work / PRETRAIN / "summary.json").read_text())
     assert summary["processes"] == 2 and summary["steps"] == 20 and summary["tokens"] == 81920
     assert log.read_text().count('"processes": 2') == 1  # one summary printed: rank 0's
-    assert processes_naming(str(work / PRETRAIN)) == []  # torchrun and both processes ended with the job
+    assert processes_left(str(work / PRETRAIN)) == []  # torchrun and both processes ended with the job

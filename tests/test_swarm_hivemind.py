@@ -23,13 +23,13 @@ import pytest
 
 pytest.importorskip("hivemind", reason="hivemind is not installed: transport 1 (real hivemind processes) is untested")
 
-from swarm_helpers import (  # noqa: E402
+from swarm_helpers import (
     MICRO,
     NOWHERE,
     job_tasks,
     own_p2p_daemons,
     plan,
-    processes_naming,
+    processes_left,  # noqa: E402
     source,
     start_tasks,
     wait_all,
@@ -141,7 +141,7 @@ def test_peers_started_as_separate_tasks_train_through_kills_and_exit_with_the_r
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5, losses
     # the tasks read the launcher's `done` and exit 0; none of their processes is left
     wait_all(tasks, logs)
-    assert processes_naming(str(rendezvous)) == []
+    assert processes_left(str(rendezvous)) == []
 
 
 @pytest.mark.swarm
@@ -173,7 +173,7 @@ def test_tasks_exit_when_their_launcher_dies_without_a_word(tmp_path):
     assert codes == [3, 3], [p.read_text()[-1500:] for p in logs.glob("*.log")]
     assert time.monotonic() - started < 60
     assert "has not been seen for 4 s" in (logs / "rank0.log").read_text()
-    assert processes_naming(str(rendezvous)) == []
+    assert processes_left(str(rendezvous)) == []
 
 
 @pytest.mark.swarm
@@ -189,7 +189,7 @@ def test_missing_tasks_fail_within_the_startup_timeout_naming_the_stages(tmp_pat
                               startup_timeout_s=60.0), source(), 4, progress=False)
         assert time.monotonic() - started < 150
     wait_all(tasks, logs)  # it read the launcher's `done` and left
-    assert processes_naming(str(rendezvous)) == []
+    assert processes_left(str(rendezvous)) == []
 
 
 def test_task_ranks_map_to_stages_and_bad_placements_fail_with_the_key(tmp_path, monkeypatch):

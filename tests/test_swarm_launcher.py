@@ -31,7 +31,8 @@ from swarm_helpers import (
     launch,
     own_p2p_daemons,
     plan,
-    processes_naming,
+    processes_left,
+    running,
     safe_cmdline,
     source,
     start_tasks,
@@ -254,7 +255,7 @@ def test_attached_peers_serve_the_launchers_swarm_and_their_tasks_restart_them(t
     assert re.search(r"\[rank 1\] peer s0r1\.0 ended with code -9", rank1), rank1[-3000:]
     # the tasks read the launcher's `done` and exit 0; none of their processes, nor the launcher's, is left
     wait_all(tasks, logs)
-    assert processes_naming(str(state)) == []
+    assert processes_left(str(state)) == []
 
 
 @pytest.mark.swarm
@@ -284,7 +285,7 @@ def test_peers_and_trainers_exit_when_the_launcher_is_sigkilled(tmp_path):
         launcher.wait()
         # each process sees its parent gone within a second and SIGKILLs its own group (itself and its p2pd)
         gone, alive = psutil.wait_procs(started, timeout=30)
-        assert alive == [], [safe_cmdline(p) for p in alive]
+        assert running(alive) == [], [safe_cmdline(p) for p in alive]
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(launcher.pid, signal.SIGKILL)
@@ -305,7 +306,7 @@ def test_a_rerun_after_the_launcher_is_sigkilled_resumes_from_the_stage_shards(t
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
         gone, alive = psutil.wait_procs(started, timeout=30)
-        assert alive == [], [safe_cmdline(p) for p in alive]
+        assert running(alive) == [], [safe_cmdline(p) for p in alive]
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(first.pid, signal.SIGKILL)
@@ -402,7 +403,7 @@ def test_sigkill_of_the_rules_own_process_leaves_nothing_behind_and_a_rerun_resu
         os.kill(first.pid, signal.SIGKILL)  # the command's process only, not its group
         first.wait()
         gone, alive = psutil.wait_procs(started, timeout=30)
-        assert alive == [], [safe_cmdline(p) for p in alive]
+        assert running(alive) == [], [safe_cmdline(p) for p in alive]
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(first.pid, signal.SIGKILL)
