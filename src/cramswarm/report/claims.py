@@ -63,7 +63,7 @@ from scipy import stats
 
 from cramswarm.glue.metrics import PAPER_AVERAGE_COLUMNS
 from cramswarm.io import read_json_object
-from cramswarm.report.swarm_findings import late_windows
+from cramswarm.report.recovery import late_windows
 from cramswarm.report.tables import load_results, per_seed_scores, write_table
 
 HOLDS = "holds"

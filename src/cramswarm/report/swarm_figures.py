@@ -23,7 +23,7 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
 from cramswarm.report.figures import PALETTE, _new_figure, _save, _style, figure_paths
-from cramswarm.report.swarm_findings import late_windows
+from cramswarm.report.recovery import late_windows
 from cramswarm.report.tables import write_table
 
 EXPERIMENTS = ("square_cube", "wiring_throughput", "failures_timeline", "rebalancing_recovery", "compression_loss",

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from cramswarm.report.recovery import late_windows
+
 SIM_TOLERANCE = 0.15  # issue 19: the simulator within 15 % of the testbed
 
 
@@ -96,15 +98,6 @@ def failures(results: Path) -> Finding | None:
              f"{periodic['t_s'].nunique()} windows of {periodic['window_s'].iloc[0]:g} s{_link(data)}; one run each")
     return Finding("The swarm keeps training through peer failures (throughput under kills / failure-free)", setup,
                    _per_transport(kept), _paper("S4"), (path,))
-
-
-def late_windows(data: pd.DataFrame) -> tuple[float, pd.DataFrame]:
-    """A ``rebalancing_recovery`` table's kill time and its windows in the last half of the run after the kill
-    (what the findings block, the claims check and the figure's table all average: the swarm has had time to
-    recover)."""
-    kill_at = float(data["kill_at_s"].iloc[0])
-    end = float((data["t_s"] + data["window_s"]).max())
-    return kill_at, data[data["t_s"] >= kill_at + (end - kill_at) / 2].copy()
 
 
 def rebalancing(results: Path) -> Finding | None:
@@ -276,12 +269,12 @@ def findings(results: Path) -> list[Finding]:
 
 def render(results_dir: Path, doc_dir: Path, repo: Path) -> str:
     """The ``swarm-findings`` block: one row per finding, then the provenance line naming every file read."""
-    from cramswarm.report.docs import _cell, _missing, provenance_line
+    from cramswarm.report.markdown import cell, missing, provenance_line
 
     rows = findings(results_dir)
     if not rows:
-        return _missing(results_dir / "swarm_study_testbed", results_dir, "the commands in docs/swarm.md")
+        return missing(results_dir / "swarm_study_testbed", results_dir, "the commands in docs/swarm.md")
     lines = ["| the paper's claim | setup | ours | paper's number |", "|---|---|---|---|"]
-    lines += [f"| {_cell(f.finding)} | {_cell(f.setup)} | {_cell(f.ours)} | {_cell(f.paper)} |" for f in rows]
+    lines += [f"| {cell(f.finding)} | {cell(f.setup)} | {cell(f.ours)} | {cell(f.paper)} |" for f in rows]
     files = [path for f in rows for path in f.files]
     return "\n".join(lines) + "\n\n" + provenance_line(files, results_dir, writer="the commands in docs/swarm.md")
