@@ -86,7 +86,7 @@ def swarm_runtime(wildcards):
     """SWARM pretraining: a seconds budget as it is plus the peers' start-up; a token or step budget at half the
     single-process estimate's rate (pipeline, compression, routing, every peer on the job's own CPUs or GPUs)."""
     seconds = pretrain_seconds(wildcards.model, int(wildcards.vocab))
-    if est.budget_tokens(RUNS[wildcards.model]["recipe"], BLOCK_TOKENS) is not None:
+    if RUNS[wildcards.model]["recipe"]["budget"]["unit"] != "seconds":
         seconds *= 2
     return minutes(seconds + config["swarm"]["startup_timeout_s"])
 

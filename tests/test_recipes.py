@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import ARCH, recipe
 from safetensors.torch import load_file
+from tokenizers import Tokenizer
 
 from cramswarm import budget as budgets
 from cramswarm import pretrain as pretraining
@@ -42,6 +43,46 @@ def test_plain_budgets_pass_through_and_known_cards_are_matched_by_name():
     assert budgets.datasheet_peak("Some Future Card") is None
     with pytest.raises(ValueError, match="peak"):
         budgets.resolve({"unit": "exaflop", "value": 1.0})
+
+
+@pytest.mark.parametrize(
+    "switches",
+    [{}, {"ffn": "gelu", "head_transform": True, "sparse_prediction": False}, {"sparse_prediction": "static"}],
+    ids=["crammed", "bert-original", "static-sparse"],
+)
+def test_the_training_flop_count_is_torch_s_count_of_the_model(switches):
+    """budget.training_flops_per_token against torch's own FLOP counter over a forward and backward pass of the
+    real model, a quarter of each block masked."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from cramswarm.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
+
+    arch, vocab, batch, length = {**ARCH, **switches}, 96, 2, 32
+    model = CrammedBertForMaskedLM(CrammedBertConfig.from_arch(arch, vocab))
+    ids = torch.randint(5, vocab, (batch, length))
+    labels = torch.full_like(ids, -100)
+    chosen = torch.rand(batch, length).argsort(1)[:, : length // 4]
+    labels.scatter_(1, chosen, ids.gather(1, chosen))
+    with FlopCounterMode(display=False) as counter:
+        model(ids, labels=labels).loss.backward()
+    counted = budgets.training_flops_per_token(arch, vocab, length, 0.25) * batch * length
+    assert counted == pytest.approx(counter.get_total_flops(), rel=1e-6)
+
+
+def test_a_model_tflop_budget_gives_each_model_its_counted_tokens(tiny_run, capsys):
+    folder, tok_path = tiny_run
+    budget = {"unit": "model_tflop", "value": 0.001, "reference_card": None, "device_peak_tflops": None}
+    vocab = Tokenizer.from_file(str(tok_path)).get_vocab_size()
+    runs = {}
+    for name, arch in {"shallow": ARCH, "deep": {**ARCH, "layers": 2 * ARCH["layers"]}}.items():
+        runs[name] = pretrain(recipe(budget=budget), arch, folder / "blocks.npy", tok_path, folder / name,
+                              progress=False)
+        per_token = budgets.training_flops_per_token(arch, vocab, 32, recipe()["mask_rate"])
+        resolved = runs[name]["budget_resolved"]
+        assert resolved == {"unit": "tokens", "value": round(1e9 / per_token)}
+        assert resolved["value"] <= runs[name]["tokens"] < resolved["value"] + 16 * 32  # to the end of its step
+    assert runs["deep"]["tokens"] < runs["shallow"]["tokens"]  # the same compute buys fewer tokens
+    assert "model TFLOP ->" in capsys.readouterr().out
 
 
 def test_measured_peak_on_cpu_is_positive():

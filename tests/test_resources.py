@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cramswarm import resources as est
+from cramswarm.budget import training_flops_per_token
 
 ARCH = {"hidden_size": 8, "layers": 2, "intermediate_size": 32, "heads": 2, "max_positions": 16}
 
@@ -29,12 +30,18 @@ def test_parameters_time_and_memory_follow_the_arch():
     assert est.training_mem_mb(big, 32768, 0, 128, "cuda", copies=3) > est.training_mem_mb(big, 32768, 0, 128, "cuda")
 
 
-def test_budgets_in_tokens_steps_and_seconds():
-    recipe = {"batch_sequences": 4, "eval_points": 2, "eval_blocks": 3, "budget": {"unit": "steps", "value": 10}}
-    assert est.budget_tokens(recipe, block_tokens=128) == 10 * 4 * 128
-    assert est.budget_tokens({**recipe, "budget": {"unit": "tokens", "value": 999}}, 128) == 999
+def test_budgets_in_tokens_steps_model_tflop_and_seconds():
+    recipe = {"batch_sequences": 4, "eval_points": 2, "eval_blocks": 3, "mask_rate": 0.25,
+              "budget": {"unit": "steps", "value": 10}}
+    assert est.budget_tokens(recipe, 128, ARCH, 512) == 10 * 4 * 128
+    assert est.budget_tokens({**recipe, "budget": {"unit": "tokens", "value": 999}}, 128, ARCH, 512) == 999
+    flop = {**recipe, "budget": {"unit": "model_tflop", "value": 2.0}}
+    per_token = training_flops_per_token(ARCH, 512, 128, 0.25)
+    assert est.budget_tokens(flop, 128, ARCH, 512) == round(2e12 / per_token)
+    deeper = {**ARCH, "layers": 2 * ARCH["layers"]}
+    assert est.budget_tokens(flop, 128, deeper, 512) < est.budget_tokens(flop, 128, ARCH, 512)
     seconds = {**recipe, "budget": {"unit": "seconds", "value": 3600}}
-    assert est.budget_tokens(seconds, 128) is None
+    assert est.budget_tokens(seconds, 128, ARCH, 512) is None
     evals = est.training_seconds(ARCH, 100, 2 * 3 * 128, 128, "cpu") / 3
     assert est.pretrain_seconds(seconds, ARCH, 100, 128, "cpu") == pytest.approx(
         est.SECONDS_BUDGET_MARGIN * 3600 + est.TRAINING_MARGIN * evals)

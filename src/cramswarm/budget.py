@@ -9,6 +9,11 @@ budget portable:
   after ``value x peak(reference) / peak(device)`` seconds;
 - ``{unit: exaflop, value: 13.4}``: stop after ``value x 1e18 / peak(device)`` seconds.
 
+A third form gives every model the same compute on any machine without a clock: ``{unit: model_tflop, value: 19}``
+trains each model on ``value x 1e12 / training_flops_per_token(...)`` tokens, its own arithmetic counted from its
+shapes. A deeper or denser model trains on fewer tokens, as the paper's baselines do within its one day; the count
+is of arithmetic, not of time (docs/models-and-recipes.md says what that leaves out).
+
 The device's peak is ``device_peak_tflops`` when the budget declares it, else the datasheet value of a known
 CUDA card (dense bf16/fp16 tensor throughput with fp32 accumulate, the basis of Table 1), else a measured bf16
 matmul rate (which is below any datasheet peak, so the run gets more seconds, never fewer, than a datasheet
@@ -86,6 +91,34 @@ def device_peak(budget: dict, device) -> tuple[float, str]:
         if (peak := datasheet_peak(name)) is not None:
             return peak, f"datasheet ({name})"
     return measure_matmul_tflops(device), f"measured bf16 matmul on {device}"
+
+
+def training_flops_per_token(arch: dict, vocab_size: int, seq_len: int, mask_rate: float) -> float:
+    """Training FLOPs per token of a crammed-BERT ``arch`` (cramswarm.models.crammed_bert): 3 x the forward pass
+    (forward, and a backward of twice its cost), 2 FLOPs per multiply-add.
+
+    Per layer: the attention projections (4 h^2), the attention scores and their weighted sum (2 x seq_len x h), the
+    FFN (h x intermediate in, intermediate out, halved by the gated FFN). Per decoded position: the head transform
+    (h^2, where the arch has one) and the decoder (h x vocab). The decoder sees every position without sparse
+    prediction, the masked share (``mask_rate``) with it, ``sparse_prediction_rate`` with static sparse prediction.
+    Embedding lookups, norms, activations, biases and the narrowing layers of a SWARM split are left out (under
+    1 % of the count at the study's shapes)."""
+    h, inner = arch["hidden_size"], arch["intermediate_size"]
+    ffn = h * inner + (inner // 2 if arch.get("ffn", "glu") == "glu" else inner) * h
+    layer = 4 * h * h + ffn + 2 * seq_len * h
+    sparse = arch.get("sparse_prediction", True)
+    decoded = {True: mask_rate, False: 1.0, "static": arch.get("sparse_prediction_rate", 0.25)}[sparse]
+    head = decoded * ((h * h if arch.get("head_transform", False) else 0) + h * vocab_size)
+    return 6.0 * (arch["layers"] * layer + head)
+
+
+def counted(budget: dict, flops_per_token: float) -> dict:
+    """A ``model_tflop`` budget as the token budget this model trains on (``value x 1e12 / flops_per_token``
+    tokens), with the count it came from; any other budget unchanged."""
+    if budget["unit"] != "model_tflop":
+        return budget
+    tokens = max(1, round(budget["value"] * 1e12 / flops_per_token))
+    return {"unit": "tokens", "value": tokens, "model_tflop": budget["value"], "flops_per_token": flops_per_token}
 
 
 def is_normalised(budget: dict) -> bool:

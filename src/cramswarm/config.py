@@ -196,7 +196,8 @@ def _swarm_recipe_errors(recipe: dict, where: str) -> list[str]:
     stage recomputes its forward pass in the backward call (as SWARM's code does) and would draw other masks."""
     errors = []
     if recipe["budget"]["unit"] == "exaflop" or recipe["budget"].get("reference_card"):
-        errors.append(f"config key '{where}.budget': SWARM runs take tokens, steps or seconds, not a normalised budget")
+        errors.append(f"config key '{where}.budget': SWARM runs take tokens, steps, model_tflop or seconds, not a "
+                      "normalised budget")
     if recipe.get("dropout", 0.0) != 0.0:
         errors.append(f"config key '{where}.dropout': SWARM trainers support only 0.0 (a stage recomputes its "
                       "forward pass in the backward call, where dropout would draw other masks)")

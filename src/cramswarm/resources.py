@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 
+from cramswarm.budget import counted, training_flops_per_token
+
 FLOPS_FLOOR = {"cpu": 2e10, "cuda": 5e12}  # model FLOP/s assumed per device (cuda: an older GPU at low utilisation)
 DOCS_PER_S_FLOOR = 500  # documents per second a streaming data stage gets through (C4-sized documents)
 UNCAPPED_DOCUMENTS = 100_000_000  # documents assumed of a hub dataset with max_documents: null
@@ -76,11 +78,13 @@ def training_mem_mb(arch: dict, vocab: int, sequences: int, seq_len: int, device
     return mb(TORCH_MB * 1e6 + 2 * n_bytes)  # x2: allocator slack and the copies made while saving
 
 
-def budget_tokens(recipe: dict, block_tokens: int) -> int | None:
-    """Tokens a token or step budget trains on (a seconds budget: None)."""
+def budget_tokens(recipe: dict, block_tokens: int, arch: dict, vocab: int) -> int | None:
+    """Tokens a token, step or model-TFLOP budget trains on (a seconds budget: None)."""
     budget = recipe["budget"]
     if budget["unit"] == "seconds":
         return None
+    if budget["unit"] == "model_tflop":
+        return counted(budget, training_flops_per_token(arch, vocab, block_tokens, recipe["mask_rate"]))["value"]
     per_step = recipe["batch_sequences"] * block_tokens
     return budget["value"] * (per_step if budget["unit"] == "steps" else 1)
 
@@ -90,7 +94,7 @@ def pretrain_seconds(recipe: dict, arch: dict, vocab: int, block_tokens: int, de
     a token or step budget at the FLOPS_FLOOR; plus the held-out evaluations (forward passes only)."""
     seq = block_tokens
     evals = training_seconds(arch, vocab, recipe["eval_points"] * recipe["eval_blocks"] * seq, seq, device) / 3
-    tokens = budget_tokens(recipe, block_tokens)
+    tokens = budget_tokens(recipe, block_tokens, arch, vocab)
     if tokens is None:
         return SECONDS_BUDGET_MARGIN * recipe["budget"]["value"] + TRAINING_MARGIN * evals
     return TRAINING_MARGIN * (training_seconds(arch, vocab, tokens, seq, device) + evals)
