@@ -57,10 +57,9 @@ rule glue:
 
 
 rule ablation_vocab:
-    """Figure 3: GLUE average and MNLI vs vocab size."""
+    """Figure 3: GLUE average and MNLI vs vocab size (the vocab-sweep models at every tokenizer.vocab_sizes)."""
     input:
-        VOCAB_SWEEP_TABLES,
-        FIGURES[2],
+        rules.vocab_sweep.output,
 
 
 rule ablation_arch:

@@ -37,7 +37,7 @@ def claims_manifest():
     """What each claim reads (the manifest of cramswarm.report.claims): the study's fine-tuning results and
     checkpoints, the arch (the base recipe's shapes only), schedule and data ablation runs, the SWARM study."""
     glue, checkpoints = {}, {}
-    for model, vocab in STUDY_RUNS:
+    for model, vocab in dict.fromkeys(STUDY_RUNS + SWEEP_RUNS):
         glue.setdefault(model, []).append(vocab)
         if MODELS[model]["pretrain"]:
             checkpoints.setdefault(model, {})[str(vocab)] = checkpoint_dir(model, vocab)

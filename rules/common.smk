@@ -49,9 +49,12 @@ NOT_SWEPT = [name for name, spec in MODELS.items() if spec["pretrain"] and not s
 # arch and recipe (cramswarm.config.resolve_runs names them: arch-*, sched-*, groups-*).
 RUNS = resolve_runs(config)
 
-# (model, vocab) pairs of the study: vocab-sweep models at every size, the others at the main size.
-STUDY_RUNS = [
-    (name, vocab) for name, spec in MODELS.items() for vocab in (VOCABS if spec["vocab_sweep"] else [MAIN_VOCAB])
+# (model, vocab) pairs of the study (`all`): every model at the main vocab size.
+STUDY_RUNS = [(name, MAIN_VOCAB) for name in MODELS]
+# ... and of the vocab sweep (`ablation_vocab`, Figure 3): the vocab-sweep models at every size, and the random-init
+# baselines at the main size (the figure's reference line).
+SWEEP_RUNS = [(name, vocab) for name in MODELS for vocab in VOCABS if MODELS[name]["vocab_sweep"]] + [
+    (name, MAIN_VOCAB) for name in BASELINES
 ]
 
 # The data chain (docs/data.md), each file keyed by exactly the settings it depends on:
@@ -71,7 +74,8 @@ GLUE_TABLES = [f"results/tables/{SOURCE}/glue.{ext}" for ext in ("csv", "md")]
 # Our GLUE table with the published rows (report/paper_glue.csv) below it, and LaTeX.
 GLUE_PAPER_TABLES = [f"results/tables/{SOURCE}/glue_paper.{ext}" for ext in ("csv", "md", "tex")]
 VOCAB_SWEEP_TABLES = [f"results/tables/{SOURCE}/vocab_sweep.{ext}" for ext in ("csv", "md")]
-FIGURES = [f"results/figures/{SOURCE}/{name}.png" for name in ("mlm_loss_vs_tokens", "glue_by_task", "glue_vs_vocab")]
+FIGURES = [f"results/figures/{SOURCE}/{name}.png" for name in ("mlm_loss_vs_tokens", "glue_by_task")]
+VOCAB_FIGURE = f"results/figures/{SOURCE}/glue_vs_vocab.png"
 RECORD = f"results/report/{SOURCE}"  # config used, software versions, benchmark summary (rule study_record)
 
 

@@ -131,13 +131,17 @@ def swarm_study_args(wildcards, input):
 # --- Stage 5, report (rules/report.smk) ----------------------------------------------------------------------------
 
 
-def finetune_results(wildcards=None):
+def finetune_results(wildcards=None, runs=STUDY_RUNS):
     return [
         FINETUNE.format(source=SOURCE, model=model, vocab=vocab, task=task, seed=seed)
-        for model, vocab in STUDY_RUNS
+        for model, vocab in runs
         for task in TASKS
         for seed in SEEDS
     ]
+
+
+def sweep_results(wildcards=None):
+    return finetune_results(runs=SWEEP_RUNS)
 
 
 def pretrain_logs(wildcards=None):

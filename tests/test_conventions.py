@@ -11,10 +11,10 @@ from conftest import REPO, TINY, copy_workflow, snakemake
 
 PAPER = ["--configfile", "config/config.yaml", "config/paper.yaml"]
 # Every target of the workflow, so that a dry run with -F plans a job of every job rule.
-TARGETS = ["all", "ablation_arch", "ablation_schedule", "ablation_groups", "ablation_data", "swarm_study", "readme",
-           "claims"]
+TARGETS = ["all", "ablation_vocab", "ablation_arch", "ablation_schedule", "ablation_groups", "ablation_data",
+           "swarm_study", "readme", "claims"]
 REPORT_RULES = {
-    "tables", "figures", "study_record", "readme_figures", "swarm_report",
+    "tables", "figures", "vocab_sweep", "study_record", "readme_figures", "swarm_report",
     "ablation_arch_report", "ablation_schedule_report", "ablation_groups_report", "ablation_data_report",
     "claims_table", "claims_available",
 }

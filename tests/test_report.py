@@ -418,24 +418,19 @@ def test_cli_tables_writes_paper_files(tmp_path):
         "tables",
         "--results",
         *map(str, paths),
-        "--baseline",
-        "scratch",
         "--out-stem",
         str(out / "glue"),
-        "--sweep-stem",
-        str(out / "vocab_sweep"),
     ]
     assert cli_main(argv) == 0
     # exactly these files: no temporary leftovers
-    assert sorted(p.name for p in out.iterdir()) == [
-        "glue.csv",
-        "glue.md",
-        "glue_paper.csv",
-        "glue_paper.md",
-        "glue_paper.tex",
-        "vocab_sweep.csv",
-        "vocab_sweep.md",
-    ]
+    assert sorted(p.name for p in out.iterdir()) == ["glue.csv", "glue.md", "glue_paper.csv", "glue_paper.md",
+                                                      "glue_paper.tex"]
+    sweep_argv = ["vocab-sweep", "--results", *map(str, paths), "--baseline", "scratch", "--out-stem",
+                  str(out / "sweep" / "vocab_sweep"), "--png", str(out / "sweep" / "glue_vs_vocab.png")]
+    assert cli_main(sweep_argv) == 0
+    assert sorted(p.name for p in (out / "sweep").iterdir()) == [
+        "glue_vs_vocab.caption.rst", "glue_vs_vocab.pdf", "glue_vs_vocab.png", "vocab_sweep.csv", "vocab_sweep.md"]
+    assert pd.read_csv(out / "sweep" / "vocab_sweep.csv")["model"].tolist() == ["crammed"]  # the baseline left out
 
     paper = pd.read_csv(out / "glue_paper.csv")
     assert paper["kind"].tolist() == ["ours"] * 2 + ["published"] * len(paper_rows())

@@ -9,19 +9,24 @@ from conftest import TINY, copy_workflow, planned_jobs, snakemake
 from cramswarm.report.claims import CLAIMS, NOT_RUN, VERDICTS
 
 
+def build_study(work):
+    """The tiny study (`all`), then its vocab sweep (`ablation_vocab`): two runs, so the study record of the first
+    sums the study's jobs only."""
+    snakemake(work, "--cores", "2", *TINY)
+    snakemake(work, "ablation_vocab", "--cores", "2", *TINY)
+    return work
+
+
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    """A copy of the workflow (not of results/) run once with the tiny overlay."""
-    work = copy_workflow(tmp_path_factory.mktemp("wf"))
-    snakemake(work, "--cores", "2", *TINY)
-    return work
+    """A copy of the workflow (not of results/) run once with the tiny overlay: the study and its vocab sweep."""
+    return build_study(copy_workflow(tmp_path_factory.mktemp("wf")))
 
 
 def test_tiny_study_writes_tables_and_figures(workdir):
     table = pd.read_csv(workdir / "results" / "tables" / "synthetic" / "glue.csv")
-    assert set(zip(table["model"], table["vocab"])) == {
+    assert set(zip(table["model"], table["vocab"])) == {  # every model at the main vocab size
         ("crammed", 128),
-        ("crammed", 160),
         ("bert_original", 128),
         ("izsak", 128),
         ("swarm", 128),
@@ -30,7 +35,7 @@ def test_tiny_study_writes_tables_and_figures(workdir):
     assert (table["n_seeds"] == 2).all()
     assert table[["mnli_m", "mnli_mm", "sst2", "stsb_pearson"]].notna().all().all()
     sweep = pd.read_csv(workdir / "results" / "tables" / "synthetic" / "vocab_sweep.csv")
-    assert sorted(sweep["vocab"]) == [128, 160] and set(sweep["model"]) == {"crammed"}
+    assert sorted(sweep["vocab"]) == [128, 160] and set(sweep["model"]) == {"crammed"}  # ablation_vocab
     for png in ("mlm_loss_vs_tokens", "glue_by_task", "glue_vs_vocab"):
         figure = workdir / "results" / "figures" / "synthetic" / f"{png}.png"
         assert figure.read_bytes()[:4] == b"\x89PNG" and figure.with_suffix(".pdf").read_bytes()[:4] == b"%PDF"
@@ -39,9 +44,9 @@ def test_tiny_study_writes_tables_and_figures(workdir):
     # one benchmark file per job, mirroring its log; the study record sums them per rule
     assert (workdir / "results" / "benchmarks" / "pretrain" / "synthetic" / "crammed" / "v128.tsv").is_file()
     rules = pd.read_csv(workdir / "results" / "report" / "synthetic" / "benchmarks.csv").set_index("rule")
-    assert rules.loc["finetune_model", "jobs"] == 6  # glue.jobs per_model: one job per (model, vocab) runs every task
+    assert rules.loc["finetune_model", "jobs"] == 5  # glue.jobs per_model: one job per (model, vocab) runs every task
     assert "finetune" not in rules.index  # (the tiny study has no ablation runs, which keep a job per task)
-    assert rules.loc["pretrain", "jobs"] == 4
+    assert rules.loc["pretrain", "jobs"] == 3  # crammed, bert_original, izsak at the main vocab (`all` alone)
     assert rules.loc["swarm_pretrain", "jobs"] == 1
     # the swarm-trained model: a crammed-layout checkpoint from 2 stages x 2 replicas, no microbatch lost
     swarm = json.loads((workdir / "results" / "swarm" / "synthetic" / "swarm" / "v128" / "summary.json").read_text())
@@ -73,8 +78,7 @@ def _tables_without_swarm(root):
 @pytest.mark.e2e
 def test_a_second_run_from_scratch_writes_the_same_bytes(workdir, tmp_path):
     """Tokenizers, blocks, single-process checkpoints and GLUE tables are bit-reproducible on a CPU."""
-    again = copy_workflow(tmp_path)
-    snakemake(again, "--cores", "2", *TINY)
+    again = build_study(copy_workflow(tmp_path))
     patterns = ("results/tokenizers/**/tokenizer.json", "results/packed/**/*.npy", "results/pretrain/**/*.safetensors")
     for pattern in patterns:
         files = sorted(p.relative_to(workdir) for p in workdir.glob(pattern))
@@ -93,7 +97,7 @@ def test_a_second_run_from_scratch_writes_the_same_bytes(workdir, tmp_path):
 
 
 def test_report_builds_with_every_table_figure_and_the_study_record(workdir):
-    snakemake(workdir, "--report", "results/report.html", *TINY)
+    snakemake(workdir, "all", "ablation_vocab", "--report", "results/report.html", *TINY)
     html = (workdir / "results" / "report.html").read_text()
     for name in (
         "glue.csv",
@@ -120,26 +124,26 @@ def test_finished_run_reruns_nothing(workdir):
 def test_changing_one_vocab_size_reruns_only_its_dependents(workdir):
     overlay = workdir / "config" / "test" / "vocab.yaml"
     overlay.write_text("tokenizer:\n  vocab_sizes: [128, 192]\n")
-    jobs = planned_jobs(workdir, *TINY, str(overlay.relative_to(workdir)))
+    jobs = planned_jobs(workdir, "ablation_vocab", *TINY, str(overlay.relative_to(workdir)))
     assert jobs == {
         "train_tokenizer": 1,  # v192 only
         "pack_corpus": 1,
         "order_blocks": 1,
         "pretrain": 1,
         "finetune_model": 1,  # crammed v192 (one job runs every task and seed); nothing for v128 or no_pretrain
-        "tables": 1,
-        "figures": 1,
-        "study_record": 1,  # the config changed (and so did the benchmark files it sums)
-        "all": 1,
+        "vocab_sweep": 1,
+        "ablation_vocab": 1,
     }
+    # the study itself is at the main vocab size: only its record, which holds the config, is rewritten
+    assert planned_jobs(workdir, *TINY, str(overlay.relative_to(workdir))) == {"study_record": 1, "all": 1}
 
 
 def test_changing_a_finetuning_value_reruns_finetuning_only(workdir):
     overlay = workdir / "config" / "test" / "lr.yaml"
     overlay.write_text("glue:\n  protocols:\n    crammed:\n      lr: 1.0e-4\n")
     jobs = planned_jobs(workdir, *TINY, str(overlay.relative_to(workdir)))
-    # 5 (model, vocab), one job each for its 3 tasks: all but izsak, which the reference tunes with the BERT protocol
-    assert jobs == {"finetune_model": 5, "tables": 1, "figures": 1, "study_record": 1, "all": 1}
+    # 4 models, one job each for its 3 tasks: all but izsak, which the reference tunes with the BERT protocol
+    assert jobs == {"finetune_model": 4, "tables": 1, "figures": 1, "study_record": 1, "all": 1}
 
 
 def test_switching_one_models_protocol_reruns_its_finetuning_only(workdir):
@@ -153,7 +157,7 @@ def test_changing_the_glue_data_size_keeps_the_corpus_and_checkpoints(workdir):
     overlay = workdir / "config" / "test" / "rows.yaml"
     overlay.write_text("synthetic:\n  glue_train_examples: 48\n")
     jobs = planned_jobs(workdir, *TINY, str(overlay.relative_to(workdir)))
-    assert jobs == {"glue_data": 3, "finetune_model": 6, "tables": 1, "figures": 1, "study_record": 1, "all": 1}
+    assert jobs == {"glue_data": 3, "finetune_model": 5, "tables": 1, "figures": 1, "study_record": 1, "all": 1}
 
 
 def test_named_targets_resolve(workdir):
@@ -205,13 +209,13 @@ def test_changing_the_block_order_reorders_and_retrains_only(workdir):
     overlay = workdir / "config" / "test" / "order.yaml"
     overlay.write_text("data:\n  order: sentence-length\n")
     jobs = planned_jobs(workdir, *TINY, str(overlay.relative_to(workdir)))
-    # one order job per vocab; the 4 pretrained (model, vocab) pairs and the swarm model; no corpus, tokenizer,
-    # packing or init job
+    # one order job (the main vocab); the 3 pretrained models and the swarm model; no corpus, tokenizer, packing or
+    # init job
     assert jobs == {
-        "order_blocks": 2,
-        "pretrain": 4,
+        "order_blocks": 1,
+        "pretrain": 3,
         "swarm_pretrain": 1,
-        "finetune_model": 5,
+        "finetune_model": 4,
         "tables": 1,
         "figures": 1,
         "study_record": 1,

@@ -1,4 +1,5 @@
-"""Commands of the report: tables, figures, ablation-report, data-ablation-report, swarm-report, study-record,
+"""Commands of the report: tables, figures, vocab-sweep,
+ablation-report, data-ablation-report, swarm-report, study-record,
 readme-figures, docs-snapshot, docs, fidelity-table, claims."""
 
 from __future__ import annotations
@@ -17,12 +18,9 @@ OUT_STEM = arg("--out-stem", required=True, help="table path without suffix (.cs
 
 @command(
     "tables",
-    "GLUE tables (CSV + Markdown): main table, main table beside the published rows (+ LaTeX), vocab sweep",
+    "GLUE tables (CSV + Markdown): main table, main table beside the published rows (+ LaTeX)",
     RESULTS,
-    BASELINE,
-    NOT_SWEPT,
     OUT_STEM,
-    arg("--sweep-stem", required=True),
     arg(
         "--paper-reference",
         default=schema_default("glue.paper_reference"),
@@ -38,20 +36,16 @@ def tables(args) -> int:
     t.write_table(main, args.out_stem)
     # <out-stem>_paper.{csv,md,tex}: our rows, the published ones below, and our delta to a published average.
     t.write_table(t.glue_table_with_paper(main, args.paper_reference), f"{args.out_stem}_paper", latex=True)
-    t.write_table(t.vocab_sweep_table(df, exclude=args.baseline + args.not_swept), args.sweep_stem)
     return 0
 
 
 @command(
     "figures",
-    "figures (seaborn PNG + PDF + caption): MLM loss vs tokens, GLUE per task, GLUE average vs vocab size",
+    "figures (seaborn PNG + PDF + caption): MLM loss vs tokens, GLUE per task",
     RESULTS,
-    BASELINE,
-    NOT_SWEPT,
     arg("--logs", nargs="+", required=True, help="pretraining train_log.csv files"),
     arg("--loss-png", required=True),
     arg("--tasks-png", required=True),
-    arg("--vocab-png", required=True),
     arg("--source", default="synthetic", choices=("synthetic", "hub"), help="the config's source (captions)"),
 )
 def figures(args) -> int:
@@ -59,13 +53,30 @@ def figures(args) -> int:
     from cramswarm.report import tables as t
 
     f.plot_loss_curves({Path(p).parent.parent.name + "/" + Path(p).parent.name: p for p in args.logs}, args.loss_png)
+    f.plot_glue_by_task(t.load_results(args.results), args.tasks_png, source=args.source)
+    return 0
+
+
+@command(
+    "vocab-sweep",
+    "Figure 3 (seaborn PNG + PDF + caption) and its table: GLUE average and MNLI vs vocab size",
+    RESULTS,
+    BASELINE,
+    NOT_SWEPT,
+    OUT_STEM,
+    arg("--png", required=True, help="figure path"),
+)
+def vocab_sweep(args) -> int:
+    from cramswarm.report import figures as f
+    from cramswarm.report import tables as t
+
     df = t.load_results(args.results)
-    f.plot_glue_by_task(df, args.tasks_png, source=args.source)
     main = t.glue_table(df)
     baseline_rows = main[main["model"].isin(args.baseline)]
     baseline = baseline_rows.iloc[0].to_dict() if len(baseline_rows) else None
     sweep = t.vocab_sweep_table(df, exclude=args.baseline + args.not_swept)
-    f.plot_vocab_sweep(sweep, args.vocab_png, baseline=baseline)
+    t.write_table(sweep, args.out_stem)
+    f.plot_vocab_sweep(sweep, args.png, baseline=baseline)
     return 0
 
 
