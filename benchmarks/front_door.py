@@ -15,9 +15,13 @@ it was met, the job count where Snakemake planned jobs, the commit, the cores an
 started, torch's CPU capability and the precision ``precision: auto`` chose there, so that nobody reads another
 CPU's number as theirs); ``python -m cramswarm docs`` renders it in the README (block ``table:front_door.csv``).
 Run it on an otherwise idle machine: the load column says whether it was. ``ATEN_CPU_CAPABILITY=avx2
-ONEDNN_MAX_CPU_ISA=AVX2`` in its environment measures an AVX512 CPU as one without native bf16.
+ONEDNN_MAX_CPU_ISA=AVX2`` in its environment measures an AVX512 CPU as one without native bf16; its rows then say
+so in their name and command. ``--update`` keeps the rows of an existing ``--out`` file that this run did not
+measure (the rows of another ISA cap, say).
 
     python benchmarks/front_door.py --smoke --out results/readme/front_door.csv
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python benchmarks/front_door.py --smoke --default --update \
+        --out results/readme/front_door.csv
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ PAPER_OVERLAYS = {
 }
 SMOKE = ["--cores", "2", "--configfile", "config/config.yaml", "config/test/tiny.yaml"]
 DEFAULT = ["--cores", "8"]
+CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")  # the environment that caps torch's kernels below the CPU's
 FIELDS = ("measurement", "command", "wall_s", "target_s", "met", "jobs", "commit", "date_utc", "cores", "load_1min",
           "cpu_capability", "auto_precision")  # fmt: skip
 
@@ -69,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="also time the smoke run (about 3 minutes)")
     parser.add_argument("--default", action="store_true", help="also time the default study (as long as it takes)")
     parser.add_argument("--out", help="CSV to write (e.g. results/readme/front_door.csv)")
+    parser.add_argument("--update", action="store_true", help="keep the rows of an existing --out file whose "
+                        "measurement this run did not repeat")
     parser.add_argument("--keep", help="copy the smoke run's and the default study's results/ here (per-job benchmark "
                         "files, tables), as KEEP/smoke and KEEP/default")
     args = parser.parse_args(argv)
@@ -92,7 +99,12 @@ def main(argv: list[str] | None = None) -> int:
         _, machine = timed([sys.executable, "-c", probe], clone, env)
         capability, auto_precision = machine.split()[-2:]
 
+        caps = [f"{key}={os.environ[key]}" for key in CAPS if os.environ.get(key)]
+
         def record(name: str, command: list[str], wall: float, target: float, jobs: int | None, load: float) -> None:
+            if caps:
+                cap = os.environ.get("ATEN_CPU_CAPABILITY", "a lower ISA").upper()
+                name, command = f"{name}, kernels capped at {cap}", [*caps, *command]
             row = dict(measurement=name, command=" ".join(command), wall_s=f"{wall:.2f}", target_s=f"{target:g}",
                        met="yes" if wall <= target else "no", jobs="" if jobs is None else jobs, commit=commit,
                        date_utc=datetime.now(UTC).strftime("%Y-%m-%d"), cores=os.cpu_count(),
@@ -126,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
+        if args.update and out.is_file():
+            with out.open(newline="") as handle:
+                measured = {row["measurement"] for row in rows}
+                rows = [row for row in csv.DictReader(handle) if row["measurement"] not in measured] + rows
         tmp_out = out.with_name(out.name + ".tmp")
         with tmp_out.open("w", newline="") as handle:
             writer = csv.DictWriter(handle, fieldnames=FIELDS)
