@@ -12,6 +12,7 @@ import pytest
 from conftest import TINY, copy_workflow, planned_jobs
 
 from cramswarm.glue.tasks import TASKS
+from cramswarm.report import claim_tests
 from cramswarm.report import claims as c
 
 TASK_NAMES = ("sst2", "mnli", "stsb")
@@ -187,7 +188,7 @@ def test_loss_difference_within_noise_is_inconclusive(manifest, tmp_path):
 
 
 def test_absent_inputs_are_not_run(manifest):
-    c.Path(manifest["swarm_study"]["wiring_throughput"]).unlink()
+    Path(manifest["swarm_study"]["wiring_throughput"]).unlink()
     del manifest["roles"]["izsak"]
     outcomes = by_id(manifest)
     assert outcomes["S3"].verdict == c.NOT_RUN and "absent" in outcomes["S3"].measurement
@@ -251,9 +252,9 @@ def test_swarm_of_another_shape_is_not_compared(manifest, tmp_path):
 
 
 def test_equivalence_and_paired_tests():
-    assert c.equivalent([0.01, -0.02, 0.0, 0.015, -0.01], margin=0.05).verdict == c.HOLDS
-    assert c.equivalent([0.5, 0.6, 0.55, 0.52, 0.58], margin=0.05).verdict == c.FAILS
-    assert c.equivalent([0.5, -0.4, 0.3, -0.6, 0.1], margin=0.05).verdict == c.INCONCLUSIVE
+    assert claim_tests.equivalent([0.01, -0.02, 0.0, 0.015, -0.01], margin=0.05).verdict == c.HOLDS
+    assert claim_tests.equivalent([0.5, 0.6, 0.55, 0.52, 0.58], margin=0.05).verdict == c.FAILS
+    assert claim_tests.equivalent([0.5, -0.4, 0.3, -0.6, 0.1], margin=0.05).verdict == c.INCONCLUSIVE
     assert c.paired_greater([1.0, 1.2, 0.9, 1.1]).verdict == c.HOLDS
     assert c.paired_greater([1.0, -1.2, 0.9, -1.1]).verdict == c.INCONCLUSIVE
     with pytest.raises(ValueError, match="unknown verdict"):
@@ -353,7 +354,7 @@ def test_identical_pairs_at_the_margin_are_inconclusive():
 
 
 def test_a_missing_result_file_marks_its_claims_not_run(manifest):
-    c.Path(c.finetune_paths(manifest, "izsak", 2048)[0]).unlink()
+    Path(c.finetune_paths(manifest, "izsak", 2048)[0]).unlink()
     outcomes = by_id(manifest)
     assert outcomes["C4"].verdict == c.NOT_RUN and "1 of 30 input file(s) absent" in outcomes["C4"].measurement
     assert outcomes["C2"].verdict == c.HOLDS

@@ -304,7 +304,7 @@ def test_lr_from_sweep_refusals_name_the_key(repo, tmp_path, overlay, expected):
 def test_realtext_overlay_takes_the_lr_from_its_own_sweep(repo, tmp_path):
     """config/realtext.yaml (issue 20) validates on top of the mirror study and resolves to what claim C5 needs:
     crammed at its study budget with the LR of a triangle sweep on the same text, enough seeds for C5's test."""
-    from cramswarm.report.claims import MIN_PAIRS
+    from cramswarm.report.claim_tests import MIN_PAIRS
 
     mirror = tmp_path / "hub"
     mirror.mkdir()  # the overlay's ../shared/data/hub may be absent (CI): an empty stand-in, nothing is read
