@@ -121,6 +121,19 @@ def counted(budget: dict, flops_per_token: float) -> dict:
     return {"unit": "tokens", "value": tokens, "model_tflop": budget["value"], "flops_per_token": flops_per_token}
 
 
+def for_model(recipe: dict, arch: dict, vocab_size: int, block_tokens: int) -> dict:
+    """``recipe`` with a ``model_tflop`` budget turned into this model's tokens (:func:`counted`); any other budget
+    as it is."""
+    flops = training_flops_per_token(arch, vocab_size, block_tokens, recipe["mask_rate"])
+    return {**recipe, "budget": counted(recipe["budget"], flops)}
+
+
+def describe_counted(budget: dict) -> str:
+    """The log line of a counted budget: what it was and the tokens it became."""
+    return (f"budget {budget['model_tflop']:g} model TFLOP -> {budget['value']:,} tokens "
+            f"({budget['flops_per_token'] / 1e6:.2f} MFLOP per token)")
+
+
 def is_normalised(budget: dict) -> bool:
     return budget["unit"] == "exaflop" or bool(budget.get("reference_card"))
 

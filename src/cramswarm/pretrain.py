@@ -233,19 +233,6 @@ def resolve_budget(recipe: dict, device: torch.device) -> dict:
     return budgets.resolve(budget, peak, source)
 
 
-def with_counted_budget(recipe: dict, arch: dict, vocab_size: int, block_tokens: int) -> dict:
-    """``recipe`` with a ``model_tflop`` budget turned into this model's tokens (:func:`cramswarm.budget.counted`);
-    any other budget as it is."""
-    flops = budgets.training_flops_per_token(arch, vocab_size, block_tokens, recipe["mask_rate"])
-    return {**recipe, "budget": budgets.counted(recipe["budget"], flops)}
-
-
-def describe_counted(budget: dict) -> str:
-    """The log line of a counted budget: what it was and the tokens it became."""
-    return (f"budget {budget['model_tflop']:g} model TFLOP -> {budget['value']:,} tokens "
-            f"({budget['flops_per_token'] / 1e6:.2f} MFLOP per token)")
-
-
 def data_passes_planned(budget: dict, n_blocks: int, block_tokens: int, batch_sequences: int) -> float | None:
     """Passes over the training blocks a token or step budget will make (None for seconds: time decides)."""
     if budget["unit"] == "tokens":
@@ -358,9 +345,9 @@ def _pretrain(
     use_heldout = recipe["eval_blocks"] and world.main
     heldout = HeldOut(blocks[n_blocks:], recipe["eval_mask_rate"], vocab_size, micro) if use_heldout else None
     block_tokens = blocks.shape[1]
-    recipe = with_counted_budget(recipe, arch, vocab_size, block_tokens)
+    recipe = budgets.for_model(recipe, arch, vocab_size, block_tokens)
     if "model_tflop" in recipe["budget"]:
-        say(describe_counted(recipe["budget"]), flush=True)
+        say(budgets.describe_counted(recipe["budget"]), flush=True)
 
     budget = resolve_budget(recipe, device)
     if budgets.is_normalised(recipe["budget"]):

@@ -38,9 +38,10 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from cramswarm import budget as budgets
 from cramswarm.io import atomic_path, read_json, write_json
 from cramswarm.precision import choose_precision
-from cramswarm.pretrain import LOG_COLUMNS, HeldOut, describe_counted, load_training_data, with_counted_budget
+from cramswarm.pretrain import LOG_COLUMNS, HeldOut, load_training_data
 from cramswarm.provenance import provenance
 from cramswarm.swarm.stages import assemble_model, build_swarm_model, check_stage_count, split_model
 from cramswarm.training import (
@@ -202,9 +203,9 @@ def swarm_pretrain(
     vocab_size = tok.get_vocab_size()
     micro = recipe["micro_batch_sequences"]
     block_tokens = blocks.shape[1]
-    recipe = with_counted_budget(recipe, arch, vocab_size, block_tokens)
+    recipe = budgets.for_model(recipe, arch, vocab_size, block_tokens)
     if "model_tflop" in recipe["budget"]:
-        print(describe_counted(recipe["budget"]), flush=True)
+        print(budgets.describe_counted(recipe["budget"]), flush=True)
     total = planned_microbatches(recipe, block_tokens)
 
     extra = {}
