@@ -4,7 +4,7 @@
 Every process of the launcher's hivemind swarm (2 stages x 2 peers and 2 trainers by default) runs on a testbed host
 of its own (``cramswarm.testbed.swarm``), every host's link shaped to ``--mbit`` megabits per second and ``--ms``
 milliseconds one way (through the testbed's relay). The model is a tiny crammed BERT (``--hidden``) on the
-counting language of ``cramswarm.swarm.toy``. Per scheme and seed the script records:
+counting language of ``cramswarm.swarm.data``. Per scheme and seed the script records:
 
 * the steady throughput, two ways (the start and the final flush left out of both):
   ``mb_s``, microbatches per second stepped by the last stage between its second and its last-but-one optimizer
@@ -50,9 +50,9 @@ sys.path.insert(0, str(ROOT / "src"))
 from cramswarm.config import load_config  # noqa: E402
 from cramswarm.io import write_json  # noqa: E402
 from cramswarm.swarm import compression, hivemind_transport  # noqa: E402
+from cramswarm.swarm.data import CountingSource  # noqa: E402
 from cramswarm.swarm.policies import RetryPolicy  # noqa: E402
 from cramswarm.swarm.stages import assemble_model, build_swarm_model, split_model  # noqa: E402
-from cramswarm.swarm.toy import CountingSource  # noqa: E402
 from cramswarm.testbed import Unavailable, unavailable_reason  # noqa: E402
 from cramswarm.testbed import swarm as tbswarm  # noqa: E402
 

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     from cramswarm.swarm import hivemind_peer as hp
     from cramswarm.swarm import peer_sync  # noqa: F401  (a launched peer imports it too)
     from cramswarm.swarm.compression import encode
-    from cramswarm.swarm.toy import CountingSource
+    from cramswarm.swarm.data import CountingSource
 
     hp.bound_kernel_cache()
     torch.set_num_threads(1)

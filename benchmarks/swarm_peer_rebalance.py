@@ -37,9 +37,9 @@ from pathlib import Path
 
 from cramswarm.config import load_config
 from cramswarm.swarm import emulation, hivemind_transport, sim
+from cramswarm.swarm.data import CountingSource
 from cramswarm.swarm.emulation import PeerSpec, SwarmSetup
 from cramswarm.swarm.policies import RetryPolicy
-from cramswarm.swarm.toy import CountingSource
 
 REPO = Path(__file__).resolve().parents[1]
 SPEEDS, PLACEMENT, TRAINERS = [0.25, 0.25, 0.025], [2, 1], 3

@@ -16,9 +16,9 @@ import psutil
 from conftest import ARCH, recipe
 
 from cramswarm.swarm import hivemind_transport as ht
+from cramswarm.swarm.data import CountingSource, counting_microbatches
 from cramswarm.swarm.peer_sync import newest_shard
 from cramswarm.swarm.policies import RetryPolicy
-from cramswarm.swarm.toy import CountingSource, counting_microbatches
 
 TINY = ARCH | dict(layers=2, hidden_size=64, heads=2, intermediate_size=128, max_positions=32)
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cramswarm.swarm import data
-from cramswarm.swarm.toy import CountingSource
+from cramswarm.swarm.data import CountingSource
 from cramswarm.swarm.train import microbatches
 from cramswarm.training import mask_tokens
 

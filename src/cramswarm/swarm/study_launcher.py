@@ -173,9 +173,8 @@ def run_setup(setup, *, link_mbit_s: float | None, latency_ms: float, kill_every
     and ``failures`` (the kills as ``FailureEvent`` s, see :func:`killed_as_failures`), ``leftover_processes``,
     ``timeouts``, ``wall_s``, ``load_avg``, ``testbed``."""
     from cramswarm.swarm import hivemind_transport as ht
-    from cramswarm.swarm.data import BOUNDED
+    from cramswarm.swarm.data import BOUNDED, CountingSource
     from cramswarm.swarm.policies import ROUTINGS, RetryPolicy
-    from cramswarm.swarm.toy import CountingSource
 
     if setup.routing not in ROUTINGS:
         raise ValueError(f"routing {setup.routing!r}: the launcher routes {' or '.join(ROUTINGS)} only")
