@@ -654,9 +654,10 @@ def test_the_end_of_a_run_asks_a_silent_stage_again_with_a_longer_wait(monkeypat
         asyncio.run(launcher._collect_states())
 
 
-def test_swarm_pretrain_gives_the_launcher_the_rules_state_folder(monkeypatch, tmp_path):
-    """Rule swarm_pretrain's --rendezvous folder holds the launcher's resumable state (launcher/); without one, no
-    state folder. Without a microbatch source the hivemind transport refuses (the rule always gives one)."""
+def test_the_hivemind_transport_gives_the_launcher_its_state_folder(monkeypatch, tmp_path):
+    """The state folder swarm_pretrain hands the hivemind transport (launcher/ under the rule's --rendezvous folder)
+    is the launcher's resumable state; without one, no state folder. Without a microbatch source the hivemind
+    transport refuses (the rule always gives one)."""
     import yaml
 
     from cramswarm.config import DEFAULT_SCHEMA
@@ -669,13 +670,14 @@ def test_swarm_pretrain_gives_the_launcher_the_rules_state_folder(monkeypatch, t
     base = plan()
     common = dict(arch=base.arch, vocab_size=base.vocab_size, recipe=base.recipe, batches=batches(),
                   total_microbatches=96, progress=False, source=source())
-    ht.train(swarm=swarm, rendezvous=tmp_path, **common)
+    state = dict(rendezvous=tmp_path, state_dir=tmp_path / "launcher")
+    ht.train(swarm=swarm, **state, **common)
     ht.train(swarm=swarm, **common)
-    ht.train(swarm=swarm | {"placement": "attach", "kill_every_s": 4.0}, rendezvous=tmp_path, **common)  # launcher's
-    ht.train(swarm=swarm | {"placement": "srun"}, rendezvous=tmp_path, **common)  # the launcher's, as job steps
-    ht.train(swarm=swarm | {"rebalance_period_s": 5.0}, rendezvous=tmp_path, **common)  # the peers rebalance
+    ht.train(swarm=swarm | {"placement": "attach", "kill_every_s": 4.0}, **state, **common)  # launcher's
+    ht.train(swarm=swarm | {"placement": "srun"}, **state, **common)  # the launcher's, as job steps
+    ht.train(swarm=swarm | {"rebalance_period_s": 5.0}, **state, **common)  # the peers rebalance
     with pytest.raises(ValueError, match="the hivemind transport needs a microbatch source"):
-        ht.train(swarm=swarm, rendezvous=tmp_path, **(common | {"source": None}))
+        ht.train(swarm=swarm, **state, **(common | {"source": None}))
     launched = (True, tmp_path / "launcher")
     assert [(p.decentralised, p.state_dir) for p in seen] == [launched, (True, None), launched, launched, launched]
     assert seen[0].checkpoint_every_s == 7.0
@@ -701,9 +703,10 @@ def test_a_kill_between_the_outputs_and_the_state_folders_removal_trains_nothing
     rendezvous, state = tmp / "rendezvous", tmp / "rendezvous" / train_mod.STATE_SUBDIR
     found_state = []
 
-    def launcher_train(*, rendezvous, swarm, source, **kw):
+    def launcher_train(*, rendezvous, swarm, source, state_dir, **kw):
         """The launcher's part (the same training, on the emulation): it leaves its state folder to the caller."""
-        folder = Path(rendezvous) / train_mod.STATE_SUBDIR
+        folder = Path(state_dir)
+        assert folder == Path(rendezvous) / train_mod.STATE_SUBDIR
         found_state.append(sorted(p.name for p in folder.iterdir()) if folder.exists() else None)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / launcher_mod.RESUME_FILE).write_text("{}")

@@ -30,8 +30,6 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from cramswarm.swarm import averaging
 from cramswarm.swarm.compression import COMPRESSIONS
 from cramswarm.swarm.emulation_training import TrainResult
@@ -42,11 +40,12 @@ from cramswarm.swarm.processes import (  # noqa: F401 (leftover_processes, _LIVE
     own_daemons,
     visible_gpus,
 )
-from cramswarm.swarm.stages import (
+from cramswarm.swarm.stages import (  # noqa: F401 (stage_parameter_counts: the tests' and benchmarks' name here)
     build_swarm_model,
     check_memory_cap,
     check_stage_count,
     split_model,
+    stage_parameter_counts,
     stage_state_bytes,
 )
 
@@ -126,20 +125,6 @@ class SwarmPlan:
                              "SLURM_JOB_ID is unset: run it through profiles/slurm (or placement: local / attach)")
 
 
-def stage_parameter_counts(arch: dict, vocab_size: int, stages: int, compression: str = "none") -> list[int]:
-    """Trainable parameters of each stage (a narrowing ``compression``'s boundary layers included), counted on a
-    model built on the meta device (no memory, and the global RNG is left as it was)."""
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):
-        model = build_swarm_model(arch, vocab_size, 0, stages, compression)
-    return [sum(p.numel() for p in stage.parameters() if p.requires_grad) for stage in split_model(model, stages)]
-
-
-def rank_of_uid(uid: str) -> int | None:
-    """The rank in a ``swarm-peer`` task's uid (``s<stage>r<rank>.<incarnation>``); None for local peers."""
-    head, _, rest = uid.partition("r")
-    return int(rest.split(".")[0]) if rest and head.startswith("s") and "." in rest else None
-
-
 _own_daemons = own_daemons  # the tests' name for it
 
 
@@ -188,12 +173,14 @@ def run_swarm(plan: SwarmPlan, source, total_microbatches: int, progress: bool =
 
 
 def train(*, arch: dict, vocab_size: int, recipe: dict, swarm: dict, batches, total_microbatches: int,
-          progress: bool = True, rendezvous: str | Path | None = None, source=None) -> TrainResult:
-    """The swarm_pretrain rule's hivemind transport (``emulation_training.train``'s signature and result, plus the
-    rendezvous folder of the attach and srun placements and the microbatch source, ``data``). The launcher's
-    trainers make their own microbatches from ``source`` (the same microbatches as ``batches`` by index);
-    ``batches`` is taken for ``emulation_training.train``'s signature and not read. Without a source it refuses:
-    the rule always gives one, and the coordinator that took ``batches`` is gone."""
+          progress: bool = True, rendezvous: str | Path | None = None, source=None,
+          state_dir: str | Path | None = None) -> TrainResult:
+    """The swarm_pretrain rule's hivemind transport (``emulation_training.train``'s signature and result, plus
+    the rendezvous folder of the attach and srun placements, the microbatch source, ``data``, and the folder of
+    the launcher's resumable state, where a rerun after the rule's process died resumes; None: no such state).
+    The launcher's trainers make their own microbatches from ``source`` (the same microbatches as ``batches`` by
+    index); ``batches`` is taken for ``emulation_training.train``'s signature and not read. Without a source it
+    refuses: the rule always gives one, and the coordinator that took ``batches`` is gone."""
     if source is None:
         raise ValueError("the hivemind transport needs a microbatch source (cramswarm.swarm.data): its trainers make "
                          "their own microbatches; an iterator of batches cannot be handed to them")
@@ -211,8 +198,5 @@ def train(*, arch: dict, vocab_size: int, recipe: dict, swarm: dict, batches, to
     )
     plan.checkpoint_every_s = swarm["checkpoint_every_s"]
     plan.peer_memory_cap_mb = swarm.get("peer_memory_cap_mb")
-    if rendezvous:  # the rule's state folder: a rerun after the rule's process died resumes
-        from cramswarm.swarm.train import STATE_SUBDIR
-
-        plan.state_dir = Path(rendezvous) / STATE_SUBDIR
+    plan.state_dir = Path(state_dir) if state_dir is not None else None
     return run_swarm(plan, source, total_microbatches, progress)

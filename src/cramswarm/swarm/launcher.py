@@ -147,9 +147,15 @@ def differences(old, new, prefix: str = "") -> list[str]:
     return [] if old == new else [f"{prefix or 'value'}: {old!r} -> {new!r}"]
 
 
+def rank_of_uid(uid: str) -> int | None:
+    """The rank in a ``swarm-peer`` task's uid (``s<stage>r<rank>.<incarnation>``); None for local peers."""
+    head, _, rest = uid.partition("r")
+    return int(rest.split(".")[0]) if rest and head.startswith("s") and "." in rest else None
+
+
 class Launcher:
     def __init__(self, plan, source, total_microbatches: int, progress: bool):
-        from cramswarm.swarm.hivemind_transport import stage_parameter_counts
+        from cramswarm.swarm.stages import stage_parameter_counts
 
         if not data.is_source(source):
             raise TypeError("the launcher's trainers make their own microbatches: give it a microbatch source "
@@ -562,8 +568,6 @@ class Launcher:
 
     async def _count_rejoin(self, stage: int, uid: str) -> None:
         """attach: wait for the killed peer's task (its rank, ``rank_of_uid``) to declare a new incarnation."""
-        from cramswarm.swarm.hivemind_transport import rank_of_uid
-
         rank, prefix = rank_of_uid(uid), uid.split(".")[0] + "."
         deadline = time.monotonic() + self.plan.startup_timeout_s
         while rank is not None and time.monotonic() < deadline:

@@ -405,3 +405,11 @@ def assemble_model(stages: list[nn.Module], config: CrammedBertConfig) -> Cramme
     if unexpected or [k for k in missing if not k.endswith("position_table")]:
         raise ValueError(f"stages do not fit the config: missing {missing}, unexpected {unexpected}")
     return model
+
+
+def stage_parameter_counts(arch: dict, vocab_size: int, stages: int, compression: str = "none") -> list[int]:
+    """Trainable parameters of each stage (a narrowing ``compression``'s boundary layers included), counted on a
+    model built on the meta device (no memory, and the global RNG is left as it was)."""
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        model = build_swarm_model(arch, vocab_size, 0, stages, compression)
+    return [sum(p.numel() for p in stage.parameters() if p.requires_grad) for stage in split_model(model, stages)]

@@ -214,7 +214,8 @@ def swarm_pretrain(
         from cramswarm.swarm.hivemind_transport import train as transport_train
 
         # the launcher's trainers make the same blocks' microbatches by index (masks seeded per microbatch)
-        extra.update(rendezvous=rendezvous, source=BlockSource.for_recipe(blocks_path, n_blocks, recipe, vocab_size))
+        extra.update(rendezvous=rendezvous, state_dir=state_dir,
+                     source=BlockSource.for_recipe(blocks_path, n_blocks, recipe, vocab_size))
     else:
         from cramswarm.swarm.emulation_training import train as transport_train
     result = transport_train(
