@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # this che
 
 from cramswarm.data.sources import read_glue  # noqa: E402
 from cramswarm.glue.finetune import attention_backends, bucketed_batches, collate, encode, load_model  # noqa: E402
-from cramswarm.glue.tasks import TASK_NAMES, get_task  # noqa: E402
+from cramswarm.glue_tasks import TASK_NAMES, get_task  # noqa: E402
 from cramswarm.precision import autocast  # noqa: E402
 from cramswarm.training import resolve_device  # noqa: E402
 

@@ -14,7 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from cramswarm.data import synthetic as syn  # noqa: E402
-from cramswarm.glue.tasks import TASKS  # noqa: E402
+from cramswarm.glue_tasks import TASKS  # noqa: E402
 
 
 def best_rate(make, count: int, repeats: int) -> float:

@@ -22,7 +22,7 @@ from cramswarm.config import (
     swarm_study_model,
     validate_config,
 )
-from cramswarm.glue.tasks import TASK_NAMES
+from cramswarm.glue_tasks import TASK_NAMES
 
 try:
     validate_config(config, Path(workflow.basedir) / "config" / "schema.yaml", base_dir=Path.cwd())

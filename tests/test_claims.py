@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 from conftest import TINY, copy_workflow, planned_jobs
 
-from cramswarm.glue.tasks import TASKS
+from cramswarm.glue_tasks import TASKS
 from cramswarm.report import claim_tests
 from cramswarm.report import claims as c
 

@@ -10,7 +10,7 @@ from conftest import mirror_corpus, requires_mirror
 
 from cramswarm.data import hub, packing, sources
 from cramswarm.data import tokenizer as tokenization
-from cramswarm.glue.tasks import TASKS
+from cramswarm.glue_tasks import TASKS
 
 DOCS = [
     f"the {a} saw a {b} near the river . it was {c} ."

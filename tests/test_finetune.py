@@ -16,7 +16,7 @@ from cramswarm.data import hub, sources
 from cramswarm.data import tokenizer as tokenization
 from cramswarm.data.synthetic import corpus_documents
 from cramswarm.glue.finetune import finetune
-from cramswarm.glue.tasks import TASKS
+from cramswarm.glue_tasks import TASKS
 from cramswarm.pretrain import init_random
 from cramswarm.provenance import settings_hash
 

@@ -16,7 +16,7 @@ from cramswarm.glue.metrics import (
     paper_average,
     score_columns,
 )
-from cramswarm.glue.tasks import TASKS
+from cramswarm.glue_tasks import TASKS
 
 
 def test_matthews_by_hand():

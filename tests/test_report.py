@@ -11,7 +11,7 @@ import pytest
 
 from cramswarm.cli import main as cli_main
 from cramswarm.glue.metrics import PAPER_AVERAGE_COLUMNS, SCORE_COLUMNS, paper_average
-from cramswarm.glue.tasks import TASKS
+from cramswarm.glue_tasks import TASKS
 from cramswarm.report.figures import _new_figure, _save, plot_glue_by_task, plot_loss_curves, plot_vocab_sweep
 from cramswarm.report.tables import (
     DEFAULT_REFERENCE_MODEL,

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from cramswarm.glue.tasks import TASKS
+from cramswarm.glue_tasks import TASKS
 from cramswarm.report.ablations import (
     _loss_limits,
     arch_table,

@@ -14,7 +14,7 @@ import pytest
 from cramswarm.data import synthetic as syn
 from cramswarm.data.synthetic.lexicon import LEXICON, Adj, Noun, Verb
 from cramswarm.data.synthetic.tasks import examples
-from cramswarm.glue.tasks import TASKS
+from cramswarm.glue_tasks import TASKS
 
 HELD = LEXICON.held_out_forms
 SPLITS = [(task, split) for task, spec in TASKS.items() for split in ("train", *spec.eval_splits)]

@@ -11,7 +11,7 @@ import itertools
 from pathlib import Path
 from typing import Iterator
 
-from cramswarm.glue.tasks import get_task
+from cramswarm.glue_tasks import get_task
 
 
 def resolve(hub_id: str, mirror: str | Path | None) -> str:

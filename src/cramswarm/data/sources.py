@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from cramswarm.data.stream import CorpusWriter
-from cramswarm.glue.tasks import get_task
+from cramswarm.glue_tasks import get_task
 from cramswarm.io import atomic_path
 
 

@@ -28,7 +28,7 @@ import cramswarm.models  # noqa: F401  (registers crammed-bert with the Auto cla
 from cramswarm.data import tokenizer as tokenization
 from cramswarm.data.sources import read_glue
 from cramswarm.glue.metrics import compute_metrics
-from cramswarm.glue.tasks import get_task
+from cramswarm.glue_tasks import get_task
 from cramswarm.io import write_json
 from cramswarm.precision import autocast, choose_precision
 from cramswarm.provenance import provenance

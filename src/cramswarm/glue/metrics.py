@@ -25,7 +25,7 @@ import numpy as np
 from scipy.stats import pearsonr, spearmanr
 from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef
 
-from cramswarm.glue.tasks import get_task
+from cramswarm.glue_tasks import get_task
 
 # Every score column, in the Cramming paper's table order (MNLI-m, MNLI-mm, QQP, QNLI, SST-2, CoLA, STS-B,
 # MRPC, RTE), with each task's second metric right after its first and WNLI (not in the paper) last.

@@ -297,7 +297,7 @@ class CrammedBertModel(CrammedBertPreTrainedModel):
         final = config.final_norm and config.norm_scheme == "pre"
         self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps) if final else nn.Identity()
         if config.boundary_layers:   # registered last: the other modules are initialised as without them
-            from cramswarm.swarm.compression import make_narrowing
+            from cramswarm.models.narrowing import make_narrowing
 
             kind, factor, eps = config.boundary_kind, config.boundary_factor, config.norm_eps
             self.boundaries = nn.ModuleDict(

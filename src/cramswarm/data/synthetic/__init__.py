@@ -3,7 +3,7 @@
 This is *not* GLUE. It is an honest, offline, CPU-sized substitute for the default study: an English-like
 corpus generated from a hard-coded lexicon of real words (``lexicon``) by a small probabilistic grammar
 (``grammar``), and nine tasks with exactly the hub ``nyu-mll/glue`` columns and label encodings
-(``cramswarm.glue.tasks.TASKS``) whose labels are decided by the same lexical semantics:
+(``cramswarm.glue_tasks.TASKS``) whose labels are decided by the same lexical semantics:
 
 ========  ===========================================================================================
 cola      grammatical clause vs. a corrupted one (agreement / determiner-number violation, swapped,

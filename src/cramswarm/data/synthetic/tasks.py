@@ -31,7 +31,7 @@ from cramswarm.data.synthetic.grammar import (
     syn,
 )
 from cramswarm.data.synthetic.lexicon import ARTIFACT, FULL, HELD, HYPERNYMS, LEXICON, VISIBLE
-from cramswarm.glue.tasks import get_task
+from cramswarm.glue_tasks import get_task
 
 HELD_SHARE = 0.7  # share of validation rows whose label-deciding words are drawn from the held-out half
 STSB_BUCKETS = 5  # stsb rows are spread evenly over the score ranges [0,1), [1,2), ... [4,5]
