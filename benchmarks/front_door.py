@@ -74,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="also time the smoke run (about 3 minutes)")
     parser.add_argument("--default", action="store_true", help="also time the default study (as long as it takes)")
     parser.add_argument("--out", help="CSV to write (e.g. results/readme/front_door.csv)")
+    parser.add_argument("--runs-only", action="store_true", help="time only the runs asked for (--smoke, --default), "
+                        "not the CLI help and the dry runs")
     parser.add_argument("--update", action="store_true", help="keep the rows of an existing --out file whose "
                         "measurement this run did not repeat")
     parser.add_argument("--keep", help="copy the smoke run's and the default study's results/ here (per-job benchmark "
@@ -114,9 +116,10 @@ def main(argv: list[str] | None = None) -> int:
 
         help_cmd = [sys.executable, "-m", "cramswarm", "--help"]
         load = os.getloadavg()[0]
-        walls = [timed(help_cmd, clone, env)[0] for _ in range(args.repeats)]
-        record("CLI help", ["python", "-m", "cramswarm", "--help"], statistics.median(walls), 1, None, load)
-        for name, files in PAPER_OVERLAYS.items():
+        walls = [timed(help_cmd, clone, env)[0] for _ in range(0 if args.runs_only else args.repeats)]
+        if walls:
+            record("CLI help", ["python", "-m", "cramswarm", "--help"], statistics.median(walls), 1, None, load)
+        for name, files in {} if args.runs_only else PAPER_OVERLAYS.items():
             cmd = ["snakemake", "-n", "--configfile", *files]
             load = os.getloadavg()[0]
             walls = [timed(cmd, clone, env)[0] for _ in range(args.repeats)]
