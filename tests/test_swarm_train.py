@@ -26,10 +26,11 @@ from transformers import AutoModel, AutoModelForMaskedLM
 
 from cramswarm.data import tokenizer as tokenization
 from cramswarm.models.crammed_bert import register
-from cramswarm.pretrain import LOG_COLUMNS, HeldOut, pretrain
+from cramswarm.pretrain import HeldOut, pretrain
 from cramswarm.swarm.emulation_training import train
 from cramswarm.swarm.stages import StageCountError, assemble_model, build_swarm_model, split_model
 from cramswarm.swarm.train import UNBOUNDED, planned_microbatches, swarm_pretrain
+from cramswarm.train_state import LOG_COLUMNS
 from cramswarm.training import build_model, save_checkpoint
 
 

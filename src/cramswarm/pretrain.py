@@ -1,14 +1,18 @@
-"""Masked-LM pretraining of crammed BERT under an explicit budget (tokens, optimizer steps or seconds).
+"""Masked-LM pretraining of crammed BERT under an explicit budget (tokens, optimizer steps, model TFLOP or seconds).
 
 The learning-rate schedule is a function of budget progress t in [0, 1] (Cramming §4.3: with a wall-clock
 budget the schedule follows elapsed time; with a token or step budget it follows tokens or steps, which
 makes mini runs repeatable). Every optimizer step's realised LR is logged.
+
+:func:`pretrain` sets up a :class:`CrammingRun` (data, model, optimizer, budget), resumes or starts its
+:class:`~cramswarm.train_state.TrainState`, runs the loop (:func:`_train`: set the LR, accumulate gradients, recover
+from a non-finite loss or step, evaluate, log, save, each a named step of the run) and writes the outputs with
+:func:`cramswarm.run_outputs.write_outputs`, as SWARM pretraining does.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
 import time
@@ -23,10 +27,12 @@ from cramswarm import budget as budgets
 from cramswarm.data import tokenizer as tokenization
 from cramswarm.data.packing import load_blocks
 from cramswarm.distributed import World
-from cramswarm.io import atomic_path, write_json
 from cramswarm.models.crammed_bert import unwrap_compiled
 from cramswarm.precision import autocast, choose_precision
 from cramswarm.provenance import provenance
+from cramswarm.run_outputs import summary as run_summary
+from cramswarm.run_outputs import write_outputs
+from cramswarm.train_state import TrainState, clone_state, fingerprint, load_state, save_state
 from cramswarm.training import (
     budget_progress,
     build_model,
@@ -38,14 +44,10 @@ from cramswarm.training import (
     step_lr,
 )
 
-# progress: budget fraction at the start of the step, where its LR multiplier and batch size were set.
 # A non-finite loss reloads the weights of the last snapshot (taken every SNAPSHOT_EVERY_STEPS optimizer steps) and
 # skips its batch; more than MAX_NONFINITE_STEPS such steps end the run (the recipe is unstable, not unlucky).
 SNAPSHOT_EVERY_STEPS = 50
 MAX_NONFINITE_STEPS = 10
-# recipe keys that change how a run executes but not what it computes: a state saved under other values resumes
-RUN_ONLY_KEYS = ("compile_mode", "devices", "nodes", "prefetch", "attention_backend")
-LOG_COLUMNS = ("step", "tokens", "progress", "loss", "lr", "lr_multiplier", "batch_sequences", "elapsed_s", "eval_loss")
 
 
 def init_random(arch: dict, tokenizer_path: str | Path, out_dir: str | Path, seed: int) -> dict:
@@ -58,15 +60,6 @@ def init_random(arch: dict, tokenizer_path: str | Path, out_dir: str | Path, see
         "pretrained": False,
         "provenance": provenance({"arch": arch}, seed),
     }
-
-
-def fingerprint(recipe: dict, arch: dict, blocks_path: str | Path, vocab_size: int) -> str:
-    """What a saved training state must match to be resumed: the recipe (minus save cadence and how it runs: the
-    compile mode and the number of processes), arch and data."""
-    relevant = {k: v for k, v in recipe.items() if not k.startswith("resume_every") and k not in RUN_ONLY_KEYS}
-    stat = Path(blocks_path).stat()
-    payload = json.dumps([relevant, arch, vocab_size, stat.st_size], sort_keys=True)
-    return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
 class HeldOut:
@@ -198,32 +191,6 @@ def _slice_loss(forward, inputs, labels, all_labels, precision: str, device: tor
     return torch.where(predicted > 0, out.loss, torch.zeros_like(out.loss)) * (predicted / total)
 
 
-def _clone_state(value):
-    """A deep copy of an optimizer state dict (tensors cloned, so later steps do not change it)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _clone_state(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_clone_state(v) for v in value]
-    return value
-
-
-def _save_state(path: Path, payload: dict) -> None:
-    with atomic_path(path) as tmp:  # creates the folder
-        torch.save(payload, tmp)
-
-
-def _load_state(path: Path | None, expected: str) -> dict | None:
-    if path is None or not path.is_file():
-        return None
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    if state.get("fingerprint") != expected:
-        print(f"ignoring training state {path}: it belongs to a different recipe, arch or data", flush=True)
-        return None
-    return state
-
-
 def resolve_budget(recipe: dict, device: torch.device) -> dict:
     """The recipe's budget in tokens, steps or seconds on ``device`` (:mod:`cramswarm.budget`)."""
     budget = recipe["budget"]
@@ -324,272 +291,263 @@ def _pretrain(
     world: World, device: torch.device, recipe, arch, blocks_path, tokenizer_path, out_dir, progress, state_dir, run,
     expected_vocab, extra_summary,
 ) -> dict | None:  # fmt: skip
-    """:func:`pretrain` in one process of ``world``."""
+    """:func:`pretrain` in one process of ``world``: set up, resume or start, train, write the outputs."""
     if world.size > 1 and device.type == "cuda":
         device = torch.device("cuda", world.local_rank)
-    say = print if world.main else lambda *args, **kwargs: None
-    chosen = choose_precision(recipe["precision"], device)
-    precision = chosen.name
-    say(f"precision {precision} ({chosen.reason})", flush=True)
-    tok, blocks, n_blocks = load_training_data(recipe, tokenizer_path, blocks_path, expected_vocab)
-    vocab_size = tok.get_vocab_size()
-    micro = recipe["micro_batch_sequences"]
-    if micro % world.size:
-        raise ValueError(
-            f"pretrain.micro_batch_sequences: {micro} sequences cannot be split evenly over {world.size} processes "
-            "(devices x nodes); every process takes an equal slice of each micro-batch"
-        )
-    # this process's rows of every micro-batch: N processes x micro/N rows see exactly the blocks of 1 x micro
-    share = micro // world.size
-    rows = slice(world.rank * share, (world.rank + 1) * share)
-    use_heldout = recipe["eval_blocks"] and world.main
-    heldout = HeldOut(blocks[n_blocks:], recipe["eval_mask_rate"], vocab_size, micro) if use_heldout else None
-    block_tokens = blocks.shape[1]
-    recipe = budgets.for_model(recipe, arch, vocab_size, block_tokens)
-    if "model_tflop" in recipe["budget"]:
-        say(budgets.describe_counted(recipe["budget"]), flush=True)
-
-    budget = resolve_budget(recipe, device)
-    if budgets.is_normalised(recipe["budget"]):
-        say(
-            f"budget {recipe['budget']} -> {budget['value']:,.0f} s on this device "
-            f"({budget['device_peak_tflops']:.1f} TFLOP/s, {budget['device_peak_source']})",
-            flush=True,
-        )
-    planned_passes = data_passes_planned(budget, n_blocks, block_tokens, recipe["batch_sequences"])
-    if planned_passes is not None and planned_passes > 1:
-        say(
-            f"warning: this budget reads the {n_blocks:,} training blocks {planned_passes:.2f} times; the data "
-            "order (e.g. the sentence-length curriculum) restarts on every pass",
-            flush=True,
-        )
-
-    if arch["sparse_prediction"] == "static" and recipe["mask_mode"] == "fixed":
-        rate = arch.get("sparse_prediction_rate", 0.25)
-        if max(1, round(recipe["mask_rate"] * block_tokens)) * share > round(rate * share * block_tokens):
-            say(
-                f"warning: sparse_prediction_rate {rate} decodes fewer positions than mask_rate "
-                f"{recipe['mask_rate']} masks; the loss leaves the last masked positions of each micro-batch out",
-                flush=True,
-            )
-    model = build_model(arch, vocab_size, recipe["seed"], dropout=recipe.get("dropout", 0.0)).to(device)
-    model.train()
-    optimizer = make_optimizer(model, recipe, fused=device.type == "cuda")
-    scaler = torch.amp.GradScaler(enabled=precision == "fp16")
-    # the training masks are drawn where the model runs (on CPU the same draws as earlier versions)
-    generator = torch.Generator(device=device).manual_seed(recipe["seed"])
-
-    counters = dict(
-        step=0,
-        tokens=0,
-        cursor=0,
-        epochs_of_data=0.0,
-        window_loss=0.0,
-        window_n=0,
-        next_eval=1,
-        elapsed_s=0.0,
-        resumed_from_step=None,
-        sequences=0,
-        skipped_nonfinite=0,
-        reloaded=0,
-    )
-    log_text = ",".join(LOG_COLUMNS) + "\n"
-    state_path = Path(state_dir) / "state.pt" if state_dir is not None else None
-    key = fingerprint(recipe, arch, blocks_path, vocab_size)
-    if (state := _load_state(state_path, key)) is not None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scaler.load_state_dict(state["scaler"])
-        counters, log_text = {**counters, **state["counters"]}, state["log"]
-        saved_on = state.get("generator_device", "cpu")  # states of earlier versions: a CPU generator
-        if saved_on == device.type:
-            generator.set_state(state["generator"])
-        else:  # a state saved on another kind of device: its generator state does not fit this one's
-            generator.manual_seed(recipe["seed"] + counters["step"])
-            say(f"masks after the resume are drawn afresh (seed + step): the state was saved on {saved_on}", flush=True)
-        counters["resumed_from_step"] = counters["step"]
-        say(f"resuming from {state_path} at step {counters['step']} ({counters['tokens']:,} tokens)", flush=True)
-    if world.size > 1:
-        torch.manual_seed(recipe["seed"] + world.rank)  # dropout masks differ between processes
-        trained = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False
-        )
-    else:
-        trained = model
-    forward = compile_model(trained, recipe)
-
-    def save_state() -> None:
-        _save_state(
-            state_path,
-            {
-                "fingerprint": key,
-                "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "scaler": scaler.state_dict(),
-                "generator": generator.get_state(),
-                "generator_device": device.type,
-                "counters": dict(counters),
-                "log": log_text,
-            },
-        )
-
-    c = counters
-    start, last_save = time.perf_counter(), time.perf_counter()
-    elapsed = lambda: c["elapsed_s"] + time.perf_counter() - start  # noqa: E731
-    bar = tqdm(total=100, desc=run or "pretrain", unit="%", disable=not (progress and world.main), mininterval=2.0)
-
-    def clock() -> float:
-        """Elapsed seconds; under a seconds budget with several processes, rank 0's (they must stop together)."""
-        if world.size == 1 or budget["unit"] != "seconds":
-            return elapsed()
-        return float(world.from_main(torch.tensor([elapsed()], dtype=torch.float64, device=device)).item())
-
-    # the last good weights and optimizer state, in memory: a non-finite loss reloads them (Cramming's reference
-    # reloads its last checkpoint), skips the batch that caused it and counts it in the summary
-    last_good = None
-    # the loader's thread and the attention kernel choice last as long as the loop
-    running = contextlib.ExitStack()
-    running.enter_context(attention_backend(recipe, model, precision, device))
-    loader = MicroBatches(blocks, n_blocks, micro, device, recipe["prefetch"])
-    running.callback(loader.close)
-    try:
-        while (t := budget_progress(budget, c["tokens"], c["step"], clock())) < 1.0:
-            lr, multiplier = step_lr(recipe, t, c["sequences"])
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            accumulate = step_accumulation(recipe, t, c["sequences"])
-            # the step's loss is summed on the device and read once, after the last micro-batch: no host sync per
-            # micro-step (a .item() there would wait for every forward and backward to finish)
-            step_loss = torch.zeros((), device=device)
-            for micro_step in range(accumulate):
-                batch = loader.take(c["cursor"])
-                c["cursor"] = (c["cursor"] + micro) % n_blocks
-                c["epochs_of_data"] += micro / n_blocks
-                # every process masks the whole micro-batch with the shared generator (the same draws as one process)
-                # and keeps its rows
-                inputs, labels = mask_tokens(batch, recipe["mask_rate"], recipe["mask_mode"], vocab_size, generator)
-                # inner micro-steps accumulate gradients locally; the last one all-reduces them
-                inner = world.size > 1 and micro_step < accumulate - 1
-                with trained.no_sync() if inner else contextlib.nullcontext():
-                    if world.size == 1:
-                        with autocast(precision, device):
-                            loss = forward(inputs, labels=labels).loss
-                    else:
-                        loss = _slice_loss(forward, inputs[rows], labels[rows], labels, precision, device)
-                    loss = loss / accumulate
-                    scaler.scale(loss * world.size).backward()  # DDP averages gradients over processes; undo that
-                step_loss += loss.detach().float()
-                c["tokens"] += micro * block_tokens
-                c["sequences"] += micro
-            # the one host read of this optimizer step (every process reads the same sum, so all skip or step alike)
-            step_loss = world.all_sum(step_loss).item()
-            if not math.isfinite(step_loss):
-                c["skipped_nonfinite"] += 1
-                optimizer.zero_grad(set_to_none=True)
-                if last_good is not None:
-                    model.load_state_dict(last_good["model"])
-                    optimizer.load_state_dict(last_good["optimizer"])
-                    c["reloaded"] += 1
-                say(
-                    f"non-finite loss {step_loss} at step {c['step'] + 1}: batch skipped"
-                    + (", weights reloaded from the last good step" if last_good is not None else ""),
-                    flush=True,
-                )
-                if c["skipped_nonfinite"] > MAX_NONFINITE_STEPS:
-                    raise FloatingPointError(
-                        f"pretraining loss was non-finite in {c['skipped_nonfinite']} steps "
-                        f"(last at step {c['step'] + 1}); "
-                        "lower pretrain.lr"
-                    )
-                continue
-            scaler.unscale_(optimizer)
-            if recipe["grad_clip_norm"] is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), recipe["grad_clip_norm"])
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            c["step"] += 1
-            if c["step"] % SNAPSHOT_EVERY_STEPS == 1:
-                last_good = {
-                    "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
-                    "optimizer": _clone_state(optimizer.state_dict()),
-                }
-            c["window_loss"], c["window_n"] = c["window_loss"] + step_loss, c["window_n"] + 1
-            done = budget_progress(budget, c["tokens"], c["step"], elapsed())
-            eval_loss = ""
-            if heldout is not None and done * recipe["eval_points"] >= c["next_eval"] - 1e-9:
-                eval_loss = f"{heldout.loss(model, precision, device):.5f}"
-                c["next_eval"] = math.floor(done * recipe["eval_points"] + 1e-9) + 1
-            if c["step"] % recipe["log_every_steps"] == 0 or eval_loss or done >= 1.0:
-                mean_loss = c["window_loss"] / c["window_n"]
-                row = (
-                    c["step"],
-                    c["tokens"],
-                    f"{t:.5f}",
-                    f"{mean_loss:.5f}",
-                    f"{lr:.6g}",
-                    f"{multiplier:.5f}",
-                    accumulate * micro,
-                    f"{elapsed():.2f}",
-                    eval_loss,
-                )
-                log_text += ",".join(map(str, row)) + "\n"
-                c["last_loss"] = mean_loss
-                if eval_loss:
-                    c["last_eval_loss"] = float(eval_loss)
-                bar.set_postfix(
-                    tokens=f"{c['tokens']:,}",
-                    loss=f"{mean_loss:.3f}",
-                    lr=f"{lr:.2e}",
-                    tok_s=f"{c['tokens'] / elapsed():,.0f}",
-                )
-                c["window_loss"], c["window_n"] = 0.0, 0
-            bar.update(min(100, int(100 * done)) - bar.n)
-            if state_path is not None and done < 1.0 and world.main:
-                every = recipe["resume_every_steps"]
-                due = time.perf_counter() - last_save >= recipe["resume_every_seconds"]
-                if (every and c["step"] % every == 0) or due:
-                    c["elapsed_s"] = elapsed()
-                    start = last_save = time.perf_counter()
-                    save_state()
-    finally:
-        running.close()
-    bar.close()
-    total_s = elapsed()
+    r = CrammingRun(world, device, recipe, arch, blocks_path, tokenizer_path, expected_vocab, progress, run)
+    state = r.resume_or_start(Path(state_dir) / "state.pt" if state_dir is not None else None)
+    with r.running():
+        _train(r, state)
     if not world.main:  # rank 0 writes the outputs
         return None
-    out_dir = Path(out_dir)
-    save_checkpoint(unwrap_compiled(model).cpu(), tok, out_dir, arch["max_positions"])
-    with atomic_path(out_dir / "train_log.csv") as tmp:
-        tmp.write_text(log_text)
-    summary = {
-        "run": run,
-        "steps": c["step"],
-        "tokens": c["tokens"],
-        "epochs_of_data": round(c["epochs_of_data"], 4),
-        "elapsed_s": round(total_s, 2),
-        "tokens_per_s": round(c["tokens"] / total_s, 1),
-        "final_loss": round(c.get("last_loss", float("nan")), 5),
-        "eval_loss": c.get("last_eval_loss"),
-        "resumed_from_step": c["resumed_from_step"],
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "budget": recipe["budget"],
-        "budget_resolved": budget,
-        "data_passes": round(c["epochs_of_data"], 4),
-        "data_wrapped": c["epochs_of_data"] > 1.0,
-        "skipped_nonfinite": c["skipped_nonfinite"],
-        "reloaded_after_nonfinite": c["reloaded"],
-        "precision": precision,
-        "precision_reason": chosen.reason,
-        "device": str(device),
-        "processes": world.size,
-        "recipe": recipe,
-        "arch": arch,
-        "pretrained": True,
-        "provenance": provenance({"recipe": recipe, "arch": arch}, recipe["seed"], str(device)),
-        **extra_summary,
-    }
-    write_json(out_dir / "summary.json", summary)
-    if state_path is not None:
-        state_path.unlink(missing_ok=True)
+    summary = write_outputs(out_dir, unwrap_compiled(r.model).cpu(), r.tok, arch["max_positions"], state.log,
+                            r.summary(state, extra_summary))
+    if r.state_path is not None:
+        r.state_path.unlink(missing_ok=True)
     return summary
+
+
+def _train(r: CrammingRun, s: TrainState) -> None:
+    """The Cramming loop: one optimizer step per pass until the budget is spent, each step's LR and batch size
+    set by budget progress at its start."""
+    while (t := r.progress(s)) < 1.0:
+        lr, multiplier = r.set_lr(t, s)
+        accumulate = step_accumulation(r.recipe, t, s.sequences)
+        step_loss = r.accumulate_gradients(s, accumulate)
+        if not math.isfinite(step_loss):
+            r.recover_from_nonfinite(s, step_loss)
+            continue
+        r.optimizer_step(s, step_loss)
+        done = budget_progress(r.budget, s.tokens, s.step, r.elapsed(s))
+        eval_loss = r.evaluate_if_due(s, done)
+        r.log_if_due(s, t, done, lr, multiplier, accumulate, eval_loss)
+        r.save_if_due(s, done)
+
+
+class CrammingRun:
+    """One process's pretraining run: its data, model, optimizer and budget, and the named steps of the loop
+    (:func:`_train`). Only rank 0 prints, evaluates, saves state and writes outputs."""
+
+    def __init__(self, world: World, device: torch.device, recipe: dict, arch: dict, blocks_path, tokenizer_path,
+                 expected_vocab: int | None, progress: bool, run: str | None):  # fmt: skip
+        self.world, self.device, self.arch, self.blocks_path, self.run = world, device, arch, blocks_path, run
+        self.say = print if world.main else lambda *args, **kwargs: None
+        self.precision = choose_precision(recipe["precision"], device)
+        self.say(f"precision {self.precision.name} ({self.precision.reason})", flush=True)
+        self.tok, self.blocks, self.n_blocks = load_training_data(recipe, tokenizer_path, blocks_path, expected_vocab)
+        self.vocab_size, self.block_tokens = self.tok.get_vocab_size(), self.blocks.shape[1]
+        self.micro = recipe["micro_batch_sequences"]
+        if self.micro % world.size:
+            raise ValueError(
+                f"pretrain.micro_batch_sequences: {self.micro} sequences cannot be split evenly over {world.size} "
+                "processes (devices x nodes); every process takes an equal slice of each micro-batch"
+            )
+        # this process's rows of every micro-batch: N processes x micro/N rows see exactly the blocks of 1 x micro
+        share = self.micro // world.size
+        self.rows = slice(world.rank * share, (world.rank + 1) * share)
+        use_heldout = recipe["eval_blocks"] and world.main
+        self.heldout = (HeldOut(self.blocks[self.n_blocks :], recipe["eval_mask_rate"], self.vocab_size, self.micro)
+                        if use_heldout else None)  # fmt: skip
+        self.recipe = recipe = budgets.for_model(recipe, arch, self.vocab_size, self.block_tokens)
+        self.budget = resolve_budget(recipe, device)
+        self._announce_budget(share)
+        self.model = build_model(arch, self.vocab_size, recipe["seed"], dropout=recipe.get("dropout", 0.0)).to(device)
+        self.model.train()
+        self.optimizer = make_optimizer(self.model, recipe, fused=device.type == "cuda")
+        self.scaler = torch.amp.GradScaler(enabled=self.precision.name == "fp16")
+        # the training masks are drawn where the model runs (on CPU the same draws as earlier versions)
+        self.generator = torch.Generator(device=device).manual_seed(recipe["seed"])
+        self.bar = tqdm(total=100, desc=run or "pretrain", unit="%", disable=not (progress and world.main),
+                        mininterval=2.0)  # fmt: skip
+        self.last_good = None  # weights and optimizer state of the last snapshot (non-finite recovery)
+        self.state_path: Path | None = None
+        self.start = self.last_save = time.perf_counter()
+
+    def _announce_budget(self, share: int) -> None:
+        """The budget's conversions and the warnings it deserves, before the first step."""
+        recipe, arch, say = self.recipe, self.arch, self.say
+        if "model_tflop" in recipe["budget"]:
+            say(budgets.describe_counted(recipe["budget"]), flush=True)
+        if budgets.is_normalised(recipe["budget"]):
+            say(f"budget {recipe['budget']} -> {self.budget['value']:,.0f} s on this device "
+                f"({self.budget['device_peak_tflops']:.1f} TFLOP/s, {self.budget['device_peak_source']})", flush=True)
+        passes = data_passes_planned(self.budget, self.n_blocks, self.block_tokens, recipe["batch_sequences"])
+        if passes is not None and passes > 1:
+            say(f"warning: this budget reads the {self.n_blocks:,} training blocks {passes:.2f} times; the data "
+                "order (e.g. the sentence-length curriculum) restarts on every pass", flush=True)
+        if arch["sparse_prediction"] == "static" and recipe["mask_mode"] == "fixed":
+            rate = arch.get("sparse_prediction_rate", 0.25)
+            if max(1, round(recipe["mask_rate"] * self.block_tokens)) * share > round(rate * share * self.block_tokens):
+                say(f"warning: sparse_prediction_rate {rate} decodes fewer positions than mask_rate "
+                    f"{recipe['mask_rate']} masks; the loss leaves the last masked positions of each micro-batch out",
+                    flush=True)
+
+    # -- resume ------------------------------------------------------------------------------------------------
+    def resume_or_start(self, state_path: Path | None) -> TrainState:
+        """The saved state at ``state_path`` if it is this run's (weights, optimizer, scaler, masks, counters,
+        log restored), else a fresh one; then the model as this process trains it (DDP, compiled)."""
+        self.state_path, self.key = state_path, fingerprint(self.recipe, self.arch, self.blocks_path, self.vocab_size)
+        state = TrainState()
+        if (saved := load_state(state_path, self.key)) is not None:
+            self.model.load_state_dict(saved["model"])
+            self.optimizer.load_state_dict(saved["optimizer"])
+            self.scaler.load_state_dict(saved["scaler"])
+            state = TrainState.saved(saved)
+            saved_on = saved.get("generator_device", "cpu")  # states of earlier versions: a CPU generator
+            if saved_on == self.device.type:
+                self.generator.set_state(saved["generator"])
+            else:  # a state saved on another kind of device: its generator state does not fit this one's
+                self.generator.manual_seed(self.recipe["seed"] + state.step)
+                self.say(f"masks after the resume are drawn afresh (seed + step): the state was saved on {saved_on}",
+                         flush=True)  # fmt: skip
+            state.resumed_from_step = state.step
+            self.say(f"resuming from {state_path} at step {state.step} ({state.tokens:,} tokens)", flush=True)
+        if self.world.size > 1:
+            torch.manual_seed(self.recipe["seed"] + self.world.rank)  # dropout masks differ between processes
+            device_ids = [self.device.index] if self.device.type == "cuda" else None
+            self.trained = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=device_ids,
+                                                                     broadcast_buffers=False)  # fmt: skip
+        else:
+            self.trained = self.model
+        self.forward = compile_model(self.trained, self.recipe)
+        return state
+
+    @contextlib.contextmanager
+    def running(self):
+        """The loop's surroundings: the attention kernel choice and the micro-batch loader's thread."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(attention_backend(self.recipe, self.model, self.precision.name, self.device))
+            self.loader = MicroBatches(self.blocks, self.n_blocks, self.micro, self.device, self.recipe["prefetch"])
+            stack.callback(self.loader.close)
+            yield
+        self.bar.close()
+
+    # -- the steps of the loop -----------------------------------------------------------------------------------
+    def elapsed(self, s: TrainState) -> float:
+        return s.elapsed_s + time.perf_counter() - self.start
+
+    def progress(self, s: TrainState) -> float:
+        """Budget progress at the start of a step; under a seconds budget with several processes, rank 0's clock
+        (they must stop together)."""
+        clock = self.elapsed(s)
+        if self.world.size > 1 and self.budget["unit"] == "seconds":
+            clock = float(self.world.from_main(torch.tensor([clock], dtype=torch.float64, device=self.device)).item())
+        return budget_progress(self.budget, s.tokens, s.step, clock)
+
+    def set_lr(self, t: float, s: TrainState) -> tuple[float, float]:
+        lr, multiplier = step_lr(self.recipe, t, s.sequences)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr, multiplier
+
+    def accumulate_gradients(self, s: TrainState, accumulate: int) -> float:
+        """Forward and backward over ``accumulate`` micro-batches; the step's loss, read from the device once."""
+        step_loss = torch.zeros((), device=self.device)  # summed on the device: no host sync per micro-step
+        for micro_step in range(accumulate):
+            batch = self.loader.take(s.cursor)
+            s.cursor = (s.cursor + self.micro) % self.n_blocks
+            s.epochs_of_data += self.micro / self.n_blocks
+            # every process masks the whole micro-batch with the shared generator (the same draws as one process)
+            # and keeps its rows
+            inputs, labels = mask_tokens(batch, self.recipe["mask_rate"], self.recipe["mask_mode"], self.vocab_size,
+                                         self.generator)  # fmt: skip
+            # inner micro-steps accumulate gradients locally; the last one all-reduces them
+            inner = self.world.size > 1 and micro_step < accumulate - 1
+            with self.trained.no_sync() if inner else contextlib.nullcontext():
+                if self.world.size == 1:
+                    with autocast(self.precision.name, self.device):
+                        loss = self.forward(inputs, labels=labels).loss
+                else:
+                    loss = _slice_loss(self.forward, inputs[self.rows], labels[self.rows], labels,
+                                       self.precision.name, self.device)  # fmt: skip
+                loss = loss / accumulate
+                self.scaler.scale(loss * self.world.size).backward()  # DDP averages over processes; undo that
+            step_loss += loss.detach().float()
+            s.tokens += self.micro * self.block_tokens
+            s.sequences += self.micro
+        # the one host read of this optimizer step (every process reads the same sum, so all skip or step alike)
+        return self.world.all_sum(step_loss).item()
+
+    def recover_from_nonfinite(self, s: TrainState, step_loss: float) -> None:
+        """Skip the step's batch and reload the last snapshot (as the reference reloads its last checkpoint);
+        more than MAX_NONFINITE_STEPS such steps end the run (the recipe is unstable, not unlucky)."""
+        s.skipped_nonfinite += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.last_good is not None:
+            self.model.load_state_dict(self.last_good["model"])
+            self.optimizer.load_state_dict(self.last_good["optimizer"])
+            s.reloaded += 1
+        self.say(f"non-finite loss {step_loss} at step {s.step + 1}: batch skipped"
+                 + (", weights reloaded from the last good step" if self.last_good is not None else ""), flush=True)
+        if s.skipped_nonfinite > MAX_NONFINITE_STEPS:
+            raise FloatingPointError(f"pretraining loss was non-finite in {s.skipped_nonfinite} steps (last at step "
+                                     f"{s.step + 1}); lower pretrain.lr")
+
+    def optimizer_step(self, s: TrainState, step_loss: float) -> None:
+        """Clip, step, and every SNAPSHOT_EVERY_STEPS steps keep a copy of the weights for non-finite recovery."""
+        self.scaler.unscale_(self.optimizer)
+        if self.recipe["grad_clip_norm"] is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.recipe["grad_clip_norm"])
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        s.step += 1
+        if s.step % SNAPSHOT_EVERY_STEPS == 1:
+            self.last_good = {"model": clone_state(self.model.state_dict()),
+                              "optimizer": clone_state(self.optimizer.state_dict())}  # fmt: skip
+        s.window_loss, s.window_n = s.window_loss + step_loss, s.window_n + 1
+
+    def evaluate_if_due(self, s: TrainState, done: float) -> str:
+        """The held-out loss (formatted for the log) at each of the recipe's eval_points, else ""."""
+        points = self.recipe["eval_points"]
+        if self.heldout is None or done * points < s.next_eval - 1e-9:
+            return ""
+        s.next_eval = math.floor(done * points + 1e-9) + 1
+        return f"{self.heldout.loss(self.model, self.precision.name, self.device):.5f}"
+
+    def log_if_due(self, s: TrainState, t: float, done: float, lr: float, multiplier: float, accumulate: int,
+                   eval_loss: str) -> None:  # fmt: skip
+        """A log row every log_every_steps steps, at each evaluation and at the end; the progress bar."""
+        if s.step % self.recipe["log_every_steps"] == 0 or eval_loss or done >= 1.0:
+            mean_loss = s.window_loss / s.window_n
+            s.log_row(s.step, s.tokens, f"{t:.5f}", f"{mean_loss:.5f}", f"{lr:.6g}", f"{multiplier:.5f}",
+                      accumulate * self.micro, f"{self.elapsed(s):.2f}", eval_loss)  # fmt: skip
+            s.last_loss = mean_loss
+            if eval_loss:
+                s.last_eval_loss = float(eval_loss)
+            self.bar.set_postfix(tokens=f"{s.tokens:,}", loss=f"{mean_loss:.3f}", lr=f"{lr:.2e}",
+                                 tok_s=f"{s.tokens / self.elapsed(s):,.0f}")  # fmt: skip
+            s.window_loss, s.window_n = 0.0, 0
+        self.bar.update(min(100, int(100 * done)) - self.bar.n)
+
+    def save_if_due(self, s: TrainState, done: float) -> None:
+        """The resumable state, every resume_every_seconds (and resume_every_steps), before the end."""
+        if self.state_path is None or done >= 1.0 or not self.world.main:
+            return
+        every, due = self.recipe["resume_every_steps"], time.perf_counter() - self.last_save
+        if (every and s.step % every == 0) or due >= self.recipe["resume_every_seconds"]:
+            s.elapsed_s = self.elapsed(s)
+            self.start = self.last_save = time.perf_counter()
+            save_state(self.state_path, {
+                "fingerprint": self.key, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scaler": self.scaler.state_dict(), "generator": self.generator.get_state(),
+                "generator_device": self.device.type, "counters": s.counters(), "log": s.log,
+            })  # fmt: skip
+
+    # -- outputs ---------------------------------------------------------------------------------------------------
+    def summary(self, s: TrainState, extra: dict) -> dict:
+        total_s = self.elapsed(s)
+        return {
+            **run_summary(run=self.run, steps=s.step, tokens=s.tokens, data_passes=s.epochs_of_data, elapsed_s=total_s,
+                          final_loss=s.last_loss, eval_loss=s.last_eval_loss, model=self.model, recipe=self.recipe,
+                          arch=self.arch, precision=self.precision, device=str(self.device),
+                          settings={"recipe": self.recipe, "arch": self.arch}, trained_on=str(self.device)),
+            "resumed_from_step": s.resumed_from_step,
+            "budget_resolved": self.budget,
+            "data_passes": round(s.epochs_of_data, 4),
+            "data_wrapped": s.epochs_of_data > 1.0,
+            "skipped_nonfinite": s.skipped_nonfinite,
+            "reloaded_after_nonfinite": s.reloaded,
+            "processes": self.world.size,
+            **extra,
+        }  # fmt: skip

@@ -14,8 +14,9 @@ its processes are started by this process's launcher - ``swarm["placement"]`` ``
 job step of the SLURM job it runs in - or, with ``attach``, its peers by ``swarm-peer`` tasks that meet the
 launcher through the ``rendezvous`` folder).
 The stages are then assembled into one crammed-BERT checkpoint (``stages.assemble_model``), written with
-``pretrain.save_checkpoint``, with ``train_log.csv`` (pretrain's columns; rows every ``log_every_steps`` steps,
-window means; the held-out loss is evaluated once, at the end) and ``summary.json``, each written atomically.
+``run_outputs.write_outputs`` as every pretraining run's, with ``train_log.csv`` (pretrain's columns; rows every
+``log_every_steps`` steps, window means; the held-out loss is evaluated once, at the end) and ``summary.json``, each
+written atomically.
 
 Under the launcher the run's resumable state lives in ``<rendezvous>/launcher`` (``STATE_SUBDIR``; the rule's state
 folder). It outlives the training: once every output is written, ``outputs.json`` there records them (name ->
@@ -39,15 +40,16 @@ import numpy as np
 import torch
 
 from cramswarm import budget as budgets
-from cramswarm.io import atomic_path, read_json, write_json
+from cramswarm.io import read_json, write_json
 from cramswarm.precision import choose_precision
-from cramswarm.pretrain import LOG_COLUMNS, HeldOut, load_training_data
-from cramswarm.provenance import provenance
+from cramswarm.pretrain import HeldOut, load_training_data
+from cramswarm.run_outputs import summary as run_summary
+from cramswarm.run_outputs import write_outputs
 from cramswarm.swarm.stages import assemble_model, build_swarm_model, check_stage_count, split_model
+from cramswarm.train_state import LOG_COLUMNS
 from cramswarm.training import (
     budget_progress,
     mask_tokens,
-    save_checkpoint,
     step_accumulation,
 )
 
@@ -237,44 +239,24 @@ def swarm_pretrain(
         stage.load_state_dict(state)
     model = assemble_model(stages, shape.config)
     device = torch.device("cpu")
-    precision = chosen.name
     eval_loss = None
     if recipe["eval_blocks"]:
         heldout = HeldOut(blocks[n_blocks:], recipe["eval_mask_rate"], vocab_size, micro)
-        eval_loss = round(heldout.loss(model, precision, device), 5)
+        eval_loss = round(heldout.loss(model, chosen.name, device), 5)
 
-    save_checkpoint(model, tok, out_dir, arch["max_positions"])
     rows = _log_rows(result.log, recipe["log_every_steps"], eval_loss)
-    with atomic_path(out_dir / "train_log.csv") as tmp:
-        tmp.write_text(_csv(rows))
     # every transport logs one row per optimizer step; the budget counts every microbatch handed out
     tokens, steps = stats["microbatches_requested"] * micro * block_tokens, len(result.log)
-    wall_s = stats["wall_s"]
     # the hardware the stage peers trained on, where this host has it (evaluation above is on the CPU)
     on_gpu = any(str(d).startswith("cuda") for d in (stats.get("peer_devices") or {}).values())
     peers_device = "cuda" if on_gpu and torch.cuda.is_available() else "cpu"
-    summary = {
-        "run": run,
-        "steps": steps,
-        "tokens": tokens,
-        "epochs_of_data": round(tokens / (n_blocks * block_tokens), 4),
-        "elapsed_s": round(wall_s, 2),
-        "tokens_per_s": round(tokens / wall_s, 1) if wall_s > 0 else None,
-        "final_loss": round(rows[-1]["loss"], 5) if rows else math.nan,
-        "eval_loss": eval_loss,
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "budget": recipe["budget"],
-        "precision": precision,
-        "precision_reason": chosen.reason,
-        "device": str(device),
-        "recipe": recipe,
-        "arch": arch,
-        "swarm": swarm,
-        "swarm_stats": stats,
-        "pretrained": True,
-        "provenance": provenance({"recipe": recipe, "arch": arch, "swarm": swarm}, recipe["seed"], peers_device),
-    }
-    write_json(out_dir / "summary.json", summary)
+    summary = run_summary(
+        run=run, steps=steps, tokens=tokens, data_passes=tokens / (n_blocks * block_tokens), elapsed_s=stats["wall_s"],
+        final_loss=rows[-1]["loss"] if rows else math.nan, eval_loss=eval_loss, model=model, recipe=recipe,
+        arch=arch, precision=chosen, device=str(device), settings={"recipe": recipe, "arch": arch, "swarm": swarm},
+        trained_on=peers_device,
+    ) | {"swarm": swarm, "swarm_stats": stats}
+    write_outputs(out_dir, model, tok, arch["max_positions"], _csv(rows), summary)
     if state_dir is not None and stats.get("roles") == "launcher" and state_dir.is_dir():  # left to us: outputs first
         record_outputs(state_dir, out_dir, settings)
         remove_state(state_dir)
