@@ -82,13 +82,22 @@ def init_mem_mb(wildcards):
     return training_mem_mb(RUNS[wildcards.model]["arch"], int(wildcards.vocab), 0, 0, "cuda", bytes_per_param=8)
 
 
-def swarm_runtime(wildcards):
-    """SWARM pretraining: a seconds budget as it is plus the peers' start-up; a token or step budget at half the
-    single-process estimate's rate (pipeline, compression, routing, every peer on the job's own CPUs or GPUs)."""
+def swarm_seconds(wildcards):
+    """SWARM pretraining: a seconds budget as it is; any other at half the single-process estimate's rate (pipeline,
+    compression, routing, every peer on the job's own CPUs or GPUs)."""
     seconds = pretrain_seconds(wildcards.model, int(wildcards.vocab))
-    if RUNS[wildcards.model]["recipe"]["budget"]["unit"] != "seconds":
-        seconds *= 2
-    return minutes(seconds + config["swarm"]["startup_timeout_s"])
+    return seconds if RUNS[wildcards.model]["recipe"]["budget"]["unit"] == "seconds" else 2 * seconds
+
+
+def swarm_priority(wildcards):
+    """The swarm run's priority: its estimated seconds. Above the single-process runs of the same budget, so the
+    job that holds two cores starts first, before single-core jobs keep one of them busy to the end."""
+    return int(swarm_seconds(wildcards))
+
+
+def swarm_runtime(wildcards):
+    """SWARM pretraining's runtime: its estimated seconds plus the peers' start-up."""
+    return minutes(swarm_seconds(wildcards) + config["swarm"]["startup_timeout_s"])
 
 
 def swarm_mem_mb(wildcards):

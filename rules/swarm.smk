@@ -23,7 +23,7 @@ rule swarm_pretrain:
         "logs/swarm_pretrain/{source}/{model}/v{vocab}.log",
     benchmark:
         "results/benchmarks/swarm_pretrain/{source}/{model}/v{vocab}.tsv"
-    priority: critical_path_priority  # the longest run first
+    priority: swarm_priority  # the longest run first: before the single-process runs of the same budget
     conda:
         "../envs/cramswarm.yaml"
     threads: 1 if SWARM_SRUN else 2  # srun: CPUs per task (one per stage peer); else: the local replicas and trainers
