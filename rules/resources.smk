@@ -90,9 +90,11 @@ def swarm_seconds(wildcards):
 
 
 def swarm_priority(wildcards):
-    """The swarm run's priority: its estimated seconds. Above the single-process runs of the same budget, so the
-    job that holds two cores starts first, before single-core jobs keep one of them busy to the end."""
-    return int(swarm_seconds(wildcards))
+    """The swarm run's priority: the core-seconds it claims (its estimated seconds x its threads). Snakemake's
+    scheduler weighs the jobs it starts together by the sum of their priorities, so two single-core runs of the same
+    budget outweigh a two-core job of their own estimate; with this weight the swarm run starts first, before
+    single-core jobs keep one of its cores busy to the end of the study."""
+    return int(swarm_seconds(wildcards) * SWARM_THREADS)
 
 
 def swarm_runtime(wildcards):

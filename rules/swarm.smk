@@ -26,7 +26,7 @@ rule swarm_pretrain:
     priority: swarm_priority  # the longest run first: before the single-process runs of the same budget
     conda:
         "../envs/cramswarm.yaml"
-    threads: 1 if SWARM_SRUN else 2  # srun: CPUs per task (one per stage peer); else: the local replicas and trainers
+    threads: SWARM_THREADS
     resources:
         **SWARM_SLURM,
         gpu=pretrain_gpus,
