@@ -109,7 +109,8 @@ def swarm_json(wildcards):
 # the rule calls srun itself (its job step runs the rule as is, not under `srun -n1`). Other placements run one
 # process.
 SWARM_SRUN = config["swarm"]["placement"] == "srun"
-SWARM_THREADS = 1 if SWARM_SRUN else 2  # srun: CPUs per task (one per stage peer); else: the replicas and trainers
+# srun: CPUs per task (one per stage peer); emulation: one process; hivemind on this host: its peers and trainers
+SWARM_THREADS = 1 if SWARM_SRUN or config["swarm"]["transport"] == "emulation" else 2
 SWARM_SLURM = {"tasks": SWARM_TASKS, "mpi": "srun"} if SWARM_SRUN else {}
 
 
