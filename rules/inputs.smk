@@ -103,13 +103,10 @@ def swarm_json(wildcards):
     return json.dumps(config["swarm"], sort_keys=True)
 
 
-# swarm.placement srun: the job is one SLURM job of SWARM_TASKS (stages x peers_per_stage) tasks (across nodes: one
-# CPU per stage peer); the launcher runs in its batch step and starts every process (bootstrap, peers, trainers) as
-# its own srun job step (--overlap: the trainers and the bootstrap share the peers' CPUs). `mpi` tells the SLURM plugin
-# the rule calls srun itself (its job step runs the rule as is, not under `srun -n1`). Other placements run one
-# process.
+# swarm.placement srun: one SLURM job of SWARM_TASKS (stages x peers_per_stage) tasks, one CPU per stage peer across
+# nodes; the launcher runs in its batch step and starts every process as its own srun job step (--overlap; `mpi`: the
+# rule calls srun itself). Threads: srun, one CPU per task; the emulation, one process; hivemind here, its processes.
 SWARM_SRUN = config["swarm"]["placement"] == "srun"
-# srun: CPUs per task (one per stage peer); emulation: one process; hivemind on this host: its peers and trainers
 SWARM_THREADS = 1 if SWARM_SRUN or config["swarm"]["transport"] == "emulation" else 2
 SWARM_SLURM = {"tasks": SWARM_TASKS, "mpi": "srun"} if SWARM_SRUN else {}
 
@@ -140,10 +137,6 @@ def finetune_results(wildcards=None, runs=STUDY_RUNS):
         for task in TASKS
         for seed in SEEDS
     ]
-
-
-def sweep_results(wildcards=None):
-    return finetune_results(runs=SWEEP_RUNS)
 
 
 def pretrain_logs(wildcards=None):

@@ -43,7 +43,7 @@ rule vocab_sweep:
     """Figure 3 and its table: GLUE average and MNLI vs vocab size, the random-init baseline as the reference line
     (named target ablation_vocab)."""
     input:
-        sweep_results,
+        lambda wildcards: finetune_results(runs=SWEEP_RUNS),
     output:
         table(VOCAB_SWEEP_TABLES[0], "Cramming", "Vocabulary size (Figure 3)"),
         VOCAB_SWEEP_TABLES[1],
