@@ -295,12 +295,13 @@ def snapshot(files: Iterable[str | os.PathLike], record_dir: str | os.PathLike, 
              *, source: str | None = None) -> Path:  # fmt: skip
     """Copy the study's ``files`` into ``out_dir`` (the committed results folder) with the run's config as run
     (``config.yaml`` of the study record) and write ``provenance.json``: the git commit the run recorded, the
-    config's checksum, and each copied file's origin and checksum."""
+    config's checksum, and each copied file's origin and checksum. It records these files only (rule
+    ``docs_snapshot`` declares it, so Snakemake removes it before the job): any other committed file carries its own
+    record in a sidecar (:func:`record_file`)."""
     out, record = Path(out_dir), Path(record_dir)
     out.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(record / "config.yaml", out / "config.yaml")
-    previous = load_provenance(out).get("files", {})
-    entries = dict(previous)
+    entries = {}
     for src in map(Path, files):
         if src.resolve() != (out / src.name).resolve():  # the README figures are written into out_dir already
             shutil.copyfile(src, out / src.name)
