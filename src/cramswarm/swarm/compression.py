@@ -1,25 +1,13 @@
-"""Compression of the tensors that cross a pipeline-stage boundary (activations forward, gradients backward).
+"""What ``swarm.compression`` accepts for the tensors that cross a pipeline-stage boundary (activations forward,
+gradients backward), and what travels.
 
-Schemes (``SCHEMES``):
-
-* ``none``       - fp32 as is;
-* ``fp16``       - half precision (2 bytes per value);
-* ``blockwise8`` - blockwise absmax 8-bit: the flattened tensor is cut into blocks of ``block_size`` values;
-                   each block is scaled by its absolute maximum and rounded to a symmetric linear code
-                   (-127..127, stored as uint8 with offset 128), plus one fp32 absmax per block (~1 byte per
-                   value). Scaling per block keeps outlier channels of LayerNorm'd transformer activations
-                   representable, where one per-tensor clipped code destroys them (swarm.md 2.1). This is a
-                   pure-torch linear code, not bitsandbytes' dynamic (non-uniform) code.
-
-The codec lives in :mod:`cramswarm.codec` and the narrowing layers (``Bottleneck``, ``Maxout``) in
-:mod:`cramswarm.models.narrowing`; this module names what ``swarm.compression`` accepts and what travels.
-
-Swarm training (``swarm.compression``) takes a scheme or a narrowing layer, ``bottleneck2``/``bottleneck4``/
-``maxout2``/``maxout4`` (``COMPRESSIONS``; the digit is the factor): the model then holds one such layer at
-the end of every stage but the last (``CrammedBertConfig.boundary_*``), split in two halves
-(:func:`split_narrowing`): the sending stage ends with the narrowing half (:class:`NarrowingSend`) and the next
-stage starts with the widening ``up`` projection, so the narrowed tensor (and its gradient) is what travels,
-in fp32 (:func:`wire_scheme`).
+Swarm training takes a scheme of the codec (:mod:`cramswarm.codec`: ``none``, ``fp16``, ``blockwise8``) or a
+narrowing layer (:mod:`cramswarm.models.narrowing`), ``bottleneck2``/``bottleneck4``/``maxout2``/``maxout4``
+(``COMPRESSIONS``; the digit is the factor): the model then holds one such layer at the end of every stage but the
+last (``CrammedBertConfig.boundary_*``), split in two halves (:func:`split_narrowing`): the sending stage ends with
+the narrowing half (:class:`NarrowingSend`) and the next stage starts with the widening ``up`` projection, so the
+narrowed tensor (and its gradient) is what travels, in fp32 (:func:`wire_scheme`). The codec's and the layers' names
+are re-exported here.
 """
 
 from __future__ import annotations
