@@ -743,7 +743,9 @@ def test_a_kill_between_the_outputs_and_the_state_folders_removal_trains_nothing
     assert [p.name for p in rendezvous.iterdir()] == []  # nothing renamed for removal is left either
 
     # killed while writing the outputs (before summary.json): no record, the rerun resumes in the state folder
-    original = train_mod.write_json
+    from cramswarm import run_outputs
+
+    original = run_outputs.write_json
 
     def killed_at_summary(path, obj):
         if Path(path).name == "summary.json":
@@ -751,7 +753,7 @@ def test_a_kill_between_the_outputs_and_the_state_folders_removal_trains_nothing
         original(path, obj)
 
     with monkeypatch.context() as m:
-        m.setattr(train_mod, "write_json", killed_at_summary)
+        m.setattr(run_outputs, "write_json", killed_at_summary)
         with pytest.raises(Killed):
             run("c")
     assert state.is_dir() and not (state / train_mod.OUTPUTS_FILE).exists()
