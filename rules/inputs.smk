@@ -104,8 +104,8 @@ def swarm_json(wildcards):
 
 
 # swarm.placement srun: one SLURM job of SWARM_TASKS (stages x peers_per_stage) tasks, one CPU per stage peer across
-# nodes; the launcher runs in its batch step and starts every process as its own srun job step (--overlap; `mpi`: the
-# rule calls srun itself). Threads: srun, one CPU per task; the emulation, one process; hivemind here, its processes.
+# nodes; the launcher runs in its batch step and starts every process as its own srun job step (--overlap; `mpi`: it
+# calls srun itself). Threads - srun: one CPU per task; the emulation: one process; hivemind here: its processes.
 SWARM_SRUN = config["swarm"]["placement"] == "srun"
 SWARM_THREADS = 1 if SWARM_SRUN or config["swarm"]["transport"] == "emulation" else 2
 SWARM_SLURM = {"tasks": SWARM_TASKS, "mpi": "srun"} if SWARM_SRUN else {}
