@@ -58,7 +58,7 @@ from cramswarm.swarm import hivemind_transport as ht  # noqa: E402
 from cramswarm.swarm.data import BOUNDED, CountingSource  # noqa: E402
 from cramswarm.swarm.policies import RetryPolicy  # noqa: E402
 from cramswarm.swarm.stages import PEAK_BYTES_PER_PARAMETER, STATE_BYTES_PER_PARAMETER  # noqa: E402
-from cramswarm.swarm.study_launcher import SEQ_TOKENS, VOCAB, rate_in, run_launcher, toy_arch, toy_recipe  # noqa: E402
+from cramswarm.swarm_study.study_launcher import SEQ_TOKENS, VOCAB, rate_in, run_launcher, toy_arch, toy_recipe  # noqa: E402
 
 SPEEDS = [1.0, 0.5, 0.25]
 TARGETS = {"weighted_over_uniform": 1.8, "fraction_under_failures": 0.70}

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from cramswarm.swarm import emulation, sim  # noqa: E402
 from cramswarm.swarm.emulation import PeerSpec, SwarmSetup  # noqa: E402
-from cramswarm.swarm.study import heterogeneous_stages, periodic_kills  # noqa: E402
+from cramswarm.swarm_study.study import heterogeneous_stages, periodic_kills  # noqa: E402
 
 SPEEDS = (1.0, 0.5, 0.25)
 TARGETS = {"weighted_over_uniform": 1.8, "swarm_fraction_under_failures": 0.70, "sim_vs_emulation_rel_diff": 0.15}

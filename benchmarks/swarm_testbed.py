@@ -67,7 +67,7 @@ from cramswarm.swarm import compression, hivemind_transport, sim  # noqa: E402
 from cramswarm.swarm.data import CountingSource  # noqa: E402
 from cramswarm.swarm.emulation import BACKWARD_COMPUTE_FACTOR, PeerSpec, SwarmSetup  # noqa: E402
 from cramswarm.swarm.policies import RetryPolicy  # noqa: E402
-from cramswarm.swarm.study_launcher import VOCAB, toy_arch, toy_recipe  # noqa: E402
+from cramswarm.swarm_study.study_launcher import VOCAB, toy_arch, toy_recipe  # noqa: E402
 from cramswarm.testbed import Unavailable, callcost, unavailable_reason  # noqa: E402
 from cramswarm.testbed import swarm as tbswarm  # noqa: E402
 

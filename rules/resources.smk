@@ -167,7 +167,7 @@ def swarm_experiment_runtime(wildcards):
     settings = config["swarm_study"][section]
     seconds = 60.0
     if section in ("wiring", "failures", "rebalancing"):
-        from cramswarm.swarm.study import transports_runtime_s
+        from cramswarm.swarm_study.study import transports_runtime_s
 
         seconds += transports_runtime_s(section, settings)
     elif section == "sim_scale":
@@ -175,7 +175,7 @@ def swarm_experiment_runtime(wildcards):
         runs = len(settings.get("preemption_models", [None])) * len(settings["rebalance_periods_s"])
         seconds += 2e-5 * sum(settings["peer_counts"]) * settings["duration_s"] * runs
     elif section == "square_cube":
-        from cramswarm.swarm.study import square_cube_runtime_s
+        from cramswarm.swarm_study.study import square_cube_runtime_s
 
         seconds += square_cube_runtime_s(settings)
     elif section == "compression":

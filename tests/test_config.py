@@ -331,8 +331,8 @@ def test_the_testbed_study_overlay_hands_every_setting_to_its_experiment(repo):
     as the swarm-study command passes it, binds to its study function, with the testbed among the transports."""
     import inspect
 
-    from cramswarm.swarm import study
-    from cramswarm.swarm.commands import EXPERIMENTS
+    from cramswarm.swarm_study import study
+    from cramswarm.swarm_study.commands import EXPERIMENTS
 
     cfg = load_config([repo / "config" / "config.yaml", repo / "config" / "swarm_testbed.yaml"], base_dir=repo)
     for experiment, section in (("wiring_throughput", "wiring"), ("failures_timeline", "failures"),

@@ -206,7 +206,7 @@ def test_square_cube_measures_the_layer_on_the_gpu(tmp_path):
     """swarm_study.square_cube with device cuda times the layer on the GPU and names it in the device column."""
     import pandas as pd
 
-    from cramswarm.swarm import study
+    from cramswarm.swarm_study import study
 
     study.square_cube(tmp_path / "sq.csv", hidden_sizes=(256,), bandwidths_mbit_s=(100.0,), schemes=("none",),
                       batch=2, seq_len=16, repeats=2, link="ideal", device="cuda")

@@ -1,4 +1,4 @@
-"""The swarm_study's ``testbed`` transport (cramswarm.swarm.study with cramswarm.swarm.study_launcher): the
+"""The swarm_study's ``testbed`` transport (cramswarm.swarm_study.study with cramswarm.swarm_study.study_launcher): the
 launcher's real processes, each on a host of the network testbed, in wiring_throughput and failures_timeline.
 
 The slow test builds a testbed; it skips with the reason where namespaces cannot be made (CI sets
@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 
 from cramswarm.report import swarm_figures
-from cramswarm.swarm import study, study_launcher
+from cramswarm.swarm_study import study, study_launcher
 
 
 def test_without_a_testbed_the_transport_is_skipped_with_the_reason(tmp_path, monkeypatch, capsys):

@@ -212,7 +212,7 @@ def test_a_peers_gradient_snapshot_is_one_vector_divided_in_place_and_dropped_at
     what the all-reduce reads (a retry gets the same vector) and, in a group of one, the average the step applies;
     the step drops it."""
     from cramswarm.swarm.compression import encode
-    from cramswarm.swarm.hivemind_peer import flatten_payload
+    from cramswarm.swarm.wire import flatten_payload
 
     peer = _peer(1)
     for seed in (1, 2):
@@ -263,7 +263,7 @@ def test_a_leaving_peer_hands_its_held_gradients_to_a_replica_that_stays(tmp_pat
     microbatches; the mover holds nothing after. Gradients of another step, or of a microbatch the heir already
     holds, are refused (they would be stale, or count twice)."""
     from cramswarm.swarm.compression import encode
-    from cramswarm.swarm.hivemind_peer import flatten_payload
+    from cramswarm.swarm.wire import flatten_payload
 
     mover, heir = _syncing_peer(tmp_path, "s1p1"), _syncing_peer(tmp_path, "s1p2")
 
@@ -293,7 +293,7 @@ def test_a_leaving_peer_hands_its_held_gradients_to_a_replica_that_stays(tmp_pat
 
 def _backward_call(peer, seed: int, mb: int, **extra) -> None:
     from cramswarm.swarm.compression import encode
-    from cramswarm.swarm.hivemind_peer import flatten_payload
+    from cramswarm.swarm.wire import flatten_payload
 
     g = torch.Generator().manual_seed(seed)
     tensors, meta = {"labels": torch.randint(5, VOCAB, (3, 8), generator=g)}, {"mb": mb, **extra}
@@ -308,8 +308,8 @@ def test_a_leaving_peer_hands_over_the_resent_microbatches_it_holds_apart(tmp_pa
     heir's snapshot with the kept microbatch equals a peer's that accumulated every microbatch once."""
     import asyncio
 
-    from cramswarm.swarm.hivemind_peer import request, unpack
     from cramswarm.swarm.peer_sync import handed_samples
+    from cramswarm.swarm.wire import request, unpack
 
     mover, heir, both = (_syncing_peer(tmp_path, uid) for uid in ("s1p1", "s1p2", "s1p3"))
     _backward_call(mover, 1, 10)

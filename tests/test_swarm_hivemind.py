@@ -37,7 +37,8 @@ from swarm_helpers import (
 
 from cramswarm.swarm import hivemind_transport as ht  # noqa: E402
 from cramswarm.swarm import launcher as launcher_mod  # noqa: E402
-from cramswarm.swarm.hivemind_peer import BootstrapError, RankTaken, claim_rank, join_swarm, listen_host  # noqa: E402
+from cramswarm.swarm.membership import BootstrapError, RankTaken, join_swarm, listen_host
+from cramswarm.swarm.peer_process import claim_rank  # noqa: E402
 from cramswarm.swarm.policies import RetryPolicy  # noqa: E402
 from cramswarm.swarm.trainer import StageClient  # noqa: E402
 
@@ -71,7 +72,7 @@ def test_unreachable_or_garbage_bootstrap_fails_fast_with_a_clear_error(tmp_path
     addr_file.write_text(NOWHERE + "\n")
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"join_timeout_s": 5.0, "host": "127.0.0.1", "peer_sync": True}))
-    proc = subprocess.run([sys.executable, "-m", "cramswarm.swarm.hivemind_peer", "stage", "--config", str(config),
+    proc = subprocess.run([sys.executable, "-m", "cramswarm.swarm.peer_process", "stage", "--config", str(config),
                            "--stage", "0", "--uid", "s0p1", "--addr-file", str(addr_file)],
                           capture_output=True, text=True, timeout=90, start_new_session=True)
     assert proc.returncode == 2 and "could not join the swarm DHT" in proc.stderr, proc.stderr[-2000:]

@@ -15,7 +15,7 @@ pytest.importorskip("hivemind", reason="hivemind is not installed: the peers' re
 from hivemind.utils import ValueWithExpiration, get_dht_time  # noqa: E402
 from swarm_helpers import MICRO, brief, launch  # noqa: E402
 
-from cramswarm.swarm.hivemind_peer import stage_key  # noqa: E402
+from cramswarm.swarm.membership import stage_key  # noqa: E402
 from cramswarm.swarm.peer_rebalance import (  # noqa: E402
     PeerRebalancer,
     call_units,

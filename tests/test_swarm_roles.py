@@ -414,8 +414,8 @@ def test_the_launcher_benchmark_counts_a_microbatch_taken_and_never_finished_as_
     """The count of ``benchmarks/swarm_launcher.py`` and the study's testbed transport (``study_launcher``) for
     seconds budgets (where requested = done by definition): a gap in a trainer's shard before its last finished
     microbatch is lost; a record cut short by a kill is not a finish."""
-    from cramswarm.swarm import study_launcher as bench
     from cramswarm.swarm.trainer import losses_path
+    from cramswarm.swarm_study import study_launcher as bench
 
     def write(rank: int, mbs: list[int], tail: str = "") -> None:
         lines = "".join(json.dumps({"mb": mb, "loss": 1.0, "time": 0.0}) + "\n" for mb in mbs)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from cramswarm.swarm.hivemind_peer import exit_with_parent
+from cramswarm.swarm.peer_process import exit_with_parent
 from cramswarm.swarm.processes import ProcessGroups
 from cramswarm.swarm.srun import SrunPlacement
 

@@ -1,4 +1,4 @@
-"""The swarm_study experiments (cramswarm.swarm.study) at tiny sizes, and their tables, figures and captions
+"""The swarm_study experiments (cramswarm.swarm_study.study) at tiny sizes, and their tables, figures and captions
 (cramswarm.report.swarm_figures)."""
 
 import numpy as np
@@ -7,7 +7,7 @@ import pytest
 from conftest import ARCH
 
 from cramswarm.report import swarm_figures
-from cramswarm.swarm import study
+from cramswarm.swarm_study import study
 
 TIMELINE = ["t_s", "window_s", "throughput_mb_s", "completed_total", "peers_up"]
 

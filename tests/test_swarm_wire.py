@@ -1,5 +1,5 @@
-"""hivemind_peer's wire format: tensors cut into streamed chunks and put together again, a state blob without a whole
-copy of it on either side."""
+"""The hivemind transport's wire format (``swarm.wire``): tensors cut into streamed chunks and put together again,
+a state blob without a whole copy of it on either side."""
 
 import asyncio
 import io
@@ -11,7 +11,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.asyncio import as_aiter
 from hivemind.utils.streaming import split_for_streaming
 
-from cramswarm.swarm.hivemind_peer import CHUNK_BYTES, BufferReader, blob_tensor, pack, respond, unpack
+from cramswarm.swarm.wire import CHUNK_BYTES, BufferReader, blob_tensor, pack, respond, unpack
 
 
 def _hivemind_chunks(tensor: torch.Tensor) -> list:

@@ -49,7 +49,7 @@ def test_a_hivemind_call_through_the_relay_costs_about_one_round_trip_per_call(c
 def test_the_square_cube_experiment_times_real_calls_on_the_testbed(can_build, tmp_path):
     """swarm_study's square-cube rows with ``link: auto`` where a testbed can be built: each call is a real
     hivemind call over a shaped, delayed link: it costs a round trip or more, and more for more bytes."""
-    from cramswarm.swarm import study
+    from cramswarm.swarm_study import study
 
     out = study.square_cube(tmp_path / "sq.csv", hidden_sizes=(64,), bandwidths_mbit_s=(20.0,),
                             latencies_ms=(0.0, 30.0), schemes=("none", "blockwise8"), batch=4, seq_len=32,

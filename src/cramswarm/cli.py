@@ -25,6 +25,7 @@ COMMAND_MODULES = (
     "cramswarm.glue.commands",
     "cramswarm.swarm.commands",
     "cramswarm.testbed.commands",
+    "cramswarm.swarm_study.commands",
     "cramswarm.report.commands",
 )
 

@@ -1,6 +1,6 @@
 """Tables (CSV + Markdown) and figures (PNG + PDF + caption) of the swarm_study experiments.
 
-Each experiment of :mod:`cramswarm.swarm.study` writes one CSV; here each becomes a summary table
+Each experiment of :mod:`cramswarm.swarm_study.study` writes one CSV; here each becomes a summary table
 ``<name>_table.csv`` / ``<name>_table.md`` (:mod:`cramswarm.report.swarm_tables`), a figure ``<name>.png`` /
 ``<name>.pdf`` (150 dpi, the report's one seaborn style from :mod:`cramswarm.report.figures`) and a caption
 ``<name>.caption.rst`` saying what is shown, the setup read from the CSV, and the paper's number where swarm.md gives

@@ -11,9 +11,14 @@ Modules (imported explicitly; nothing is imported here, so ``import cramswarm.sw
 * ``sim``          transport 3: discrete-event simulator driving the same policy objects;
 * ``hivemind_transport``  transport 1: one OS process per peer over hivemind's DHT and RPC (the plan and the
                    entry points ``run_swarm`` / ``train``; every swarm runs under ``launcher``, no coordinator);
-* ``hivemind_peer`` / ``peer_sync`` / ``peer_rebalance`` / ``trainer`` / ``launcher`` / ``processes``  transport
-                   1's roles: the stage peer (its peer-driven in-stage steps and moves), the trainer process, the
-                   launcher that starts and restarts them, and process-group management; ``study_launcher`` runs an
-                   emulation ``SwarmSetup`` on the launcher's processes (peer speeds by a compute floor);
+* ``membership`` / ``wire``  transport 1's lowest layer: the DHT address file, joining and keys; the streamed
+                   message format;
+* ``hivemind_peer`` / ``peer_sync`` / ``peer_rebalance`` / ``peer_process``  the stage peer (its RPCs), its
+                   peer-driven in-stage steps, its moves, and its processes (bootstrap, stage, attached task);
+* ``trainer`` / ``launcher`` / ``processes``  the trainer process, the launcher that starts and restarts the
+                   processes, and process-group management;
 * ``train``        ``swarm_pretrain``: the swarm_pretrain rule's command.
+
+The SWARM paper's experiments (rule ``swarm_study``) are ``cramswarm.swarm_study``, above this package: nothing
+here imports them or the network testbed (``lint-imports``).
 """

@@ -5,9 +5,9 @@ the launcher (``launcher``): ``run_swarm`` hands it a plan and a microbatch sour
 swarm_pretrain rule's hivemind transport) builds both from the ``swarm:`` config section. There is no central
 process whose state training needs:
 
-* a bootstrap DHT node (``hivemind_peer bootstrap``), needed only at the start: every later process joins through
+* a bootstrap DHT node (``peer_process bootstrap``), needed only at the start: every later process joins through
   the newest live entries of the run's address file;
-* stage peers (``hivemind_peer stage``, ``peer_sync.SyncingStagePeer``), one OS process per replica, each
+* stage peers (``peer_process stage``, ``peer_sync.SyncingStagePeer``), one OS process per replica, each
   building and serving one stage; the peers of a stage track their progress toward the global batch in the DHT,
   form their own all-reduce groups (compressed: ``averaging``), take the LR from the stage's own progress, write
   their stage's shard for checkpoint and resume, and move themselves to the bottleneck stage (``peer_rebalance``);
@@ -17,8 +17,8 @@ process whose state training needs:
 The launcher starts these (locally, as srun job steps: ``srun.SrunPlacement``, or only the bootstrap and the
 trainers when the user's ``swarm-peer`` tasks serve the stages: placement ``attach``), injects faults, restarts
 what died, and gathers the checkpoint from the stage shards; a rerun resumes from them. Peer speed is emulated by
-the peers themselves (``SwarmPlan.peer_unit_time_s``); ``study_launcher.run_setup`` runs an
-``emulation.SwarmSetup`` this way and returns the throughput keys of ``emulation.run`` / ``sim.run``.
+the peers themselves (``SwarmPlan.peer_unit_time_s``); ``cramswarm.swarm_study.study_launcher.run_setup``
+runs an ``emulation.SwarmSetup`` this way and returns the throughput keys of ``emulation.run`` / ``sim.run``.
 
 Every process is its own process-group leader (``start_new_session=True``) and is killed as a group with
 ``os.killpg``, so no ``p2pd`` daemon or child outlives a run.

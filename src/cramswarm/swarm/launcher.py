@@ -4,14 +4,14 @@
 placement and any budget; see ``hivemind_transport.decentralised_supported``).
 Processes (each its own process-group leader, ``processes.ProcessGroups``; with the srun placement each also its
 own job step of the SLURM job, on any of its nodes: ``srun.SrunPlacement``; with the attach placement the stage
-peers are the user's ``swarm-peer`` tasks - ``hivemind_peer.run_task``, rank r serving the r-th entry of the
+peers are the user's ``swarm-peer`` tasks - ``peer_process.run_task``, rank r serving the r-th entry of the
 config's ``placement_specs`` - which the launcher waits for and neither restarts nor kills: each task restarts its
 own peer):
 
-* ``bootstrap`` - the process that starts the DHT (``hivemind_peer bootstrap``) and writes the address file;
+* ``bootstrap`` - the process that starts the DHT (``peer_process bootstrap``) and writes the address file;
   every later process - stage peer or trainer - joins through any live entry of that file and appends its own
-  addresses (``hivemind_peer.join_swarm``), so the bootstrap may die without stopping newcomers or training;
-* stage peers - ``hivemind_peer stage`` with ``peer_sync.SyncingStagePeer``: they serve their stage, decide
+  addresses (``membership.join_swarm``), so the bootstrap may die without stopping newcomers or training;
+* stage peers - ``peer_process stage`` with ``peer_sync.SyncingStagePeer``: they serve their stage, decide
   their stage's synchronous steps among themselves (``peer_sync``) and, with ``rebalance_period_s``, which of them
   moves to a starved stage; the mover moves itself, in its process (``peer_rebalance``);
 * trainers - ``python -m cramswarm.swarm.trainer``, one per ``trainers``, each owning a shard of the
@@ -27,7 +27,7 @@ and finish the one under way, and the end is that of a counted run (the last, pa
 shards). Only training time counts: a resumed seconds run gets the budget less its earlier lives' training time.
 
 What the launcher still does, and what its death means: it keeps a heartbeat record in the DHT (the key the peers and
-trainers of the swarm watch, ``hivemind_peer.launcher_key``); it restarts a trainer that died (same rank: it
+trainers of the swarm watch, ``membership.launcher_key``); it restarts a trainer that died (same rank: it
 resumes its shard from its progress file) and a stage peer that died (a fresh uid for the same stage, which
 downloads the stage's state from a live replica before it serves), ``rejoin_after_s`` later; it runs the fault
 injection (``kill_every_s``: SIGKILL of a random stage peer, never the last replica at its stage's latest step; with
@@ -86,27 +86,25 @@ from tqdm.auto import tqdm
 from cramswarm.io import read_json, write_json, write_text
 from cramswarm.swarm import averaging, data
 from cramswarm.swarm.emulation_training import TrainResult
-from cramswarm.swarm.hivemind_peer import (
+from cramswarm.swarm.membership import (
     ADDR_FILE,
     CONFIG_FILE,
     DECLARE_PERIOD_S,
     DONE_FILE,
     RECORD_TTL_S,
+    flush_key,
     join_dht,
     launcher_key,
     listen_host,
     read_addr_file,
-    request,
     stage_namespace,
     stage_records,
-    unpack,
 )
 from cramswarm.swarm.peer_rebalance import MOVES_FILE
 from cramswarm.swarm.peer_sync import (
     CLOCK_FILE,
     SYNC_LOG,
     SyncingStagePeer,
-    flush_key,
     load_shard,
     newest_shard,
     progress_records,
@@ -115,6 +113,7 @@ from cramswarm.swarm.peer_sync import (
 from cramswarm.swarm.policies import NoPeersError, kill_candidates
 from cramswarm.swarm.processes import PeerProcess, ProcessGroups, own_daemons, peer_gpu
 from cramswarm.swarm.trainer import EXIT_NO_PEERS, losses_path, progress_path, shard
+from cramswarm.swarm.wire import request, unpack
 
 TRAINER_MODULE = [sys.executable, "-m", "cramswarm.swarm.trainer"]
 SUPERVISE_PERIOD_S = 0.5  # the launcher checks its processes this often
@@ -350,7 +349,7 @@ class Launcher:
                "rebalance_period_s": p.rebalance_period_s, "peer_memory_cap_mb": p.peer_memory_cap_mb,
                "data": self.source.spec(), "microbatches": self.total, "routing": p.routing,
                "peer_unit_time_s": p.peer_unit_time_s, "rejoin_after_s": p.rejoin_after_s,
-               # attach: rank r's task serves (stage, speed) of the r-th peer in stage order (hivemind_peer.run_task)
+               # attach: rank r's task serves (stage, speed) of the r-th peer in stage order (peer_process.run_task)
                "placement_specs": [[s, p.peer_speeds[i % len(p.peer_speeds)]] for i, s in enumerate(
                    s for s, n in enumerate(p.peers_per_stage) for _ in range(n))]}
         path = self.workdir / CONFIG_FILE

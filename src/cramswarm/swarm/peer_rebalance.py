@@ -33,7 +33,7 @@ emulation's mover does, and keeps the re-sent ones the mover held apart separate
 the move record). Only if no replica takes them does it stay in its stage's
 synchronisation until they went into a step (bounded by ``drain_timeout_s``; what it still holds then is dropped
 and counted in ``lost_gradient_samples``). ``move_peer`` then builds the new stage
-in the same process under a new uid (``moved_uid``), and ``hivemind_peer.serve_stage`` serves it: state download
+in the same process under a new uid (``moved_uid``), and ``peer_process.serve_stage`` serves it: state download
 from a live replica of the new stage (the joining peers' path), declaration, synchronisation. Each move is
 appended to ``moves.jsonl`` in the run's folder (decided, arrived); the launcher reads it for its result and to
 restart a dead peer on the stage it last served, and decides nothing.
@@ -50,7 +50,7 @@ from pathlib import Path
 
 from hivemind.utils import get_dht_time
 
-from cramswarm.swarm.hivemind_peer import RECORD_TTL_S, stage_key, stage_records
+from cramswarm.swarm.membership import RECORD_TTL_S, stage_key, stage_records
 from cramswarm.swarm.policies import TRANSIT_GIVE_UPS, WORK_UNITS, LastMove, MoveGate, PeerLoad, _uid_hash, choose_move
 
 MOVES_FILE = "moves.jsonl"  # in the run's folder: one line per move event, appended by the moving peer
@@ -273,22 +273,3 @@ class PeerRebalancer:
         peer.counters["lost_gradient_samples"] += lost
         return round(time.monotonic() - started, 3), handed, lost
 
-
-async def move_peer(peer, to_stage: int, record: dict):
-    """The peer that left its stage (``PeerRebalancer.leave``; its tasks are cancelled) becomes a new peer of
-    ``to_stage`` in the same process: its progress record is withdrawn, its handlers removed, the new stage built
-    under ``moved_uid``. The caller (``serve_stage``) downloads the new stage's state and serves it."""
-    from cramswarm.swarm.peer_sync import progress_key, record_window_s
-
-    await peer.node.store(progress_key(peer.run_id, peer.stage), subkey=peer.uid, value={"left": True},
-                          expiration_time=max(get_dht_time() + record_window_s(peer.round_s),
-                                              peer.record_expiration) + 1.0)
-    await peer.remove_p2p_handlers(peer.node.p2p, namespace=peer.namespace)
-    peer.compute.shutdown(wait=False)
-    moves = getattr(peer, "moves", 0) + 1
-    fresh = type(peer)(peer.cfg, to_stage, moved_uid(peer.uid, to_stage, moves), peer.speed, peer.node)
-    fresh.moves = moves
-    fresh.arrived_from = record
-    fresh.counters["moved_from"] = peer.uid
-    peer._write_counters()
-    return fresh

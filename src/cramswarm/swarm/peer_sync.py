@@ -101,19 +101,12 @@ from hivemind.utils import get_dht_time
 
 from cramswarm.io import atomic_path, write_json
 from cramswarm.swarm.averaging import averaging_timeout_s, state_timeout_s
-from cramswarm.swarm.hivemind_peer import (
-    DECLARE_PERIOD_S,
-    RECORD_TTL_S,
-    StagePeer,
-    request,
-    respond,
-    stage_key,
-    stage_records,
-    unpack,
-)
+from cramswarm.swarm.hivemind_peer import StagePeer
+from cramswarm.swarm.membership import DECLARE_PERIOD_S, RECORD_TTL_S, flush_key, progress_key, stage_key, stage_records
 from cramswarm.swarm.peer_rebalance import PeerRebalancer, call_units
 from cramswarm.swarm.policies import LoadMeter
 from cramswarm.swarm.stages import stage_memory
+from cramswarm.swarm.wire import request, respond, unpack
 from cramswarm.training import budget_progress, step_accumulation, step_lr
 
 PROGRESS_PERIOD_S = 0.25  # a peer publishes its progress record and reads its stage's this often ...
@@ -142,16 +135,6 @@ def read_clock(workdir: Path, run_id: str) -> dict:
     except (OSError, ValueError, KeyError, TypeError):
         pass
     return {"run_id": run_id, "origin_wall": None, "deadline_wall": None}
-
-
-def progress_key(run_id: str, stage: int) -> str:
-    """DHT key of a stage's progress records (sub-key: peer uid)."""
-    return f"{run_id}_progress{stage}"
-
-
-def flush_key(run_id: str) -> str:
-    """DHT key the launcher sets once every trainer is done: step the last, partial global batch."""
-    return f"{run_id}_flush"
 
 
 async def progress_records(node, run_id: str, stage: int) -> dict[str, dict]:

@@ -17,7 +17,7 @@ import psutil
 
 import cramswarm
 
-PEER_MODULE = [sys.executable, "-m", "cramswarm.swarm.hivemind_peer"]
+PEER_MODULE = [sys.executable, "-m", "cramswarm.swarm.peer_process"]
 _LIVE_GROUPS: set[int] = set()  # process groups started by this process and not yet killed
 
 

@@ -50,19 +50,17 @@ from hivemind.utils import get_dht_time
 
 from cramswarm.io import read_json, write_json
 from cramswarm.swarm.data import bounded, from_spec
-from cramswarm.swarm.hivemind_peer import (
+from cramswarm.swarm.membership import (
     ADDR_FILE,
     BootstrapError,
     LauncherGone,
-    exit_with_parent,
     join_swarm,
     listen_host,
-    request,
     stage_namespace,
     stage_records,
-    unpack,
     watch_launcher,
 )
+from cramswarm.swarm.peer_process import exit_with_parent
 from cramswarm.swarm.peer_sync import CLOCK_FILE, SyncingStagePeer, read_clock
 from cramswarm.swarm.policies import (
     WORK_UNITS,
@@ -74,6 +72,7 @@ from cramswarm.swarm.policies import (
     make_balancer,
     microbatch_path,
 )
+from cramswarm.swarm.wire import request, unpack
 
 REFRESH_PERIOD_S = 1.0  # a trainer re-reads the stages' DHT records this often
 EXIT_NO_PEERS = 4       # a stage had no live peer for give_up_after_s

@@ -1,7 +1,7 @@
 """What one hivemind call between two testbed hosts costs: round trips per call and fixed time.
 
 A stage call of the swarm (``trainer.StageClient._rpc``) opens a libp2p stream from the trainer's ``p2pd`` to the
-peer's, sends the request's messages (``hivemind_peer.request``), and reads the reply's. This module makes the
+peer's, sends the request's messages (``wire.request``), and reads the reply's. This module makes the
 same kind of call - a ``ServicerBase`` stub, the same ``request`` / ``respond`` / ``unpack`` framing - between
 processes on two testbed hosts, through the relay, and times it:
 
@@ -38,7 +38,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 from hivemind.utils.multiaddr import Multiaddr
 
-from cramswarm.swarm.hivemind_peer import request, respond, unpack
+from cramswarm.swarm.wire import request, respond, unpack
 
 PORT = 4300          # the servers' port on their hosts (routed by the relay)
 ECHO_BYTES = 64      # the smallest payload: a call that is all overhead

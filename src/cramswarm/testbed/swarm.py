@@ -7,7 +7,7 @@ runs ``hivemind_transport.run_swarm`` with a :class:`HostPlacement`:
 
 * each process the launcher starts runs in its host's namespace (``ip netns exec``: it replaces itself with the
   command, so the launcher stays its parent and its process group is killed as before);
-* its DHT node listens on its host's address at a fixed port (``hivemind_peer.LISTEN_ENV``) and announces the
+* its DHT node listens on its host's address at a fixed port (``membership.LISTEN_ENV``) and announces the
   relay's address for that port (``ANNOUNCE_ENV``) when the relay runs, else its own. libp2p hands out the
   announced addresses only (identify, the address file), so every connection between two hosts crosses the relay
   and its delay (``connections`` probes it: the peers' remote ends are relay or switch addresses, no host's);
@@ -36,7 +36,7 @@ import subprocess
 import time
 from collections import Counter
 
-from cramswarm.swarm.hivemind_peer import ANNOUNCE_ENV, LISTEN_ENV
+from cramswarm.swarm.membership import ANNOUNCE_ENV, LISTEN_ENV
 from cramswarm.testbed import relay as relays
 from cramswarm.testbed.netns import SUBNET, Testbed
 

@@ -48,7 +48,7 @@ from cramswarm.swarm.emulation import FailureEvent, PeerSpec, SwarmSetup
 
 TRANSPORTS = ("emulation", "sim")   # the default transports of wiring_throughput, failures_timeline, ...
 # ... and every one they take: testbed = the launcher's swarm of real processes, each on a testbed host of its own
-# (cramswarm.swarm.study_launcher.run_setup; needs root, iproute2 and hivemind, skipped with the reason elsewhere)
+# (cramswarm.swarm_study.study_launcher.run_setup; needs root, iproute2 and hivemind, skipped with the reason elsewhere)
 LAUNCHER_TRANSPORTS = (*TRANSPORTS, "testbed")
 COMPRESSION_CONFIGS = ("none", "fp16", "blockwise8", "bottleneck2", "maxout2")
 
@@ -85,7 +85,7 @@ def _run(setup: SwarmSetup, transport: str, time_scale: float, testbed: dict | N
     elif transport == "sim":
         result = sim.run(setup)
     elif transport == "testbed" and testbed is not None:
-        from cramswarm.swarm import study_launcher
+        from cramswarm.swarm_study import study_launcher
 
         result = study_launcher.run_setup(setup, **testbed)
     else:
@@ -362,7 +362,7 @@ def wiring_throughput(out_csv: str | os.PathLike, *, speeds: Sequence[float] = (
     speed 1 (``equal``), as ``sweep_speeds`` asks: which routing wins depends on how many microbatches are in
     flight per peer.
 
-    Transport ``testbed`` (:func:`cramswarm.swarm.study_launcher.run_setup`): the launcher's real processes (a
+    Transport ``testbed`` (:func:`cramswarm.swarm_study.study_launcher.run_setup`): the launcher's real processes (a
     bootstrap, one process per peer, one per trainer), each on a host of the network testbed, every link shaped to
     ``testbed_link_mbit_s`` (None: unshaped) and delayed ``testbed_latency_ms`` one way; ``stage_time_s`` is the
     peers' unit time and ``duration_s`` real seconds of training; weighted and uniform routing only (the launcher

@@ -1,5 +1,5 @@
 """Runs of the launcher's swarm of real processes at toy size: the ``testbed`` transport of the swarm_study
-experiments (:mod:`cramswarm.swarm.study`) and the benchmarks ``benchmarks/swarm_launcher.py`` (loopback) and
+experiments (:mod:`cramswarm.swarm_study.study`) and the benchmarks ``benchmarks/swarm_launcher.py`` (loopback) and
 ``benchmarks/swarm_testbed.py`` (every process on a testbed host of its own).
 
 The swarm trains a tiny crammed BERT (:func:`toy_arch`, the default config's ``models.crammed.arch`` shrunk) on

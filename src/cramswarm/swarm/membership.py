@@ -1,0 +1,190 @@
+"""Swarm membership over the hivemind DHT: the bootstrap address file, joining, the DHT keys and records.
+
+Every process of a hivemind swarm joins the DHT through the rendezvous folder's address file (``ADDR_FILE``): the
+bootstrap writes its visible multiaddrs there and every later process appends its own (``join_swarm``), so any
+live entry lets a newcomer in. A process listens on ``cfg["host"]`` or on ``cfg["interface"]``'s IPv4 address
+(``listen_host``); a placement that gives a process a host of its own sets ``LISTEN_ENV`` / ``ANNOUNCE_ENV``.
+
+The keys: ``launcher_key`` (the launcher's heartbeat: ``starting``, ``training`` or ``done``), ``stage_key``
+(the declared peers of a stage, sub-key = peer uid, value = P2P peer id), ``progress_key`` (a stage's progress
+records, ``peer_sync``) and ``flush_key`` (step the last, partial batch). ``stage_namespace`` is a stage's P2P
+handler namespace and all-reduce prefix.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from pathlib import Path
+
+import psutil
+from hivemind.dht.node import DHTNode
+
+DECLARE_PERIOD_S = 2.0     # a peer re-declares its DHT record this often ...
+RECORD_TTL_S = 10.0        # ... with this expiration; a dead peer's record disappears within this time
+LAUNCHER_GRACE_S = 30.0  # a stage peer exits once the launcher's heartbeat record is missing this long
+LAUNCHER_GONE = 3       # exit code of a stage peer whose launcher is gone (its supervisor does not restart it)
+ADDR_FILE, CONFIG_FILE = "dht_addrs.txt", "config.json"  # in a rendezvous folder, written in the order config, addrs
+JOIN_THROUGH = 32          # a joining process tries this many of the address file's newest entries
+DONE_FILE = "done"         # in a rendezvous folder: the run id of a launcher that has finished
+# Set by a placement that puts a process on a host of its own (``cramswarm.testbed.swarm``): the multiaddrs its
+# DHT node listens on and those it announces (space-separated; e.g. a relay's address that other hosts must dial).
+LISTEN_ENV, ANNOUNCE_ENV = "CRAMSWARM_P2P_LISTEN", "CRAMSWARM_P2P_ANNOUNCE"
+
+
+class BootstrapError(RuntimeError):
+    """The swarm's bootstrap DHT could not be found or joined."""
+
+
+class RankTaken(RuntimeError):
+    """Another live task holds this task's rank in the rendezvous folder."""
+
+
+class LauncherGone(RuntimeError):
+    """The launcher's heartbeat record has been missing from the DHT for too long."""
+
+
+def listen_host(cfg: dict) -> str:
+    """The IPv4 address this process listens on: that of ``cfg["interface"]`` on this host, else ``cfg["host"]``."""
+    name = cfg.get("interface")
+    if not name:
+        return cfg.get("host") or "127.0.0.1"
+    interfaces = psutil.net_if_addrs()
+    if name not in interfaces:
+        raise BootstrapError(f"swarm.interface={name!r}: no such network interface on {socket.gethostname()} "
+                             f"(it has {', '.join(sorted(interfaces))})")
+    addresses = [a.address for a in interfaces[name] if a.family == socket.AF_INET]
+    if not addresses:
+        raise BootstrapError(f"swarm.interface={name!r} has no IPv4 address on {socket.gethostname()}")
+    return addresses[0]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Bootstrap address file and DHT membership
+# --------------------------------------------------------------------------------------------------------------
+def write_addr_file(path: str | Path, maddrs: list[str]) -> None:
+    """Atomic write (temporary file + rename), so a reader never sees a half-written list."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text("".join(f"{m}\n" for m in maddrs))
+    os.replace(tmp, path)
+
+
+def read_addr_file(path: str | Path, timeout_s: float) -> list[str]:
+    """Multiaddrs from the address file, waiting up to ``timeout_s`` for it to appear."""
+    path = Path(path)
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise BootstrapError(f"bootstrap address file {path} did not appear within {timeout_s:.0f} s")
+        time.sleep(0.1)
+    maddrs = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    bad = [m for m in maddrs if not m.startswith("/")]
+    if not maddrs or bad:
+        raise BootstrapError(f"bootstrap address file {path} holds no valid multiaddr (got {bad or 'nothing'})")
+    return maddrs
+
+
+def append_addr_file(path: str | Path, maddrs: list[str]) -> None:
+    """Add this process's multiaddrs to the address file (one ``write`` of whole lines with ``O_APPEND``, so
+    concurrent writers never interleave within a line): any live process listed there lets newcomers in."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, "".join(f"{m}\n" for m in maddrs).encode())
+    finally:
+        os.close(fd)
+
+
+async def join_swarm(addr_file: str | Path, *, host: str, timeout_s: float, announce: bool,
+                     recent: int = JOIN_THROUGH) -> DHTNode:
+    """A full DHT node joined through the ``recent`` newest entries of the address file (dead entries are
+    skipped: joining needs one live one); with ``announce`` its own multiaddrs are appended, so that no single
+    process - the one that started the DHT included - is needed for later joins."""
+    maddrs = await asyncio.to_thread(read_addr_file, addr_file, timeout_s)
+    newest = list(dict.fromkeys(reversed(maddrs)))[:recent]
+    node = await join_dht(newest, client_mode=False, host=host, timeout_s=timeout_s)
+    if announce:
+        visible = sorted((str(m) for m in await node.p2p.get_visible_maddrs()), key=lambda m: m.startswith("/ip4/127."))
+        append_addr_file(addr_file, visible)
+    return node
+
+
+async def join_dht(initial_peers: list[str] | None, *, client_mode: bool, host: str = "127.0.0.1",
+                   timeout_s: float = 15.0) -> DHTNode:
+    """A DHT node in this process (its P2P daemon is a child process), joined through ``initial_peers``.
+
+    Any failure to reach the bootstrap peers - unreachable, refusing, garbage - raises ``BootstrapError``
+    within ``timeout_s``. It listens on ``host`` (a free port) unless ``LISTEN_ENV`` names multiaddrs, and
+    announces the multiaddrs in ``ANNOUNCE_ENV`` instead of those it listens on where that is set.
+    """
+    listen = os.environ.get(LISTEN_ENV, "").split() or [f"/ip4/{host}/tcp/0"]
+    announce = os.environ.get(ANNOUNCE_ENV, "").split() or None
+    try:
+        return await asyncio.wait_for(
+            DHTNode.create(initial_peers=initial_peers or None, client_mode=client_mode,
+                           host_maddrs=listen, announce_maddrs=announce, startup_timeout=timeout_s,
+                           bootstrap_timeout=min(timeout_s, 3.0) if initial_peers and len(initial_peers) > 1
+                           else timeout_s, ensure_bootstrap_success=True),
+            timeout=timeout_s,
+        )
+    except (asyncio.TimeoutError, TimeoutError) as e:
+        raise BootstrapError(f"could not join the swarm DHT through {initial_peers} within {timeout_s:.0f} s") from e
+    except Exception as e:  # P2PDaemonError, multiaddr parse errors, bootstrap failures
+        raise BootstrapError(f"could not join the swarm DHT through {initial_peers}: {e}") from e
+
+
+def launcher_key(run_id: str) -> str:
+    """DHT key of the launcher's heartbeat (value: ``starting``, ``training`` or ``done``)."""
+    return f"{run_id}_launcher"
+
+
+async def launcher_phase(node: DHTNode, run_id: str) -> str | None:
+    found = await node.get(launcher_key(run_id), latest=True)
+    return found.value if found is not None and isinstance(found.value, str) else None
+
+
+async def watch_launcher(node: DHTNode, run_id: str, grace_s: float = LAUNCHER_GRACE_S) -> None:
+    """Return once the launcher says ``done``; raise ``LauncherGone`` once its record is missing ``grace_s``."""
+    last_seen = time.monotonic()
+    while True:
+        try:
+            phase = await launcher_phase(node, run_id)
+        except Exception:  # a DHT hiccup counts as not seen
+            phase = None
+        if phase == "done":
+            return
+        if phase is not None:
+            last_seen = time.monotonic()
+        elif time.monotonic() - last_seen > grace_s:
+            raise LauncherGone(f"the launcher of swarm {run_id} has not been seen for {grace_s:.0f} s")
+        await asyncio.sleep(DECLARE_PERIOD_S)
+
+
+def stage_key(run_id: str, stage: int) -> str:
+    """DHT key under which the peers of one stage declare themselves (sub-key = peer uid)."""
+    return f"{run_id}_stage{stage}"
+
+
+def stage_namespace(run_id: str, stage: int) -> str:
+    """P2P handler namespace of one stage (also the all-reduce prefix: stages never talk to each other)."""
+    return f"{run_id}.stage{stage}"
+
+
+async def stage_records(node: DHTNode, run_id: str, stage: int) -> dict[str, tuple[str, float]]:
+    """uid -> (peer id, record expiration) of the stage's declared peers."""
+    found = await node.get(stage_key(run_id, stage), latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    return {uid: (entry.value, entry.expiration_time) for uid, entry in found.value.items()
+            if isinstance(uid, str) and isinstance(entry.value, str)}
+
+
+def progress_key(run_id: str, stage: int) -> str:
+    """DHT key of a stage's progress records (sub-key: peer uid)."""
+    return f"{run_id}_progress{stage}"
+
+
+def flush_key(run_id: str) -> str:
+    """DHT key the launcher sets once every trainer is done: step the last, partial global batch."""
+    return f"{run_id}_flush"
