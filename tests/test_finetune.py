@@ -62,6 +62,16 @@ def test_default_config_has_both_paper_settings():
     assert runs["crammed"]["glue"]["name"] == runs["arch-crammed"]["glue"]["name"] == "crammed"
 
 
+def test_the_linear_schedule_decays_to_zero_after_its_warmup(checkpoint, sst2, tmp_path):
+    """The ICML Izsak protocol (HEAD eval=GLUE: linear after a 6 % warmup, weight decay 0.1) on the same code path."""
+    proto = protocol("bert_checkpoint", schedule="linear", warmup_fraction=0.25, weight_decay=0.1)
+    result = finetune(
+        checkpoint, "sst2", sst2, 0, proto, tmp_path / "r.json", {"model": "m", "vocab": 256}, "fp32", False
+    )
+    assert result["protocol"]["schedule"] == "linear" and result["steps"] == math.ceil(40 / 32) * 2
+    assert result["final_lr"] == pytest.approx(0.0, abs=1e-12)
+
+
 @pytest.mark.parametrize(
     "name,batch,final_lr",
     [("crammed", 16, 0.0), ("bert_checkpoint", 32, "peak")],

@@ -22,6 +22,7 @@ from transformers import (
     AutoModelForSequenceClassification,
     get_constant_schedule_with_warmup,
     get_cosine_schedule_with_warmup,
+    get_linear_schedule_with_warmup,
 )
 
 import cramswarm.models  # noqa: F401  (registers crammed-bert with the Auto classes)
@@ -178,6 +179,8 @@ def finetune(
     warmup = int(protocol["warmup_fraction"] * total_steps)
     if protocol["schedule"] == "cosine":
         scheduler = get_cosine_schedule_with_warmup(optimizer, warmup, total_steps)
+    elif protocol["schedule"] == "linear":
+        scheduler = get_linear_schedule_with_warmup(optimizer, warmup, total_steps)
     else:
         scheduler = get_constant_schedule_with_warmup(optimizer, warmup)
 
