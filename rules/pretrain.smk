@@ -80,6 +80,7 @@ rule pretrain:
         gpu=pretrain_gpus,  # one per process where the run uses a GPU: see gpus() in common.smk
         nodes=pretrain_nodes,  # pretrain.nodes (profiles/slurm: sbatch --nodes; srun starts one torchrun per node)
         mem_mb=pretrain_mem_mb,
+        gpu_mem_mb=pretrain_gpu_mem_mb,  # per process; 0 on a CPU
         runtime=pretrain_runtime,
     params:
         recipe=recipe_json,

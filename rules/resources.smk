@@ -59,9 +59,17 @@ def critical_path_priority(wildcards):
     return int(pretrain_seconds(wildcards.model, int(wildcards.vocab)))
 
 
+# The GPU model a cluster's jobs run on (profiles/slurm: CRAMSWARM_SLURM_GPU_MODEL, e.g. A100, V100, "H100 PCIe"): a
+# normalised budget (reference_card, exaflop) runs value x peak(reference) / peak(this card) seconds, so the job's
+# runtime is that. Unset: the card the budget is written for (an A6000-day runs 24 h), which a faster card only
+# shortens; a slower one (V100: 29.7 h, A4000: 42 h) needs the model declared or its jobs hit the time limit.
+GPU_PEAK_TFLOPS = est.card_peak(os.environ.get("CRAMSWARM_GPU_MODEL"))
+
+
 def pretrain_seconds(run, vocab):
     recipe = RUNS[run]["recipe"]
-    return est.pretrain_seconds(recipe, RUNS[run]["arch"], vocab, BLOCK_TOKENS, device_of(recipe["device"]))
+    device = device_of(recipe["device"])
+    return est.pretrain_seconds(recipe, RUNS[run]["arch"], vocab, BLOCK_TOKENS, device, GPU_PEAK_TFLOPS)
 
 
 def pretrain_runtime(wildcards):
@@ -75,6 +83,18 @@ def pretrain_mem_mb(wildcards):
     return recipe["devices"] * training_mem_mb(
         RUNS[wildcards.model]["arch"], int(wildcards.vocab), share, BLOCK_TOKENS, recipe["device"]
     )
+
+
+def pretrain_gpu_mem_mb(wildcards):
+    """GPU memory (MB) one data-parallel process of a pretraining run holds at its share of the micro-batch: the
+    `gpu_mem_mb` resource (0 for a CPU run). A cluster maps it to a card (a constraint or gres in a copy of
+    profiles/slurm); the estimate is cramswarm.resources.gpu_mem_mb."""
+    recipe = RUNS[wildcards.model]["recipe"]
+    if not pretrain_gpus(wildcards):
+        return 0
+    share = recipe["micro_batch_sequences"] // (recipe["devices"] * recipe["nodes"])
+    fused = recipe["attention_backend"] != "math"
+    return est.gpu_mem_mb(RUNS[wildcards.model]["arch"], int(wildcards.vocab), share, BLOCK_TOKENS, fused)
 
 
 def init_mem_mb(wildcards):

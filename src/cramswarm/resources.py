@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from cramswarm.budget import counted, training_flops_per_token
+from cramswarm.budget import REFERENCE_CARDS, counted, datasheet_peak, is_normalised, resolve, training_flops_per_token
 
 FLOPS_FLOOR = {"cpu": 2e10, "cuda": 5e12}  # model FLOP/s assumed per device (cuda: an older GPU at low utilisation)
 DOCS_PER_S_FLOOR = 500  # documents per second a streaming data stage gets through (C4-sized documents)
@@ -79,9 +79,9 @@ def training_mem_mb(arch: dict, vocab: int, sequences: int, seq_len: int, device
 
 
 def budget_tokens(recipe: dict, block_tokens: int, arch: dict, vocab: int) -> int | None:
-    """Tokens a token, step or model-TFLOP budget trains on (a seconds budget: None)."""
+    """Tokens a token, step or model-TFLOP budget trains on (a seconds or exaFLOP budget: None)."""
     budget = recipe["budget"]
-    if budget["unit"] == "seconds":
+    if budget["unit"] in ("seconds", "exaflop"):
         return None
     if budget["unit"] == "model_tflop":
         return counted(budget, training_flops_per_token(arch, vocab, block_tokens, recipe["mask_rate"]))["value"]
@@ -89,15 +89,57 @@ def budget_tokens(recipe: dict, block_tokens: int, arch: dict, vocab: int) -> in
     return budget["value"] * (per_step if budget["unit"] == "steps" else 1)
 
 
-def pretrain_seconds(recipe: dict, arch: dict, vocab: int, block_tokens: int, device: str) -> float:
-    """A run's pretraining on ``device`` (cpu | cuda): a seconds budget as it is (compile time counts against it),
-    a token or step budget at the FLOPS_FLOOR; plus the held-out evaluations (forward passes only)."""
+def card_peak(card: str | None) -> float | None:
+    """Datasheet TFLOP/s of the GPU model a cluster's jobs run on (``CRAMSWARM_SLURM_GPU_MODEL``: "A100", "V100",
+    "H100 PCIe", ...; ``budget.DATASHEET_TFLOPS`` or a Cramming Table 1 card name); None when none is declared."""
+    if not card:
+        return None
+    peak = datasheet_peak(card) or REFERENCE_CARDS.get(card.lower())
+    if peak is None:
+        from cramswarm.budget import DATASHEET_TFLOPS
+
+        raise ValueError(f"GPU model {card!r} has no datasheet peak (known: {', '.join(DATASHEET_TFLOPS)}); "
+                         "declare pretrain.budget.device_peak_tflops instead")
+    return peak
+
+
+def budget_seconds(budget: dict, peak_tflops: float | None = None) -> float:
+    """Wall seconds of a seconds or exaFLOP budget on a device of ``peak_tflops``: the budget's own
+    ``device_peak_tflops`` first, then ``peak_tflops`` (the declared card), else the card the budget is written for
+    (its ``reference_card``, or the A6000 for an exaFLOP budget: Cramming's card), as the paper ran it."""
+    if not is_normalised(budget):
+        return float(budget["value"])
+    peak = budget.get("device_peak_tflops") or peak_tflops
+    if peak is None:
+        peak = REFERENCE_CARDS[budget.get("reference_card") or "a6000"]
+    return resolve(budget, peak)["value"]
+
+
+def pretrain_seconds(recipe: dict, arch: dict, vocab: int, block_tokens: int, device: str,
+                     peak_tflops: float | None = None) -> float:
+    """A run's pretraining on ``device`` (cpu | cuda): a seconds or exaFLOP budget as :func:`budget_seconds` gives
+    it on a card of ``peak_tflops`` (compile time counts against it), a token or step budget at the FLOPS_FLOOR;
+    plus the held-out evaluations (forward passes only)."""
     seq = block_tokens
     evals = training_seconds(arch, vocab, recipe["eval_points"] * recipe["eval_blocks"] * seq, seq, device) / 3
     tokens = budget_tokens(recipe, block_tokens, arch, vocab)
     if tokens is None:
-        return SECONDS_BUDGET_MARGIN * recipe["budget"]["value"] + TRAINING_MARGIN * evals
+        return SECONDS_BUDGET_MARGIN * budget_seconds(recipe["budget"], peak_tflops) + TRAINING_MARGIN * evals
     return TRAINING_MARGIN * (training_seconds(arch, vocab, tokens, seq, device) + evals)
+
+
+def gpu_mem_mb(arch: dict, vocab: int, micro_batch: int, seq_len: int, flash_attention: bool = False) -> int:
+    """GPU memory of a pretraining process at its micro-batch: 16 B per parameter (fp32 weights, gradients, two Adam
+    moments), the activations kept for the backward pass in 16-bit autocast (Megatron-LM's count per layer and
+    token, without recomputation: 34 x width bytes, plus 5 x heads x seq_len for the attention maps unless a fused
+    kernel keeps them out) and 1 GiB of CUDA context and allocator slack. Calibration: the crammed model (16 x 768,
+    vocab 32768) at micro-batch 512 peaked at 28.9 GiB on an H200 (docs/benchmarks.md); this gives 29.0 GiB with the
+    fused kernel. Izsak's BERT-large at 512 gives 57.6 GiB fused (72.6 with the maps kept), an OOM on 48 GB cards;
+    at the reference's 128, 19.3 GiB."""
+    _, params = model_params(arch, vocab)
+    per_token_layer = 34 * arch["hidden_size"] + (0 if flash_attention else 5 * arch["heads"] * seq_len)
+    activations = micro_batch * seq_len * arch["layers"] * per_token_layer
+    return mb(16 * params + activations + 2**30)
 
 
 def glue_rows(task: str, source: str, source_config: dict) -> tuple[int, int]:
