@@ -25,6 +25,7 @@ include: "rules/glue.smk"
 include: "rules/report.smk"
 include: "rules/docs.smk"  # named target `docs`: README/docs numbers from committed results
 include: "rules/ablations.smk"  # named targets only
+include: "rules/preflight.smk"  # named target `preflight`: the study rehearsed on a slice, projected
 
 
 rule all:

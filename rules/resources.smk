@@ -205,3 +205,15 @@ def swarm_experiment_runtime(wildcards):
         )
         seconds += len(settings["configs"]) * per_treatment
     return minutes(3 * seconds)
+
+
+def preflight_mem_mb(wildcards):
+    """The preflight holds one model at a time at its micro-batch, and a data stage's working set."""
+    return max(
+        [data_mem_mb(wildcards, factor=2)]
+        + [
+            training_mem_mb(run["arch"], MAIN_VOCAB, run["recipe"]["micro_batch_sequences"], BLOCK_TOKENS, "cpu")
+            for run in RUNS.values()
+            if run["study"] == "models"
+        ]
+    )

@@ -26,6 +26,7 @@ COMMAND_MODULES = (
     "cramswarm.swarm.commands",
     "cramswarm.testbed.commands",
     "cramswarm.swarm_study.commands",
+    "cramswarm.preflight.commands",
     "cramswarm.report.commands",
 )
 
