@@ -6,18 +6,18 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from conftest import REPO, SHARED_HUB, mirror_corpus, requires_mirror
 
 from cramswarm.preflight import project
 
 TINY = ["config/config.yaml", "config/test/tiny.yaml"]
 
 
-def run_preflight(tmp_path, overlay: str) -> tuple[subprocess.CompletedProcess, dict | None]:
+def run_preflight(tmp_path, overlay: str, configs=TINY) -> tuple[subprocess.CompletedProcess, dict | None]:
     extra = tmp_path / "preflight.yaml"
     extra.write_text("preflight:\n  documents: 300\n  steps: 1\n  glue_task: sst2\n" + overlay)
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "cramswarm", "preflight", "--configfile", *TINY, str(extra),
+    proc = subprocess.run([sys.executable, "-m", "cramswarm", "preflight", "--configfile", *configs, str(extra),
                            "--out-dir", str(out), "--results", str(tmp_path)],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     report = out / "report.json"
@@ -40,6 +40,22 @@ def test_the_tiny_study_fits_and_its_report_projects_every_stage_and_model(tmp_p
         assert m["projected_hours"] == pytest.approx(16384 / m["tokens_per_s"] / 3600)
     assert set(report["finetune"]["per_model"]) == {"crammed", "bert_original", "izsak", "swarm", "no_pretrain"}
     assert report["finetune"]["projected_hours"] > 0
+
+
+@requires_mirror
+def test_the_mirror_study_is_rehearsed_on_real_text(tmp_path):
+    """The mirror's real English text (400 Wikipedia articles) through the same stages: the slice of 300
+    documents is projected to the 400 the capped corpus streams."""
+    hub = {"mirror": str(SHARED_HUB), "corpus": mirror_corpus(400, 0)[:1], "glue_max_train_examples": 64}
+    configs = ["config/config.yaml", "config/mirror.yaml", "config/test/tiny.yaml"]
+    proc, report = run_preflight(tmp_path, f"hub: {json.dumps(hub)}\n", configs)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert report["source"] == "hub" and report["fits"]
+    assert report["slice"]["documents"] == 300 and report["slice"]["corpus_documents"] == 400
+    corpus = report["stages"][0]
+    assert corpus["stage"] == "corpus" and corpus["projected_hours"] == pytest.approx(
+        corpus["slice_seconds"] * 400 / 300 / 3600)
+    assert all(m["ran"] and m["tokens_per_s"] > 0 for n, m in report["pretrain"].items() if n != "swarm")
 
 
 def test_jobs_that_cannot_fit_are_named_with_their_keys_before_anything_full_runs(tmp_path):

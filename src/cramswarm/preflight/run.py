@@ -18,7 +18,8 @@ from cramswarm.preflight import project
 
 
 def corpus_documents(cfg: dict) -> int:
-    """Documents the study's corpus stage streams (a hub dataset without a cap: ``resources.UNCAPPED_DOCUMENTS``)."""
+    """Documents the study's corpus stage streams (a hub dataset without a cap: ``resources.UNCAPPED_DOCUMENTS``,
+    an upper bound, unless the slice ran out first and so is the whole corpus)."""
     if cfg["source"] == "synthetic":
         return cfg["synthetic"]["corpus_documents"]
     return sum(d["max_documents"] or resources.UNCAPPED_DOCUMENTS for d in cfg["hub"]["corpus"])
@@ -44,6 +45,8 @@ def preflight(cfg: dict, results: Path = Path("results")) -> dict:
     documents, vocabs = corpus_documents(cfg), len(cfg["tokenizer"]["vocab_sizes"])
     with tempfile.TemporaryDirectory(prefix="preflight-") as work:
         records, facts = rehearse.data_stages(cfg, Path(work))
+    if facts["documents"] < pf["documents"]:  # the slice is the whole corpus
+        documents = facts["documents"]
     tokenizers = vocabs + int(cfg["data"]["trash_filter"])  # the sweep, and the raw one the trash filter counts with
     copies = {"pack_corpus": vocabs, "order_blocks": vocabs, "train_tokenizer": tokenizers}
     stages = [project.stage_projection(r["name"], r["documents"], r["seconds"], r["peak_rss"], r["out_bytes"],
