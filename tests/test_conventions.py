@@ -108,3 +108,15 @@ def test_lint_finds_nothing(work, config):
 def test_snakefiles_are_snakefmt_formatted():
     proc = subprocess.run(["snakefmt", "--check", "Snakefile", "rules"], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_the_local_profile_caps_host_memory_at_the_machines(tmp_path):
+    """profiles/default gives Snakemake this machine's memory as mem_mb: jobs running at once never ask for more
+    in sum, and a job estimated above it runs alone with the machine's memory."""
+    shutil.copytree(REPO / "profiles" / "default", tmp_path / "profiles" / "default")
+    (tmp_path / "Snakefile").write_text(
+        'rule big:\n    output: "big.txt"\n    resources: mem_mb=10**9\n    shell: "echo {resources.mem_mb} > {output}"\n'
+    )
+    snakemake(tmp_path, "--cores", "1", timeout=120)
+    machine_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 10**6
+    assert int((tmp_path / "big.txt").read_text()) == machine_mb
