@@ -115,7 +115,8 @@ def test_the_local_profile_caps_host_memory_at_the_machines(tmp_path):
     in sum, and a job estimated above it runs alone with the machine's memory."""
     shutil.copytree(REPO / "profiles" / "default", tmp_path / "profiles" / "default")
     (tmp_path / "Snakefile").write_text(
-        'rule big:\n    output: "big.txt"\n    resources: mem_mb=10**9\n    shell: "echo {resources.mem_mb} > {output}"\n'
+        'rule big:\n    output: "big.txt"\n    resources: mem_mb=10**9\n'
+        '    shell: "echo {resources.mem_mb} > {output}"\n'
     )
     snakemake(tmp_path, "--cores", "1", timeout=120)
     machine_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 10**6

@@ -197,3 +197,21 @@ def test_a_run_that_would_wrap_its_data_says_so(tiny_run, capsys):
     )
     assert "times; the data order" in capsys.readouterr().out
     assert summary["data_wrapped"] is True and summary["data_passes"] > 1
+
+
+def test_a_seconds_budget_that_would_wrap_its_data_says_so_early(tiny_run, capsys, monkeypatch):
+    """A seconds budget's wrap is estimated once from the rate of its first 2 % (pretrain.WRAP_ESTIMATE_SHARE),
+    and the warning names where the data order restarts. The clock is a counter (10 ms per reading), so the rate,
+    and with it the verdict, does not depend on this machine's speed."""
+    import itertools
+
+    from cramswarm import pretrain as pretraining
+
+    ticks = itertools.count()
+    monkeypatch.setattr(pretraining.time, "perf_counter", lambda: next(ticks) * 0.01)
+    folder, tok_path = tiny_run
+    summary = pretrain(recipe(budget={"unit": "seconds", "value": 1.0}), ARCH, folder / "blocks.npy", tok_path,
+                       folder / "wrap-seconds", progress=False)
+    out = capsys.readouterr().out
+    assert out.count("s budget reads the") == 1 and "the data order restarts at about" in out
+    assert summary["data_wrapped"] is True

@@ -48,6 +48,7 @@ from cramswarm.training import (
 # skips its batch; more than MAX_NONFINITE_STEPS such steps end the run (the recipe is unstable, not unlucky).
 SNAPSHOT_EVERY_STEPS = 50
 MAX_NONFINITE_STEPS = 10
+WRAP_ESTIMATE_SHARE = 0.02  # a seconds budget's data wrap is estimated once this share of it has passed
 
 
 def init_random(arch: dict, tokenizer_path: str | Path, out_dir: str | Path, seed: int) -> dict:
@@ -321,6 +322,7 @@ def _train(r: CrammingRun, s: TrainState) -> None:
         done = budget_progress(r.budget, s.tokens, s.step, r.elapsed(s))
         eval_loss = r.evaluate_if_due(s, done)
         r.log_if_due(s, t, done, lr, multiplier, accumulate, eval_loss)
+        r.warn_wrap_once(s, done)
         r.save_if_due(s, done)
 
 
@@ -360,6 +362,7 @@ class CrammingRun:
         self.bar = tqdm(total=100, desc=run or "pretrain", unit="%", disable=not (progress and world.main),
                         mininterval=2.0)  # fmt: skip
         self.last_good = None  # weights and optimizer state of the last snapshot (non-finite recovery)
+        self.wrap_checked = False  # a seconds budget's wrap is estimated once (warn_wrap_once)
         self.state_path: Path | None = None
         self.start = self.last_save = time.perf_counter()
 
@@ -519,6 +522,20 @@ class CrammingRun:
                                  tok_s=f"{s.tokens / self.elapsed(s):,.0f}")  # fmt: skip
             s.window_loss, s.window_n = 0.0, 0
         self.bar.update(min(100, int(100 * done)) - self.bar.n)
+
+    def warn_wrap_once(self, s: TrainState, done: float) -> None:
+        """A seconds budget's data wrap, estimated from the first WRAP_ESTIMATE_SHARE of the budget (a token or step
+        budget's is announced before the first step): the passes over the training blocks the budget will make at
+        the rate so far, and the budget share where the data order restarts."""
+        if self.wrap_checked or self.budget["unit"] != "seconds" or done < WRAP_ESTIMATE_SHARE:
+            return
+        self.wrap_checked = True
+        rate = s.tokens / self.elapsed(s)
+        passes = rate * self.budget["value"] / (self.n_blocks * self.block_tokens)
+        if passes > 1:
+            self.say(f"warning: at {rate:,.0f} tokens/s so far this {self.budget['value']:,.0f} s budget reads the "
+                     f"{self.n_blocks:,} training blocks about {passes:.2f} times; the data order restarts at about "
+                     f"{1 / passes:.0%} of the budget", flush=True)
 
     def save_if_due(self, s: TrainState, done: float) -> None:
         """The resumable state, every resume_every_seconds (and resume_every_steps), before the end."""
