@@ -38,6 +38,7 @@ rule filter_corpus:
         "results/benchmarks/filter_corpus/{corpus}/{filters}.tsv"
     wildcard_constraints:
         filters=r"trash[0-9.]+|dedup[0-9.]+|trash[0-9.]+-dedup[0-9.]+",
+    threads: filter_threads  # dedup hashes in this many processes; the trash filter runs in one
     conda:
         "../envs/cramswarm.yaml"
     resources:
@@ -49,7 +50,7 @@ rule filter_corpus:
         tokenizer=lambda wildcards, input: (f"--tokenizer {input.tokenizer}" if "tokenizer" in input.keys() else ""),
     shell:
         "python -m cramswarm filter {params.args} --corpus {input.corpus} {params.tokenizer} --out {output.corpus} "
-        "--report {output.report} --memory-cap-mb {resources.data_cap_mib} > {log} 2>&1"
+        "--report {output.report} --memory-cap-mb {resources.data_cap_mib} --workers {threads} > {log} 2>&1"
 
 
 rule glue_data:

@@ -43,6 +43,12 @@ def filter_mem_mb(wildcards):
     return data_mem_mb(wildcards) + mb(extra)
 
 
+def filter_threads(wildcards):
+    """Processes of a filter step: dedup's MinHash pass runs in up to 4 (the same output for any number)."""
+    step, _ = filter_step(wildcards)
+    return 4 if step.startswith("dedup") else 1
+
+
 def tokenizer_mem_mb(wildcards):
     """Tokenizer training counts words and pairs over the whole corpus, outside the data cap: twice a stage's."""
     return data_mem_mb(wildcards, factor=2)

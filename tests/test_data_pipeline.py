@@ -87,6 +87,17 @@ def test_dedup_drops_copies_and_near_copies_and_keeps_the_first(tmp_path):
     assert report["lsh_bands"] * report["lsh_rows"] <= report["num_perm"]
 
 
+def test_dedup_in_worker_processes_keeps_the_same_documents(tmp_path):
+    """Pass 1 in 2 processes over small batches (a tiny memory cap: many batches, out of order in flight) drops
+    exactly what one process drops."""
+    docs = [*CLEAN[:40], *CLEAN[:5], *BOILERPLATE[:3], *BOILERPLATE[:3]]
+    path = corpus(tmp_path, docs)
+    one = filters.dedup(path, tmp_path / "one.parquet", threshold=0.8)
+    two = filters.dedup(path, tmp_path / "two.parquet", threshold=0.8, workers=2, memory_cap_mb=0.001)
+    assert texts(tmp_path / "two.parquet") == texts(tmp_path / "one.parquet") == [*CLEAN[:40], *BOILERPLATE[:3]]
+    assert two["documents_removed"] == one["documents_removed"] == 8
+
+
 def test_dedup_keeps_documents_that_only_share_a_few_sentences(tmp_path):
     docs = CLEAN[:50]
     report = filters.dedup(corpus(tmp_path, docs), tmp_path / "out.parquet", threshold=0.8)

@@ -126,6 +126,7 @@ def tokenizer(args) -> int:
         "--shingle-words", type=int, default=schema_default("data.dedup_shingle_words"), help="dedup: words per shingle"
     ),
     arg("--num-perm", type=int, default=schema_default("data.dedup_permutations"), help="dedup: MinHash permutations"),
+    arg("--workers", type=int, default=1, help="dedup: processes of its MinHash pass (the same output for any number)"),
     OUT,
     REPORT,
     memory_cap(),
@@ -142,7 +143,8 @@ def filter_corpus(args) -> int:
         counts = filters.trash_filter(args.corpus, tok, args.out, args.trash_cutoff, args.memory_cap_mb)
         counts["tokenizer"] = args.tokenizer
     else:
-        counts = filters.dedup(args.corpus, args.out, args.dedup_threshold, args.shingle_words, args.num_perm)
+        counts = filters.dedup(args.corpus, args.out, args.dedup_threshold, args.shingle_words, args.num_perm,
+                               workers=args.workers, memory_cap_mb=args.memory_cap_mb)
     report(args.report, {"corpus": args.corpus, **counts})
     return 0
 

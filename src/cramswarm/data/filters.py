@@ -103,6 +103,56 @@ def _shingles(words: list[str], k: int, start: int, stop: int) -> list[bytes]:
     return [" ".join(words[j : j + k]).encode("utf-8") for j in range(start, stop)]
 
 
+def _band_rows(documents: list[str], shingle_words: int, num_perm: int, seed: int, bands: int, rows: int) -> bytes:
+    """The band hashes of a batch of documents, row after row (8 bytes per band and document): pass 1 of
+    :func:`dedup`, run in a worker process when it has several. Deterministic: any split into batches writes the
+    same bytes."""
+    from datasketch import MinHash
+
+    template = MinHash(num_perm=num_perm, seed=seed)
+    out = []
+    for doc in documents:
+        words = doc.lower().split()
+        n_shingles = max(1, len(words) - shingle_words + 1)
+        sketch = MinHash(num_perm=num_perm, seed=seed, permutations=template.permutations, scheme=template.scheme)
+        for start in range(0, n_shingles, SHINGLE_BATCH):
+            sketch.update_batch(_shingles(words, shingle_words, start, min(start + SHINGLE_BATCH, n_shingles)))
+        out.append(_band_hashes(sketch, bands, rows).tobytes())
+    return b"".join(out)
+
+
+def _batches(documents, chars: int):
+    """Lists of documents of about ``chars`` characters each (at least one document)."""
+    batch, size = [], 0
+    for doc in documents:
+        batch.append(doc)
+        size += len(doc)
+        if size >= chars:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _in_order(fn, batches, workers: int):
+    """``fn(batch)`` of every batch, in order; with ``workers`` > 1 in that many processes, at most two batches
+    per worker in flight (so memory stays bounded on a corpus of any size)."""
+    if workers <= 1:
+        yield from map(fn, batches)
+        return
+    from collections import deque
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(workers) as pool:
+        pending = deque()
+        for batch in batches:
+            pending.append(pool.submit(fn, batch))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+
 def _band_hashes(sketch, bands: int, rows: int) -> np.ndarray:
     """One 64-bit hash per LSH band of a MinHash signature (``rows`` hash values per band)."""
     values = np.ascontiguousarray(sketch.hashvalues[: bands * rows], dtype=np.uint64).reshape(bands, rows)
@@ -113,7 +163,8 @@ def _band_hashes(sketch, bands: int, rows: int) -> np.ndarray:
 
 
 def dedup(
-    corpus: str | Path, out: str | Path, threshold: float, shingle_words: int = 5, num_perm: int = 128, seed: int = 1
+    corpus: str | Path, out: str | Path, threshold: float, shingle_words: int = 5, num_perm: int = 128, seed: int = 1,
+    workers: int = 1, memory_cap_mb: float = 256,
 ) -> dict:
     """Drop near-duplicate documents (MinHash LSH over word ``shingle_words``-grams); return the stage report.
 
@@ -122,28 +173,35 @@ def dedup(
     ``threshold``. A document is a duplicate when, in some band, its band hash equals that of an earlier
     document; the first of each group stays. Pass 1 writes 8 bytes per band and document to a temporary file
     next to ``out``; pass 2 sorts one band column at a time (about 25 bytes per document in memory, instead of
-    the ~3 KB per document of an in-memory ``MinHashLSH`` index) and writes the kept documents.
+    the ~3 KB per document of an in-memory ``MinHashLSH`` index) and writes the kept documents. Pass 1 runs in
+    ``workers`` processes (batches of documents within ``memory_cap_mb``, two per worker in flight); the result is
+    the same for any number.
     """
-    from datasketch import MinHash, MinHashLSH
+    from functools import partial
+
+    from datasketch import MinHashLSH
 
     if not 0 < threshold <= 1:
         raise ValueError(f"dedup threshold must be in (0, 1], got {threshold}")
     banding = MinHashLSH(threshold=threshold, num_perm=num_perm)  # only for its optimal (bands, rows)
     bands, rows = banding.b, banding.r
-    template = MinHash(num_perm=num_perm, seed=seed)
     out = Path(out)
     n_in = chars_in = 0
     out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(prefix=f".{out.name}.", suffix=".bands", dir=out.parent) as f:  # deleted on close
+
+    def documents():
+        nonlocal n_in, chars_in
         for doc in iter_documents(corpus):
             n_in += 1
             chars_in += len(doc)
-            words = doc.lower().split()
-            n_shingles = max(1, len(words) - shingle_words + 1)
-            sketch = MinHash(num_perm=num_perm, seed=seed, permutations=template.permutations, scheme=template.scheme)
-            for start in range(0, n_shingles, SHINGLE_BATCH):
-                sketch.update_batch(_shingles(words, shingle_words, start, min(start + SHINGLE_BATCH, n_shingles)))
-            f.write(_band_hashes(sketch, bands, rows).tobytes())
+            yield doc
+
+    hashes = partial(_band_rows, shingle_words=shingle_words, num_perm=num_perm, seed=seed, bands=bands, rows=rows)
+    # batches of up to 1 M characters, fewer where the cap asks (two per worker in flight, ~4 bytes per character)
+    chars = max(1, min(2**20, int(memory_cap_mb * 2**20 / max(workers, 1) / 8)))
+    with tempfile.NamedTemporaryFile(prefix=f".{out.name}.", suffix=".bands", dir=out.parent) as f:  # deleted on close
+        for block in _in_order(hashes, _batches(documents(), chars), workers):
+            f.write(block)
         f.flush()
         if n_in == 0:
             raise ValueError(f"corpus {corpus} has no documents")
