@@ -229,3 +229,18 @@ def test_a_second_task_with_a_taken_rank_exits_naming_the_holder(tmp_path):
     os.close(held)  # the holder is gone (its lock went with it): the rank is free again, another one never was
     os.close(claim_rank(tmp_path, 1))
     os.close(claim_rank(tmp_path, 0))
+
+
+def test_the_give_up_and_launcher_grace_are_settings():
+    """swarm.give_up_after_s (a stage with no live peer) and swarm.launcher_grace_s (a vanished launcher) reach the
+    plan every process is handed; the defaults are the former fixed 120 s and 30 s."""
+    from cramswarm.config import load_config
+
+    cfg = load_config([TESTS.parent / "config" / "config.yaml"])
+    arch, swarm = cfg["models"]["swarm"]["arch"], cfg["swarm"]
+    default = ht.plan_from_config(arch, 512, cfg["pretrain"], swarm)
+    assert (default.retry.give_up_after_s, default.launcher_grace_s) == (120.0, 30.0)
+    patient = ht.plan_from_config(arch, 512, cfg["pretrain"], {**swarm, "give_up_after_s": 900.0,
+                                                                "launcher_grace_s": 300.0})
+    assert (patient.retry.give_up_after_s, patient.launcher_grace_s) == (900.0, 300.0)
+    assert patient.retry.forward_timeout_s == swarm["forward_timeout_s"]

@@ -444,7 +444,8 @@ def train(
     clock = ScaledClock(1.0)
     dispatcher = Dispatcher(batches, total_microbatches, recipe)
     sw = _TrainingSwarm(specs, clock, stages, recipe, swarm, precision, dispatcher)
-    retry = RetryPolicy(forward_timeout_s=swarm["forward_timeout_s"])
+    retry = RetryPolicy(forward_timeout_s=swarm["forward_timeout_s"],
+                        give_up_after_s=swarm.get("give_up_after_s", RetryPolicy.give_up_after_s))
     rng = random.Random(swarm["seed"])
     counts = {"done": 0, "lost": 0, "tokens": 0}
 

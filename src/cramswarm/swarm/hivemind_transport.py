@@ -184,6 +184,14 @@ def train(*, arch: dict, vocab_size: int, recipe: dict, swarm: dict, batches, to
     if source is None:
         raise ValueError("the hivemind transport needs a microbatch source (cramswarm.swarm.data): its trainers make "
                          "their own microbatches; an iterator of batches cannot be handed to them")
+    plan = plan_from_config(arch, vocab_size, recipe, swarm, rendezvous)
+    plan.state_dir = Path(state_dir) if state_dir is not None else None
+    return run_swarm(plan, source, total_microbatches, progress)
+
+
+def plan_from_config(arch: dict, vocab_size: int, recipe: dict, swarm: dict,
+                     rendezvous: str | Path | None = None) -> SwarmPlan:
+    """The ``SwarmPlan`` of a validated ``swarm:`` config section (and the model it trains)."""
     if swarm["peers_per_stage"] < 1:
         raise ValueError(f"swarm.peers_per_stage={swarm['peers_per_stage']}: every stage needs at least one peer")
     plan = SwarmPlan(
@@ -191,12 +199,13 @@ def train(*, arch: dict, vocab_size: int, recipe: dict, swarm: dict, batches, to
         peers_per_stage=[swarm["peers_per_stage"]] * swarm["stages"], peer_speeds=list(swarm["peer_speeds"]),
         trainers=swarm["trainers"], compression=swarm["compression"],
         averaging_compression=swarm["averaging_compression"], link_mbit_s=swarm["link_mbit_s"],
-        retry=RetryPolicy(forward_timeout_s=swarm["forward_timeout_s"]), kill_every_s=swarm["kill_every_s"],
+        retry=RetryPolicy(forward_timeout_s=swarm["forward_timeout_s"],
+                          give_up_after_s=swarm.get("give_up_after_s", RetryPolicy.give_up_after_s)),
+        launcher_grace_s=swarm.get("launcher_grace_s", SwarmPlan.launcher_grace_s), kill_every_s=swarm["kill_every_s"],
         rejoin_after_s=swarm["rejoin_after_s"], rebalance_period_s=swarm["rebalance_period_s"], seed=swarm["seed"],
         placement=swarm["placement"], rendezvous=Path(rendezvous) if rendezvous else None, host=swarm["host"],
         interface=swarm["interface"], srun_args=list(swarm["srun_args"]), startup_timeout_s=swarm["startup_timeout_s"],
     )
     plan.checkpoint_every_s = swarm["checkpoint_every_s"]
     plan.peer_memory_cap_mb = swarm.get("peer_memory_cap_mb")
-    plan.state_dir = Path(state_dir) if state_dir is not None else None
-    return run_swarm(plan, source, total_microbatches, progress)
+    return plan
