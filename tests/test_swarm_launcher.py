@@ -349,6 +349,22 @@ def test_a_rerun_on_a_finished_runs_state_folder_trains_nothing_and_gives_the_sa
 
 
 @pytest.mark.swarm
+def test_the_last_replicas_of_a_stage_killed_come_back_from_its_shard():
+    """Every peer of stage 1 SIGKILLed at once, after the stages wrote shards: a restart that finds no live replica to
+    download from serves the stage's newest shard (peer_sync.ALONE_AFTER_S after the dead records expired), and the
+    run finishes with every microbatch trained (launch's checks); the stage's steps since its shard are lost."""
+    total = 200
+    result, stats = launch(total, faults=[(6.0, "allofstage1")], rejoin_after_s=0.5, checkpoint_every_s=1.0,
+                           retry=RetryPolicy(forward_timeout_s=5.0, give_up_after_s=90.0))
+    assert [k["stage"] for k in stats["killed"]] == [1, 1] and stats["rejoins"] == 2, brief(stats)
+    # the first restart to find the stage empty serves the shard; the other either does the same (same newest shard)
+    # or, if the first declared itself already, downloads from it (launch checked that the replicas are equal)
+    restored = stats["served_from_shard_alone"]
+    assert 1 <= len(restored) <= 2 and all(step >= 1 for step in restored.values()), restored
+    assert len(set(restored.values())) == 1, restored
+
+
+@pytest.mark.swarm
 def test_sigkill_of_all_peers_of_a_stage_but_one_at_once_loses_no_microbatch():
     """(e): two of stage 0's three peers SIGKILLed at once; the survivor serves alone until they rejoin."""
     total = 160

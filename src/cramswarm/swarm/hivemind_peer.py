@@ -363,20 +363,27 @@ class StagePeer(ServicerBase):
                                                                            self.sync_timeout_s))
         return await self._run(self._load_state_tensor, tensors.pop("blob"))
 
-    async def load_from_replica(self, give_up_after_s: float) -> None:
-        """Download parameters + optimizer state from a live replica of this stage before serving."""
-        deadline = time.monotonic() + give_up_after_s
+    async def load_from_replica(self, give_up_after_s: float, alone_after_s: float | None = None) -> bool:
+        """Download parameters + optimizer state from a live replica of this stage before serving: True once loaded.
+        With ``alone_after_s``, False once no other replica has been declared for that long (the caller serves the
+        state it has); a RuntimeError once ``give_up_after_s`` passed without a download."""
+        deadline = alone_since = time.monotonic()
+        deadline += give_up_after_s
         while True:
             records = await stage_records(self.node, self.run_id, self.stage)
             sources = [(uid, peer) for uid, (peer, _) in records.items() if uid != self.uid]
             random.shuffle(sources)
+            if sources:
+                alone_since = time.monotonic()
             for uid, peer in sources:
                 try:
                     step = await self.download_state(PeerID.from_base58(peer))
                     print(f"[{self.uid}] loaded stage {self.stage} state at step {step} from {uid}", flush=True)
-                    return
+                    return True
                 except Exception as e:
                     print(f"[{self.uid}] state download from {uid} failed: {e!r}", flush=True)
+            if alone_after_s is not None and time.monotonic() - alone_since > alone_after_s:
+                return False
             if time.monotonic() > deadline:
                 raise RuntimeError(f"stage {self.stage}: no live replica to load the state from "
                                    f"within {give_up_after_s:.0f} s")

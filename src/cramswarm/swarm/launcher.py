@@ -577,15 +577,16 @@ class Launcher:
             await asyncio.sleep(SUPERVISE_PERIOD_S)
 
     async def _fault(self, at_s: float, target: str) -> None:
-        """``faults``: SIGKILL ``bootstrap``, ``trainer<R>``, ``peer`` (a killable stage peer) or ``stage<S>`` (every
-        live peer of stage S but one at its latest step, at once) at ``at_s``; ``gone<N>:stage<S>`` SIGKILLs N live
-        peers of stage S (:func:`gone_victims`) and starts no replacement (they are gone for good: the stage stays
+        """``faults``: SIGKILL ``bootstrap``, ``trainer<R>``, ``peer`` (a killable stage peer), ``stage<S>`` (every
+        live peer of stage S but one at its latest step, at once) or ``allofstage<S>`` (every live peer of stage S:
+        their restarts find no replica and serve from the stage's shard) at ``at_s``; ``gone<N>:stage<S>`` SIGKILLs N
+        live peers of stage S (:func:`gone_victims`) and starts no replacement (they are gone for good: the stage stays
         starved unless the peers rebalance); any other target goes to the placement (``plan.hosts.fault``) ``at_s``
         after the first finished microbatch (trainer processes take seconds to start: a link cut must fall into the
         training)."""
         gone = parse_gone(target)
         host_fault = (gone is None and target not in ("bootstrap", "peer")
-                      and not target.startswith(("trainer", "stage")))
+                      and not target.startswith(("trainer", "stage", "allofstage")))
         while host_fault and self._done_microbatches() < 1:
             await asyncio.sleep(0.1)
         await asyncio.sleep(at_s)
@@ -613,6 +614,11 @@ class Launcher:
             candidates = await self._killable()
             if candidates:
                 self._kill_peer(self.rng.choice(candidates))
+        elif target.startswith("allofstage"):  # every live peer of the stage; each is restarted as usual
+            stage = int(target[len("allofstage"):])
+            for uid, peer in list(self.peers.items()):
+                if peer.stage == stage and peer.alive and uid not in self.retired:
+                    self._kill_peer(peer)
         elif target.startswith("stage"):
             stage = int(target[len("stage"):])
             records = await progress_records(self.node, self.run_id, stage)
@@ -902,6 +908,9 @@ class Launcher:
         self.stats.update(self._trainer_stats())
         self.stats["first_logged_step"] = self._first_logged_step()
         self.stats["peer_devices"] = {c["uid"]: c.get("device", "cpu") for c in counters}  # where each peer computed
+        # peers that found no live replica of their stage and served from its shard (the stage's last ones died)
+        self.stats["served_from_shard_alone"] = {c["uid"]: c["served_from_shard_alone"] for c in counters
+                                                 if c.get("served_from_shard_alone") is not None}
         # a seconds budget: the trainers took microbatches until the deadline, and each one they took counts
         requested = self.total if data.bounded(self.total) else done
         self.stats.update(

@@ -40,7 +40,6 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import torch
 from hivemind.utils import get_dht_time
 
@@ -57,6 +56,7 @@ from cramswarm.swarm.membership import (
     join_dht,
     join_swarm,
     launcher_phase,
+    leave_now,
     listen_host,
     progress_key,
     read_addr_file,
@@ -117,11 +117,7 @@ async def serve_bootstrap(addr_file: str, host: str, run_id: str | None = None,
     for task in done:
         with contextlib.suppress(LauncherGone):
             task.result()
-    for daemon in psutil.Process().children():  # its p2pd
-        with contextlib.suppress(psutil.Error):
-            daemon.kill()
-    sys.stdout.flush()
-    os._exit(0)
+    leave_now(0)
 
 
 async def serve_stage(args: argparse.Namespace) -> None:
@@ -164,13 +160,7 @@ async def serve_stage(args: argparse.Namespace) -> None:
             task.result()  # a failed declaration or watchdog raises here
         print(f"[{peer.uid}] the launcher is done; exiting", flush=True)
         code = 0
-    # Leave at once: an all-reduce or compute call in flight would hold up an orderly shutdown for many seconds.
-    for daemon in psutil.Process().children():
-        with contextlib.suppress(psutil.Error):
-            daemon.kill()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    leave_now(code)
 
 
 def rank_of(explicit: int | None) -> int:

@@ -121,6 +121,7 @@ SHARD_GLOB = "stage{stage}.step*.pt"
 SYNC_LOG = "sync-{uid}.jsonl"  # in the run's folder: one line per step a peer took (the step's phases)
 CLOCK_FILE = "clock.json"  # in the run's folder: the training clock's origin and a seconds budget's deadline
 RATE_WINDOW_S = 2.0       # a peer's published admission rate: backward samples it admitted over this many seconds
+ALONE_AFTER_S = 5.0       # a peer that loaded its stage's shard serves it once no other replica was declared this long
 COUNTERS_PERIOD_S = 2.0   # a peer rewrites its counters file at least this often (also at steps and shard writes)
 
 
@@ -368,7 +369,8 @@ class SyncingStagePeer(StagePeer):
         self.counters = {"uid": uid, "stage": stage, "steps_taken": 0, "resyncs": 0, "digest_mismatches": 0,
                          "lost_gradient_samples": 0, "averaging_bytes_sent": 0, "averaging_values_sent": 0,
                          "averaging_param_steps": 0, "group_sizes": [], "failed_rounds": 0, "shards_written": 0,
-                         "duplicate_samples": 0, "loaded_shard_step": None, "backward_samples": 0,
+                         "duplicate_samples": 0, "loaded_shard_step": None, "served_from_shard_alone": None,
+                         "backward_samples": 0,
                          "admission_wait_s": 0.0, "held_calls": 0, "device": str(self.device),
                          "handed_over_samples": 0, "taken_over_samples": 0, "joining_wait_s": 0.0,
                          "slowest_dht_round_s": 0.0, "resent_samples": 0, "resent_kept_samples": 0}
@@ -391,6 +393,20 @@ class SyncingStagePeer(StagePeer):
             self._load_blob(newest[1].read_bytes())
             self.shard_step = self.counters["loaded_shard_step"] = self.step
             print(f"[{uid}] loaded stage {stage} shard {newest[1].name} (step {self.step})", flush=True)
+
+    async def load_from_replica(self, give_up_after_s: float, alone_after_s: float | None = None) -> bool:
+        """A live replica's state, as every joining peer takes it; a peer that loaded its stage's shard serves from
+        that shard once no other replica of the stage has been declared for ``ALONE_AFTER_S`` (the stage's last
+        replicas died: the run goes on from the shard, losing at most one shard period of this stage's steps)."""
+        shard_step = self.counters["loaded_shard_step"]
+        if shard_step is None:
+            return await super().load_from_replica(give_up_after_s)
+        if await super().load_from_replica(give_up_after_s, alone_after_s=ALONE_AFTER_S):
+            return True
+        self.counters["served_from_shard_alone"] = shard_step
+        print(f"[{self.uid}] no live replica of stage {self.stage} for {ALONE_AFTER_S:.0f} s: serving from its shard "
+              f"at step {shard_step}", flush=True)
+        return False
 
     # -- compute thread ---------------------------------------------------------------------------------------
     def _forward(self, tensors: dict[str, torch.Tensor], meta: dict) -> tuple[dict, dict]:

@@ -37,13 +37,11 @@ import asyncio
 import contextlib
 import json
 import math
-import os
 import random
 import sys
 import time
 from pathlib import Path
 
-import psutil
 import torch
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
@@ -55,6 +53,7 @@ from cramswarm.swarm.membership import (
     BootstrapError,
     LauncherGone,
     join_swarm,
+    leave_now,
     listen_host,
     stage_namespace,
     stage_records,
@@ -259,16 +258,6 @@ async def train_shard(cfg: dict, rank: int, trainers: int) -> None:
         raise
 
 
-def _leave(code: int) -> None:
-    """Exit at once with this process's p2pd (an orderly DHT shutdown can hang on dead connections)."""
-    for daemon in psutil.Process().children():
-        with contextlib.suppress(psutil.Error):
-            daemon.kill()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m cramswarm.swarm.trainer", description=__doc__.split("\n")[0])
     parser.add_argument("--config", required=True, help="the run's config.json (written by the launcher)")
@@ -295,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
     except (TimeoutError, FloatingPointError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         code = EXIT_FAILED
-    _leave(code)
+    leave_now(code)
 
 
 if __name__ == "__main__":
