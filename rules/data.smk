@@ -38,9 +38,9 @@ rule filter_corpus:
         "results/benchmarks/filter_corpus/{corpus}/{filters}.tsv"
     wildcard_constraints:
         filters=r"trash[0-9.]+|dedup[0-9.]+|trash[0-9.]+-dedup[0-9.]+",
-    threads: filter_threads  # dedup hashes in this many processes; the trash filter runs in one
     conda:
         "../envs/cramswarm.yaml"
+    threads: filter_threads  # dedup hashes in this many processes; the trash filter runs in one
     resources:
         mem_mb=filter_mem_mb,
         runtime=data_runtime,
