@@ -18,11 +18,8 @@ def device_of(device):
 
 
 def corpus_documents(corpus):
-    """Documents in corpus `corpus` (a bound: hub datasets with max_documents: null count UNCAPPED_DOCUMENTS)."""
-    spec = corpus_spec(config, corpus)
-    if spec["source"] == "synthetic":
-        return spec["synthetic"]["corpus_documents"]
-    return sum(d["max_documents"] or est.UNCAPPED_DOCUMENTS for d in spec["hub"]["corpus"])
+    """Documents in corpus `corpus` (cramswarm.resources.corpus_documents)."""
+    return est.corpus_documents(corpus_spec(config, corpus))
 
 
 def data_mem_mb(wildcards, factor=1):
@@ -185,32 +182,14 @@ def finetune_mem_mb(wildcards):
 
 
 def swarm_experiment_runtime(wildcards):
-    """The emulated experiments: runs x duration_s x time_scale wall seconds (testbed runs: real seconds plus
-    their start-up, study.transports_runtime_s); compression trains the SWARM
-    model once per boundary treatment; sim_scale grows with peers x simulated seconds x runs; square_cube's compute
-    grows with width squared and its calls with bytes and delay. Three times that."""
+    """A swarm_study experiment's runtime (cramswarm.swarm_study.runtime.experiment_seconds, the compression
+    experiment on the study's SWARM model)."""
+    from cramswarm.swarm_study.runtime import experiment_seconds
+
     section = SWARM_EXPERIMENTS[wildcards.name]
+    arch = RUNS[SWARM_MODEL]["arch"]
     settings = config["swarm_study"][section]
-    seconds = 60.0
-    if section in ("wiring", "failures", "rebalancing"):
-        from cramswarm.swarm_study.study import transports_runtime_s
-
-        seconds += transports_runtime_s(section, settings)
-    elif section == "sim_scale":
-        # measured about 1e-5 wall seconds per simulated peer-second (1000 peers x 1800 s: 17 s); twice that
-        runs = len(settings.get("preemption_models", [None])) * len(settings["rebalance_periods_s"])
-        seconds += 2e-5 * sum(settings["peer_counts"]) * settings["duration_s"] * runs
-    elif section == "square_cube":
-        from cramswarm.swarm_study.study import square_cube_runtime_s
-
-        seconds += square_cube_runtime_s(settings)
-    elif section == "compression":
-        tokens = settings["steps"] * settings["micro_batch_sequences"] * BLOCK_TOKENS
-        per_treatment = est.training_seconds(
-            RUNS[SWARM_MODEL]["arch"], MAIN_VOCAB, tokens, BLOCK_TOKENS, device_of("auto")
-        )
-        seconds += len(settings["configs"]) * per_treatment
-    return minutes(3 * seconds)
+    return minutes(experiment_seconds(section, settings, arch, MAIN_VOCAB, BLOCK_TOKENS, device_of("auto")))
 
 
 def preflight_mem_mb(wildcards):

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 
 from cramswarm.report import swarm_figures
-from cramswarm.swarm_study import study, study_launcher
+from cramswarm.swarm_study import runtime, study, study_launcher
 
 
 def test_without_a_testbed_the_transport_is_skipped_with_the_reason(tmp_path, monkeypatch, capsys):
@@ -113,17 +113,17 @@ def test_the_gone_fault_kills_all_but_the_stages_last_current_replica():
 
 def test_runtime_bound_counts_testbed_runs_in_real_seconds():
     emulated = {"duration_s": 40.0, "time_scale": 0.1}
-    assert study.transports_runtime_s("wiring", emulated) == pytest.approx(2 * 3 * 4.0)  # the default transports
+    assert runtime.transports_runtime_s("wiring", emulated) == pytest.approx(2 * 3 * 4.0)  # the default transports
     with_testbed = emulated | {"transports": ["emulation", "sim", "testbed"]}
-    assert study.transports_runtime_s("wiring", with_testbed) == pytest.approx(
-        2 * 3 * 4.0 + 2 * (40.0 + study.TESTBED_START_S))
-    assert study.transports_runtime_s("failures", {"duration_s": 300.0, "time_scale": 0.02,
+    assert runtime.transports_runtime_s("wiring", with_testbed) == pytest.approx(
+        2 * 3 * 4.0 + 2 * (40.0 + runtime.TESTBED_START_S))
+    assert runtime.transports_runtime_s("failures", {"duration_s": 300.0, "time_scale": 0.02,
                                                    "transports": ["sim"]}) == pytest.approx(4 * 6.0)
     # rebalancing: one run per period and transport
     rebalancing = {"duration_s": 120.0, "time_scale": 0.02, "periods_s": [None, 10.0]}
-    assert study.transports_runtime_s("rebalancing", rebalancing) == pytest.approx(2 * 2 * 2.4)
-    assert study.transports_runtime_s("rebalancing", rebalancing | {"transports": ["testbed"]}) == pytest.approx(
-        2 * (120.0 + study.TESTBED_START_S))
+    assert runtime.transports_runtime_s("rebalancing", rebalancing) == pytest.approx(2 * 2 * 2.4)
+    assert runtime.transports_runtime_s("rebalancing", rebalancing | {"transports": ["testbed"]}) == pytest.approx(
+        2 * (120.0 + runtime.TESTBED_START_S))
 
 
 @pytest.mark.netns

@@ -7,7 +7,7 @@ import pytest
 from conftest import ARCH
 
 from cramswarm.report import swarm_figures
-from cramswarm.swarm_study import study
+from cramswarm.swarm_study import runtime, study
 
 TIMELINE = ["t_s", "window_s", "throughput_mb_s", "completed_total", "peers_up"]
 
@@ -187,9 +187,9 @@ def test_square_cube_runtime_bound_covers_compute_and_calls():
     from conftest import DEFAULT
 
     settings = DEFAULT["swarm_study"]["square_cube"]
-    base = study.square_cube_runtime_s(settings)
+    base = runtime.square_cube_runtime_s(settings)
     # the 4096-wide layer alone: (3 + 1) passes of 60 d^2 x 1024 tokens at 0.15 TFLOP/s
     assert base > 4 * 60 * 4096**2 * 1024 / 1.5e11
-    assert study.square_cube_runtime_s(settings | {"hidden_sizes": [*settings["hidden_sizes"], 8192]}) > 2 * base
+    assert runtime.square_cube_runtime_s(settings | {"hidden_sizes": [*settings["hidden_sizes"], 8192]}) > 2 * base
     slower = settings | {"latencies_ms": [0.0, 500.0]}
-    assert study.square_cube_runtime_s(slower) - base > 30 * 0.45 * len(settings["hidden_sizes"])
+    assert runtime.square_cube_runtime_s(slower) - base > 30 * 0.45 * len(settings["hidden_sizes"])

@@ -142,6 +142,14 @@ def gpu_mem_mb(arch: dict, vocab: int, micro_batch: int, seq_len: int, flash_att
     return mb(16 * params + activations + 2**30)
 
 
+def corpus_documents(spec: dict) -> int:
+    """Documents a corpus stage streams for a corpus spec (source, synthetic, hub sections): a bound where a hub
+    dataset has ``max_documents: null`` (it counts ``UNCAPPED_DOCUMENTS``)."""
+    if spec["source"] == "synthetic":
+        return spec["synthetic"]["corpus_documents"]
+    return sum(d["max_documents"] or UNCAPPED_DOCUMENTS for d in spec["hub"]["corpus"])
+
+
 def glue_rows(task: str, source: str, source_config: dict) -> tuple[int, int]:
     """(train, validation) rows the fine-tuning of ``task`` reads from ``source`` (synthetic | hub), whose config
     section is ``source_config``."""

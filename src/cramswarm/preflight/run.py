@@ -17,14 +17,6 @@ from cramswarm import resources
 from cramswarm.preflight import project
 
 
-def corpus_documents(cfg: dict) -> int:
-    """Documents the study's corpus stage streams (a hub dataset without a cap: ``resources.UNCAPPED_DOCUMENTS``,
-    an upper bound, unless the slice ran out first and so is the whole corpus)."""
-    if cfg["source"] == "synthetic":
-        return cfg["synthetic"]["corpus_documents"]
-    return sum(d["max_documents"] or resources.UNCAPPED_DOCUMENTS for d in cfg["hub"]["corpus"])
-
-
 def resolved_budget(recipe: dict, arch: dict, vocab: int, block_tokens: int, peak_tflops: float) -> dict:
     """The budget as tokens or seconds on this device (steps: the recipe's tokens per step)."""
     budget = budgets.for_model(recipe, arch, vocab, block_tokens)["budget"]
@@ -42,10 +34,10 @@ def preflight(cfg: dict, results: Path = Path("results")) -> dict:
     from cramswarm.preflight import rehearse
 
     pf, vocab, block_tokens = cfg["preflight"], cfg["tokenizer"]["main_vocab_size"], cfg["packing"]["block_tokens"]
-    documents, vocabs = corpus_documents(cfg), len(cfg["tokenizer"]["vocab_sizes"])
+    documents, vocabs = resources.corpus_documents(cfg), len(cfg["tokenizer"]["vocab_sizes"])
     with tempfile.TemporaryDirectory(prefix="preflight-") as work:
         records, facts = rehearse.data_stages(cfg, Path(work))
-    if facts["documents"] < pf["documents"]:  # the slice is the whole corpus
+    if facts["documents"] < pf["documents"]:  # the slice is the whole corpus (not the uncapped bound)
         documents = facts["documents"]
     tokenizers = vocabs + int(cfg["data"]["trash_filter"])  # the sweep, and the raw one the trash filter counts with
     copies = {"pack_corpus": vocabs, "order_blocks": vocabs, "train_tokenizer": tokenizers}

@@ -45,8 +45,8 @@ import torch
 from cramswarm.io import atomic_path
 from cramswarm.swarm import emulation, sim
 from cramswarm.swarm.emulation import FailureEvent, PeerSpec, SwarmSetup
+from cramswarm.swarm_study.runtime import TRANSPORTS  # the default transports of wiring_throughput, ...
 
-TRANSPORTS = ("emulation", "sim")   # the default transports of wiring_throughput, failures_timeline, ...
 # ... and every one they take: testbed = the launcher's swarm of real processes, each on a testbed host of its own
 # (cramswarm.swarm_study.study_launcher.run_setup; needs root, iproute2 and hivemind, skipped with the reason elsewhere)
 LAUNCHER_TRANSPORTS = (*TRANSPORTS, "testbed")
@@ -114,29 +114,6 @@ def _transports(transports: Sequence[str], experiment: str) -> list[str]:
         print(f"swarm_study.{experiment}: transport testbed skipped (no testbed here: {reason})", flush=True)
         return [t for t in transports if t != "testbed"]
     return list(transports)
-
-
-TESTBED_START_S = 180.0   # a bound on one testbed run's start-up and teardown (namespaces; ~20 processes' imports)
-
-
-def transports_runtime_s(section: str, settings: dict) -> float:
-    """A bound on :func:`wiring_throughput`'s / :func:`failures_timeline`'s / :func:`rebalancing_recovery`'s
-    seconds (``section``: wiring | failures | rebalancing) for their ``swarm_study`` config section, without the
-    sweep: per emulated transport (the simulator's counted alike) each run's ``duration_s x time_scale`` over 3
-    routings (wiring), 2 routings x with and without failures, or the rebalancing periods; per testbed run (2:
-    weighted and uniform, or weighted with and without failures; one per rebalancing period) ``duration_s`` real
-    seconds plus ``TESTBED_START_S``."""
-    if section == "rebalancing":
-        runs = testbed_runs = len(settings["periods_s"])
-    else:
-        runs, testbed_runs = {"wiring": 3, "failures": 4}[section], 2
-    seconds = 0.0
-    for transport in settings.get("transports", TRANSPORTS):
-        if transport == "testbed":
-            seconds += testbed_runs * (settings["duration_s"] + TESTBED_START_S)
-        else:
-            seconds += runs * settings["duration_s"] * settings["time_scale"]
-    return seconds
 
 
 def _link_columns(transport: str, link_mbit_s: float | None, latency_ms: float) -> dict:
@@ -223,24 +200,6 @@ def _layer_time_s(hidden: int, heads: int, batch: int, seq_len: int, repeats: in
 
 
 SQUARE_CUBE_LINKS = ("auto", "ideal", "testbed")
-
-
-def square_cube_runtime_s(settings: dict) -> float:
-    """A generous bound on :func:`square_cube`'s seconds for a ``swarm_study.square_cube`` config section (the
-    workflow's runtime request): (repeats + 1) passes per width at about 0.15 TFLOP/s (one CPU thread: 6.4 s for
-    4096 x 1024 tokens; a GPU is far faster), and (calls + 1) calls per payload and link at up to twice their bytes'
-    wire time plus 30 x the one-way delay (TCP through the testbed's relay)."""
-    tokens = settings["batch_sequences"] * settings["seq_len_tokens"]
-    value_bytes = {"none": 4, "fp16": 2, "blockwise8": 1}
-    seconds = 0.0
-    for width in settings["hidden_sizes"]:
-        seconds += (settings["repeats"] + 1) * 60 * width * width * tokens / 1.5e11
-        for scheme in settings["schemes"]:
-            for bandwidth in settings["bandwidths_mbit_s"]:
-                for latency in settings["latencies_ms"]:
-                    wire = 2 * tokens * width * value_bytes[scheme] * 8 / (bandwidth * 1e6)
-                    seconds += (settings["calls"] + 1) * (2 * wire + 30 * latency / 1e3)
-    return seconds
 
 
 def _testbed_call_s(points: list[tuple[float, float]], sizes: list[int], calls: int) -> dict:
