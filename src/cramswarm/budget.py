@@ -64,12 +64,13 @@ def datasheet_peak(device_name: str) -> float | None:
     return None
 
 
-def measure_matmul_tflops(device, size: int = 2048, repeats: int = 10) -> float:
-    """Achieved bf16 matmul TFLOP/s on ``device`` (a lower bound of its peak)."""
+def measure_matmul_tflops(device, size: int = 2048, repeats: int = 10, dtype=None) -> float:
+    """Achieved matmul TFLOP/s on ``device`` in ``dtype`` (default bf16): a lower bound of its peak."""
     import torch
 
-    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
-    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    dtype = dtype or torch.bfloat16
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
     a @ b  # warm up
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()

@@ -123,12 +123,7 @@ def matmul_peak_tflops(device: torch.device, precision: str) -> tuple[float, str
     if device.type == "cuda":
         return budgets.device_peak({}, device)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
-    a = torch.randn(1024, 1024, dtype=dtype)
-    a @ a
-    start, reps = time.perf_counter(), 3
-    for _ in range(reps):
-        a @ a
-    return 2 * 1024**3 * reps / (time.perf_counter() - start) / 1e12, f"measured {precision} matmul on {device}"
+    return budgets.measure_matmul_tflops(device, 1024, 3, dtype), f"measured {precision} matmul on {device}"
 
 
 def synchronize(device: torch.device) -> None:

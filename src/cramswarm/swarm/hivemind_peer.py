@@ -367,8 +367,8 @@ class StagePeer(ServicerBase):
         """Download parameters + optimizer state from a live replica of this stage before serving: True once loaded.
         With ``alone_after_s``, False once no other replica has been declared for that long (the caller serves the
         state it has); a RuntimeError once ``give_up_after_s`` passed without a download."""
-        deadline = alone_since = time.monotonic()
-        deadline += give_up_after_s
+        alone_since = time.monotonic()  # the last time another replica was declared
+        deadline = alone_since + give_up_after_s
         while True:
             records = await stage_records(self.node, self.run_id, self.stage)
             sources = [(uid, peer) for uid, (peer, _) in records.items() if uid != self.uid]
