@@ -49,9 +49,10 @@ def synthetic_data(folder: Path, vocab: int, block_tokens: int, documents: int, 
 def run(processes: int, args, recipe: dict, arch: dict, tok_path: Path, blocks: Path, out: Path) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))}  # fmt: skip
-    command = [sys.executable, "-m", "cramswarm", "pretrain", "--recipe", json.dumps(recipe | {"devices": processes}),
-               "--arch", json.dumps(arch), "--blocks", str(blocks), "--tokenizer", str(tok_path),
-               "--out-dir", str(out), "--threads", "1", "--quiet"]  # fmt: skip
+    impl = {"device": "cpu", "log_every_steps": 10, "devices": processes}
+    command = [sys.executable, "-m", "cramswarm", "pretrain", "--recipe", json.dumps(recipe),
+               "--impl", json.dumps(impl), "--arch", json.dumps(arch), "--blocks", str(blocks),
+               "--tokenizer", str(tok_path), "--out-dir", str(out), "--threads", "1", "--quiet"]  # fmt: skip
     proc = subprocess.run(command, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{processes}-process run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
@@ -83,9 +84,9 @@ def main() -> int:
                  max_positions=args.seq)  # fmt: skip
     arch = cfg["models"]["crammed"]["arch"] | shape
     tokens = args.steps * args.batch * args.seq
-    recipe = cfg["pretrain"] | dict(budget={"unit": "tokens", "value": tokens}, micro_batch_sequences=args.micro,
-                                    batch_sequences=args.batch, precision="bf16", device="cpu", eval_blocks=0,
-                                    log_every_steps=10, warmup_fraction=0.0)  # fmt: skip
+    computes = {k: v for k, v in cfg["pretrain"].items() if k != "impl"}  # how it runs: run()'s --impl
+    recipe = computes | dict(budget={"unit": "tokens", "value": tokens}, micro_batch_sequences=args.micro,
+                             batch_sequences=args.batch, precision="bf16", eval_blocks=0, warmup_fraction=0.0)
     results: dict[int, list[dict]] = {1: [], 2: []}
     with tempfile.TemporaryDirectory(prefix="ddp-scaling-") as tmp:
         folder = Path(tmp)

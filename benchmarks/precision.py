@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO / "src"))
 import torch  # noqa: E402
 
 from cramswarm import precision as prec  # noqa: E402
-from cramswarm.config import load_config  # noqa: E402
+from cramswarm.config import load_config, model_recipe  # noqa: E402
 from cramswarm.io import atomic_path  # noqa: E402
 from cramswarm.provenance import hardware  # noqa: E402
 from cramswarm.training import build_model, make_optimizer, mask_tokens  # noqa: E402
@@ -59,7 +59,7 @@ def matmul_gflops(size: int, dtype: torch.dtype, repeats: int) -> float:
 def pretrain_tokens_per_s(precision: str, steps: int) -> float:
     """Fastest of ``steps`` crammed-BERT training steps (forward, backward, clip, AdamW) at the default shape."""
     config = load_config([REPO / "config" / "config.yaml"])
-    arch, recipe = config["models"]["crammed"]["arch"], {**config["pretrain"], "precision": precision}
+    arch, recipe = config["models"]["crammed"]["arch"], {**model_recipe(config, "crammed"), "precision": precision}
     vocab, micro, seq = 2048, recipe["micro_batch_sequences"], config["packing"]["block_tokens"]
     model = build_model(arch, vocab, seed=0)
     optimizer = make_optimizer(model, recipe)

@@ -47,7 +47,7 @@ from scipy import stats as scipy_stats
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from cramswarm.config import load_config  # noqa: E402
+from cramswarm.config import load_config, model_recipe  # noqa: E402
 from cramswarm.io import write_json  # noqa: E402
 from cramswarm.swarm import compression, hivemind_transport  # noqa: E402
 from cramswarm.swarm.data import CountingSource  # noqa: E402
@@ -64,11 +64,12 @@ def make_plan(args, scheme: str, seed: int) -> hivemind_transport.SwarmPlan:
     config = load_config([ROOT / "config" / "config.yaml"])
     arch = config["models"]["crammed"]["arch"] | dict(layers=2, hidden_size=args.hidden, heads=2,
                                                       intermediate_size=2 * args.hidden, max_positions=SEQ)
-    recipe = config["pretrain"] | dict(micro_batch_sequences=args.micro, batch_sequences=args.batch * args.micro,
-                                       lr=3e-3, batch_ramp_fraction=0.0, warmup_fraction=0.0, precision="bf16",
-                                       device="cpu", seed=seed, budget={"unit": "steps", "value": 1000})
+    recipe = model_recipe(config, "crammed") | dict(
+        micro_batch_sequences=args.micro, batch_sequences=args.batch * args.micro, lr=3e-3, batch_ramp_fraction=0.0,
+        warmup_fraction=0.0, precision="bf16", seed=seed, budget={"unit": "steps", "value": 1000})
     return hivemind_transport.SwarmPlan(
-        arch=arch, vocab_size=VOCAB, recipe=recipe, peers_per_stage=[args.peers] * 2, trainers=args.trainers,
+        arch=arch, vocab_size=VOCAB, recipe=recipe, device="cpu",
+        peers_per_stage=[args.peers] * 2, trainers=args.trainers,
         compression=scheme, retry=RetryPolicy(forward_timeout_s=10.0, give_up_after_s=60.0),
         startup_timeout_s=300.0, seed=seed)  # link_mbit_s: the testbed sets the shaped rate (testbed.swarm.link_plan)
 

@@ -86,7 +86,7 @@ def run(name: str, args, *, speeds: list[float], peers_per_stage: list[int], sec
     """One launcher run (a seconds budget, or with ``microbatches`` that many microbatches); returns its
     throughput, losses and counters."""
     trainers = trainers or args.trainers
-    plan = ht.SwarmPlan(arch=model or arch(args.hidden, args.layers), vocab_size=vocab,
+    plan = ht.SwarmPlan(arch=model or arch(args.hidden, args.layers), vocab_size=vocab, device="cpu",
                         recipe=recipe(seconds, args.micro, batch_micro or args.batch_micro, microbatches),
                         peers_per_stage=peers_per_stage, peer_speeds=speeds, trainers=trainers, routing=routing,
                         peer_unit_time_s=args.unit_time if unit_time_s == -1.0 else unit_time_s,

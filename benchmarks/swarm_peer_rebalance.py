@@ -35,7 +35,7 @@ import statistics
 import time
 from pathlib import Path
 
-from cramswarm.config import load_config
+from cramswarm.config import load_config, model_recipe
 from cramswarm.swarm import emulation, hivemind_transport, sim
 from cramswarm.swarm.data import CountingSource
 from cramswarm.swarm.emulation import PeerSpec, SwarmSetup
@@ -64,10 +64,11 @@ def hivemind_run(microbatches: int, period_s: float) -> dict:
     cfg = load_config([REPO / "config" / "config.yaml"])
     arch = cfg["models"]["crammed"]["arch"] | dict(layers=2, hidden_size=64, heads=2, intermediate_size=128,
                                                     max_positions=SEQ)
-    recipe = cfg["pretrain"] | dict(budget={"unit": "steps", "value": 1000}, micro_batch_sequences=MICRO,
-                                    batch_sequences=4 * MICRO, lr=3e-3, batch_ramp_fraction=0.0, warmup_fraction=0.0,
-                                    precision="bf16", device="cpu")
-    plan = hivemind_transport.SwarmPlan(arch=arch, vocab_size=VOCAB, recipe=recipe, peers_per_stage=PLACEMENT,
+    recipe = model_recipe(cfg, "crammed") | dict(budget={"unit": "steps", "value": 1000}, micro_batch_sequences=MICRO,
+                                                 batch_sequences=4 * MICRO, lr=3e-3, batch_ramp_fraction=0.0,
+                                                 warmup_fraction=0.0, precision="bf16")
+    plan = hivemind_transport.SwarmPlan(arch=arch, vocab_size=VOCAB, recipe=recipe, device="cpu",
+                                        peers_per_stage=PLACEMENT,
                                         peer_speeds=SPEEDS, trainers=TRAINERS, rebalance_period_s=period_s,
                                         retry=RetryPolicy(forward_timeout_s=5.0, give_up_after_s=30.0),
                                         startup_timeout_s=120.0, decentralised=True)

@@ -93,7 +93,7 @@ def parse_setup(text: str) -> tuple[float, float]:
 
 def make_plan(args) -> hivemind_transport.SwarmPlan:
     return hivemind_transport.SwarmPlan(
-        arch=toy_arch(args.hidden, max(2, args.stages), SEQ), vocab_size=VOCAB,
+        arch=toy_arch(args.hidden, max(2, args.stages), SEQ), vocab_size=VOCAB, device="cpu",
         recipe=toy_recipe(args.micro, args.batch, {"unit": "steps", "value": 1000}),
         peers_per_stage=[args.peers] * args.stages,
         trainers=args.trainers, compression=args.compression, retry=RetryPolicy(forward_timeout_s=5.0,

@@ -48,6 +48,14 @@ NOT_SWEPT = [name for name, spec in MODELS.items() if spec["pretrain"] and not s
 # Every checkpoint the workflow can build: the study's models plus the ablation runs, each with its full
 # arch and recipe (cramswarm.config.resolve_runs names them: arch-*, sched-*, groups-*).
 RUNS = resolve_runs(config)
+# How the runs execute (pretrain.impl, swarm.impl; cramswarm.impl): the same for every run and handed to the commands
+# as these globals in their shell lines, never as params, so changing one reruns nothing.
+IMPL = config["pretrain"]["impl"]
+PRETRAIN_IMPL = json.dumps(IMPL, sort_keys=True)
+SWARM_IMPL = json.dumps(config["swarm"]["impl"], sort_keys=True)
+# The config less its impl sections: what the study computed, as its record holds it (each summary.json holds its
+# run's impl)
+COMPUTED = {**config, **{part: {k: v for k, v in config[part].items() if k != "impl"} for part in ("pretrain", "swarm")}}
 
 # (model, vocab) pairs of the study (`all`): every model at the main vocab size.
 STUDY_RUNS = [(name, MAIN_VOCAB) for name in MODELS]
@@ -146,11 +154,10 @@ def gpus(device):
 
 def pretrain_gpus(wildcards):
     """GPUs per data-parallel process (gpus(); under profiles/slurm its CRAMSWARM_SLURM_GPUS, which the profile
-    passes on as CRAMSWARM_GPUS_PER_PROCESS) x processes (pretrain.devices x pretrain.nodes)."""
-    recipe = RUNS[wildcards.model]["recipe"]
+    passes on as CRAMSWARM_GPUS_PER_PROCESS) x processes (pretrain.impl devices x nodes)."""
     site = os.environ.get("CRAMSWARM_GPUS_PER_PROCESS")
-    per_process = int(site) if site is not None else gpus(recipe["device"])
-    return per_process * recipe["devices"] * recipe["nodes"]
+    per_process = int(site) if site is not None else gpus(IMPL["device"])
+    return per_process * IMPL["devices"] * IMPL["nodes"]
 
 
 def filter_step(wildcards):
@@ -161,7 +168,7 @@ def filter_step(wildcards):
 
 
 # --- SWARM's names that the resources and the claims read too (rules/swarm.smk; its functions: rules/inputs.smk) ---
-# the stage peers of a swarm job (with swarm.placement srun, its SLURM tasks)
+# the stage peers of a swarm job (with swarm.impl.placement srun, its SLURM tasks)
 SWARM_TASKS = config["swarm"]["stages"] * config["swarm"]["peers_per_stage"]
 # named target swarm_study: the paper's experiments in miniature (one CSV each), then their tables and figures
 SWARM_STUDY = f"results/swarm_study/{SOURCE}"

@@ -71,13 +71,13 @@ def lr_from_arg(wildcards):
 
 
 def pretrain_processes_per_node(wildcards):
-    """Data-parallel processes of a pretraining job on each node (pretrain.devices): the rule's threads, one CPU
-    each; profiles/slurm multiplies its GPUs per process by this."""
-    return RUNS[wildcards.model]["recipe"]["devices"]
+    """Data-parallel processes of a pretraining job on each node (pretrain.impl.devices): the rule's threads, one
+    CPU each; profiles/slurm multiplies its GPUs per process by this."""
+    return IMPL["devices"]
 
 
 def pretrain_nodes(wildcards):
-    return RUNS[wildcards.model]["recipe"]["nodes"]
+    return IMPL["nodes"]
 
 
 # --- Stage 4, GLUE fine-tuning (rules/glue.smk) --------------------------------------------------------------------
@@ -100,13 +100,14 @@ def finetune_gpus(wildcards):
 
 
 def swarm_json(wildcards):
-    return json.dumps(config["swarm"], sort_keys=True)
+    """What the swarm computes (swarm less its impl, which reaches the command as SWARM_IMPL)."""
+    return json.dumps({k: v for k, v in config["swarm"].items() if k != "impl"}, sort_keys=True)
 
 
-# swarm.placement srun: one SLURM job of SWARM_TASKS (stages x peers_per_stage) tasks, one CPU per stage peer across
+# swarm.impl.placement srun: one SLURM job of SWARM_TASKS (stages x peers_per_stage) tasks, one CPU per stage peer across
 # nodes; the launcher runs in its batch step and starts every process as its own srun job step (--overlap; `mpi`: it
 # calls srun itself). Threads - srun: one CPU per task; the emulation: one process; hivemind here: its processes.
-SWARM_SRUN = config["swarm"]["placement"] == "srun"
+SWARM_SRUN = config["swarm"]["impl"]["placement"] == "srun"
 SWARM_THREADS = 1 if SWARM_SRUN or config["swarm"]["transport"] == "emulation" else 2
 SWARM_SLURM = {"tasks": SWARM_TASKS, "mpi": "srun"} if SWARM_SRUN else {}
 

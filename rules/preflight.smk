@@ -17,7 +17,7 @@ rule preflight:
     resources:
         mem_mb=preflight_mem_mb,
         runtime=BASE_MINUTES + 60,
-        gpu=gpus(config["pretrain"]["device"]),
+        gpu=gpus(IMPL["device"]),
     params:
         configfiles=" ".join(shlex.quote(path) for path in CONFIG_FILES),  # this run's, in order (claims_manifest.smk)
         out_dir=lambda wildcards, output: os.path.dirname(output.report),

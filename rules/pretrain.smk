@@ -90,7 +90,7 @@ rule pretrain:
         state_dir="results/.state/pretrain/{source}/{model}/v{vocab}",
         lr_from=lr_from_arg,  # the peak LR chosen from the schedule sweep's held-out losses
     shell:
-        "python -m cramswarm pretrain --recipe {params.recipe:q} --arch {params.arch:q} "
+        "python -m cramswarm pretrain --recipe {params.recipe:q} --impl {PRETRAIN_IMPL:q} --arch {params.arch:q} "
         "--blocks {input.blocks} --tokenizer {input.tokenizer} --vocab-size {wildcards.vocab} "
         "--out-dir {params.out_dir} --state-dir {params.state_dir} --run {wildcards.model} {params.lr_from} "
         "--threads 1 > {log} 2>&1"

@@ -112,7 +112,7 @@ rule study_record:
     resources:
         **REPORT_RESOURCES,
     params:
-        config=json.dumps(config),
+        config=json.dumps(COMPUTED),  # less the impl sections: how the runs executed reruns nothing
         benchmarks=BENCHMARKS,
         out_dir=subpath(output.config, parent=True),
     shell:

@@ -70,9 +70,8 @@ GPU_PEAK_TFLOPS = est.card_peak(os.environ.get("CRAMSWARM_GPU_MODEL"))
 
 
 def pretrain_seconds(run, vocab):
-    recipe = RUNS[run]["recipe"]
-    device = device_of(recipe["device"])
-    return est.pretrain_seconds(recipe, RUNS[run]["arch"], vocab, BLOCK_TOKENS, device, GPU_PEAK_TFLOPS)
+    device = device_of(IMPL["device"])
+    return est.pretrain_seconds(RUNS[run]["recipe"], RUNS[run]["arch"], vocab, BLOCK_TOKENS, device, GPU_PEAK_TFLOPS)
 
 
 def pretrain_runtime(wildcards):
@@ -80,11 +79,10 @@ def pretrain_runtime(wildcards):
 
 
 def pretrain_mem_mb(wildcards):
-    """Per node (sbatch --mem): one training process per pretrain.devices, each with its slice of a micro-batch."""
-    recipe = RUNS[wildcards.model]["recipe"]
-    share = recipe["micro_batch_sequences"] // (recipe["devices"] * recipe["nodes"])
-    return recipe["devices"] * training_mem_mb(
-        RUNS[wildcards.model]["arch"], int(wildcards.vocab), share, BLOCK_TOKENS, recipe["device"]
+    """Per node (sbatch --mem): one training process per pretrain.impl.devices, each with its micro-batch slice."""
+    share = RUNS[wildcards.model]["recipe"]["micro_batch_sequences"] // (IMPL["devices"] * IMPL["nodes"])
+    return IMPL["devices"] * training_mem_mb(
+        RUNS[wildcards.model]["arch"], int(wildcards.vocab), share, BLOCK_TOKENS, IMPL["device"]
     )
 
 
@@ -92,11 +90,10 @@ def pretrain_gpu_mem_mb(wildcards):
     """GPU memory (MB) one data-parallel process of a pretraining run holds at its share of the micro-batch: the
     `gpu_mem_mb` resource (0 for a CPU run). A cluster maps it to a card (a constraint or gres in a copy of
     profiles/slurm); the estimate is cramswarm.resources.gpu_mem_mb."""
-    recipe = RUNS[wildcards.model]["recipe"]
     if not pretrain_gpus(wildcards):
         return 0
-    share = recipe["micro_batch_sequences"] // (recipe["devices"] * recipe["nodes"])
-    fused = recipe["attention_backend"] != "math"
+    share = RUNS[wildcards.model]["recipe"]["micro_batch_sequences"] // (IMPL["devices"] * IMPL["nodes"])
+    fused = IMPL["attention_backend"] != "math"
     return est.gpu_mem_mb(RUNS[wildcards.model]["arch"], int(wildcards.vocab), share, BLOCK_TOKENS, fused)
 
 
@@ -122,7 +119,7 @@ def swarm_priority(wildcards):
 
 def swarm_runtime(wildcards):
     """SWARM pretraining's runtime: its estimated seconds plus the peers' start-up."""
-    return minutes(swarm_seconds(wildcards) + config["swarm"]["startup_timeout_s"])
+    return minutes(swarm_seconds(wildcards) + config["swarm"]["impl"]["startup_timeout_s"])
 
 
 def swarm_mem_mb(wildcards):
@@ -136,7 +133,7 @@ def swarm_mem_mb(wildcards):
         int(wildcards.vocab),
         recipe["micro_batch_sequences"],
         BLOCK_TOKENS,
-        recipe["device"],
+        IMPL["device"],
         copies=1 + swarm["peers_per_stage"],
     )
     return model + mb((processes - 1) * TORCH_MB * 1e6)

@@ -11,7 +11,7 @@ localrules:
 
 rule swarm_pretrain:
     """SWARM pretraining of one run: a pipeline of stages served by replicas (emulated or over hivemind),
-    to the same budget and data as a single-process run; with swarm.placement srun one multi-task SLURM job.
+    to the same budget and data as a single-process run; with swarm.impl.placement srun one multi-task SLURM job.
     Under the launcher a rerun after this job was killed resumes from the stage shards (docs/swarm.md)."""
     input:
         unpack(run_data),  # the same blocks and tokenizer as a single-process run of the same data recipe
@@ -42,6 +42,7 @@ rule swarm_pretrain:
         rendezvous="results/.state/swarm/{source}/{model}/v{vocab}",
     shell:
         "python -m cramswarm swarm-pretrain --recipe {params.recipe:q} --arch {params.arch:q} --swarm {params.swarm:q} "
+        "--impl {PRETRAIN_IMPL:q} --swarm-impl {SWARM_IMPL:q} "
         "--blocks {input.blocks} --tokenizer {input.tokenizer} --vocab-size {wildcards.vocab} "
         "--out-dir {params.out_dir} --rendezvous {params.rendezvous} --run {wildcards.model} --threads {threads} "
         "> {log} 2>&1"

@@ -12,6 +12,7 @@ import pytest
 
 from cramswarm.config import load_config
 from cramswarm.data import tokenizer as tokenization
+from cramswarm.impl import PRETRAIN_IMPL_KEYS, PretrainImpl
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_HUB = REPO.parent / "shared" / "data" / "hub"
@@ -109,10 +110,18 @@ def tiny_run(tmp_path):
 
 
 def recipe(**kw):
-    """The default config's pretrain section (schema defaults filled in), shrunk to test size."""
+    """What the default config's pretraining computes (its pretrain section less impl, schema defaults filled in),
+    shrunk to test size. How a run executes goes to :func:`impl`."""
+    if moved := sorted(set(kw) & set(PRETRAIN_IMPL_KEYS)):
+        raise TypeError(f"{', '.join(moved)}: how a run executes, pass it to impl()")
     base = dict(budget={"unit": "steps", "value": 30}, micro_batch_sequences=8, batch_sequences=16, lr=3e-3,
-                warmup_fraction=0.0, precision="auto", device="cpu", log_every_steps=5, eval_blocks=16, eval_points=2)
-    return DEFAULT["pretrain"] | base | kw
+                warmup_fraction=0.0, precision="auto", eval_blocks=16, eval_points=2)
+    return {k: v for k, v in DEFAULT["pretrain"].items() if k != "impl"} | base | kw
+
+
+def impl(**kw) -> PretrainImpl:
+    """How the tests' runs execute: the default config's pretrain.impl on the CPU, a log row every 5 steps."""
+    return PretrainImpl.parse(DEFAULT["pretrain"]["impl"] | dict(device="cpu", log_every_steps=5) | kw)
 
 
 # The default config's arch section (schema defaults filled in), shrunk to test size.

@@ -42,7 +42,7 @@ def source(seed: int = 0) -> CountingSource:
 
 
 def plan(**kw) -> ht.SwarmPlan:
-    base = dict(arch=TINY, vocab_size=VOCAB, peers_per_stage=[2, 2], trainers=2, compression="blockwise8",
+    base = dict(arch=TINY, vocab_size=VOCAB, device="cpu", peers_per_stage=[2, 2], trainers=2, compression="blockwise8",
                 recipe=recipe(micro_batch_sequences=MICRO, batch_sequences=4 * MICRO, lr=3e-3, batch_ramp_fraction=0.0,
                               budget={"unit": "steps", "value": 1000}),
                 retry=RetryPolicy(forward_timeout_s=5.0, give_up_after_s=30.0), startup_timeout_s=120.0)
@@ -148,6 +148,18 @@ def launch(total: int, **kw):
 # the swarm-trained model's tests (test_swarm_train.py, the launcher's parity run): the single-process parity bound
 PARITY_NATS = 0.1
 TRAIN_TINY = ARCH | dict(layers=2, hidden_size=64, heads=2, intermediate_size=128)
+def schema_swarm(**kw) -> dict:
+    """The settings the transports read (cramswarm.swarm.train.runtime_settings) at config/schema.yaml's defaults:
+    the swarm section and its impl in one dict, then ``kw``."""
+    import yaml
+
+    from cramswarm.config import DEFAULT_SCHEMA
+
+    keys = yaml.safe_load(Path(DEFAULT_SCHEMA).read_text())["properties"]["swarm"]["properties"]
+    computes = {key: spec["default"] for key, spec in keys.items() if key != "impl"}
+    return computes | {key: spec["default"] for key, spec in keys["impl"]["properties"].items()} | kw
+
+
 SWARM = dict(transport="emulation", stages=2, peers_per_stage=2, peer_speeds=[1.0], trainers=2,
              compression="blockwise8", averaging_compression="fp16", link_mbit_s=100.0, forward_timeout_s=30.0,
              kill_every_s=None, rejoin_after_s=5.0, rebalance_period_s=None, seed=0, placement="local",

@@ -43,6 +43,22 @@ def test_defaults_are_filled(repo, default):
     assert cfg["packing"]["block_tokens"] == 128
 
 
+def test_impl_defaults_are_the_schemas_and_the_impl_keys_are_the_sections(repo):
+    """cramswarm.impl's dataclass and key lists cannot drift from config/schema.yaml."""
+    import dataclasses
+
+    from cramswarm.impl import PRETRAIN_IMPL_KEYS, SWARM_IMPL_KEYS, PretrainImpl
+
+    schema = load_yaml(repo / "config" / "schema.yaml")["properties"]
+    pretrain = schema["pretrain"]["properties"]["impl"]["properties"]
+    defaults = {f.name: f.default for f in dataclasses.fields(PretrainImpl)}
+    assert defaults == {k: v["default"] for k, v in pretrain.items()}
+    assert set(PRETRAIN_IMPL_KEYS) == set(pretrain)
+    assert set(SWARM_IMPL_KEYS) == set(schema["swarm"]["properties"]["impl"]["properties"])
+    assert not set(PRETRAIN_IMPL_KEYS) & set(schema["pretrain"]["properties"])  # a key lives in one place only
+    assert not set(SWARM_IMPL_KEYS) & set(schema["swarm"]["properties"])
+
+
 def mutate(cfg, path, value):
     node = cfg
     *parents, last = path
@@ -73,11 +89,19 @@ def mutate(cfg, path, value):
         (("pretrain", "budget"), {"unit": "tokens", "value": 0}, ["pretrain.budget.value"]),
         (("tokenizer", "main_vocab_size"), 4096, ["tokenizer.main_vocab_size", "not one of"]),
         (("pretrain", "batch_sequences"), 48, ["pretrain.batch_sequences", "multiple"]),
-        (("pretrain", "compile_mode"), "fast", ["pretrain.compile_mode", "max-autotune, reduce-overhead"]),
-        (("pretrain", "devices"), 0, ["pretrain.devices"]),
-        (("pretrain", "attention_backend"), "cudnn", ["pretrain.attention_backend", "math, flash, efficient"]),
-        (("pretrain", "devices"), 3, ["pretrain.micro_batch_sequences", "devices x nodes = 3"]),
-        (("pretrain", "nodes"), 3, ["pretrain.micro_batch_sequences", "devices x nodes = 3"]),
+        (("pretrain", "impl", "compile_mode"), "fast", ["pretrain.impl.compile_mode", "max-autotune"]),
+        (("pretrain", "impl", "devices"), 0, ["pretrain.impl.devices"]),
+        (("pretrain", "impl", "attention_backend"), "cudnn", ["pretrain.impl.attention_backend", "math, flash"]),
+        (("pretrain", "impl", "devices"), 3, ["pretrain.micro_batch_sequences", "devices x nodes = 3"]),
+        (("pretrain", "impl", "nodes"), 3, ["pretrain.micro_batch_sequences", "devices x nodes = 3"]),
+        (("pretrain", "impl", "bogus"), 1, ["unknown config key 'pretrain.impl.bogus'"]),
+        (("swarm", "impl", "placement"), "mpirun", ["swarm.impl.placement", "local, attach, srun"]),
+        # keys of an older config name their new place
+        (("pretrain", "prefetch"), False, ["'pretrain.prefetch' has moved to 'pretrain.impl.prefetch'"]),
+        (("pretrain", "log_every_steps"), 5, ["'pretrain.log_every_steps' has moved to 'pretrain.impl.log_every"]),
+        (("swarm", "checkpoint_every_s"), 5.0, ["'swarm.checkpoint_every_s' has moved to 'swarm.impl.checkpoint"]),
+        (("models", "izsak", "recipe", "devices"), 2, ["'models.izsak.recipe.devices' has moved to 'pretrain.impl"]),
+        (("models", "izsak", "recipe", "impl"), {"devices": 2}, ["'models.izsak.recipe.impl'", "set once"]),
         (("models", "crammed", "arch", "heads"), 3, ["models.crammed.arch.heads", "divide"]),
         (("models", "crammed", "arch", "ffn"), "swiglu", ["models.crammed.arch.ffn", "glu, gelu"]),
         (("models", "crammed", "arch", "sparse_prediction"), "dense", ["models.crammed.arch.sparse_prediction"]),
@@ -126,10 +150,9 @@ def mutate(cfg, path, value):
         (("swarm", "link_mbit_s"), 0, ["swarm.link_mbit_s"]),
         (("swarm", "peers_per_stage"), 0, ["swarm.peers_per_stage", "minimum"]),
         (("swarm", "transport"), "grpc", ["swarm.transport", "emulation, hivemind"]),
-        (("swarm", "placement"), "srun", ["config key 'swarm.placement'", "needs swarm.transport: hivemind"]),
-        (("swarm", "placement"), "mpirun", ["swarm.placement", "local, attach, srun"]),
-        (("swarm", "host"), "node01", ["swarm.host", "does not match"]),
-        (("swarm", "interface"), "", ["swarm.interface"]),
+        (("swarm", "impl", "placement"), "srun", ["config key 'swarm.impl.placement'", "needs swarm.transport"]),
+        (("swarm", "impl", "host"), "node01", ["swarm.impl.host", "does not match"]),
+        (("swarm", "impl", "interface"), "", ["swarm.impl.interface"]),
         (("models", "no_pretrain", "trainer"), "swarm", ["models.no_pretrain.trainer", "needs pretrain: true"]),
         (("swarm_study", "compression", "stages"), 4, ["swarm_study.compression.stages", "do not divide"]),
         (("swarm_study", "wiring", "speeds"), [1.5], ["swarm_study.wiring.speeds[0]", "maximum"]),

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import ARCH, DEFAULT, killed_at_save, recipe
+from conftest import ARCH, DEFAULT, impl, killed_at_save, recipe
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -104,8 +104,8 @@ def test_pretrain_on_cuda_learns_and_saves_a_cpu_checkpoint(tiny_run, precision)
 
     folder, tok_path = tiny_run
     out = folder / f"ckpt-{precision}"
-    summary = pretrain(recipe(device="cuda", precision=precision), ARCH, folder / "blocks.npy", tok_path, out,
-                       progress=False)
+    summary = pretrain(recipe(precision=precision), ARCH, folder / "blocks.npy", tok_path, out,
+                       progress=False, impl=impl(device="cuda"))
     assert summary["device"] == "cuda" and summary["precision"] == precision
     assert summary["provenance"]["hardware"]["gpu"] == torch.cuda.get_device_name(CUDA)
     rows = _rows(out / "train_log.csv")
@@ -119,16 +119,17 @@ def test_compiled_pretraining_on_cuda_matches_eager(tiny_run):
     from safetensors.torch import load_file
 
     folder, tok_path = tiny_run
-    r = recipe(device="cuda", precision="fp32", budget={"unit": "steps", "value": 6})
-    eager = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "eager", progress=False)
-    compiled = pretrain(r | {"compile": True}, ARCH, folder / "blocks.npy", tok_path, folder / "compiled",
-                        progress=False)
+    r, gpu = recipe(precision="fp32", budget={"unit": "steps", "value": 6}), impl(device="cuda")
+    eager = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "eager", progress=False, impl=gpu)
+    compiled = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "compiled",
+                        progress=False, impl=impl(device="cuda", compile=True))
     assert compiled["final_loss"] == pytest.approx(eager["final_loss"], abs=1e-3)
     assert compiled["eval_loss"] == pytest.approx(eager["eval_loss"], abs=1e-3)
     assert not [k for k in load_file(folder / "compiled" / "model.safetensors") if k.startswith("_orig_mod")]
     # bf16 + compile, the GPU recipe's setting, also trains
-    bf16 = pretrain(r | {"compile": True, "precision": "bf16", "budget": {"unit": "steps", "value": 30}}, ARCH,
-                    folder / "blocks.npy", tok_path, folder / "compiled-bf16", progress=False)
+    bf16 = pretrain(r | {"precision": "bf16", "budget": {"unit": "steps", "value": 30}}, ARCH,
+                    folder / "blocks.npy", tok_path, folder / "compiled-bf16", progress=False,
+                    impl=impl(device="cuda", compile=True))
     rows = _rows(folder / "compiled-bf16" / "train_log.csv")
     assert bf16["precision"] == "bf16" and float(rows[-1]["loss"]) < float(rows[0]["loss"]) - 0.3
 
@@ -136,13 +137,15 @@ def test_compiled_pretraining_on_cuda_matches_eager(tiny_run):
 def test_pretrain_resumes_on_cuda(tiny_run):
     """A state saved from a CUDA run (CUDA tensors, optimizer state, fp16 scaler) resumes on CUDA."""
     folder, tok_path = tiny_run
-    r = recipe(device="cuda", precision="fp16", budget={"unit": "steps", "value": 12}, resume_every_steps=4)
-    full = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "full", progress=False)
+    r, gpu = recipe(precision="fp16", budget={"unit": "steps", "value": 12}), impl(device="cuda", resume_every_steps=4)
+    full = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "full", progress=False, impl=gpu)
 
     state = folder / "state"
     with killed_at_save(2) as saves:  # during the second write (step 8), before its rename: the file keeps step 4
-        pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "resumed", progress=False, state_dir=state)
-    resumed = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "resumed", progress=False, state_dir=state)
+        pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "resumed", progress=False, state_dir=state,
+                 impl=gpu)
+    resumed = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "resumed", progress=False, state_dir=state,
+                       impl=gpu)
     assert saves == [4, 8] and resumed["resumed_from_step"] == 4 and resumed["steps"] == full["steps"] == 12
     assert resumed["final_loss"] == pytest.approx(full["final_loss"], abs=2e-2)
 
@@ -190,8 +193,7 @@ def test_hivemind_swarm_peers_train_on_the_gpu():
     pytest.importorskip("hivemind", reason="hivemind is not installed")
     import swarm_helpers as swarm
 
-    on_gpu = swarm.plan().recipe | {"device": "auto"}
-    result = swarm.ht.run_swarm(swarm.plan(peers_per_stage=[2, 1], recipe=on_gpu), swarm.source(), 160,
+    result = swarm.ht.run_swarm(swarm.plan(peers_per_stage=[2, 1], device="auto"), swarm.source(), 160,
                                 progress=False)
     stats = result.stats
     assert set(stats["peer_devices"].values()) == {"cuda"}, stats["peer_devices"]

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from conftest import ARCH, REPO, recipe
 
 from cramswarm.distributed import launch_command
+from cramswarm.impl import PretrainImpl
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is unavailable"
@@ -28,8 +29,11 @@ pytestmark = pytest.mark.skipif(
 LOSS_ATOL = 2e-4
 
 
-def command(folder, tok_path, out, r, state=None):
-    argv = [sys.executable, "-m", "cramswarm", "pretrain", "--recipe", json.dumps(r), "--arch", json.dumps(ARCH),
+def command(folder, tok_path, out, r, state=None, **how):
+    """The pretrain command line; ``how``: pretrain.impl keys (on the CPU, a log row per step by default)."""
+    run_impl = {"device": "cpu", "log_every_steps": 1} | how
+    argv = [sys.executable, "-m", "cramswarm", "pretrain", "--recipe", json.dumps(r), "--impl", json.dumps(run_impl),
+            "--arch", json.dumps(ARCH),
             "--blocks", str(folder / "blocks.npy"), "--tokenizer", str(tok_path), "--out-dir", str(out),
             "--run", "ddp-test", "--quiet"]  # fmt: skip
     return argv + (["--state-dir", str(state)] if state else [])
@@ -43,9 +47,10 @@ def env():
     }
 
 
-def run(folder, tok_path, out, r, state=None):
+def run(folder, tok_path, out, r, state=None, **how):
     proc = subprocess.run(
-        command(folder, tok_path, out, r, state), env=env(), cwd=folder, capture_output=True, text=True, timeout=560
+        command(folder, tok_path, out, r, state, **how), env=env(), cwd=folder, capture_output=True, text=True,
+        timeout=560,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -59,13 +64,13 @@ def tiny_recipe(**kw):
     # bernoulli masking: the two halves of a micro-batch predict different numbers of tokens, so the loss weighting
     # by predicted tokens is what makes the curves agree
     base = dict(budget={"unit": "steps", "value": 12}, precision="fp32", mask_mode="bernoulli", mask_rate=0.2,
-                log_every_steps=1, eval_blocks=16, eval_points=2)  # fmt: skip
+                eval_blocks=16, eval_points=2)  # fmt: skip
     return recipe(**(base | kw))
 
 
 def test_launch_command_only_for_several_processes():
-    assert launch_command({"devices": 1, "nodes": 1}, ["pretrain"]) is None
-    cmd = launch_command({"devices": 2, "nodes": 1}, ["pretrain", "--quiet"])
+    assert launch_command(PretrainImpl(devices=1, nodes=1), ["pretrain"]) is None
+    cmd = launch_command(PretrainImpl(devices=2, nodes=1), ["pretrain", "--quiet"])
     assert cmd[1:3] == ["-m", "torch.distributed.run"] and "--nproc-per-node=2" in cmd and "--standalone" in cmd
     assert cmd[-5:] == ["-m", "--", "cramswarm", "pretrain", "--quiet"]
 
@@ -73,15 +78,15 @@ def test_launch_command_only_for_several_processes():
 def test_several_nodes_need_a_slurm_allocation(monkeypatch):
     for name in ("SLURM_JOB_ID", "SLURM_JOB_NODELIST", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
-    with pytest.raises(ValueError, match="pretrain.nodes"):
-        launch_command({"devices": 1, "nodes": 2}, ["pretrain"])
+    with pytest.raises(ValueError, match="pretrain.impl.nodes"):
+        launch_command(PretrainImpl(devices=1, nodes=2), ["pretrain"])
 
 
 def test_two_processes_match_one_and_only_rank_0_writes(tiny_run):
     folder, tok_path = tiny_run
     before = {p.relative_to(folder) for p in folder.rglob("*")}
     run(folder, tok_path, folder / "one", tiny_recipe())
-    two = run(folder, tok_path, folder / "two", tiny_recipe(devices=2))
+    two = run(folder, tok_path, folder / "two", tiny_recipe(), devices=2)
     a, b = losses(folder / "one" / "train_log.csv"), losses(folder / "two" / "train_log.csv")
     assert [s for s, _ in a] == [s for s, _ in b] == list(range(1, 13))
     np.testing.assert_allclose([v for _, v in b], [v for _, v in a], rtol=0, atol=LOSS_ATOL)
@@ -99,13 +104,14 @@ def test_two_processes_match_one_and_only_rank_0_writes(tiny_run):
 
 def test_killed_two_process_run_resumes_as_one_process_to_the_same_end(tiny_run):
     folder, tok_path = tiny_run
-    r = tiny_recipe(budget={"unit": "tokens", "value": 60 * 16 * 32}, resume_every_steps=5, log_every_steps=5)
-    run(folder, tok_path, folder / "full", r)
+    r = tiny_recipe(budget={"unit": "tokens", "value": 60 * 16 * 32})
+    how = dict(resume_every_steps=5, log_every_steps=5)
+    run(folder, tok_path, folder / "full", r, **how)
 
     out, state = folder / "killed", folder / "state"
     killed_log = folder / "killed.log"  # what the killed run printed, for the messages below
     with open(killed_log, "w") as log:
-        proc = subprocess.Popen(command(folder, tok_path, out, r | {"devices": 2}, state), env=env(), cwd=folder,
+        proc = subprocess.Popen(command(folder, tok_path, out, r, state, devices=2, **how), env=env(), cwd=folder,
                                 start_new_session=True, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
     deadline = time.monotonic() + 300
     while not (state / "state.pt").exists():  # the first saved state, then kill torchrun and its processes
@@ -117,7 +123,7 @@ def test_killed_two_process_run_resumes_as_one_process_to_the_same_end(tiny_run)
     proc.wait()
     assert not (out / "summary.json").exists(), "the run finished before it was killed; raise the budget"
 
-    resumed_run = run(folder, tok_path, out, r | {"devices": 1}, state)
+    resumed_run = run(folder, tok_path, out, r, state, devices=1, **how)
     assert "resuming from" in resumed_run.stdout, resumed_run.stdout[-3000:] + killed_log.read_text()[-3000:]
     resumed = json.loads((out / "summary.json").read_text())
     full = json.loads((folder / "full" / "summary.json").read_text())
@@ -133,8 +139,8 @@ def test_two_processes_stop_together_on_a_seconds_budget(tiny_run):
     """Under a wall-clock budget the processes follow rank 0's clock, so they stop after the same step (a process
     stopping alone would leave the other waiting in its all-reduce until the test's timeout)."""
     folder, tok_path = tiny_run
-    r = tiny_recipe(budget={"unit": "seconds", "value": 4}, log_every_steps=5)
-    run(folder, tok_path, folder / "timed", r | {"devices": 2})
+    r = tiny_recipe(budget={"unit": "seconds", "value": 4})
+    run(folder, tok_path, folder / "timed", r, devices=2, log_every_steps=5)
     summary = json.loads((folder / "timed" / "summary.json").read_text())
     assert summary["processes"] == 2 and summary["steps"] > 0
     assert summary["tokens"] == summary["steps"] * 16 * 32  # whole global batches of 16 sequences x 32 tokens

@@ -8,7 +8,7 @@ import functools
 import numpy as np
 import pytest
 import torch
-from conftest import ARCH, killed_at_save, recipe
+from conftest import ARCH, impl, killed_at_save, recipe
 
 from cramswarm import pretrain as stage_module
 from cramswarm.data import tokenizer as tokenization
@@ -80,8 +80,9 @@ def test_pretraining_with_and_without_prefetch_is_identical(tiny_run):
     folder, tok_path = tiny_run
     runs = {}
     for prefetch in (False, True):
-        r = recipe(budget={"unit": "steps", "value": 12}, precision="fp32", prefetch=prefetch, eval_points=1)
-        summary = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / f"p{prefetch}", progress=False)
+        r = recipe(budget={"unit": "steps", "value": 12}, precision="fp32", eval_points=1)
+        summary = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / f"p{prefetch}", progress=False,
+                           impl=impl(prefetch=prefetch))
         log = [{k: v for k, v in row.items() if k != "elapsed_s"}
                for row in csv.DictReader(open(folder / f"p{prefetch}" / "train_log.csv"))]
         runs[prefetch] = (summary["final_loss"], summary["eval_loss"], log)
@@ -157,13 +158,13 @@ def test_sparse_prediction_rejects_other_values():
 @pytest.mark.parametrize("backend", ["auto", "math", "flash", "efficient"])
 def test_each_attention_backend_runs_on_cpu_or_is_refused_naming_the_key(tiny_run, backend):
     folder, tok_path = tiny_run
-    r = recipe(budget={"unit": "steps", "value": 2}, attention_backend=backend, eval_points=1)
+    r, how = recipe(budget={"unit": "steps", "value": 2}, eval_points=1), impl(attention_backend=backend)
     runs_here = backend != "efficient"  # torch has no memory-efficient attention kernel for CPUs
     if not runs_here:
-        with pytest.raises(ValueError, match="pretrain.attention_backend: efficient"):
-            pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / backend, progress=False)
+        with pytest.raises(ValueError, match="pretrain.impl.attention_backend: efficient"):
+            pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / backend, progress=False, impl=how)
         return
-    summary = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / backend, progress=False)
+    summary = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / backend, progress=False, impl=how)
     assert summary["steps"] == 2 and np.isfinite(summary["final_loss"])
 
 
@@ -179,8 +180,9 @@ def test_attention_backend_math_is_the_kernel_the_loop_runs(tiny_run, monkeypatc
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     folder, tok_path = tiny_run
-    r = recipe(budget={"unit": "steps", "value": 1}, attention_backend="math", eval_blocks=0)
-    pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "math", progress=False)
+    r = recipe(budget={"unit": "steps", "value": 1}, eval_blocks=0)
+    pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "math", progress=False,
+             impl=impl(attention_backend="math"))
     assert seen and not any(seen)
     assert torch.backends.cuda.flash_sdp_enabled()
 
@@ -260,7 +262,7 @@ def test_no_host_read_inside_the_micro_step_loop(tiny_run, monkeypatch, hot_loop
     r = recipe(budget={"unit": "steps", "value": 3}, batch_ramp_fraction=0.0, eval_points=1)
     with micro_step_marks(monkeypatch) as events:
         counting_host_reads(monkeypatch, events)
-        summary = pretrain(r, arch, folder / "blocks.npy", tok_path, folder / "out", progress=False)
+        summary = pretrain(r, arch, folder / "blocks.npy", tok_path, folder / "out", progress=False, impl=impl())
     assert summary["steps"] == 3 and events.count("micro") == 3 * 2 and events.count("read") == 3
     found = reads_inside_micro_steps(events)
     assert events.count("item") >= 3  # the reads are counted: every step's loss is read once, after its micro-steps
@@ -275,11 +277,12 @@ def test_no_device_sync_inside_the_micro_step_loop_on_cuda(tiny_run, monkeypatch
     """torch raises on any synchronising CUDA call while the micro-steps run (sync debug mode ``error``)."""
     folder, tok_path = tiny_run
     arch = ARCH | {"sparse_prediction": "static"}
-    r = recipe(budget={"unit": "steps", "value": 3}, batch_ramp_fraction=0.0, eval_points=1, device="cuda")
+    r = recipe(budget={"unit": "steps", "value": 3}, batch_ramp_fraction=0.0, eval_points=1)
     with micro_step_marks(monkeypatch, on_micro=lambda: torch.cuda.set_sync_debug_mode("error"),
                           on_read=lambda: torch.cuda.set_sync_debug_mode("default")) as events:
         try:
-            summary = pretrain(r, arch, folder / "blocks.npy", tok_path, folder / "out", progress=False)
+            summary = pretrain(r, arch, folder / "blocks.npy", tok_path, folder / "out", progress=False,
+                               impl=impl(device="cuda"))
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert summary["steps"] == 3 and events.count("micro") == 6
@@ -306,16 +309,17 @@ def test_a_state_saved_with_another_devices_generator_resumes_with_fresh_masks(t
     """A masking generator's state only fits a generator on the same kind of device: a state from a GPU (or from
     a version that saved no device) resumes on this device with the generator reseeded, and the run says so."""
     folder, tok_path = tiny_run
-    r = recipe(budget={"unit": "steps", "value": 12}, resume_every_steps=4, eval_points=1)
+    r, how = recipe(budget={"unit": "steps", "value": 12}, eval_points=1), impl(resume_every_steps=4)
     state = folder / "state"
     with killed_at_save(2) as saves:  # the step-8 write fails: the file keeps step 4
-        pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "out", progress=False, state_dir=state)
+        pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "out", progress=False, state_dir=state, impl=how)
     assert saves == [4, 8]
     payload = torch.load(state / "state.pt", weights_only=False)
     assert payload["generator_device"] == "cpu"
     payload["generator_device"] = "cuda"
     torch.save(payload, state / "state.pt")
     capsys.readouterr()
-    resumed = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "out", progress=False, state_dir=state)
+    resumed = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "out", progress=False, state_dir=state,
+                       impl=how)
     assert resumed["resumed_from_step"] == 4 and resumed["steps"] == 12
     assert "drawn afresh (seed + step): the state was saved on cuda" in capsys.readouterr().out

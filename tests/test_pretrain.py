@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import ARCH, killed_at_save, recipe
+from conftest import ARCH, impl, killed_at_save, recipe
 
 from cramswarm import pretrain as stage_module
 from cramswarm.data import tokenizer as tokenization
@@ -93,7 +93,7 @@ def test_weight_decay_groups_exempt_biases_and_norms():
 
 def test_pretrain_reduces_loss_and_writes_checkpoint(tiny_run):
     folder, tok_path = tiny_run
-    summary = pretrain(recipe(), ARCH, folder / "blocks.npy", tok_path, folder / "ckpt", progress=False)
+    summary = pretrain(recipe(), ARCH, folder / "blocks.npy", tok_path, folder / "ckpt", progress=False, impl=impl())
     assert summary["steps"] == 30 and summary["tokens"] == 30 * 16 * 32
     rows = list(csv.DictReader(open(folder / "ckpt" / "train_log.csv")))
     assert [int(r["step"]) for r in rows] == [5, 10, 15, 20, 25, 30]
@@ -114,8 +114,8 @@ def test_pretrain_reduces_loss_and_writes_checkpoint(tiny_run):
 def test_pretrain_is_deterministic_with_a_token_budget(tiny_run):
     folder, tok_path = tiny_run
     r = recipe(budget={"unit": "tokens", "value": 5000}, precision="fp32")
-    a = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "a", progress=False)
-    b = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "b", progress=False)
+    a = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "a", progress=False, impl=impl())
+    b = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "b", progress=False, impl=impl())
     assert a["steps"] == b["steps"] == 10  # ceil(5000 / (16 * 32))
     assert (folder / "a" / "train_log.csv").read_text().splitlines()[-1].split(",")[:3] == (
         folder / "b" / "train_log.csv"
@@ -126,7 +126,7 @@ def test_pretrain_rejects_token_ids_outside_the_vocab(tiny_run):
     folder, tok_path = tiny_run
     np.save(folder / "bad.npy", np.full((4, 32), 500, dtype=np.uint16))
     with pytest.raises(ValueError, match="vocab size"):
-        pretrain(recipe(), ARCH, folder / "bad.npy", tok_path, folder / "x", progress=False)
+        pretrain(recipe(), ARCH, folder / "bad.npy", tok_path, folder / "x", progress=False, impl=impl())
 
 
 @pytest.mark.parametrize(
@@ -147,10 +147,10 @@ def test_pretrain_logs_the_ramp_the_schedule_and_held_out_losses(tiny_run):
         budget={"unit": "tokens", "value": 40 * 8 * 32},
         batch_sequences=32,
         batch_ramp_fraction=0.5,
-        log_every_steps=1,
         eval_points=4,
     )
-    summary = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "ramp", progress=False)
+    summary = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "ramp", progress=False,
+                       impl=impl(log_every_steps=1))
     rows = list(csv.DictReader(open(folder / "ramp" / "train_log.csv")))
     batches = [int(row["batch_sequences"]) for row in rows]
     assert batches[0] == 8 and batches[-1] == 32 and batches == sorted(batches)  # one micro-batch -> the final batch
@@ -182,27 +182,31 @@ def test_held_out_loss_is_the_same_measurement_for_every_recipe(tiny_run):
 def test_pretrain_rejects_a_tokenizer_of_the_wrong_size(tiny_run):
     folder, tok_path = tiny_run
     with pytest.raises(ValueError, match=r"expects vocab size 128 \(tokenizer.vocab_sizes\)"):
-        pretrain(recipe(), ARCH, folder / "blocks.npy", tok_path, folder / "x", progress=False, expected_vocab=128)
+        pretrain(recipe(), ARCH, folder / "blocks.npy", tok_path, folder / "x", progress=False, expected_vocab=128,
+                 impl=impl())
 
 
 def test_pretrain_rejects_holding_out_every_block(tiny_run):
     folder, tok_path = tiny_run
     n = len(np.load(folder / "blocks.npy"))
     with pytest.raises(ValueError, match="pretrain.eval_blocks"):
-        pretrain(recipe(eval_blocks=n - 4), ARCH, folder / "blocks.npy", tok_path, folder / "x", progress=False)
+        pretrain(recipe(eval_blocks=n - 4), ARCH, folder / "blocks.npy", tok_path, folder / "x", progress=False,
+                 impl=impl())
 
 
 def test_pretrain_resumes_from_saved_state_in_process(tiny_run):
     """A state saved mid-run and resumed gives the uninterrupted run's log, step for step."""
     folder, tok_path = tiny_run
-    r = recipe(budget={"unit": "tokens", "value": 20 * 16 * 32}, resume_every_steps=4, log_every_steps=2)
-    full = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "full", progress=False)
+    r, how = recipe(budget={"unit": "tokens", "value": 20 * 16 * 32}), impl(resume_every_steps=4, log_every_steps=2)
+    full = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "full", progress=False, impl=how)
 
     state = folder / "state"
     with killed_at_save(3) as saves:  # during the third write (step 12), before its rename: the file keeps step 8
-        pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "resumed", progress=False, state_dir=state)
+        pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "resumed", progress=False, state_dir=state,
+                 impl=how)
     assert saves == [4, 8, 12] and (state / "state.pt").is_file()
-    resumed = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "resumed", progress=False, state_dir=state)
+    resumed = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "resumed", progress=False, state_dir=state,
+                       impl=how)
     assert resumed["resumed_from_step"] == 8 and resumed["steps"] == full["steps"] == 20
     strip = lambda path: [line.rsplit(",", 2)[0] for line in path.read_text().splitlines()]  # noqa: E731 (drop time)
     log_a = [row.split(",") for row in strip(folder / "full" / "train_log.csv")]
@@ -217,11 +221,11 @@ def test_pretrain_resumes_from_saved_state_in_process(tiny_run):
 def test_state_of_another_recipe_is_not_resumed(tiny_run):
     folder, tok_path = tiny_run
     state = folder / "state"
-    r = recipe(budget={"unit": "steps", "value": 6}, resume_every_steps=2)
+    r, how = recipe(budget={"unit": "steps", "value": 6}), impl(resume_every_steps=2)
     with killed_at_save(1):
-        pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "a", progress=False, state_dir=state)
+        pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "a", progress=False, state_dir=state, impl=how)
     other = pretrain(
-        r | {"lr": 1e-3}, ARCH, folder / "blocks.npy", tok_path, folder / "a", progress=False, state_dir=state
+        r | {"lr": 1e-3}, ARCH, folder / "blocks.npy", tok_path, folder / "a", progress=False, state_dir=state, impl=how
     )
     assert other["resumed_from_step"] is None and other["steps"] == 6
 
@@ -236,9 +240,9 @@ def test_compiled_pretraining_matches_eager_and_saves_clean_keys(tiny_run):
         pytest.skip("torch.compile on CPU needs a C compiler (cc/gcc), none on PATH")
     folder, tok_path = tiny_run
     r = recipe(budget={"unit": "steps", "value": 6}, precision="fp32")
-    eager = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "eager", progress=False)
+    eager = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "eager", progress=False, impl=impl())
     compiled = pretrain(
-        r | {"compile": True}, ARCH, folder / "blocks.npy", tok_path, folder / "compiled", progress=False
+        r, ARCH, folder / "blocks.npy", tok_path, folder / "compiled", progress=False, impl=impl(compile=True)
     )
     assert compiled["final_loss"] == pytest.approx(eager["final_loss"], abs=1e-3)
     assert not [k for k in load_file(folder / "compiled" / "model.safetensors") if k.startswith("_orig_mod")]
@@ -268,7 +272,7 @@ def test_hot_loop_reads_the_loss_once_per_optimizer_step(tiny_run, monkeypatch):
         monkeypatch.setattr(torch.Tensor, name, counted)
     # 4 micro-batches per optimizer step, 6 steps, no held-out evaluation
     r = recipe(budget={"unit": "steps", "value": 6}, micro_batch_sequences=4, batch_sequences=16, eval_blocks=0)
-    summary = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "ckpt", progress=False)
+    summary = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "ckpt", progress=False, impl=impl())
     assert summary["steps"] == 6
     assert 0 < len(reads) <= 6, reads
 
@@ -298,6 +302,6 @@ def test_nonfinite_guard_sees_one_bad_micro_batch_in_the_accumulated_loss(tiny_r
 
     monkeypatch.setattr(stage, "build_model", poisoned_build)
     r = recipe(budget={"unit": "steps", "value": 4}, eval_blocks=0)
-    summary = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "ckpt", progress=False)
+    summary = pretrain(r, ARCH, folder / "blocks.npy", tok_path, folder / "ckpt", progress=False, impl=impl())
     assert summary["skipped_nonfinite"] == 1 and summary["steps"] == 4
     assert math.isfinite(summary["final_loss"])

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import ARCH, recipe
+from conftest import ARCH, impl, recipe
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
@@ -76,7 +76,7 @@ def test_a_model_tflop_budget_gives_each_model_its_counted_tokens(tiny_run, caps
     runs = {}
     for name, arch in {"shallow": ARCH, "deep": {**ARCH, "layers": 2 * ARCH["layers"]}}.items():
         runs[name] = pretrain(recipe(budget=budget), arch, folder / "blocks.npy", tok_path, folder / name,
-                              progress=False)
+                              progress=False, impl=impl())
         per_token = budgets.training_flops_per_token(arch, vocab, 32, recipe()["mask_rate"])
         resolved = runs[name]["budget_resolved"]
         assert resolved == {"unit": "tokens", "value": round(1e9 / per_token)}
@@ -130,7 +130,7 @@ def test_pretraining_dropout_is_a_recipe_key(tiny_run):
         folder / "blocks.npy",
         tok_path,
         folder / "drop",
-        progress=False,
+        progress=False, impl=impl(),
     )
     config = json.loads((folder / "drop" / "config.json").read_text())
     assert config["hidden_dropout_prob"] == 0.1 and config["attention_probs_dropout_prob"] == 0.1
@@ -157,7 +157,8 @@ def test_a_non_finite_loss_is_survived_skipped_and_counted(tiny_run, monkeypatch
         return model
 
     monkeypatch.setattr(pretraining, "build_model", poisoned_build)
-    summary = pretrain(recipe(eval_blocks=0), ARCH, folder / "blocks.npy", tok_path, folder / "nan", progress=False)
+    summary = pretrain(recipe(eval_blocks=0), ARCH, folder / "blocks.npy", tok_path, folder / "nan", progress=False,
+                       impl=impl())
     assert summary["steps"] == 30  # the budget is still reached
     assert summary["skipped_nonfinite"] == 1 and summary["reloaded_after_nonfinite"] == 1
     rows = list(csv.DictReader(open(folder / "nan" / "train_log.csv")))
@@ -171,7 +172,8 @@ def test_a_reference_card_budget_runs_for_its_equivalent_seconds(tiny_run, capsy
     folder, tok_path = tiny_run
     # 2 seconds of a card with a tenth of this device's declared peak: 0.2 s here
     budget = {"unit": "seconds", "value": 2.0, "reference_card": "a6000", "device_peak_tflops": 1548.0}
-    summary = pretrain(recipe(budget=budget), ARCH, folder / "blocks.npy", tok_path, folder / "card", progress=False)
+    summary = pretrain(recipe(budget=budget), ARCH, folder / "blocks.npy", tok_path, folder / "card", progress=False,
+                       impl=impl())
     assert summary["budget_resolved"]["value"] == pytest.approx(0.2)
     assert summary["budget_resolved"]["device_peak_source"].startswith("declared")
     assert 0.2 <= summary["elapsed_s"] < 2.0
@@ -181,7 +183,8 @@ def test_a_reference_card_budget_runs_for_its_equivalent_seconds(tiny_run, capsy
 def test_plain_budgets_from_the_config_keep_their_keys(tiny_run):
     folder, tok_path = tiny_run
     budget = {"unit": "steps", "value": 2, "reference_card": None, "device_peak_tflops": None}  # as validated
-    summary = pretrain(recipe(budget=budget), ARCH, folder / "blocks.npy", tok_path, folder / "plain", progress=False)
+    summary = pretrain(recipe(budget=budget), ARCH, folder / "blocks.npy", tok_path, folder / "plain", progress=False,
+                       impl=impl())
     assert summary["steps"] == 2 and summary["budget_resolved"] == {"unit": "steps", "value": 2}
 
 
@@ -193,7 +196,7 @@ def test_a_run_that_would_wrap_its_data_says_so(tiny_run, capsys):
         folder / "blocks.npy",
         tok_path,
         folder / "wrap",
-        progress=False,
+        progress=False, impl=impl(),
     )
     assert "times; the data order" in capsys.readouterr().out
     assert summary["data_wrapped"] is True and summary["data_passes"] > 1
@@ -211,7 +214,7 @@ def test_a_seconds_budget_that_would_wrap_its_data_says_so_early(tiny_run, capsy
     monkeypatch.setattr(pretraining.time, "perf_counter", lambda: next(ticks) * 0.01)
     folder, tok_path = tiny_run
     summary = pretrain(recipe(budget={"unit": "seconds", "value": 1.0}), ARCH, folder / "blocks.npy", tok_path,
-                       folder / "wrap-seconds", progress=False)
+                       folder / "wrap-seconds", progress=False, impl=impl())
     out = capsys.readouterr().out
     assert out.count("s budget reads the") == 1 and "the data order restarts at about" in out
     assert summary["data_wrapped"] is True

@@ -25,6 +25,8 @@ def command(folder, tok_path, out, state, r):
         "pretrain",
         "--recipe",
         json.dumps(r),
+        "--impl",
+        json.dumps({"device": "cpu", "resume_every_steps": 10, "log_every_steps": 10}),
         "--arch",
         json.dumps(ARCH),
         "--blocks",
@@ -56,8 +58,6 @@ def test_sigkill_mid_run_then_rerun_resumes_to_the_same_end(tiny_run):
     folder, tok_path = tiny_run
     r = recipe(
         budget={"unit": "tokens", "value": 300 * 16 * 32},
-        resume_every_steps=10,
-        log_every_steps=10,
         eval_points=3,
         precision="fp32",
     )

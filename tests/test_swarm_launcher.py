@@ -22,7 +22,7 @@ import torch
 
 pytest.importorskip("hivemind", reason="hivemind is not installed: transport 1 (real hivemind processes) is untested")
 
-from conftest import ARCH, recipe  # noqa: E402
+from conftest import ARCH, impl, recipe  # noqa: E402
 from swarm_helpers import (
     MICRO,
     TINY,
@@ -208,7 +208,7 @@ def test_swarm_pretrain_under_the_launcher_trains_from_the_blocks_file_to_a_seco
         "transport": "hivemind", "stages": 2, "peers_per_stage": 1, "trainers": 2, "forward_timeout_s": 5.0}
     rec = recipe(budget={"unit": "seconds", "value": 15.0})
     summary = swarm_pretrain(rec, ARCH | {"layers": 2}, swarm, tmp_path / "blocks.npy", tok_path, tmp_path / "out",
-                             progress=False, rendezvous=tmp_path / "rendezvous")
+                             progress=False, rendezvous=tmp_path / "rendezvous", impl=impl())
     stats = summary["swarm_stats"]
     done = stats["microbatches_done"]
     assert stats["roles"] == "launcher" and stats["deadline_s"] == 15.0, brief(stats)
@@ -392,12 +392,14 @@ def test_sigkill_of_the_rules_own_process_leaves_nothing_behind_and_a_rerun_resu
 
     tmp, tok = tiny_run
     keys = yaml.safe_load(Path(DEFAULT_SCHEMA).read_text())["properties"]["swarm"]["properties"]
-    swarm = {key: spec["default"] for key, spec in keys.items()} | dict(
+    swarm = {key: spec["default"] for key, spec in keys.items() if key != "impl"} | dict(
         transport="hivemind", stages=2, peers_per_stage=2, trainers=2, peer_speeds=[1.0], compression="blockwise8",
-        averaging_compression="fp16", checkpoint_every_s=1.0, forward_timeout_s=5.0, startup_timeout_s=120.0)
+        averaging_compression="fp16", forward_timeout_s=5.0)
+    swarm_impl = {key: spec["default"] for key, spec in keys["impl"]["properties"].items()} | dict(
+        checkpoint_every_s=1.0, startup_timeout_s=120.0)
     steps = 40
     rec = recipe(micro_batch_sequences=MICRO, batch_sequences=4 * MICRO, lr=3e-3, batch_ramp_fraction=0.0,
-                 budget={"unit": "steps", "value": steps}, log_every_steps=5, eval_blocks=16)
+                 budget={"unit": "steps", "value": steps}, eval_blocks=16)
     total = 4 * steps
     vocab = tokenization.load(tok).get_vocab_size()
     out, rendezvous = tmp / "results" / "swarm" / "crammed", tmp / "results" / ".state" / "swarm" / "crammed"
@@ -405,6 +407,7 @@ def test_sigkill_of_the_rules_own_process_leaves_nothing_behind_and_a_rerun_resu
     # rules/swarm.smk's shell command, argument for argument
     command = [sys.executable, "-m", "cramswarm", "swarm-pretrain", "--recipe", json.dumps(rec),
                "--arch", json.dumps(TINY), "--swarm", json.dumps(swarm), "--blocks", str(tmp / "blocks.npy"),
+               "--impl", json.dumps({"device": "cpu", "log_every_steps": 5}), "--swarm-impl", json.dumps(swarm_impl),
                "--tokenizer", str(tok), "--vocab-size", str(vocab), "--out-dir", str(out),
                "--rendezvous", str(rendezvous), "--run", "crammed", "--threads", "2"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS.parent / "src"),
@@ -461,22 +464,18 @@ def test_hivemind_swarm_pretraining_matches_single_process_within_the_emulations
     -0.060, -0.032 nats (a window mean over microbatches whose masks differ from pretrain's), held-out +0.013,
     +0.026, +0.018. The swarm's steps overshoot the global batch (microbatches arriving while a stage averages join
     that step): 25-27, not 30."""
-    import yaml
-    from swarm_helpers import PARITY_NATS, SWARM
+    from swarm_helpers import PARITY_NATS, SWARM, schema_swarm
     from swarm_helpers import TRAIN_TINY as TINY_TRAIN
 
-    from cramswarm.config import DEFAULT_SCHEMA
     from cramswarm.pretrain import pretrain
     from cramswarm.swarm.train import swarm_pretrain
 
     tmp, tok = tiny_run
-    keys = yaml.safe_load(Path(DEFAULT_SCHEMA).read_text())["properties"]["swarm"]["properties"]
-    cfg = {key: spec["default"] for key, spec in keys.items()} | SWARM | dict(
-        transport="hivemind", trainers=3, forward_timeout_s=5.0, startup_timeout_s=120.0)
+    cfg = schema_swarm(**SWARM) | dict(transport="hivemind", trainers=3, forward_timeout_s=5.0, startup_timeout_s=120.0)
     rec = recipe(budget={"unit": "steps", "value": 30})
-    single = pretrain(rec, TINY_TRAIN, tmp / "blocks.npy", tok, tmp / "single", progress=False)
+    single = pretrain(rec, TINY_TRAIN, tmp / "blocks.npy", tok, tmp / "single", progress=False, impl=impl())
     swarm = swarm_pretrain(rec, TINY_TRAIN, cfg, tmp / "blocks.npy", tok, tmp / "swarm", progress=False,
-                           rendezvous=tmp / "rendezvous")
+                           rendezvous=tmp / "rendezvous", impl=impl())
     stats = swarm["swarm_stats"]
     print("parity", json.dumps({"single": [single["final_loss"], single["eval_loss"], single["steps"]],
                                 "swarm": [swarm["final_loss"], swarm["eval_loss"], swarm["steps"]],

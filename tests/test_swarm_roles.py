@@ -20,7 +20,7 @@ import torch
 
 pytest.importorskip("hivemind", reason="hivemind is not installed: transport 1 (real hivemind processes) is untested")
 
-from conftest import recipe  # noqa: E402
+from conftest import impl, recipe  # noqa: E402
 from swarm_helpers import (  # noqa: E402
     MICRO,
     batches,
@@ -611,7 +611,8 @@ def test_a_rerun_with_other_settings_or_data_is_refused_naming_what_differs(tmp_
 
 def test_local_peers_are_spread_over_the_hosts_gpus_and_srun_peers_keep_slurms(tmp_path, monkeypatch):
     """The launcher's local placement gives peer i GPU i mod (the host's GPUs) alone, as docs/swarm.md says; a CPU
-    recipe leaves the environment alone (checked on the processes' start arguments, no process started)."""
+    run (pretrain.impl.device cpu) leaves the environment alone (checked on the processes' start arguments, no
+    process started)."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5")
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the launcher's run folder
     started: list[str | None] = []
@@ -619,8 +620,7 @@ def test_local_peers_are_spread_over_the_hosts_gpus_and_srun_peers_keep_slurms(t
                         PeerProcess(uid, 0, 1.0, None, tmp_path / "log"))
     for device, expected in (("auto", ["2", "5", "2"]), ("cpu", [None, None, None])):
         started.clear()
-        launcher = launcher_mod.Launcher(plan(decentralised=True, recipe=plan().recipe | {"device": device}), source(),
-                                         8, progress=False)
+        launcher = launcher_mod.Launcher(plan(decentralised=True, device=device), source(), 8, progress=False)
         launcher.config, launcher.addr_file = tmp_path / "config.json", tmp_path / "addresses"  # run() writes them
         for stage in (0, 1, 0):
             launcher._start_peer(stage, 1.0, load_state=False)
@@ -658,12 +658,9 @@ def test_the_hivemind_transport_gives_the_launcher_its_state_folder(monkeypatch,
     """The state folder swarm_pretrain hands the hivemind transport (launcher/ under the rule's --rendezvous folder)
     is the launcher's resumable state; without one, no state folder. Without a microbatch source the hivemind
     transport refuses (the rule always gives one)."""
-    import yaml
+    from swarm_helpers import schema_swarm
 
-    from cramswarm.config import DEFAULT_SCHEMA
-
-    keys = yaml.safe_load(Path(DEFAULT_SCHEMA).read_text())["properties"]["swarm"]["properties"]
-    swarm = {key: spec["default"] for key, spec in keys.items()} | {"transport": "hivemind", "checkpoint_every_s": 7.0}
+    swarm = schema_swarm(transport="hivemind", checkpoint_every_s=7.0)
     seen = []
     handed = []
     monkeypatch.setattr(ht, "run_swarm", lambda p, data, *args, **kw: seen.append(p) or handed.append(data))
@@ -720,7 +717,7 @@ def test_a_kill_between_the_outputs_and_the_state_folders_removal_trains_nothing
 
     def run(out: str, name: str = "m") -> dict:
         return train_mod.swarm_pretrain(rec, TINY_TRAIN, cfg, tmp / "blocks.npy", tok, tmp / out,
-                                        progress=False, run=name, rendezvous=rendezvous)
+                                        progress=False, run=name, rendezvous=rendezvous, impl=impl())
 
     # killed after every output is written and recorded, before the state folder goes
     with monkeypatch.context() as m:

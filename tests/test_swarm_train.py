@@ -19,7 +19,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import recipe
+from conftest import impl, recipe
 from swarm_helpers import PARITY_NATS, SWARM
 from swarm_helpers import TRAIN_TINY as TINY
 from transformers import AutoModel, AutoModelForMaskedLM
@@ -133,8 +133,9 @@ def test_assembled_checkpoint_loads_with_cramswarm_classes(tiny_run):
 def test_swarm_pretrain_matches_single_process(tiny_run):
     tmp_path, tok_path = tiny_run
     rec = recipe(budget={"unit": "steps", "value": 30})
-    single = pretrain(rec, TINY, tmp_path / "blocks.npy", tok_path, tmp_path / "single", progress=False)
-    swarm = swarm_pretrain(rec, TINY, SWARM, tmp_path / "blocks.npy", tok_path, tmp_path / "swarm", progress=False)
+    single = pretrain(rec, TINY, tmp_path / "blocks.npy", tok_path, tmp_path / "single", progress=False, impl=impl())
+    swarm = swarm_pretrain(rec, TINY, SWARM, tmp_path / "blocks.npy", tok_path, tmp_path / "swarm", progress=False,
+                           impl=impl())
 
     assert (swarm["steps"], swarm["tokens"]) == (single["steps"], single["tokens"]) == (30, 30 * 16 * 32)
     assert abs(swarm["final_loss"] - single["final_loss"]) < PARITY_NATS
@@ -165,9 +166,12 @@ def test_one_stage_swarm_reproduces_pretraining(tiny_run):
     is the single-process accumulated gradient, so the runs agree up to float rounding."""
     tmp_path, tok_path = tiny_run
     rec = recipe(budget={"unit": "steps", "value": 12}, precision="fp32", eval_points=1)
-    single = pretrain(rec, TINY, tmp_path / "blocks.npy", tok_path, tmp_path / "single", progress=False)
+    every_step = impl(log_every_steps=1)
+    single = pretrain(rec, TINY, tmp_path / "blocks.npy", tok_path, tmp_path / "single", progress=False,
+                      impl=every_step)
     cfg = SWARM | dict(stages=1, trainers=1, compression="none")
-    swarm = swarm_pretrain(rec, TINY, cfg, tmp_path / "blocks.npy", tok_path, tmp_path / "swarm", progress=False)
+    swarm = swarm_pretrain(rec, TINY, cfg, tmp_path / "blocks.npy", tok_path, tmp_path / "swarm", progress=False,
+                           impl=every_step)
     assert swarm["final_loss"] == pytest.approx(single["final_loss"], abs=1e-4)
     assert swarm["eval_loss"] == pytest.approx(single["eval_loss"], abs=1e-4)
     assert len(swarm["swarm_stats"]["per_stage_peers"][0]) == 2
@@ -179,12 +183,15 @@ def test_one_stage_swarm_follows_step_based_schedules_and_the_optimizer_as_pretr
     Adam with coupled L2 decay (BERT's adam_l2): the swarm's steps take the batch, learning rate and optimizer
     pretrain takes (training.step_accumulation, step_lr, make_optimizer), step by step, to the same loss."""
     tmp_path, tok_path = tiny_run
-    rec = recipe(budget={"unit": "steps", "value": 8}, precision="fp32", eval_points=1, log_every_steps=1,
+    rec = recipe(budget={"unit": "steps", "value": 8}, precision="fp32", eval_points=1,
                  batch_sequences=32, batch_ramp_micro_steps=8, schedule="linear",
                  schedule_horizon_sequences={"warmup": 16, "total": 640}, optimizer="adam_l2")
-    single = pretrain(rec, TINY, tmp_path / "blocks.npy", tok_path, tmp_path / "single", progress=False)
+    every_step = impl(log_every_steps=1)
+    single = pretrain(rec, TINY, tmp_path / "blocks.npy", tok_path, tmp_path / "single", progress=False,
+                      impl=every_step)
     cfg = SWARM | dict(stages=1, trainers=1, compression="none")
-    swarm = swarm_pretrain(rec, TINY, cfg, tmp_path / "blocks.npy", tok_path, tmp_path / "swarm", progress=False)
+    swarm = swarm_pretrain(rec, TINY, cfg, tmp_path / "blocks.npy", tok_path, tmp_path / "swarm", progress=False,
+                           impl=every_step)
 
     def steps(run: str) -> dict[int, tuple[float, int]]:
         with open(tmp_path / run / "train_log.csv") as f:
@@ -266,11 +273,11 @@ def test_bad_swarm_settings_fail_before_training(tiny_run):
     rec = recipe()
     args = (tmp_path / "blocks.npy", tok_path, tmp_path / "out")
     with pytest.raises(StageCountError, match="swarm.stages=3 does not divide the model's 2 layers"):
-        swarm_pretrain(rec, TINY, SWARM | dict(stages=3), *args, progress=False)
+        swarm_pretrain(rec, TINY, SWARM | dict(stages=3), *args, progress=False, impl=impl())
     with pytest.raises(ValueError, match="swarm.peers_per_stage=0: every stage needs at least one peer"):
-        swarm_pretrain(rec, TINY, SWARM | dict(peers_per_stage=0), *args, progress=False)
+        swarm_pretrain(rec, TINY, SWARM | dict(peers_per_stage=0), *args, progress=False, impl=impl())
     with pytest.raises(ValueError, match="swarm.transport"):
-        swarm_pretrain(rec, TINY, SWARM | dict(transport="pigeon"), *args, progress=False)
+        swarm_pretrain(rec, TINY, SWARM | dict(transport="pigeon"), *args, progress=False, impl=impl())
     assert not (tmp_path / "out").exists()
 
 

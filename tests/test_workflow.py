@@ -205,6 +205,37 @@ def test_settings_that_change_no_file_rerun_nothing(workdir):
     assert planned_jobs(workdir, *TINY, str(overlay.relative_to(workdir))) == {"study_record": 1, "all": 1}
 
 
+def test_changing_how_runs_execute_reruns_nothing(workdir):
+    # every key of both impl sections changed (cramswarm.impl): none reaches a rule's params, so nothing reruns
+    overlay = workdir / "config" / "test" / "impl.yaml"
+    overlay.write_text(
+        "pretrain:\n  impl:\n    compile: true\n    compile_mode: max-autotune\n    device: cpu\n"
+        "    attention_backend: math\n    prefetch: false\n    devices: 2\n    log_every_steps: 3\n"
+        "    resume_every_seconds: 30\n    resume_every_steps: 4\n"
+        "swarm:\n  impl:\n    placement: local\n    host: 127.0.0.2\n    interface: lo\n    srun_args: [--exclusive]\n"
+        "    startup_timeout_s: 60.0\n    checkpoint_every_s: 5.0\n    give_up_after_s: 600.0\n"
+        "    launcher_grace_s: 90.0\n"
+    )
+    assert planned_jobs(workdir, *TINY, str(overlay.relative_to(workdir))) == {}
+
+
+def test_changing_what_a_run_computes_reruns_exactly_its_dependents(workdir):
+    overlay = workdir / "config" / "test" / "train.yaml"
+    overlay.write_text("pretrain:\n  weight_decay: 0.02\n")  # no model overrides it
+    jobs = planned_jobs(workdir, *TINY, str(overlay.relative_to(workdir)))
+    # the three single-process models and the swarm model, their fine-tuning, the tables; not the data chain, the
+    # random-init baseline or its fine-tuning
+    assert jobs == {
+        "pretrain": 3,
+        "swarm_pretrain": 1,
+        "finetune_model": 4,
+        "tables": 1,
+        "figures": 1,
+        "study_record": 1,
+        "all": 1,
+    }
+
+
 def test_changing_the_block_order_reorders_and_retrains_only(workdir):
     overlay = workdir / "config" / "test" / "order.yaml"
     overlay.write_text("data:\n  order: sentence-length\n")

@@ -87,7 +87,8 @@ def model_info(args) -> int:
     ARCH,
     TOKENIZER,
     OUT_DIR,
-    arg("--recipe", type=json_arg, required=True, help="JSON of the pretrain section"),
+    arg("--recipe", type=json_arg, required=True, help="JSON of what the run computes: the pretrain section less impl"),
+    arg("--impl", type=json_arg, default={}, help="JSON of how it runs: pretrain.impl (unset keys at their defaults)"),
     arg("--blocks", required=True),
     arg("--state-dir", help="resumable training state (kept outside the outputs; resumed if present)"),
     arg(
@@ -103,6 +104,7 @@ def model_info(args) -> int:
 )
 def pretrain(args) -> int:
     from cramswarm.distributed import launch_command
+    from cramswarm.impl import PretrainImpl
     from cramswarm.pretrain import choose_sweep_lr
 
     sweep = None
@@ -114,7 +116,8 @@ def pretrain(args) -> int:
 
     # devices x nodes > 1: this process becomes the recipe's data-parallel job (torchrun, or srun of torchruns), so
     # that signals (scancel, Snakemake's SIGTERM) reach the launcher, which passes them on to its processes
-    relaunch = launch_command(args.recipe, ["pretrain", *pretrain_arguments(args)])
+    impl = PretrainImpl.parse(args.impl)
+    relaunch = launch_command(impl, ["pretrain", *pretrain_arguments(args)])
     if relaunch is not None:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -126,7 +129,7 @@ def pretrain(args) -> int:
     summary = run(
         args.recipe, args.arch, args.blocks, args.tokenizer, args.out_dir, not args.quiet,
         state_dir=args.state_dir, run=args.run, expected_vocab=args.vocab_size,
-        extra_summary={"lr_from_sweep": sweep} if sweep else None,
+        extra_summary={"lr_from_sweep": sweep} if sweep else None, impl=impl,
     )  # fmt: skip
     if summary is not None:  # rank 0 (or the only process)
         print(json.dumps(summary, sort_keys=True))
@@ -135,7 +138,8 @@ def pretrain(args) -> int:
 
 def pretrain_arguments(args) -> list[str]:
     """The pretrain command line that ``args`` were parsed from (what every data-parallel process runs)."""
-    argv = ["--recipe", json.dumps(args.recipe), "--arch", json.dumps(args.arch), "--blocks", str(args.blocks)]
+    argv = ["--recipe", json.dumps(args.recipe), "--impl", json.dumps(args.impl), "--arch", json.dumps(args.arch)]
+    argv += ["--blocks", str(args.blocks)]
     argv += ["--tokenizer", str(args.tokenizer), "--out-dir", str(args.out_dir), "--threads", str(args.threads)]
     for flag, value in (("--state-dir", args.state_dir), ("--run", args.run), ("--vocab-size", args.vocab_size)):
         if value is not None:

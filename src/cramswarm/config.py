@@ -15,6 +15,8 @@ from typing import Any, Iterable
 import yaml
 from jsonschema import Draft202012Validator, validators
 
+from cramswarm.impl import PRETRAIN_IMPL_KEYS, SWARM_IMPL_KEYS
+
 
 def _repo_root() -> Path:
     """The workflow's checkout: the source tree this package lies in (an editable install, as the README's), else
@@ -146,19 +148,39 @@ def _subschema_errors(instance: dict, schema: dict, defs: dict, where: str) -> t
     return instance, messages
 
 
-def _batch_errors(recipe: dict, where: str) -> list[str]:
+def _batch_errors(recipe: dict, where: str, impl: dict) -> list[str]:
     if recipe["batch_sequences"] % recipe["micro_batch_sequences"]:
         return [
             f"config key '{where}.batch_sequences': {recipe['batch_sequences']} is not a multiple of "
             f"{where}.micro_batch_sequences ({recipe['micro_batch_sequences']})"
         ]
-    processes = recipe.get("devices", 1) * recipe.get("nodes", 1)
+    processes = impl["devices"] * impl["nodes"]
     if recipe["micro_batch_sequences"] % processes:
         return [
             f"config key '{where}.micro_batch_sequences': {recipe['micro_batch_sequences']} sequences cannot be "
-            f"split evenly over devices x nodes = {processes} data-parallel processes"
+            f"split evenly over pretrain.impl devices x nodes = {processes} data-parallel processes"
         ]
     return []
+
+
+def _moved_key_errors(cfg: dict) -> list[str]:
+    """Keys of an older config that now live in an impl section (cramswarm.impl), each named with its new place."""
+    sections = [("pretrain", cfg.get("pretrain"), PRETRAIN_IMPL_KEYS, "pretrain.impl"),
+                ("swarm", cfg.get("swarm"), SWARM_IMPL_KEYS, "swarm.impl")]  # fmt: skip
+    for name, model in (cfg.get("models") or {}).items():
+        if isinstance(model, dict):
+            sections.append((f"models.{name}.recipe", model.get("recipe"), PRETRAIN_IMPL_KEYS, "pretrain.impl"))
+    errors = []
+    for where, section, keys, home in sections:
+        if not isinstance(section, dict):
+            continue
+        for key in [k for k in keys if k in section]:
+            errors.append(f"config key '{where}.{key}' has moved to '{home}.{key}': it says how a run executes, "
+                          "not what it computes (so changing it reruns nothing)")
+        if where.startswith("models.") and "impl" in section:
+            errors.append(f"config key '{where}.impl': how runs execute is set once for every model, in "
+                          "pretrain.impl")
+    return errors
 
 
 def _arch_errors(arch: dict, where: str, longest: int) -> list[str]:
@@ -247,14 +269,15 @@ def _semantic_errors(cfg: dict, base_dir: Path, schema: dict) -> list[str]:
             f"config key 'tokenizer.main_vocab_size': {tok['main_vocab_size']} is not one of "
             f"tokenizer.vocab_sizes {tok['vocab_sizes']}"
         )
-    errors += _batch_errors(cfg["pretrain"], "pretrain")
+    impl = cfg["pretrain"]["impl"]
+    errors += _batch_errors(cfg["pretrain"], "pretrain", impl)
     pretrain_schema, defs = schema["properties"]["pretrain"], schema["$defs"]
     longest = max(cfg["packing"]["block_tokens"], cfg["glue"]["max_length_tokens"])
     for name, model in cfg["models"].items():
         errors += _arch_errors(model["arch"], f"models.{name}.arch", longest)
         where = f"models.{name}.recipe"
         recipe, messages = _subschema_errors(deep_merge(cfg["pretrain"], model["recipe"]), pretrain_schema, defs, where)
-        errors += messages or _batch_errors(recipe, where)
+        errors += messages or _batch_errors(recipe, where, impl)
         if not messages:
             errors += _budget_errors(recipe["budget"], f"{where}.budget")
             if model.get("trainer", "single") == "swarm":
@@ -278,9 +301,9 @@ def _semantic_errors(cfg: dict, base_dir: Path, schema: dict) -> list[str]:
             f"config key 'swarm_study.compression.stages': {stages} stages do not divide the "
             f"{cfg['models'][split]['arch']['layers']} layers of models.{split} (the model the experiment splits)"
         )
-    if cfg["swarm"]["placement"] != "local" and cfg["swarm"]["transport"] != "hivemind":
+    if cfg["swarm"]["impl"]["placement"] != "local" and cfg["swarm"]["transport"] != "hivemind":
         errors.append(
-            f"config key 'swarm.placement': {cfg['swarm']['placement']} starts the peers as separate "
+            f"config key 'swarm.impl.placement': {cfg['swarm']['impl']['placement']} starts the peers as separate "
             f"processes, which needs swarm.transport: hivemind (not {cfg['swarm']['transport']})"
         )
     stages = cfg["swarm"]["stages"]
@@ -391,8 +414,10 @@ def corpus_spec(cfg: dict, name: str) -> dict:
 
 
 def model_recipe(cfg: dict, name: str) -> dict:
-    """The full pretraining recipe of model ``name``: ``pretrain`` with the model's ``recipe`` overrides."""
-    return deep_merge(cfg["pretrain"], cfg["models"][name]["recipe"])
+    """What model ``name``'s pretraining computes: ``pretrain`` (less its ``impl``) with the model's ``recipe``
+    overrides."""
+    recipe = {k: v for k, v in cfg["pretrain"].items() if k != "impl"}
+    return deep_merge(recipe, cfg["models"][name]["recipe"])
 
 
 def glue_protocol(cfg: dict, name: str | None = None) -> dict:
@@ -502,6 +527,8 @@ def resolve_runs(cfg: dict) -> dict[str, dict]:
 def validate_config(cfg: dict, schema_path: str | Path = DEFAULT_SCHEMA, base_dir: str | Path = ".") -> dict:
     """Validate ``cfg`` in place (filling defaults) and return it; raise ConfigError listing every problem."""
     schema = load_yaml(schema_path)
+    if moved := _moved_key_errors(cfg):
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(moved))
     errors = sorted(_Validator(schema).iter_errors(cfg), key=lambda e: list(map(str, e.absolute_path)))
     messages = [_describe(e) for e in errors]
     if not messages:

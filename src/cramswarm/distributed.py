@@ -1,7 +1,8 @@
 """Data-parallel pretraining with torch.distributed: the process group of one run, and the launcher command.
 
-A recipe asks for ``devices`` processes per node on ``nodes`` nodes. ``python -m cramswarm pretrain`` started by
-hand (or by Snakemake) with ``devices x nodes > 1`` relaunches itself through torch's launcher
+A run asks for ``devices`` processes per node on ``nodes`` nodes (``pretrain.impl``,
+:class:`~cramswarm.impl.PretrainImpl`). ``python -m cramswarm pretrain`` started by hand (or by Snakemake) with
+``devices x nodes > 1`` relaunches itself through torch's launcher
 (``torch.distributed.run``, i.e. torchrun); the launched processes find ``WORLD_SIZE``, ``RANK`` and
 ``LOCAL_RANK`` in their environment and join one process group: NCCL on CUDA, gloo on CPU.
 
@@ -18,12 +19,11 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from cramswarm.impl import PretrainImpl
+
 RENDEZVOUS_PORT = 29500  # multi-node: the c10d rendezvous port on the allocation's first host
 
 
-def requested_processes(recipe: dict) -> int:
-    """Processes a recipe asks for: ``devices`` per node x ``nodes`` (both default to 1)."""
-    return int(recipe.get("devices", 1)) * int(recipe.get("nodes", 1))
 
 
 def launched() -> bool:
@@ -31,10 +31,10 @@ def launched() -> bool:
     return "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
 
 
-def launch_command(recipe: dict, command: list[str]) -> list[str] | None:
-    """The command line that runs ``python -m cramswarm <command...>`` as the recipe's data-parallel job, or None
+def launch_command(impl: PretrainImpl, command: list[str]) -> list[str] | None:
+    """The command line that runs ``python -m cramswarm <command...>`` as the run's data-parallel job, or None
     where this process should train itself (one process asked for, or already launched)."""
-    devices, nodes = int(recipe.get("devices", 1)), int(recipe.get("nodes", 1))
+    devices, nodes = impl.devices, impl.nodes
     if devices * nodes <= 1 or launched():
         return None
     run = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={devices}"]
@@ -44,7 +44,7 @@ def launch_command(recipe: dict, command: list[str]) -> list[str] | None:
     job, nodelist = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_JOB_NODELIST")
     if not job or not nodelist or not shutil.which("srun"):
         raise ValueError(
-            f"pretrain.nodes: {nodes} nodes need a SLURM allocation of {nodes} nodes to start them in (srun, "
+            f"pretrain.impl.nodes: {nodes} nodes need a SLURM allocation of {nodes} nodes to start them in (srun, "
             "SLURM_JOB_ID and SLURM_JOB_NODELIST); outside SLURM use nodes: 1"
         )
     head = subprocess.run(

@@ -27,6 +27,7 @@ from cramswarm import budget as budgets
 from cramswarm.data import tokenizer as tokenization
 from cramswarm.data.packing import load_blocks
 from cramswarm.distributed import World
+from cramswarm.impl import PretrainImpl
 from cramswarm.models.crammed_bert import unwrap_compiled
 from cramswarm.precision import autocast, choose_precision
 from cramswarm.provenance import provenance
@@ -136,33 +137,33 @@ class MicroBatches:
             self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def compile_model(model: torch.nn.Module, recipe: dict):
-    """The recipe's forward: the module itself, or torch.compile of it in ``compile_mode``."""
-    if not recipe["compile"]:
+def compile_model(model: torch.nn.Module, impl: PretrainImpl):
+    """The run's forward: the module itself, or torch.compile of it in ``impl.compile_mode``."""
+    if not impl.compile:
         return model
-    mode = recipe.get("compile_mode", "default")
+    mode = impl.compile_mode
     return torch.compile(model, mode=None if mode == "default" else mode)
 
 
-# pretrain.attention_backend -> the torch.nn.attention.SDPBackend it allows (auto: torch chooses among all)
+# pretrain.impl.attention_backend -> the torch.nn.attention.SDPBackend it allows (auto: torch chooses among all)
 ATTENTION_BACKENDS = {"math": "MATH", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
 
 
-def attention_backend(recipe: dict, model: torch.nn.Module, precision: str, device: torch.device):
-    """A context running scaled-dot-product attention with the recipe's ``attention_backend`` kernel only.
+def attention_backend(impl: PretrainImpl, model: torch.nn.Module, precision: str, device: torch.device):
+    """A context running scaled-dot-product attention with ``impl.attention_backend``'s kernel only.
 
     ``auto`` leaves the choice to torch. Another choice is tried once on a short input first (in eval mode, so no
     dropout draw changes the run), and refused with a message naming the key where this device, dtype or shape
     has no such kernel (e.g. ``efficient`` on a CPU), rather than failing inside the first step.
     """
-    name = recipe.get("attention_backend", "auto")
+    name = impl.attention_backend
     if name == "auto":
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     if name not in ATTENTION_BACKENDS:
         allowed = ", ".join(["auto", *ATTENTION_BACKENDS])
-        raise ValueError(f"pretrain.attention_backend: unknown {name!r}; allowed: {allowed}")
+        raise ValueError(f"pretrain.impl.attention_backend: unknown {name!r}; allowed: {allowed}")
     backend = getattr(SDPBackend, ATTENTION_BACKENDS[name])
     was_training = model.training
     model.eval()
@@ -172,7 +173,7 @@ def attention_backend(recipe: dict, model: torch.nn.Module, precision: str, devi
             model(probe)
     except RuntimeError as error:
         raise ValueError(
-            f"pretrain.attention_backend: {name} attention does not run here ({device.type}, precision "
+            f"pretrain.impl.attention_backend: {name} attention does not run here ({device.type}, precision "
             f"{precision}); use auto or math. torch said: {str(error).splitlines()[0]}"
         ) from error
     finally:
@@ -266,36 +267,38 @@ def pretrain(
     run: str | None = None,
     expected_vocab: int | None = None,
     extra_summary: dict | None = None,
+    impl: PretrainImpl | None = None,
 ) -> dict | None:
-    """Train until the budget is spent; write the checkpoint, ``train_log.csv`` and ``summary.json`` (with
-    ``extra_summary``'s keys added).
+    """Train until the budget is spent, executing as ``impl`` says (default: :class:`PretrainImpl`'s defaults);
+    write the checkpoint, ``train_log.csv`` and ``summary.json`` (with ``extra_summary``'s keys added).
 
     With ``state_dir``, the full training state (weights, optimizer, scaler, RNG, counters, log) is saved
-    there atomically every ``resume_every_seconds`` / ``resume_every_steps``; a rerun with the same recipe,
+    there atomically every ``impl.resume_every_seconds`` / ``resume_every_steps``; a rerun with the same recipe,
     arch and data continues from it (at any number of processes), and it is deleted once the checkpoint is written.
 
     Started by torch's launcher (:mod:`cramswarm.distributed`), every process trains its slice of each
     micro-batch and only rank 0 prints, evaluates and writes files; the others return None.
     """
-    device = resolve_device(recipe["device"])
+    impl = impl or PretrainImpl()
+    device = resolve_device(impl.device)
     world = World.join(device.type)
     try:
         return _pretrain(
-            world, device, recipe, arch, blocks_path, tokenizer_path, out_dir, progress, state_dir, run, expected_vocab,
-            extra_summary or {},
+            world, device, impl, recipe, arch, blocks_path, tokenizer_path, out_dir, progress, state_dir, run,
+            expected_vocab, extra_summary or {},
         )
     finally:
         world.close()
 
 
 def _pretrain(
-    world: World, device: torch.device, recipe, arch, blocks_path, tokenizer_path, out_dir, progress, state_dir, run,
-    expected_vocab, extra_summary,
+    world: World, device: torch.device, impl: PretrainImpl, recipe, arch, blocks_path, tokenizer_path, out_dir,
+    progress, state_dir, run, expected_vocab, extra_summary,
 ) -> dict | None:  # fmt: skip
     """:func:`pretrain` in one process of ``world``: set up, resume or start, train, write the outputs."""
     if world.size > 1 and device.type == "cuda":
         device = torch.device("cuda", world.local_rank)
-    r = CrammingRun(world, device, recipe, arch, blocks_path, tokenizer_path, expected_vocab, progress, run)
+    r = CrammingRun(world, device, impl, recipe, arch, blocks_path, tokenizer_path, expected_vocab, progress, run)
     state = r.resume_or_start(Path(state_dir) / "state.pt" if state_dir is not None else None)
     with r.running():
         _train(r, state)
@@ -330,9 +333,10 @@ class CrammingRun:
     """One process's pretraining run: its data, model, optimizer and budget, and the named steps of the loop
     (:func:`_train`). Only rank 0 prints, evaluates, saves state and writes outputs."""
 
-    def __init__(self, world: World, device: torch.device, recipe: dict, arch: dict, blocks_path, tokenizer_path,
-                 expected_vocab: int | None, progress: bool, run: str | None):  # fmt: skip
-        self.world, self.device, self.arch, self.blocks_path, self.run = world, device, arch, blocks_path, run
+    def __init__(self, world: World, device: torch.device, impl: PretrainImpl, recipe: dict, arch: dict, blocks_path,
+                 tokenizer_path, expected_vocab: int | None, progress: bool, run: str | None):  # fmt: skip
+        self.world, self.device, self.impl, self.arch, self.blocks_path = world, device, impl, arch, blocks_path
+        self.run = run
         self.say = print if world.main else lambda *args, **kwargs: None
         self.precision = choose_precision(recipe["precision"], device)
         self.say(f"precision {self.precision.name} ({self.precision.reason})", flush=True)
@@ -412,15 +416,15 @@ class CrammingRun:
                                                                      broadcast_buffers=False)  # fmt: skip
         else:
             self.trained = self.model
-        self.forward = compile_model(self.trained, self.recipe)
+        self.forward = compile_model(self.trained, self.impl)
         return state
 
     @contextlib.contextmanager
     def running(self):
         """The loop's surroundings: the attention kernel choice and the micro-batch loader's thread."""
         with contextlib.ExitStack() as stack:
-            stack.enter_context(attention_backend(self.recipe, self.model, self.precision.name, self.device))
-            self.loader = MicroBatches(self.blocks, self.n_blocks, self.micro, self.device, self.recipe["prefetch"])
+            stack.enter_context(attention_backend(self.impl, self.model, self.precision.name, self.device))
+            self.loader = MicroBatches(self.blocks, self.n_blocks, self.micro, self.device, self.impl.prefetch)
             stack.callback(self.loader.close)
             yield
         self.bar.close()
@@ -511,7 +515,7 @@ class CrammingRun:
     def log_if_due(self, s: TrainState, t: float, done: float, lr: float, multiplier: float, accumulate: int,
                    eval_loss: str) -> None:  # fmt: skip
         """A log row every log_every_steps steps, at each evaluation and at the end; the progress bar."""
-        if s.step % self.recipe["log_every_steps"] == 0 or eval_loss or done >= 1.0:
+        if s.step % self.impl.log_every_steps == 0 or eval_loss or done >= 1.0:
             mean_loss = s.window_loss / s.window_n
             s.log_row(s.step, s.tokens, f"{t:.5f}", f"{mean_loss:.5f}", f"{lr:.6g}", f"{multiplier:.5f}",
                       accumulate * self.micro, f"{self.elapsed(s):.2f}", eval_loss)  # fmt: skip
@@ -541,8 +545,8 @@ class CrammingRun:
         """The resumable state, every resume_every_seconds (and resume_every_steps), before the end."""
         if self.state_path is None or done >= 1.0 or not self.world.main:
             return
-        every, due = self.recipe["resume_every_steps"], time.perf_counter() - self.last_save
-        if (every and s.step % every == 0) or due >= self.recipe["resume_every_seconds"]:
+        every, due = self.impl.resume_every_steps, time.perf_counter() - self.last_save
+        if (every and s.step % every == 0) or due >= self.impl.resume_every_seconds:
             s.elapsed_s = self.elapsed(s)
             self.start = self.last_save = time.perf_counter()
             save_state(self.state_path, {
@@ -566,5 +570,6 @@ class CrammingRun:
             "skipped_nonfinite": s.skipped_nonfinite,
             "reloaded_after_nonfinite": s.reloaded,
             "processes": self.world.size,
+            "impl": self.impl.as_dict(),  # how it ran (pretrain.impl): no part of what it computed
             **extra,
         }  # fmt: skip

@@ -15,8 +15,6 @@ import torch
 from cramswarm.io import atomic_path
 
 LOG_COLUMNS = ("step", "tokens", "progress", "loss", "lr", "lr_multiplier", "batch_sequences", "elapsed_s", "eval_loss")
-# recipe keys that change how a run executes but not what it computes: a state saved under other values resumes
-RUN_ONLY_KEYS = ("compile_mode", "devices", "nodes", "prefetch", "attention_backend")
 
 
 @dataclasses.dataclass
@@ -56,11 +54,11 @@ class TrainState:
 
 
 def fingerprint(recipe: dict, arch: dict, blocks_path: str | Path, vocab_size: int) -> str:
-    """What a saved training state must match to be resumed: the recipe (minus save cadence and how it runs: the
-    compile mode and the number of processes), arch and data."""
-    relevant = {k: v for k, v in recipe.items() if not k.startswith("resume_every") and k not in RUN_ONLY_KEYS}
+    """What a saved training state must match to be resumed: what the run computes (its recipe, arch and data).
+    How it executes (``pretrain.impl``: processes, compile, save cadence) is no part of it: a state resumes under
+    other values."""
     stat = Path(blocks_path).stat()
-    payload = json.dumps([relevant, arch, vocab_size, stat.st_size], sort_keys=True)
+    payload = json.dumps([recipe, arch, vocab_size, stat.st_size], sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 

@@ -148,10 +148,10 @@ def train_steps(run: dict, vocab: int, block_tokens: int, cfg: dict) -> dict:
     """A model's training steps at its real micro-batch (per data-parallel process) on its device: forward, backward
     and the recipe's optimizer step per micro-batch, under the run's precision, on random blocks masked as the
     recipe masks. One untimed step, then ``preflight.steps`` timed. Not run where the estimate is above the limit."""
-    recipe, arch = run["recipe"], run["arch"]
-    device = resolve_device(recipe["device"])
-    micro = max(1, recipe["micro_batch_sequences"] // (recipe["devices"] * recipe["nodes"]))
-    fused = recipe["attention_backend"] != "math"
+    recipe, arch, impl = run["recipe"], run["arch"], cfg["pretrain"]["impl"]
+    device = resolve_device(impl["device"])
+    micro = max(1, recipe["micro_batch_sequences"] // (impl["devices"] * impl["nodes"]))
+    fused = impl["attention_backend"] != "math"
     if device.type == "cuda":
         estimate = resources.gpu_mem_mb(arch, vocab, micro, block_tokens, fused) * 1e6
     else:

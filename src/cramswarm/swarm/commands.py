@@ -12,7 +12,9 @@ from cramswarm.cli import arg, command, json_arg, set_threads
     "pretrain a model with SWARM parallelism (stages x replicas); writes a crammed-layout checkpoint",
     arg("--arch", type=json_arg, required=True, help="JSON of a models.<name>.arch section"),
     arg("--recipe", type=json_arg, required=True, help="JSON of the model's pretrain recipe"),
-    arg("--swarm", type=json_arg, required=True, help="JSON of the swarm section"),
+    arg("--swarm", type=json_arg, required=True, help="JSON of what the swarm computes: the swarm section less impl"),
+    arg("--impl", type=json_arg, default={}, help="JSON of pretrain.impl (the peers' device, the log's granularity)"),
+    arg("--swarm-impl", type=json_arg, default={}, help="JSON of swarm.impl: how the swarm runs (placement, timeouts)"),
     arg("--blocks", required=True),
     arg("--tokenizer", required=True),
     arg("--out-dir", required=True),
@@ -28,12 +30,14 @@ from cramswarm.cli import arg, command, json_arg, set_threads
     arg("--quiet", action="store_true", help="no progress bar"),
 )
 def swarm_pretrain(args) -> int:
+    from cramswarm.impl import PretrainImpl
     from cramswarm.swarm.train import swarm_pretrain as run
 
     set_threads(args.threads)
     summary = run(
         args.recipe, args.arch, args.swarm, args.blocks, args.tokenizer, args.out_dir, progress=not args.quiet,
-        run=args.run, expected_vocab=args.vocab_size, rendezvous=args.rendezvous,
+        run=args.run, expected_vocab=args.vocab_size, rendezvous=args.rendezvous, impl=PretrainImpl.parse(args.impl),
+        swarm_impl=args.swarm_impl,
     )  # fmt: skip
     print(json.dumps({k: summary[k] for k in ("steps", "tokens", "final_loss", "eval_loss") if k in summary}))
     return 0

@@ -101,7 +101,7 @@ class StagePeer(ServicerBase):
         self.cfg, self.stage, self.uid, self.speed, self.node = cfg, stage, uid, speed, node
         self.run_id, self.num_stages = cfg["run_id"], cfg["stages"]
         self.namespace = stage_namespace(self.run_id, stage)
-        self.device = resolve_device(recipe["device"])  # auto: the GPU this process sees (srun --gpus-per-task)
+        self.device = resolve_device(cfg.get("device", "auto"))  # auto: the GPU this process sees (srun --gpus-*)
         self.precision = resolve_precision(recipe["precision"], self.device)
         if self.precision == "fp16":
             raise ValueError("swarm peers train in bf16 or fp32: fp16 would need loss scaling across stages "

@@ -60,6 +60,7 @@ class SwarmPlan:
     vocab_size: int
     recipe: dict
     peers_per_stage: list[int]
+    device: str = "auto"            # where the stage peers compute (pretrain.impl.device): auto | cpu | cuda
     peer_speeds: list[float] = field(default_factory=lambda: [1.0])
     trainers: int = 2
     compression: str = "blockwise8"
@@ -191,11 +192,12 @@ def train(*, arch: dict, vocab_size: int, recipe: dict, swarm: dict, batches, to
 
 def plan_from_config(arch: dict, vocab_size: int, recipe: dict, swarm: dict,
                      rendezvous: str | Path | None = None) -> SwarmPlan:
-    """The ``SwarmPlan`` of a validated ``swarm:`` config section (and the model it trains)."""
+    """The ``SwarmPlan`` of a validated ``swarm:`` config section with its ``impl`` keys merged in, plus the
+    peers' ``device`` (:func:`cramswarm.swarm.train.runtime_settings`), and the model it trains."""
     if swarm["peers_per_stage"] < 1:
         raise ValueError(f"swarm.peers_per_stage={swarm['peers_per_stage']}: every stage needs at least one peer")
     plan = SwarmPlan(
-        arch=arch, vocab_size=vocab_size, recipe=recipe,
+        arch=arch, vocab_size=vocab_size, recipe=recipe, device=swarm.get("device", "auto"),
         peers_per_stage=[swarm["peers_per_stage"]] * swarm["stages"], peer_speeds=list(swarm["peer_speeds"]),
         trainers=swarm["trainers"], compression=swarm["compression"],
         averaging_compression=swarm["averaging_compression"], link_mbit_s=swarm["link_mbit_s"],

@@ -340,7 +340,7 @@ class Launcher:
     def _write_config(self, seq_len: int) -> Path:
         p = self.plan
         cfg = {"run_id": self.run_id, "arch": p.arch, "vocab_size": p.vocab_size, "recipe": p.recipe,
-               "stages": p.stages, "compression": p.compression, "sync_timeout_s": p.sync_timeout_s,
+               "device": p.device, "stages": p.stages, "compression": p.compression, "sync_timeout_s": p.sync_timeout_s,
                "averaging_compression": p.averaging_compression, "link_mbit_s": p.link_mbit_s,
                "join_timeout_s": p.join_timeout_s, "give_up_after_s": p.retry.give_up_after_s, "host": p.host,
                "interface": p.interface, "launcher_grace_s": p.launcher_grace_s, "peer_sync": True,
@@ -362,7 +362,7 @@ class Launcher:
     def _start_peer(self, stage: int, speed: float, load_state: bool) -> PeerProcess:
         self.next_uid += 1
         # local placement: peer i sees GPU i mod (this host's GPUs) alone; srun: the step's own (SLURM's --gpus-*)
-        gpu = peer_gpu(self.next_uid, self.plan.recipe.get("device", "cpu")) if self.place is None else None
+        gpu = peer_gpu(self.next_uid, self.plan.device) if self.place is None else None
         peer = self.groups.start_peer(f"s{stage}p{self.next_uid}", stage, speed, self.config, self.addr_file,
                                       load_state, gpu=gpu)
         self.peers[peer.uid] = peer

@@ -47,8 +47,8 @@ def visible_gpus() -> list[str]:
 
 def peer_gpu(peer_number: int, device: str) -> str | None:
     """The GPU the ``peer_number``-th peer started on this host sees alone (``CUDA_VISIBLE_DEVICES``): this host's
-    GPUs in turn, when the recipe's ``device`` is not ``cpu`` and there is a GPU; None (the environment as it is)
-    otherwise. Used by the local placements of the launcher; under srun, SLURM assigns them."""
+    GPUs in turn, when the run's ``device`` (pretrain.impl) is not ``cpu`` and there is a GPU; None (the environment
+    as it is) otherwise. Used by the local placements of the launcher; under srun, SLURM assigns them."""
     if device == "cpu":
         return None
     gpus = visible_gpus()

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from cramswarm import budget as budgets
+from cramswarm.impl import PretrainImpl
 from cramswarm.io import read_json, write_json
 from cramswarm.precision import choose_precision
 from cramswarm.pretrain import HeldOut, load_training_data
@@ -99,10 +100,10 @@ def validate(arch: dict, swarm: dict) -> None:
     if swarm["trainers"] < 1:
         raise ValueError(f"swarm.trainers={swarm['trainers']}: need at least one trainer")
     if swarm["placement"] not in PLACEMENTS:
-        raise ValueError(f"swarm.placement must be one of {', '.join(PLACEMENTS)}, got {swarm['placement']!r}")
+        raise ValueError(f"swarm.impl.placement must be one of {', '.join(PLACEMENTS)}, got {swarm['placement']!r}")
     if swarm["placement"] != "local" and swarm["transport"] != "hivemind":
         raise ValueError(
-            f"swarm.placement={swarm['placement']} runs peers as separate processes: it needs "
+            f"swarm.impl.placement={swarm['placement']} runs peers as separate processes: it needs "
             f"swarm.transport: hivemind (got {swarm['transport']})"
         )
 
@@ -114,6 +115,12 @@ def _sha1(path: Path) -> str:
 
 def _settings(recipe: dict, arch: dict, swarm: dict, run: str | None) -> dict:
     return json.loads(json.dumps({"recipe": recipe, "arch": arch, "swarm": swarm, "run": run}))
+
+
+def runtime_settings(swarm: dict, swarm_impl: dict | None, impl: PretrainImpl) -> dict:
+    """The one settings dict the transports read: what the swarm computes (``swarm`` less ``impl``), how it runs
+    (``swarm.impl``) and where its peers compute (``pretrain.impl.device``)."""
+    return {**swarm, **(swarm_impl or {}), "device": impl.device}
 
 
 def record_outputs(state_dir: Path, out_dir: Path, settings: dict) -> None:
@@ -183,13 +190,19 @@ def swarm_pretrain(
     run: str | None = None,
     expected_vocab: int | None = None,
     rendezvous: str | Path | None = None,
+    impl: PretrainImpl | None = None,
+    swarm_impl: dict | None = None,
 ) -> dict:
     """Pretrain with SWARM until the budget is spent; write the checkpoint, train_log.csv and summary.json.
-    ``rendezvous``: the folder where peers of the attach placement find the swarm, and whose ``launcher/`` holds
-    the launcher's resumable state (a shared filesystem for attach and srun)."""
+    ``swarm`` says what the swarm computes, ``swarm_impl`` (``swarm.impl``) and ``impl`` (``pretrain.impl``: the
+    peers' device, the log's granularity) how it runs. ``rendezvous``: the folder where peers of the attach placement
+    find the swarm, and whose ``launcher/`` holds the launcher's resumable state (a shared filesystem for attach and
+    srun)."""
+    impl = impl or PretrainImpl()
+    settings = _settings(recipe, arch, swarm, run)  # what the outputs were computed from
+    swarm = runtime_settings(swarm, swarm_impl, impl)
     validate(arch, swarm)
     out_dir = Path(out_dir)
-    settings = _settings(recipe, arch, swarm, run)
     state_dir = Path(rendezvous) / STATE_SUBDIR if rendezvous is not None else None
     if state_dir is not None:
         _remove_trash(state_dir)
@@ -244,7 +257,7 @@ def swarm_pretrain(
         heldout = HeldOut(blocks[n_blocks:], recipe["eval_mask_rate"], vocab_size, micro)
         eval_loss = round(heldout.loss(model, chosen.name, device), 5)
 
-    rows = _log_rows(result.log, recipe["log_every_steps"], eval_loss)
+    rows = _log_rows(result.log, impl.log_every_steps, eval_loss)
     # every transport logs one row per optimizer step; the budget counts every microbatch handed out
     tokens, steps = stats["microbatches_requested"] * micro * block_tokens, len(result.log)
     # the hardware the stage peers trained on, where this host has it (evaluation above is on the CPU)
@@ -253,9 +266,9 @@ def swarm_pretrain(
     summary = run_summary(
         run=run, steps=steps, tokens=tokens, data_passes=tokens / (n_blocks * block_tokens), elapsed_s=stats["wall_s"],
         final_loss=rows[-1]["loss"] if rows else math.nan, eval_loss=eval_loss, model=model, recipe=recipe,
-        arch=arch, precision=chosen, device=str(device), settings={"recipe": recipe, "arch": arch, "swarm": swarm},
+        arch=arch, precision=chosen, device=str(device), settings={k: settings[k] for k in ("recipe", "arch", "swarm")},
         trained_on=peers_device,
-    ) | {"swarm": swarm, "swarm_stats": stats}
+    ) | {"swarm": settings["swarm"], "swarm_stats": stats, "impl": impl.as_dict(), "swarm_impl": swarm_impl or {}}
     write_outputs(out_dir, model, tok, arch["max_positions"], _csv(rows), summary)
     if state_dir is not None and stats.get("roles") == "launcher" and state_dir.is_dir():  # left to us: outputs first
         record_outputs(state_dir, out_dir, settings)

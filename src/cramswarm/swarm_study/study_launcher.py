@@ -48,12 +48,11 @@ def toy_arch(hidden: int, layers: int, seq_len: int = SEQ_TOKENS) -> dict:
 
 
 def toy_recipe(micro: int, batch_micro: int, budget: dict) -> dict:
-    """The default config's ``pretrain`` recipe with ``micro`` sequences per microbatch, ``batch_micro``
-    microbatches per global batch, ``budget``, a constant LR of 3e-3, bf16 on the CPU."""
-    return _default_config()["pretrain"] | dict(budget=budget, micro_batch_sequences=micro,
-                                                batch_sequences=batch_micro * micro, lr=3e-3,
-                                                batch_ramp_fraction=0.0, warmup_fraction=0.0, precision="bf16",
-                                                device="cpu")
+    """The default config's ``pretrain`` recipe (less its impl) with ``micro`` sequences per microbatch,
+    ``batch_micro`` microbatches per global batch, ``budget``, a constant LR of 3e-3, bf16."""
+    computes = {k: v for k, v in _default_config()["pretrain"].items() if k != "impl"}
+    return computes | dict(budget=budget, micro_batch_sequences=micro, batch_sequences=batch_micro * micro, lr=3e-3,
+                           batch_ramp_fraction=0.0, warmup_fraction=0.0, precision="bf16")
 
 
 def lost_microbatches(state_dir: Path, trainers: int) -> tuple[int, int]:
@@ -184,7 +183,7 @@ def run_setup(setup, *, link_mbit_s: float | None, latency_ms: float, kill_every
     stages = max(p.stage for p in setup.peers) + 1
     peers = sorted(setup.peers, key=lambda p: p.stage)   # the launcher gives peer i speed peer_speeds[i]
     plan = ht.SwarmPlan(
-        arch=toy_arch(hidden, max(2, stages)), vocab_size=VOCAB,
+        arch=toy_arch(hidden, max(2, stages)), vocab_size=VOCAB, device="cpu",
         recipe=toy_recipe(micro, NO_STEP_BATCH, {"unit": "seconds", "value": float(setup.duration_s)}),
         peers_per_stage=[sum(p.stage == s for p in peers) for s in range(stages)],
         peer_speeds=[p.speed for p in peers], trainers=setup.trainers, routing=setup.routing,
