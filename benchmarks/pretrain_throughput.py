@@ -11,7 +11,7 @@ masks. Variants of crammed (``--models``):
 - ``crammed-fed``: static sparse prediction fed the way pretraining feeds it, inside the timed step: the blocks
   taken from host memory by the pretraining loader (pinned and copied without blocking on CUDA) and masked on
   the device (:func:`cramswarm.training.mask_tokens`, fixed shapes); ``crammed-fed-prefetch``: the same with
-  the loader gathering the next batch in a background thread (``pretrain.prefetch``).
+  the loader gathering the next batch in a background thread (``pretrain.impl.prefetch``).
 
 Step time is the fastest timed step (the median is printed too): on a shared machine other processes only
 ever slow a step down. MFU is model FLOPs / (step time x peak), with the peak measured here, on the same device,

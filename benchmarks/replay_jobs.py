@@ -98,7 +98,7 @@ def run(args) -> int:
             for proc, _ in running.values():
                 # SIGTERM, as Snakemake stops its jobs (the swarm launcher passes it on to its processes); not SIGINT,
                 # which a shell started with `nohup ... &` has its children ignore. Pretraining's resumable state is
-                # the one it saved last (pretrain.resume_every_seconds).
+                # the one it saved last (pretrain.impl.resume_every_seconds).
                 os.killpg(proc.pid, signal.SIGTERM)
             for i, (proc, _) in list(running.items()):
                 try:

@@ -75,10 +75,10 @@ rule pretrain:
     priority: critical_path_priority  # the longest run first
     conda:
         "../envs/cramswarm.yaml"
-    threads: pretrain_processes_per_node  # pretrain.devices: one CPU per data-parallel process (one torch thread each)
+    threads: pretrain_processes_per_node  # pretrain.impl.devices: one CPU per data-parallel process (one torch thread each)
     resources:
         gpu=pretrain_gpus,  # one per process where the run uses a GPU: see gpus() in common.smk
-        nodes=pretrain_nodes,  # pretrain.nodes (profiles/slurm: sbatch --nodes; srun starts one torchrun per node)
+        nodes=pretrain_nodes,  # pretrain.impl.nodes (profiles/slurm: sbatch --nodes; srun starts one torchrun per node)
         mem_mb=pretrain_mem_mb,
         gpu_mem_mb=pretrain_gpu_mem_mb,  # per process; 0 on a CPU
         runtime=pretrain_runtime,

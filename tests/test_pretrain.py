@@ -231,7 +231,7 @@ def test_state_of_another_recipe_is_not_resumed(tiny_run):
 
 
 def test_compiled_pretraining_matches_eager_and_saves_clean_keys(tiny_run):
-    """pretrain.compile: torch.compile (CPU inductor) trains the same model and the checkpoint has no _orig_mod."""
+    """pretrain.impl.compile: torch.compile (CPU inductor) trains the same model and the checkpoint has no _orig_mod."""
     import shutil
 
     from safetensors.torch import load_file

@@ -32,7 +32,7 @@ PRETRAIN = "results/pretrain/synthetic/crammed/v128"
 STATE = "results/.state/pretrain/synthetic/crammed/v128/state.pt"
 # 300 optimizer steps of 32 x 128 tokens (about 10 s on one core), the state saved every 10: time to requeue.
 STEPS = 300
-OVERLAY = f"pretrain:\n  budget: {{unit: tokens, value: {STEPS * 32 * 128}}}\n  resume_every_steps: 10\n"
+OVERLAY = f"pretrain:\n  budget: {{unit: tokens, value: {STEPS * 32 * 128}}}\n  impl: {{resume_every_steps: 10}}\n"
 CONFIG = [*TINY, "slurm_test.yaml"]
 # What the README's "CPU-only cluster" lines set; the status poll starts after 2 s instead of 40.
 CPU_CLUSTER = {"CRAMSWARM_SLURM_PARTITION": "test", "CRAMSWARM_SLURM_GPUS": "0"}
@@ -188,7 +188,7 @@ def test_gpu_job_on_a_partition_without_gpus_fails_with_sbatchs_message(on_slurm
 
 
 # The profiles' resources, from dry runs (no cluster needed).
-# SWARM with swarm.placement srun: one SLURM job (2 stages x 1 peer: --ntasks=2, one CPU each on the 2-CPU test
+# SWARM with swarm.impl.placement srun: one SLURM job (2 stages x 1 peer: --ntasks=2, one CPU each on the 2-CPU test
 # node) whose batch step runs the launcher; every process it starts (bootstrap DHT, stage peers, trainers) is its own
 # srun job step (--overlap: they share the job's CPUs). Mid-run the test SIGKILLs a trainer's step (scancel): the
 # launcher starts it again as a new step. Then it SIGKILLs the rule's process: the job fails and SLURM ends its
@@ -197,8 +197,8 @@ SWARM_RUN = "results/swarm/synthetic/swarm/v128"
 SWARM_STATE = "results/.state/swarm/synthetic/swarm/v128"
 SWARM_STEPS = 80  # the peers' first shards came as late as step 29 (of 40) on this loaded machine
 SWARM_OVERLAY = (f"pretrain:\n  budget: {{unit: tokens, value: {SWARM_STEPS * 32 * 128}}}\n"  # 32 x 128 tokens a step
-                 "swarm:\n  transport: hivemind\n  placement: srun\n  peers_per_stage: 1\n  interface: lo\n"
-                 "  checkpoint_every_s: 1.0\n")
+                 "swarm:\n  transport: hivemind\n  peers_per_stage: 1\n"
+                 "  impl: {placement: srun, interface: lo, checkpoint_every_s: 1.0}\n")
 
 
 def job_steps() -> dict[str, str]:
@@ -306,9 +306,9 @@ def test_swarm_processes_run_as_job_steps_and_a_killed_rule_resumes(cluster, loc
     assert not (work / SWARM_STATE / "launcher").exists()
 
 
-# Data-parallel pretraining through the profile: pretrain.devices 2 on the 2-CPU test node is one SLURM job with
+# Data-parallel pretraining through the profile: pretrain.impl.devices 2 on the 2-CPU test node is one SLURM job with
 # 2 CPUs (the rule's threads), in which the pretrain command relaunches itself through torchrun as 2 gloo processes.
-DDP_OVERLAY = "pretrain:\n  budget: {unit: tokens, value: 81920}\n  devices: 2\n"  # 20 steps of 32 x 128 tokens
+DDP_OVERLAY = "pretrain:\n  budget: {unit: tokens, value: 81920}\n  impl: {devices: 2}\n"  # 20 steps of 32 x 128 tokens
 
 
 def test_data_parallel_pretraining_runs_as_one_slurm_job(cluster, local, tmp_path_factory):

@@ -32,19 +32,19 @@ def test_slurm_profile_puts_gpu_rules_on_the_gpu_partition(dry):
 
 
 def test_data_parallel_pretraining_asks_for_a_gpu_per_process(dry, tmp_path):
-    """pretrain.devices x pretrain.nodes processes: the profile's GPUs per process times that, the nodes, one CPU
-    per process on a node (threads), and memory for each process."""
+    """pretrain.impl.devices x nodes processes: the profile's GPUs per process times that, the nodes, one CPU per
+    process on a node (threads), and memory for each process."""
     overlay = tmp_path / "ddp.yaml"
     target = [f"{PRETRAIN}/summary.json", *TINY]
     single = planned_resources(dry, "--workflow-profile", "profiles/slurm", *target,
                                environ=env(CRAMSWARM_SLURM_GPUS="1"))["pretrain"]  # fmt: skip
-    overlay.write_text("pretrain:\n  devices: 2\n")
+    overlay.write_text("pretrain:\n  impl: {devices: 2}\n")
     gpus = planned_resources(dry, "--workflow-profile", "profiles/slurm", *target, str(overlay),
                              environ=env(CRAMSWARM_SLURM_GPUS="1"))["pretrain"]  # fmt: skip
     assert "gpu=1" in single and "nodes=1" in single
     assert "gpu=2" in gpus and "nodes=1" in gpus
     assert int(re.search(r"\bmem_mb=(\d+)", gpus)[1]) > int(re.search(r"\bmem_mb=(\d+)", single)[1])
-    overlay.write_text("pretrain:\n  devices: 2\n  nodes: 2\n")
+    overlay.write_text("pretrain:\n  impl: {devices: 2, nodes: 2}\n")
     cpus = planned_resources(dry, "--workflow-profile", "profiles/slurm", *target, str(overlay),
                              environ=env(CRAMSWARM_SLURM_GPUS="0"))["pretrain"]  # fmt: skip
     assert "gpu=0" in cpus and "nodes=2" in cpus
@@ -59,7 +59,7 @@ def test_local_gpu_jobs_hold_the_default_profiles_one_gpu(dry, tmp_path):
     target = f"{PRETRAIN}/summary.json"
     assert "gpu=1" in planned_resources(dry, target, *TINY, environ=with_gpu)["pretrain"]
     cpu = tmp_path / "cpu.yaml"
-    cpu.write_text("pretrain:\n  device: cpu\n")
+    cpu.write_text("pretrain:\n  impl: {device: cpu}\n")
     assert "gpu=0" in planned_resources(dry, target, *TINY, str(cpu), environ=with_gpu)["pretrain"]
     finetune = "results/glue/synthetic/no_pretrain/v128/sst2/s0.json"  # glue.jobs per_model: rule finetune_model
     assert "gpu=1" in planned_resources(dry, finetune, *TINY, environ=with_gpu)["finetune_model"]

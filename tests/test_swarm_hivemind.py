@@ -199,12 +199,12 @@ def test_task_ranks_map_to_stages_and_bad_placements_fail_with_the_key(tmp_path,
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 5")  # local placement spreads peers over these (SLURM's list)
     assert ht.visible_gpus() == ["2", "5"]
     assert listen_host({"interface": "lo"}) == "127.0.0.1" and listen_host({"host": "0.0.0.0"}) == "0.0.0.0"
-    with pytest.raises(BootstrapError, match="swarm.interface='no-such-if0': no such network interface"):
+    with pytest.raises(BootstrapError, match="swarm.impl.interface='no-such-if0': no such network interface"):
         listen_host({"interface": "no-such-if0"})
-    with pytest.raises(ValueError, match="swarm.placement=attach needs a rendezvous folder"):
+    with pytest.raises(ValueError, match="swarm.impl.placement=attach needs a rendezvous folder"):
         ht.run_swarm(plan(placement="attach"), source(), 4, progress=False)
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
-    with pytest.raises(ValueError, match="swarm.placement=srun .* SLURM_JOB_ID is unset"):
+    with pytest.raises(ValueError, match="swarm.impl.placement=srun .* SLURM_JOB_ID is unset"):
         ht.run_swarm(plan(placement="srun", rendezvous=tmp_path), source(), 4, progress=False)
     # a task whose rank is beyond the swarm's peers says so and exits at once
     (tmp_path / "config.json").write_text(json.dumps({"placement_specs": [[0, 1.0], [1, 1.0]], "run_id": "x",
@@ -232,15 +232,19 @@ def test_a_second_task_with_a_taken_rank_exits_naming_the_holder(tmp_path):
 
 
 def test_the_give_up_and_launcher_grace_are_settings():
-    """swarm.give_up_after_s (a stage with no live peer) and swarm.launcher_grace_s (a vanished launcher) reach the
-    plan every process is handed; the defaults are the former fixed 120 s and 30 s."""
-    from cramswarm.config import load_config
+    """swarm.impl.give_up_after_s (a stage with no live peer) and swarm.impl.launcher_grace_s (a vanished launcher)
+    reach the plan every process is handed; the defaults are the former fixed 120 s and 30 s."""
+    from cramswarm.config import load_config, model_recipe
+    from cramswarm.impl import PretrainImpl
+    from cramswarm.swarm.train import runtime_settings
 
     cfg = load_config([TESTS.parent / "config" / "config.yaml"])
-    arch, swarm = cfg["models"]["swarm"]["arch"], cfg["swarm"]
-    default = ht.plan_from_config(arch, 512, cfg["pretrain"], swarm)
+    arch, recipe = cfg["models"]["swarm"]["arch"], model_recipe(cfg, "swarm")
+    swarm = runtime_settings({k: v for k, v in cfg["swarm"].items() if k != "impl"}, cfg["swarm"]["impl"],
+                             PretrainImpl.parse(cfg["pretrain"]["impl"]))
+    default = ht.plan_from_config(arch, 512, recipe, swarm)
     assert (default.retry.give_up_after_s, default.launcher_grace_s) == (120.0, 30.0)
-    patient = ht.plan_from_config(arch, 512, cfg["pretrain"], {**swarm, "give_up_after_s": 900.0,
+    patient = ht.plan_from_config(arch, 512, recipe, {**swarm, "give_up_after_s": 900.0,
                                                                 "launcher_grace_s": 300.0})
     assert (patient.retry.give_up_after_s, patient.launcher_grace_s) == (900.0, 300.0)
     assert patient.retry.forward_timeout_s == swarm["forward_timeout_s"]

@@ -103,7 +103,7 @@ def test_each_process_is_a_job_step_killed_with_scancel(fake_slurm, tmp_path):
     assert prefix[0] == "srun" and {"--jobid=77", "--ntasks=1", "--nodes=1", "--overlap", "--exact",
                                     "--job-name=csrun1.s0p1.1", "--gpus-per-task=1"} <= set(prefix)
     assert env == {"CRAMSWARM_PARENT_PID": ""}  # under slurmstepd: no parent watchdog
-    assert "--gpus-per-task=1" not in place("trainer0")[0]  # swarm.srun_args: the stage peers' steps only
+    assert "--gpus-per-task=1" not in place("trainer0")[0]  # swarm.impl.srun_args: the stage peers' steps only
     place = SrunPlacement("csrun1")
     groups = ProcessGroups(tmp_path, place=place)
     peer, task, child, coordinator = start(groups, "s0p1", tmp_path / "peer.txt")

@@ -22,7 +22,7 @@ from cramswarm.cli import arg, command, json_arg, set_threads
     arg("--vocab-size", type=int, help="vocab size this run expects; the tokenizer must match"),
     arg(
         "--rendezvous",
-        help="swarm.placement attach: folder (shared filesystem) where the peers find config.json and the DHT "
+        help="swarm.impl.placement attach: folder (shared filesystem) where the peers find config.json and the DHT "
         "address file; under the launcher (placements local and srun): its launcher/ subfolder holds the resumable "
         "state (stage shards), so a rerun after a kill resumes",
     ),
@@ -45,7 +45,7 @@ def swarm_pretrain(args) -> int:
 
 @command(
     "swarm-peer",
-    "serve as one peer of a running swarm-pretrain (swarm.placement attach)",
+    "serve as one peer of a running swarm-pretrain (swarm.impl.placement attach)",
     arg(
         "--rendezvous",
         required=True,

@@ -117,13 +117,13 @@ class SwarmPlan:
         if self.routing not in ROUTINGS:
             raise ValueError(f"swarm routing={self.routing!r}; allowed: {', '.join(ROUTINGS)}")
         if self.placement not in PLACEMENTS:
-            raise ValueError(f"swarm.placement={self.placement!r}; allowed: {', '.join(PLACEMENTS)}")
+            raise ValueError(f"swarm.impl.placement={self.placement!r}; allowed: {', '.join(PLACEMENTS)}")
         if self.placement != "local" and self.rendezvous is None:
-            raise ValueError(f"swarm.placement={self.placement} needs a rendezvous folder on a filesystem the "
+            raise ValueError(f"swarm.impl.placement={self.placement} needs a rendezvous folder on a filesystem the "
                              "peers share (swarm-pretrain --rendezvous)")
         if self.placement == "srun" and "SLURM_JOB_ID" not in os.environ:
-            raise ValueError("swarm.placement=srun starts the peers as a job step of the SLURM job it runs in, but "
-                             "SLURM_JOB_ID is unset: run it through profiles/slurm (or placement: local / attach)")
+            raise ValueError("swarm.impl.placement=srun starts the peers as a job step of the SLURM job it runs in, "
+                             "but SLURM_JOB_ID is unset: run it through profiles/slurm (or placement: local / attach)")
 
 
 _own_daemons = own_daemons  # the tests' name for it

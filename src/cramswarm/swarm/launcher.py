@@ -460,7 +460,7 @@ class Launcher:
                 return
             if time.monotonic() > deadline:
                 lacking = ", ".join(f"stage {s}: {counts[s]} of {self.plan.peers_per_stage[s]}" for s in missing)
-                raise TimeoutError(f"swarm.placement=attach: not every stage's peers declared themselves within "
+                raise TimeoutError(f"swarm.impl.placement=attach: not every stage's peers declared themselves within "
                                    f"{self.plan.startup_timeout_s:.0f} s ({lacking}); rendezvous {self.workdir}")
             await asyncio.sleep(0.5)
 

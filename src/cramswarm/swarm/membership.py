@@ -54,11 +54,11 @@ def listen_host(cfg: dict) -> str:
         return cfg.get("host") or "127.0.0.1"
     interfaces = psutil.net_if_addrs()
     if name not in interfaces:
-        raise BootstrapError(f"swarm.interface={name!r}: no such network interface on {socket.gethostname()} "
+        raise BootstrapError(f"swarm.impl.interface={name!r}: no such network interface on {socket.gethostname()} "
                              f"(it has {', '.join(sorted(interfaces))})")
     addresses = [a.address for a in interfaces[name] if a.family == socket.AF_INET]
     if not addresses:
-        raise BootstrapError(f"swarm.interface={name!r} has no IPv4 address on {socket.gethostname()}")
+        raise BootstrapError(f"swarm.impl.interface={name!r} has no IPv4 address on {socket.gethostname()}")
     return addresses[0]
 
 

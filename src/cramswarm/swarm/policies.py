@@ -343,7 +343,7 @@ class StageCall:
         if self.retry.exhausted(now - self.failing_since, self.attempts):
             raise TimeoutError(f"stage {self.balancer.stage}: {self.attempts} {self.what} calls in a row failed or "
                                f"timed out over {now - self.failing_since:.0f} s (last on {uid}); its declared "
-                               f"peers do not answer (unreachable address? see swarm.host / interface)")
+                               f"peers do not answer (unreachable address? see swarm.impl.host / interface)")
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 ``SrunPlacement`` is a ``processes.ProcessGroups.place``: the bootstrap DHT, each stage peer and each trainer runs
 as ``srun --ntasks=1 --nodes=1 --cpus-per-task=1 --exact --overlap --job-name=<run id>.<process>.<n> ...`` (a stage
-peer's step also with ``swarm.srun_args``, e.g. ``--gpus-per-task=1``), so SLURM puts it on any node of the
+peer's step also with ``swarm.impl.srun_args``, e.g. ``--gpus-per-task=1``), so SLURM puts it on any node of the
 allocation. ``--overlap``: the steps share the job's
 CPUs and memory (the job asks for one CPU per stage peer; the trainers and the bootstrap are light), and a step
 never waits for another to end. The processes run under ``slurmstepd``, not under the launcher: the parent
@@ -46,7 +46,7 @@ class SrunPlacement:
                  cpus_per_process: int = 1):
         self.job_id = job_id or os.environ.get("SLURM_JOB_ID")
         if not self.job_id:
-            raise ValueError("swarm.placement=srun starts each process as a job step of the SLURM job it runs in, "
+            raise ValueError("swarm.impl.placement=srun starts each process as a job step of the SLURM job it runs in, "
                              "but SLURM_JOB_ID is unset: run it through profiles/slurm (or placement: local)")
         self.prefix, self.srun_args, self.cpus = prefix, list(srun_args or []), cpus_per_process
         self.started: dict[str, int] = {}   # process name -> steps started under it
