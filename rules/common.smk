@@ -48,14 +48,18 @@ NOT_SWEPT = [name for name, spec in MODELS.items() if spec["pretrain"] and not s
 # Every checkpoint the workflow can build: the study's models plus the ablation runs, each with its full
 # arch and recipe (cramswarm.config.resolve_runs names them: arch-*, sched-*, groups-*).
 RUNS = resolve_runs(config)
-# How the runs execute (pretrain.impl, swarm.impl; cramswarm.impl): the same for every run and handed to the commands
-# as these globals in their shell lines, never as params, so changing one reruns nothing.
+# How the runs execute (pretrain.impl, swarm.impl; cramswarm.impl): the same for every run, handed to the commands as
+# string resources of their rules (Snakemake's rerun triggers read params, never resources), so changing one reruns
+# nothing.
 IMPL = config["pretrain"]["impl"]
 PRETRAIN_IMPL = json.dumps(IMPL, sort_keys=True)
 SWARM_IMPL = json.dumps(config["swarm"]["impl"], sort_keys=True)
 # The config less its impl sections: what the study computed, as its record holds it (each summary.json holds its
 # run's impl)
-COMPUTED = {**config, **{part: {k: v for k, v in config[part].items() if k != "impl"} for part in ("pretrain", "swarm")}}
+COMPUTED = {
+    **config,
+    **{part: {k: v for k, v in config[part].items() if k != "impl"} for part in ("pretrain", "swarm")},
+}
 
 # (model, vocab) pairs of the study (`all`): every model at the main vocab size.
 STUDY_RUNS = [(name, MAIN_VOCAB) for name in MODELS]

@@ -82,6 +82,7 @@ rule pretrain:
         mem_mb=pretrain_mem_mb,
         gpu_mem_mb=pretrain_gpu_mem_mb,  # per process; 0 on a CPU
         runtime=pretrain_runtime,
+        impl=PRETRAIN_IMPL,  # how the run executes (pretrain.impl): a resource, not a param, so it reruns nothing
     params:
         recipe=recipe_json,
         arch=arch_json,
@@ -90,7 +91,7 @@ rule pretrain:
         state_dir="results/.state/pretrain/{source}/{model}/v{vocab}",
         lr_from=lr_from_arg,  # the peak LR chosen from the schedule sweep's held-out losses
     shell:
-        "python -m cramswarm pretrain --recipe {params.recipe:q} --impl {PRETRAIN_IMPL:q} --arch {params.arch:q} "
+        "python -m cramswarm pretrain --recipe {params.recipe:q} --impl {resources.impl:q} --arch {params.arch:q} "
         "--blocks {input.blocks} --tokenizer {input.tokenizer} --vocab-size {wildcards.vocab} "
         "--out-dir {params.out_dir} --state-dir {params.state_dir} --run {wildcards.model} {params.lr_from} "
         "--threads 1 > {log} 2>&1"

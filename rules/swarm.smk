@@ -32,6 +32,8 @@ rule swarm_pretrain:
         gpu=pretrain_gpus,
         mem_mb=swarm_mem_mb,
         runtime=swarm_runtime,
+        impl=PRETRAIN_IMPL,  # how the run executes (pretrain.impl, swarm.impl): resources, not params, so they
+        swarm_impl=SWARM_IMPL,  # rerun nothing
     params:
         recipe=recipe_json,
         arch=arch_json,
@@ -42,7 +44,7 @@ rule swarm_pretrain:
         rendezvous="results/.state/swarm/{source}/{model}/v{vocab}",
     shell:
         "python -m cramswarm swarm-pretrain --recipe {params.recipe:q} --arch {params.arch:q} --swarm {params.swarm:q} "
-        "--impl {PRETRAIN_IMPL:q} --swarm-impl {SWARM_IMPL:q} "
+        "--impl {resources.impl:q} --swarm-impl {resources.swarm_impl:q} "
         "--blocks {input.blocks} --tokenizer {input.tokenizer} --vocab-size {wildcards.vocab} "
         "--out-dir {params.out_dir} --rendezvous {params.rendezvous} --run {wildcards.model} --threads {threads} "
         "> {log} 2>&1"
