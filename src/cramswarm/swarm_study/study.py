@@ -18,9 +18,9 @@ two on a 2-core CPU; tests pass tiny sizes) that writes one CSV atomically, with
 * ``rebalancing_recovery``  M4: a stage starved by killing peers for good; rebalancing off vs several periods
                             (and, as transport ``testbed``, the launcher's real processes: the victims SIGKILLed and
                             never replaced, the peers' own rebalancing).
-* ``compression_loss``      M5: MLM loss vs step of the tiny crammed model trained in one process with the
-                            stage boundaries compressed (fp16, blockwise 8-bit) or narrowed (bottleneck,
-                            maxout), same seed and data.
+* ``compression_loss``      M5 (:mod:`cramswarm.swarm_study.compression_loss`, re-exported here): MLM loss vs step
+                            of the tiny crammed model trained in one process with the stage boundaries compressed
+                            (fp16, blockwise 8-bit) or narrowed (bottleneck, maxout), same seed and data.
 * ``sim_scale``             6.3 / E4: the simulator at 100-1000 peers under each preemption model (independent,
                             correlated bursts, churn with newcomers on a random or the most loaded stage),
                             rebalancing off vs on, throughput as a percentage of the optimal assignment of live
@@ -29,51 +29,27 @@ two on a 2-core CPU; tests pass tiny sizes) that writes one CSV atomically, with
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
 
-from cramswarm.io import atomic_path
 from cramswarm.swarm import emulation, sim
 from cramswarm.swarm.emulation import FailureEvent, PeerSpec, SwarmSetup
+from cramswarm.swarm_study.common import torch_threads, write_csv
+from cramswarm.swarm_study.compression_loss import COMPRESSION_CONFIGS, compression_loss  # noqa: F401 (M5)
 from cramswarm.swarm_study.runtime import TRANSPORTS  # the default transports of wiring_throughput, ...
 
 # ... and every one they take: testbed = the launcher's swarm of real processes, each on a testbed host of its own
 # (cramswarm.swarm_study.study_launcher.run_setup; needs root, iproute2 and hivemind, skipped with the reason elsewhere)
 LAUNCHER_TRANSPORTS = (*TRANSPORTS, "testbed")
-COMPRESSION_CONFIGS = ("none", "fp16", "blockwise8", "bottleneck2", "maxout2")
-
-
-@contextlib.contextmanager
-def torch_threads(threads: int | None) -> Iterator[None]:
-    """Run with ``threads`` intra-op threads (None: leave as is), restoring the previous count afterwards.
-
-    Tiny models on a shared machine run far faster on one thread: with two, every small kernel pays for
-    synchronising threads that other processes keep descheduling (measured 10 ms vs 570 ms per step on a busy
-    2-core box).
-    """
-    previous = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
-def _write_csv(frame: pd.DataFrame, out_csv: str | os.PathLike) -> Path:
-    with atomic_path(out_csv) as tmp:
-        frame.to_csv(tmp, index=False, na_rep="NaN")
-    return Path(out_csv)
 
 
 def _run(setup: SwarmSetup, transport: str, time_scale: float, testbed: dict | None = None) -> tuple[dict, float]:
@@ -287,7 +263,7 @@ def square_cube(out_csv: str | os.PathLike, *, hidden_sizes: Sequence[int] = (25
                              "compute_to_comm": compute_s / comm_s, "utilisation": compute_s / (compute_s + comm_s),
                              "device_tflops": float(device_tflops), "device_compute_s": device_s,
                              "device_utilisation": device_s / (device_s + comm_s)})
-    return _write_csv(pd.DataFrame(rows), out_csv)
+    return write_csv(pd.DataFrame(rows), out_csv)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -362,7 +338,7 @@ def wiring_throughput(out_csv: str | os.PathLike, *, speeds: Sequence[float] = (
                          "microbatches_done": result["microbatches_done"], "retries": result["retries"],
                          "duration_s": duration_s, "wall_s": wall, "lost_microbatches": result["lost_microbatches"],
                          **_link_columns(transport, testbed_link_mbit_s, testbed_latency_ms)})
-    return _write_csv(pd.DataFrame(rows), out_csv)
+    return write_csv(pd.DataFrame(rows), out_csv)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -427,7 +403,7 @@ def failures_timeline(out_csv: str | os.PathLike, *, stages: int = 3, peers_per_
                     result, setup, window_s, {"transport": transport, "routing": routing, "failures": label},
                     {"retries": result["retries"], "lost_microbatches": result["lost_microbatches"],
                      **_link_columns(transport, testbed_link_mbit_s, testbed_latency_ms)}))
-    return _write_csv(pd.DataFrame(rows), out_csv)
+    return write_csv(pd.DataFrame(rows), out_csv)
 
 
 def rebalancing_recovery(out_csv: str | os.PathLike, *, stages: int = 3, peers_per_stage: int = 3,
@@ -474,94 +450,7 @@ def rebalancing_recovery(out_csv: str | os.PathLike, *, stages: int = 3, peers_p
                                        {"moves": len(moves), "first_move_s": moves[0]["t_s"] if moves else math.nan,
                                         "lost_microbatches": result["lost_microbatches"],
                                         **_link_columns(transport, testbed_link_mbit_s, testbed_latency_ms)}))
-    return _write_csv(pd.DataFrame(rows), out_csv)
-
-
-# ------------------------------------------------------------------------------------------------------------
-# M5: compression at stage boundaries vs loss
-# ------------------------------------------------------------------------------------------------------------
-
-class _CompressedPipeline(torch.nn.Module):
-    """The stages of a split model run in one process with a compressor between consecutive stages."""
-
-    def __init__(self, stages: list[torch.nn.Module], config: str, hidden: int):
-        super().__init__()
-        from cramswarm.swarm.compression import SCHEMES, Bottleneck, Maxout
-
-        self.stages = torch.nn.ModuleList(stages)
-        self.scheme = config if config in SCHEMES else "none"
-        kind = config.rstrip("0123456789")
-        if config in SCHEMES:
-            links: list[torch.nn.Module] = []
-        elif kind in ("bottleneck", "maxout") and config[len(kind):]:
-            factor = int(config[len(kind):])
-            cls = Bottleneck if kind == "bottleneck" else Maxout
-            links = [cls(hidden, factor) for _ in stages[1:]]
-        else:
-            raise ValueError(f"unknown compression config {config!r}: use a scheme "
-                             f"({', '.join(SCHEMES)}) or bottleneck<f> / maxout<k>, e.g. bottleneck2")
-        self.links = torch.nn.ModuleList(links)
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        from cramswarm.swarm.compression import boundary
-
-        x = input_ids
-        for index, stage in enumerate(self.stages[:-1]):
-            x = stage(x)
-            x = self.links[index](x) if self.links else boundary(x, self.scheme)
-        return self.stages[-1](x, labels)
-
-
-def compression_loss(out_csv: str | os.PathLike, blocks_path: str | os.PathLike, *, arch: dict, vocab_size: int,
-                     configs: Sequence[str] = COMPRESSION_CONFIGS, stages: int = 2, steps: int = 300,
-                     micro_batch: int = 16, lr: float = 1e-3, mask_rate: float = 0.15, weight_decay: float = 0.01,
-                     seed: int = 0, threads: int | None = 1) -> Path:
-    """M5. Train the crammed MLM model (``arch``, a config ``models.<name>.arch`` section) split into
-    ``stages`` stages, in one process, once per compression config: ``none`` / ``fp16`` / ``blockwise8``
-    quantise activations forward and gradients backward at every boundary (``compression.boundary``);
-    ``bottleneck<f>`` / ``maxout<k>`` insert ``compression.Bottleneck`` / ``Maxout`` at every boundary
-    (uncompressed, as the paper's published runs). Same initial weights, batches and masks for every config;
-    AdamW at constant ``lr``, bf16 autocast, ``threads`` intra-op threads (see :func:`torch_threads`).
-
-    Columns: config, stages, step, tokens, loss (nats/token).
-    """
-    blocks = torch.from_numpy(np.load(blocks_path).astype(np.int64))
-    if len(blocks) < micro_batch:
-        raise ValueError(f"{blocks_path}: {len(blocks)} blocks, fewer than one microbatch of {micro_batch}")
-    order = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(seed))
-    rows = []
-    with torch_threads(threads):
-        for config in configs:
-            rows.extend(_train_compressed(config, blocks, order, arch=arch, vocab_size=vocab_size, stages=stages,
-                                          steps=steps, micro_batch=micro_batch, lr=lr, mask_rate=mask_rate,
-                                          weight_decay=weight_decay, seed=seed))
-    return _write_csv(pd.DataFrame(rows), out_csv)
-
-
-def _train_compressed(config: str, blocks: torch.Tensor, order: torch.Tensor, *, arch: dict, vocab_size: int,
-                      stages: int, steps: int, micro_batch: int, lr: float, mask_rate: float, weight_decay: float,
-                      seed: int) -> list[dict]:
-    """One config's training run of :func:`compression_loss`: one row per step."""
-    from cramswarm.swarm.stages import split_model
-    from cramswarm.training import build_model, decay_groups, mask_tokens
-
-    model = build_model(arch, vocab_size, seed)
-    torch.manual_seed(seed + 1)   # the same compression-layer init for every config
-    pipeline = _CompressedPipeline(split_model(model, stages), config, model.config.hidden_size)
-    optimizer = torch.optim.AdamW(decay_groups(pipeline, weight_decay), lr=lr)
-    generator = torch.Generator().manual_seed(seed)   # the same masks for every config
-    rows = []
-    for step in range(1, steps + 1):
-        batch = blocks[order[torch.arange((step - 1) * micro_batch, step * micro_batch) % len(blocks)]]
-        inputs, labels = mask_tokens(batch, mask_rate, "fixed", vocab_size, generator)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = pipeline(inputs, labels)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        rows.append({"config": config, "stages": stages, "step": step, "tokens": step * batch.numel(),
-                     "loss": loss.item()})
-    return rows
+    return write_csv(pd.DataFrame(rows), out_csv)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -630,4 +519,4 @@ def sim_scale(out_csv: str | os.PathLike, *, peer_counts: Sequence[int] = (100, 
                              "nic_mbit_s": math.nan if nic_mbit_s is None else float(nic_mbit_s),
                              "latency_ms": float(latency_ms), "activation_bytes": int(activation_bytes),
                              "events": result["events"], "sim_wall_s": time.perf_counter() - start})
-    return _write_csv(pd.DataFrame(rows), out_csv)
+    return write_csv(pd.DataFrame(rows), out_csv)
