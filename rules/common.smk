@@ -52,8 +52,8 @@ RUNS = resolve_runs(config)
 # string resources of their rules (Snakemake's rerun triggers read params, never resources), so changing one reruns
 # nothing.
 IMPL = config["pretrain"]["impl"]
-PRETRAIN_IMPL = json.dumps(IMPL, sort_keys=True)
-SWARM_IMPL = json.dumps(config["swarm"]["impl"], sort_keys=True)
+PRETRAIN_IMPL = json.dumps(IMPL, sort_keys=True, separators=(",", ":"))  # compact: one token in a job's printout
+SWARM_IMPL = json.dumps(config["swarm"]["impl"], sort_keys=True, separators=(",", ":"))
 # The config less its impl sections: what the study computed, as its record holds it (each summary.json holds its
 # run's impl)
 COMPUTED = {
