@@ -55,7 +55,7 @@ def vocab_size(wildcards):
     return int(wildcards.vocab)
 
 
-# --- Stage 3, pretraining (rules/pretrain.smk): the LR taken from a sweep, data-parallel processes and nodes -------
+# --- Stage 3, pretraining (rules/pretrain.smk): the LR taken from a sweep ------------------------------------------
 
 
 def lr_sweep_summaries(wildcards):
@@ -68,16 +68,6 @@ def lr_from_arg(wildcards):
     """The pretrain command's --lr-from option for a model with lr_from_sweep ('' for the others)."""
     summaries = lr_sweep_summaries(wildcards)
     return f"--lr-from {shlex.quote(json.dumps(summaries, sort_keys=True))}" if summaries else ""
-
-
-def pretrain_processes_per_node(wildcards):
-    """Data-parallel processes of a pretraining job on each node (pretrain.impl.devices): the rule's threads, one
-    CPU each; profiles/slurm multiplies its GPUs per process by this."""
-    return IMPL["devices"]
-
-
-def pretrain_nodes(wildcards):
-    return IMPL["nodes"]
 
 
 # --- Stage 4, GLUE fine-tuning (rules/glue.smk) --------------------------------------------------------------------
@@ -142,6 +132,10 @@ def finetune_results(wildcards=None, runs=STUDY_RUNS):
 
 def pretrain_logs(wildcards=None):
     return [f"{checkpoint_dir(m, v)}/train_log.csv" for m, v in STUDY_RUNS if MODELS[m]["pretrain"]]
+
+
+# [model, vocab, summary.json] of the study's pretrained runs: the GLUE table's tokens and passes over the data
+PRETRAINING = [[m, v, f"{checkpoint_dir(m, v)}/summary.json"] for m, v in STUDY_RUNS if MODELS[m]["pretrain"]]
 
 
 # --- Stage 6, ablations (rules/ablations.smk): each study's runs and the data table's stage reports ----------------

@@ -75,10 +75,12 @@ rule pretrain:
     priority: critical_path_priority  # the longest run first
     conda:
         "../envs/cramswarm.yaml"
-    threads: pretrain_processes_per_node  # pretrain.impl.devices: one CPU per data-parallel process (one torch thread each)
+    # pretrain.impl.devices: one CPU per data-parallel process on each node (one torch thread each); profiles/slurm
+    # multiplies its GPUs per process by this
+    threads: IMPL["devices"]
     resources:
         gpu=pretrain_gpus,  # one per process where the run uses a GPU: see gpus() in common.smk
-        nodes=pretrain_nodes,  # pretrain.impl.nodes (profiles/slurm: sbatch --nodes; srun starts one torchrun per node)
+        nodes=IMPL["nodes"],  # pretrain.impl.nodes (profiles/slurm: sbatch --nodes; srun starts one torchrun per node)
         mem_mb=pretrain_mem_mb,
         gpu_mem_mb=pretrain_gpu_mem_mb,  # per process; 0 on a CPU
         runtime=pretrain_runtime,

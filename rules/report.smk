@@ -17,7 +17,8 @@ rule tables:
     """The GLUE tables (median over seeds; Tables 3/4) and the GLUE table with the paper's published rows below ours
     (CSV, Markdown, LaTeX)."""
     input:
-        finetune_results,
+        results=finetune_results,
+        summaries=[path for _, _, path in PRETRAINING],  # tokens and passes over the data, beside the delta
     output:
         table(GLUE_TABLES[0], "Cramming", "GLUE (Tables 3/4)"),
         GLUE_TABLES[1],
@@ -34,9 +35,10 @@ rule tables:
     params:
         glue_stem=subpath(output[0], strip_suffix=".csv"),  # GLUE_TABLES[0]
         paper_reference=config["glue"]["paper_reference"],
+        pretraining=json.dumps(PRETRAINING),
     shell:
-        "python -m cramswarm tables --results {input} --out-stem {params.glue_stem} "
-        "--paper-reference '{params.paper_reference}' > {log} 2>&1"
+        "python -m cramswarm tables --results {input.results} --out-stem {params.glue_stem} "
+        "--paper-reference '{params.paper_reference}' --pretraining {params.pretraining:q} > {log} 2>&1"
 
 
 rule vocab_sweep:

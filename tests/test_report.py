@@ -413,6 +413,8 @@ def test_cli_tables_writes_paper_files(tmp_path):
     folder = tmp_path / "results"
     folder.mkdir()
     paths = write_runs(folder, "crammed", 2048, base=80.0) + write_runs(folder, "scratch", 2048, base=30.0)
+    summary = tmp_path / "summary.json"  # crammed's pretraining read its blocks 1.5 times; scratch is random init
+    summary.write_text(json.dumps({"run": "crammed", "tokens": 3_000_000, "epochs_of_data": 1.5}))
     out = tmp_path / "tables"
     argv = [
         "tables",
@@ -420,6 +422,8 @@ def test_cli_tables_writes_paper_files(tmp_path):
         *map(str, paths),
         "--out-stem",
         str(out / "glue"),
+        "--pretraining",
+        json.dumps([["crammed", 2048, str(summary)]]),
     ]
     assert cli_main(argv) == 0
     # exactly these files: no temporary leftovers
@@ -437,7 +441,14 @@ def test_cli_tables_writes_paper_files(tmp_path):
     crammed = paper.set_index("model").loc["crammed"]
     assert crammed["avg_paper"] == pytest.approx(84.0)  # 80 + median seed offset 4
     assert crammed["avg_paper_delta"] == pytest.approx(84.0 - 78.6)
-    assert pd.read_csv(out / "glue.csv").columns.tolist()[0] == "model"  # the plain table is unchanged
+    # what each model's pretraining saw, beside the delta: tokens and passes over the data (> 1: it wrapped)
+    columns = paper.columns.tolist()
+    assert columns[columns.index("avg_paper_delta") + 1 : columns.index("avg_paper_delta") + 3] == [
+        "pretrain_tokens", "data_passes"]
+    assert (crammed["pretrain_tokens"], crammed["data_passes"]) == (3_000_000, 1.5)
+    assert paper.set_index("model").loc["scratch", ["pretrain_tokens", "data_passes"]].isna().all()
+    assert "Passes over the data" in (out / "glue_paper.md").read_text()
+    assert pd.read_csv(out / "glue.csv").columns.tolist()[0] == "model"
     md = (out / "glue_paper.md").read_text()
     assert "Δ avg vs paper crammed" in md and DEFAULT_REFERENCE_MODEL in md
     header = [cell.strip() for cell in md.splitlines()[0].strip("|").split("|")]

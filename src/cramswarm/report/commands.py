@@ -27,12 +27,20 @@ OUT_STEM = arg("--out-stem", required=True, help="table path without suffix (.cs
         help="published row (its 'model' in report/paper_glue.csv) that <out-stem>_paper's GLUE-average delta "
         "refers to",
     ),
+    arg(
+        "--pretraining",
+        type=json_arg,
+        default=[],
+        help="JSON [[model, vocab, summary.json], ...] of the pretrained runs: their tokens and passes over the data "
+        "become columns",
+    ),
 )
 def tables(args) -> int:
+    from cramswarm.io import read_json
     from cramswarm.report import tables as t
 
     df = t.load_results(args.results)
-    main = t.glue_table(df)
+    main = t.with_pretraining(t.glue_table(df), [(m, v, read_json(path)) for m, v, path in args.pretraining])
     t.write_table(main, args.out_stem)
     # <out-stem>_paper.{csv,md,tex}: our rows, the published ones below, and our delta to a published average.
     t.write_table(t.glue_table_with_paper(main, args.paper_reference), f"{args.out_stem}_paper", latex=True)

@@ -60,6 +60,8 @@ COLUMN_LABELS: dict[str, str] = {
     "n_seeds": "Seeds",
     "kind": "Kind",
     "avg_paper_delta": "Δ avg vs paper crammed",
+    "pretrain_tokens": "Pretraining tokens",
+    "data_passes": "Passes over the data",
     "source": "Source",
     "note": "Note",
 }
@@ -148,6 +150,20 @@ def glue_table(df: pd.DataFrame) -> pd.DataFrame:
     table["n_seeds"] = groups.size()
     table.insert(0, "protocol", protocols)
     return table.reset_index()
+
+
+def with_pretraining(table: pd.DataFrame, summaries: Iterable[tuple[str, int, dict]]) -> pd.DataFrame:
+    """``table`` (one row per (model, vocab)) with what each model's pretraining saw: ``pretrain_tokens`` and
+    ``data_passes`` (the training blocks read that many times; above 1 the data wrapped, and a curriculum order
+    restarted), from the run's ``summary.json``. ``summaries``: (model, vocab, summary) per pretrained run; a row
+    without one (the random-init baseline) gets NaN."""
+    seen = {(model, int(vocab)): s for model, vocab, s in summaries}
+    out = table.copy()
+    out["pretrain_tokens"] = [seen.get((m, int(v)), {}).get("tokens") for m, v in zip(out["model"], out["vocab"])]
+    out["data_passes"] = [seen.get((m, int(v)), {}).get("epochs_of_data") for m, v in zip(out["model"], out["vocab"])]
+    out["pretrain_tokens"] = out["pretrain_tokens"].astype("Int64")
+    out["data_passes"] = out["data_passes"].astype("float64")
+    return out
 
 
 def vocab_sweep_table(df: pd.DataFrame, *, exclude: Iterable[str] = ()) -> pd.DataFrame:
@@ -261,8 +277,9 @@ def glue_table_with_paper(
 
     A leading ``kind`` column says ``"ours"`` or ``"published"``. ``avg_paper_delta`` is, for our rows, our
     ``avg_paper`` minus the published ``avg_paper`` of ``reference_model`` (NaN for the published rows and for
-    our rows without an average). ``source`` and ``note`` cite the published rows. ``paper`` defaults to
-    :func:`paper_rows`; an unknown reference model, or one without a published average, raises ValueError.
+    our rows without an average); :func:`with_pretraining`'s columns, when ``ours`` has them, follow it.
+    ``source`` and ``note`` cite the published rows. ``paper`` defaults to :func:`paper_rows`; an unknown
+    reference model, or one without a published average, raises ValueError.
     """
     paper = paper_rows() if paper is None else paper
     matches = paper.loc[paper["model"] == reference_model, "avg_paper"]
@@ -281,10 +298,13 @@ def glue_table_with_paper(
 
     columns = list(ours.columns)
     columns.insert(columns.index("avg_paper") + 1, columns.pop(columns.index("avg_paper_delta")))
+    for offset, name in enumerate(("pretrain_tokens", "data_passes"), start=2):  # beside the delta, when there
+        if name in columns:
+            columns.insert(columns.index("avg_paper") + offset, columns.pop(columns.index(name)))
     columns += [c for c in published.columns if c not in columns]
     combined = combined[columns]
     # Integer columns of our table stay integers (nullable, missing for the published rows), not 2048.0.
-    for name in ("vocab", "n_seeds"):
+    for name in ("vocab", "n_seeds", "pretrain_tokens"):
         if name in combined and name in ours and pd.api.types.is_integer_dtype(ours[name]):
             combined[name] = combined[name].astype("Int64")
     return combined
