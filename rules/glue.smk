@@ -11,6 +11,7 @@ if GLUE_JOBS == "per_seed":
         input:
             checkpoint=checkpoint_of,
             data=GLUE_DATA,
+            warmup_data=warmup_data,  # glue protocol warmup_from_task: that task's data
         output:
             FINETUNE,
         log:
@@ -28,10 +29,11 @@ if GLUE_JOBS == "per_seed":
             protocol=protocol_json,
             precision=config["pretrain"]["precision"],
             checkpoint_dir=subpath(input.checkpoint, parent=True),
+            warmup=warmup_arg,
         shell:
             "python -m cramswarm finetune --checkpoint {params.checkpoint_dir} --task {wildcards.task} "
             "--data {input.data} --seed {wildcards.seed} --protocol {params.protocol:q} "
-            "--model {wildcards.model} --vocab {wildcards.vocab} --precision {params.precision} "
+            "--model {wildcards.model} --vocab {wildcards.vocab} --precision {params.precision} {params.warmup} "
             "--threads {threads} --quiet --out {output} > {log} 2>&1"
 
 else:
@@ -42,6 +44,7 @@ else:
         input:
             checkpoint=checkpoint_of,
             data=GLUE_DATA,
+            warmup_data=warmup_data,  # glue protocol warmup_from_task: that task's data
         output:
             expand(FINETUNE, seed=SEEDS, allow_missing=True),
         log:
@@ -59,12 +62,13 @@ else:
             protocol=protocol_json,
             precision=config["pretrain"]["precision"],
             checkpoint_dir=subpath(input.checkpoint, parent=True),
+            warmup=warmup_arg,
             seeds=" ".join(map(str, SEEDS)),
             cache="results/.cache/finetune/{source}/{model}/v{vocab}",
         shell:
             "python -m cramswarm finetune --checkpoint {params.checkpoint_dir} --task {wildcards.task} "
             "--data {input.data} --seed {params.seeds} --protocol {params.protocol:q} "
-            "--model {wildcards.model} --vocab {wildcards.vocab} --precision {params.precision} "
+            "--model {wildcards.model} --vocab {wildcards.vocab} --precision {params.precision} {params.warmup} "
             "--threads {threads} --quiet --cache-dir {params.cache} --out {output} > {log} 2>&1"
 
 
@@ -80,6 +84,7 @@ if GLUE_JOBS == "per_model":
         input:
             checkpoint=checkpoint_of,
             data=expand(GLUE_DATA, task=TASKS, allow_missing=True),
+            warmup_data=warmup_data,  # glue protocol warmup_from_task: that task's data
         output:
             expand(FINETUNE, task=TASKS, seed=SEEDS, allow_missing=True),
         log:
@@ -99,11 +104,12 @@ if GLUE_JOBS == "per_model":
             protocol=protocol_json,
             precision=config["pretrain"]["precision"],
             checkpoint_dir=subpath(input.checkpoint, parent=True),
+            warmup=warmup_arg,
             tasks=" ".join(TASKS),
             seeds=" ".join(map(str, SEEDS)),
             cache="results/.cache/finetune/{source}/{model}/v{vocab}",
         shell:
             "python -m cramswarm finetune --checkpoint {params.checkpoint_dir} --task {params.tasks} "
             "--data {input.data} --seed {params.seeds} --protocol {params.protocol:q} "
-            "--model {wildcards.model} --vocab {wildcards.vocab} --precision {params.precision} "
+            "--model {wildcards.model} --vocab {wildcards.vocab} --precision {params.precision} {params.warmup} "
             "--threads {threads} --quiet --cache-dir {params.cache} --out {output} > {log} 2>&1"

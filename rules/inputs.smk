@@ -86,6 +86,16 @@ def finetune_gpus(wildcards):
     return gpus(RUNS[wildcards.model]["glue"]["device"])
 
 
+def warmup_data(wildcards):
+    """The GLUE data whose train split sets every task's warmup (the protocol's warmup_from_task), or none."""
+    task = RUNS[wildcards.model]["glue"].get("warmup_from_task")
+    return [GLUE_DATA.format(source=wildcards.source, task=task)] if task else []
+
+
+def warmup_arg(wildcards, input):
+    return f"--warmup-data {input.warmup_data}" if input.warmup_data else ""
+
+
 # --- SWARM (rules/swarm.smk): the swarm's settings, the srun placement, the swarm_study experiments ----------------
 
 

@@ -59,3 +59,20 @@ def test_a_known_difference_must_name_a_setting(tmp_path):
     wrong.write_text(yaml.safe_dump(doc, sort_keys=False))
     with pytest.raises(ValueError, match="no such setting"):
         fidelity.reference(wrong)
+
+
+def test_the_references_warmup_quirk_reads_equal_when_the_option_is_on(repo, tmp_path):
+    """glue protocol warmup_from_task cola reproduces the reference's warmup, converted once on CoLA and reused for
+    every task; by default each task warms up for its own share, a documented difference."""
+    import yaml
+
+    shutil.copytree(repo / "config", tmp_path / "config")
+    overlay = tmp_path / "config" / "recipes" / "cramming-icml.yaml"
+    doc = yaml.safe_load(overlay.read_text())
+    doc.setdefault("glue", {}).setdefault("protocols", {}).setdefault("crammed", {})["warmup_from_task"] = "cola"
+    overlay.write_text(yaml.safe_dump(doc, sort_keys=False))
+    before = {(r["recipe"], r["setting"]): r for r in fidelity.rows(repo)}
+    after = {(r["recipe"], r["setting"]): r for r in fidelity.rows(tmp_path)}
+    assert before[("icml", "GLUE warmup per task")]["verdict"] != "equal"
+    assert after[("icml", "GLUE warmup per task")]["verdict"] == "equal"
+    assert after[("v1", "GLUE warmup per task")]["verdict"] == before[("v1", "GLUE warmup per task")]["verdict"]

@@ -72,6 +72,37 @@ def test_the_linear_schedule_decays_to_zero_after_its_warmup(checkpoint, sst2, t
     assert result["final_lr"] == pytest.approx(0.0, abs=1e-12)
 
 
+def test_the_references_warmup_from_its_first_task_is_an_option():
+    """glue protocol warmup_from_task: the Cramming reference converts its warmup once, on CoLA (8,551 train rows,
+    batch 16, 5 epochs: int(0.1 x 534 x 5) = 267 steps), and every later task reuses it."""
+    from cramswarm.glue.finetune import warmup_steps
+
+    paper = dict(warmup_fraction=0.1, batch_size=16, epochs=5)
+    rte_steps = math.ceil(2490 / 16) * 5
+    assert warmup_steps(paper, rte_steps) == int(0.1 * rte_steps) == 78  # the default: each task's own share
+    quirk = paper | {"warmup_from_task": "cola", "warmup_reference_rows": 8551}
+    assert warmup_steps(quirk, rte_steps) == warmup_steps(quirk, 10_000) == 267  # RTE: a third of its steps
+    with pytest.raises(ValueError, match="warmup_from_task cola: the task's train rows are unknown"):
+        warmup_steps(paper | {"warmup_from_task": "cola"}, rte_steps)
+
+
+def test_finetune_takes_the_warmup_tasks_rows_from_its_data(checkpoint, sst2, tmp_path):
+    """The command reads the warmup task's train rows (--warmup-data) and records them in each result's protocol:
+    320 CoLA rows in batches of 32 over 2 epochs give 10 warmup steps at fraction 0.5, so SST-2's 4 constant-schedule
+    steps end at 4/10 of the peak LR (its own share would be 2 steps, ending at the peak)."""
+    cola = tmp_path / "cola.parquet"
+    sources.write_glue({**SYNTHETIC, "synthetic": {**SYNTHETIC["synthetic"], "glue_train_examples": 320}}, "cola", cola)
+    proto = protocol("bert_checkpoint", warmup_fraction=0.5, warmup_from_task="cola")
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, "-m", "cramswarm", "finetune", "--checkpoint", str(checkpoint), "--task", "sst2",
+           "--data", str(sst2), "--seed", "0", "--protocol", json.dumps(proto), "--model", "m", "--vocab", "256",
+           "--precision", "fp32", "--warmup-data", str(cola), "--quiet", "--out", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+    result = json.loads(out.read_text())
+    assert result["protocol"]["warmup_reference_rows"] == 320 and result["steps"] == 4
+    assert result["final_lr"] == pytest.approx(proto["lr"] * 4 / 10)
+
+
 @pytest.mark.parametrize(
     "name,batch,final_lr",
     [("crammed", 16, 0.0), ("bert_checkpoint", 32, "peak")],

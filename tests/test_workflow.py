@@ -146,6 +146,14 @@ def test_changing_a_finetuning_value_reruns_finetuning_only(workdir):
     assert jobs == {"finetune_model": 4, "tables": 1, "figures": 1, "study_record": 1, "all": 1}
 
 
+def test_the_references_warmup_quirk_adds_its_tasks_data_and_reruns_finetuning_only(workdir):
+    overlay = workdir / "config" / "test" / "warmup.yaml"
+    overlay.write_text("glue:\n  protocols:\n    crammed:\n      warmup_from_task: cola\n")
+    jobs = planned_jobs(workdir, *TINY, str(overlay.relative_to(workdir)))
+    # CoLA's data (not one of the tiny study's tasks) sets the warmup of the 4 models on the crammed protocol
+    assert jobs == {"glue_data": 1, "finetune_model": 4, "tables": 1, "figures": 1, "study_record": 1, "all": 1}
+
+
 def test_switching_one_models_protocol_reruns_its_finetuning_only(workdir):
     overlay = workdir / "config" / "test" / "protocol.yaml"
     overlay.write_text("models:\n  no_pretrain:\n    glue_protocol: bert_checkpoint\n")

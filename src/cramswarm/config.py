@@ -425,9 +425,11 @@ def glue_protocol(cfg: dict, name: str | None = None) -> dict:
     the protocols entry plus its ``name`` and the settings shared by every protocol."""
     glue = cfg["glue"]
     name = name or glue["protocol"]
+    # an option left off (warmup_from_task null) is left out, so that studies from before it keep their params
+    entry = {k: v for k, v in glue["protocols"][name].items() if not (k == "warmup_from_task" and v is None)}
     return {
         "name": name,
-        **glue["protocols"][name],
+        **entry,
         "max_length_tokens": glue["max_length_tokens"],
         "device": glue["device"],
     }

@@ -25,13 +25,18 @@ PROTOCOL_HELP = "JSON of one fine-tuning protocol: a glue.protocols entry plus g
     arg("--out", nargs="+", required=True, help="result JSON per task and seed: every seed of the first task, then "
         "of the next"),
     arg("--cache-dir", help="keep each finished seed here and reuse it when the inputs are unchanged"),
+    arg("--warmup-data", help="the GLUE data of the protocol's warmup_from_task: its train rows set every task's "
+        "warmup"),
     arg("--threads", type=int, default=1),
     arg("--quiet", action="store_true", help="no progress bar"),
 )
 def finetune(args) -> int:
+    from cramswarm.data.sources import read_glue
     from cramswarm.glue.finetune import finetune_seeds
 
     tasks, seeds = args.task, args.seed
+    if args.warmup_data:  # recorded in the protocol each result holds
+        args.protocol = {**args.protocol, "warmup_reference_rows": len(read_glue(args.warmup_data, "train"))}
     if len(tasks) != len(args.data):
         raise SystemExit(f"cramswarm finetune: {len(tasks)} --task values but {len(args.data)} --data files")
     if len(tasks) * len(seeds) != len(args.out):

@@ -48,6 +48,7 @@ PROTOCOL_KEYS = (
     "max_length_tokens",
     "device",
 )
+WARMUP_KEYS = ("warmup_from_task", "warmup_reference_rows")  # optional: warmup_steps
 
 
 def encode(tok, task: str, rows: list[dict], max_length: int) -> list[list[int]]:
@@ -138,6 +139,21 @@ def predict(model, ids: list[list[int]], batch_size: int, precision: str, regres
     return out
 
 
+def warmup_steps(protocol: dict, total_steps: int) -> int:
+    """Warmup steps of a fine-tuning run of ``total_steps``: ``warmup_fraction`` of them, or, with
+    ``warmup_from_task``, of the steps that task's train split gives (``warmup_reference_rows`` rows in whole batches
+    of ``batch_size``, times ``epochs``), the same for every task. The Cramming reference converts its warmup once,
+    on its first task (CoLA: int(0.1 x 534 x 5) = 267), and reuses it for the rest: RTE then warms up for a third
+    of its steps and MNLI for 0.2 %."""
+    if not protocol.get("warmup_from_task"):
+        return int(protocol["warmup_fraction"] * total_steps)
+    rows = protocol.get("warmup_reference_rows")
+    if rows is None:
+        raise ValueError(f"glue protocol warmup_from_task {protocol['warmup_from_task']}: the task's train rows are "
+                         "unknown (finetune --warmup-data gives them)")
+    return int(protocol["warmup_fraction"] * (rows // protocol["batch_size"]) * protocol["epochs"])
+
+
 def finetune(
     checkpoint: str | Path,
     task: str,
@@ -176,7 +192,7 @@ def finetune(
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=protocol["lr"], betas=(0.9, 0.98), eps=1e-6, weight_decay=protocol["weight_decay"]
     )
-    warmup = int(protocol["warmup_fraction"] * total_steps)
+    warmup = warmup_steps(protocol, total_steps)
     if protocol["schedule"] == "cosine":
         scheduler = get_cosine_schedule_with_warmup(optimizer, warmup, total_steps)
     elif protocol["schedule"] == "linear":
@@ -222,7 +238,7 @@ def finetune(
         "task": task,
         "seed": seed,
         "scores": scores,
-        "protocol": {key: protocol[key] for key in ("name", *PROTOCOL_KEYS) if key in protocol},
+        "protocol": {key: protocol[key] for key in ("name", *PROTOCOL_KEYS, *WARMUP_KEYS) if key in protocol},
         "steps": total_steps,
         "final_lr": scheduler.get_last_lr()[0],
         "precision": precision,

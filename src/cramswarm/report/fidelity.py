@@ -14,6 +14,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+TASK_LABELS = {"cola": "CoLA", "sst2": "SST-2", "mrpc": "MRPC", "qqp": "QQP", "stsb": "STS-B", "mnli": "MNLI",
+               "qnli": "QNLI", "rte": "RTE", "wnli": "WNLI"}  # the papers' names of the GLUE tasks
+
 REFERENCE_FILE = Path(__file__).with_name("fidelity_reference.yaml")
 
 # (recipe, overlay files after config/config.yaml)
@@ -95,7 +98,9 @@ def _view(cfg: dict) -> dict:
     view["data.cap"] = data.get("max_sequences")
     view["data.documents"] = cfg["hub"]["corpus"][0]["max_documents"]
     view["precision.crammed"] = r["precision"]
-    view["glue.warmup_per_task"] = "each task's own share of its steps"  # cramswarm.glue.finetune
+    warmup_task = p.get("warmup_from_task")  # cramswarm.glue.finetune.warmup_steps
+    view["glue.warmup_per_task"] = (f"{TASK_LABELS[warmup_task]}'s warmup steps reused for every task" if warmup_task
+                                    else "each task's own share of its steps")
     view["glue.batching"] = "length-bucketed, last partial batch kept"
     view["data.baselines"] = view["hub.corpus.0.path"]
     view["packing.block_tokens"] = cfg["packing"]["block_tokens"]
