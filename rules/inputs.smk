@@ -48,13 +48,6 @@ def filter_args(wildcards):
     )
 
 
-# --- Stage 2, tokenizers (rules/tokenizers.smk) --------------------------------------------------------------------
-
-
-def vocab_size(wildcards):
-    return int(wildcards.vocab)
-
-
 # --- Stage 3, pretraining (rules/pretrain.smk): the LR taken from a sweep ------------------------------------------
 
 
