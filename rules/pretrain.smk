@@ -8,7 +8,7 @@ rule pack_corpus:
         corpus=corpus_variant,
         tokenizer=TOKENIZER,
     output:
-        blocks=PACKED,
+        blocks=PACKED if config["data"]["keep_packed"] else temp(PACKED),  # data.keep_packed
         report="results/packed/{corpus}/{filters}/{family}-v{vocab}/packed.report.json",
     log:
         "logs/pack/{corpus}/{filters}/{family}-v{vocab}.log",

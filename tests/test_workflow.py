@@ -367,3 +367,16 @@ def test_claims_target_writes_a_verdict_per_claim_from_the_files(workdir):
     available = pd.read_csv(out / "claims.csv", dtype=str, keep_default_na=False).set_index("id")
     assert available.loc["S3", "verdict"] == NOT_RUN
     assert available.drop(index="S3")["verdict"].equals(table.drop(index="S3")["verdict"])
+
+
+def test_packed_files_are_deleted_once_ordered_when_not_kept(tmp_path):
+    """data.keep_packed false: the packed file (the blocks before ordering) is a temp() output, gone once its order
+    is written; the ordered blocks and the packing report stay."""
+    work = copy_workflow(tmp_path)
+    overlay = work / "config" / "test" / "drop_packed.yaml"
+    overlay.write_text("data:\n  keep_packed: false\n")
+    packed = work / "results" / "packed" / "synthetic" / "raw" / "wordpiece-v128"
+    snakemake(work, "--cores", "2", str((packed / "random" / "blocks.npy").relative_to(work)), *TINY,
+              str(overlay.relative_to(work)))
+    assert (packed / "random" / "blocks.npy").is_file() and (packed / "packed.report.json").is_file()
+    assert not (packed / "packed.npy").exists()
