@@ -20,9 +20,11 @@ rule corpus:
         runtime=data_runtime,
     params:
         spec=corpus_spec_json,
+        # a hub stream's progress, so that a killed job resumes: outside the outputs (Snakemake deletes those)
+        state_dir="results/.state/corpus/{corpus}",
     shell:
         "python -m cramswarm corpus --source-spec {params.spec:q} --out {output.corpus} "
-        "--report {output.report} > {log} 2>&1"
+        "--report {output.report} --state-dir {params.state_dir} > {log} 2>&1"
 
 
 rule filter_corpus:

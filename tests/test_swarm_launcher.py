@@ -197,15 +197,12 @@ def test_a_seconds_budget_under_the_launcher_ends_at_its_deadline_and_loses_no_m
 def test_swarm_pretrain_under_the_launcher_trains_from_the_blocks_file_to_a_seconds_budget(tiny_run):
     """The rule's path end to end: the trainers read the packed blocks file and mask their microbatches
     themselves, until the deadline; the checkpoint and summary are written, the state folder goes."""
-    import yaml
+    from swarm_helpers import schema_swarm
 
-    from cramswarm.config import DEFAULT_SCHEMA
     from cramswarm.swarm.train import swarm_pretrain
 
     tmp_path, tok_path = tiny_run
-    keys = yaml.safe_load(Path(DEFAULT_SCHEMA).read_text())["properties"]["swarm"]["properties"]
-    swarm = {key: spec["default"] for key, spec in keys.items()} | {
-        "transport": "hivemind", "stages": 2, "peers_per_stage": 1, "trainers": 2, "forward_timeout_s": 5.0}
+    swarm = schema_swarm(transport="hivemind", stages=2, peers_per_stage=1, trainers=2, forward_timeout_s=5.0)
     rec = recipe(budget={"unit": "seconds", "value": 15.0})
     summary = swarm_pretrain(rec, ARCH | {"layers": 2}, swarm, tmp_path / "blocks.npy", tok_path, tmp_path / "out",
                              progress=False, rendezvous=tmp_path / "rendezvous", impl=impl())

@@ -5,6 +5,8 @@ Options that mirror config keys take the schema's defaults (:func:`cramswarm.con
 
 from __future__ import annotations
 
+import json
+
 from cramswarm.cli import arg, command, json_arg, report
 from cramswarm.config import schema_default
 
@@ -30,11 +32,19 @@ def memory_cap():
     SOURCE_SPEC,
     OUT,
     REPORT,
+    arg("--state-dir", help="hub source: where the stream's progress and written parts are kept, so that a killed "
+        "job resumes (outside the outputs; removed at the end)"),
 )
 def corpus(args) -> int:
-    from cramswarm.data.sources import corpus_documents, write_corpus
+    from cramswarm.data import hub
+    from cramswarm.data.sources import corpus_documents, write_corpus, write_corpus_resumable
 
-    counts = write_corpus(corpus_documents(args.source_spec), args.out)
+    spec = args.source_spec
+    if spec["source"] == "hub" and args.state_dir:
+        stream = lambda state: hub.CorpusStream(spec["hub"]["corpus"], spec["hub"]["mirror"], state)  # noqa: E731
+        counts = write_corpus_resumable(stream, args.out, args.state_dir, json.dumps(spec, sort_keys=True))
+    else:  # the synthetic corpus is made again in seconds
+        counts = write_corpus(corpus_documents(spec), args.out)
     report(args.report, {"source": args.source_spec["source"], **counts})
     return 0
 

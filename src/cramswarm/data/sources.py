@@ -8,15 +8,17 @@ of file: ``corpus.parquet`` (one ``text`` column) and ``glue/<task>.parquet`` (t
 from __future__ import annotations
 
 import math
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from cramswarm.data.stream import CorpusWriter
+from cramswarm.data.stream import SCHEMA, CorpusWriter
 from cramswarm.glue_tasks import get_task
-from cramswarm.io import atomic_path
+from cramswarm.io import atomic_path, read_json, write_json
 
 
 def corpus_documents(cfg: dict) -> Iterator:
@@ -61,22 +63,85 @@ def write_corpus(documents: Iterable, out: str | Path) -> dict:
     documents with invalid UTF-8 are kept with U+FFFD replacement characters and counted; each count above
     zero also appears in the report's ``warnings``. No document at all is an error (and no file is written).
     """
-    empty = not_text = repaired = 0
+    counts = dict.fromkeys(DROP_COUNTS, 0)
     with CorpusWriter(out) as writer:
         for doc in documents:
-            text, fixed = as_text(doc)
-            if text is None:
-                not_text += 1
-                continue
-            if not text.strip():
-                empty += 1
-                continue
-            repaired += fixed
-            writer.write(text)
-        if writer.documents == 0:
-            raise ValueError(
-                f"the corpus is empty: no non-empty documents ({empty} empty ones, {not_text} not text) for {out}"
-            )
+            _take(doc, writer, counts)
+        _refuse_empty(writer.documents, counts, out)
+    return _report(counts | {"documents": writer.documents, "characters": writer.characters})
+
+
+# A streamed corpus is written in parts of this many row groups (at most MAX_ROW_GROUP_DOCUMENTS documents each):
+# what a killed corpus job streams again.
+PART_ROW_GROUPS = 25
+DROP_COUNTS = ("empty_documents_dropped", "non_text_dropped", "invalid_utf8_repaired")
+
+
+def write_corpus_resumable(stream: Callable[[dict | None], object], out: str | Path, state_dir: str | Path,
+                           key: str) -> dict:
+    """:func:`write_corpus` for a stream that can resume (``stream(state)``: a
+    :class:`cramswarm.data.hub.CorpusStream` from ``state``, None for its start), with the same file and counts.
+
+    The documents go to parts of :data:`PART_ROW_GROUPS` row groups in ``state_dir`` (outside the outputs), and after
+    each part ``progress.json`` records the parts, the counts and the stream's state. A job killed mid-stream and
+    started again with the same ``key`` (its source spec) continues after the last recorded part. The parts end on
+    row-group boundaries, so ``out`` has the row groups one uninterrupted pass writes; ``state_dir`` goes at the end.
+    """
+    state_dir = Path(state_dir)
+    progress_path = state_dir / "progress.json"
+    progress = read_json(progress_path) if progress_path.is_file() else None
+    if progress is None or progress.get("key") != key:
+        shutil.rmtree(state_dir, ignore_errors=True)
+        progress = {"key": key, "parts": 0, "stream": None,
+                    "counts": dict.fromkeys((*DROP_COUNTS, "documents", "characters"), 0)}
+    elif progress["parts"]:
+        print(f"resuming the corpus after {progress['parts']} parts ({progress['counts']['documents']:,} "
+              f"documents) from {state_dir}", flush=True)
+    counts, source = progress["counts"], stream(progress["stream"])
+    documents, finished = iter(source), False
+    while not finished:
+        finished = True
+        with CorpusWriter(state_dir / f"part-{progress['parts']:05d}.parquet") as writer:
+            for doc in documents:
+                _take(doc, writer, counts)
+                if writer.row_groups >= PART_ROW_GROUPS and writer.between_row_groups:
+                    finished = False
+                    break
+        counts["documents"] += writer.documents
+        counts["characters"] += writer.characters
+        progress = progress | {"parts": progress["parts"] + 1, "stream": source.state(), "counts": counts}
+        write_json(progress_path, progress)
+    _refuse_empty(counts["documents"], counts, out)
+    with atomic_path(out) as tmp, pq.ParquetWriter(tmp, SCHEMA) as joined:
+        for part in range(progress["parts"]):
+            reader = pq.ParquetFile(state_dir / f"part-{part:05d}.parquet")
+            for group in range(reader.num_row_groups):
+                joined.write_table(reader.read_row_group(group))
+    shutil.rmtree(state_dir)
+    return _report(counts)
+
+
+def _take(doc, writer: CorpusWriter, counts: dict) -> None:
+    """One document into ``writer``, or counted as dropped (``counts``, :data:`DROP_COUNTS`)."""
+    text, fixed = as_text(doc)
+    if text is None:
+        counts["non_text_dropped"] += 1
+        return
+    if not text.strip():
+        counts["empty_documents_dropped"] += 1
+        return
+    counts["invalid_utf8_repaired"] += fixed
+    writer.write(text)
+
+
+def _refuse_empty(documents: int, counts: dict, out) -> None:
+    if documents == 0:
+        raise ValueError(f"the corpus is empty: no non-empty documents ({counts['empty_documents_dropped']} empty "
+                         f"ones, {counts['non_text_dropped']} not text) for {out}")
+
+
+def _report(counts: dict) -> dict:
+    empty, not_text, repaired = (counts[k] for k in DROP_COUNTS)
     warnings = [
         message
         for count, message in (
@@ -87,11 +152,11 @@ def write_corpus(documents: Iterable, out: str | Path) -> dict:
         if count
     ]
     return {
-        "documents": writer.documents,
+        "documents": counts["documents"],
         "empty_documents_dropped": empty,
         "non_text_dropped": not_text,
         "invalid_utf8_repaired": repaired,
-        "characters": writer.characters,
+        "characters": counts["characters"],
         "warnings": warnings,
     }
 

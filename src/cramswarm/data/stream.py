@@ -134,7 +134,7 @@ class CorpusWriter:
 
     def __init__(self, out: str | Path, max_chars: int = ROW_GROUP_CHARS):
         self.out, self.max_chars = Path(out), max_chars
-        self.documents = self.characters = 0
+        self.documents = self.characters = self.row_groups = 0
         self._chunk: list[str] = []
         self._size = 0
 
@@ -155,6 +155,12 @@ class CorpusWriter:
         if self._chunk:
             self._writer.write_table(pa.table({"text": self._chunk}, schema=SCHEMA))
             self._chunk, self._size = [], 0
+            self.row_groups += 1
+
+    @property
+    def between_row_groups(self) -> bool:
+        """Whether every document written so far is in a flushed row group (none waiting for the next)."""
+        return not self._chunk
 
     def __exit__(self, exc_type, exc, tb):
         try:
