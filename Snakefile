@@ -57,6 +57,13 @@ rule glue:
         GLUE_PAPER_TABLES,
 
 
+rule apart:
+    """The models kept out of the study (models.<name>.study: false), each pretrained and fine-tuned, in their own
+    GLUE table (results/tables/<source>/glue_apart.{csv,md})."""
+    input:
+        APART_TABLES if APART_RUNS else [],
+
+
 rule ablation_vocab:
     """Figure 3: GLUE average and MNLI vs vocab size (the vocab-sweep models at every tokenizer.vocab_sizes)."""
     input:

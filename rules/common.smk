@@ -61,8 +61,13 @@ COMPUTED = {
     **{part: {k: v for k, v in config[part].items() if k != "impl"} for part in ("pretrain", "swarm")},
 }
 
-# (model, vocab) pairs of the study (`all`): every model at the main vocab size.
-STUDY_RUNS = [(name, MAIN_VOCAB) for name in MODELS]
+# (model, vocab) pairs of the study (`all`): every model at the main vocab size, but those kept apart (study: false:
+# the named target `apart`)
+STUDY_RUNS = [(name, MAIN_VOCAB) for name in MODELS if MODELS[name]["study"]]
+APART_RUNS = [(name, MAIN_VOCAB) for name in MODELS if not MODELS[name]["study"]]
+APART_TABLES = [
+    f"results/tables/{SOURCE}/glue_apart{end}" for end in (".csv", ".md", "_paper.csv", "_paper.md", "_paper.tex")
+]
 # ... and of the vocab sweep (`ablation_vocab`, Figure 3): the vocab-sweep models at every size, and the random-init
 # baselines at the main size (the figure's reference line).
 SWEEP_RUNS = [(name, vocab) for name in MODELS for vocab in VOCABS if MODELS[name]["vocab_sweep"]] + [

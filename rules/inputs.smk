@@ -137,8 +137,9 @@ def pretrain_logs(wildcards=None):
     return [f"{checkpoint_dir(m, v)}/train_log.csv" for m, v in STUDY_RUNS if MODELS[m]["pretrain"]]
 
 
-# [model, vocab, summary.json] of the study's pretrained runs: the GLUE table's tokens and passes over the data
-PRETRAINING = [[m, v, f"{checkpoint_dir(m, v)}/summary.json"] for m, v in STUDY_RUNS if MODELS[m]["pretrain"]]
+def pretraining(runs):
+    """[model, vocab, summary.json] of the pretrained runs among `runs`: a GLUE table's tokens and data passes."""
+    return [[m, v, f"{checkpoint_dir(m, v)}/summary.json"] for m, v in runs if MODELS[m]["pretrain"]]
 
 
 # --- Stage 6, ablations (rules/ablations.smk): each study's runs and the data table's stage reports ----------------

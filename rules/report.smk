@@ -5,6 +5,7 @@
 # Seconds of work on the submit host rather than sbatch jobs of their own (with --executor slurm).
 localrules:
     tables,
+    tables_apart,
     figures,
     vocab_sweep,
     study_record,
@@ -18,7 +19,7 @@ rule tables:
     (CSV, Markdown, LaTeX)."""
     input:
         results=finetune_results,
-        summaries=[path for _, _, path in PRETRAINING],  # tokens and passes over the data, beside the delta
+        summaries=[path for _, _, path in pretraining(STUDY_RUNS)],  # tokens and passes over the data, by the delta
     output:
         table(GLUE_TABLES[0], "Cramming", "GLUE (Tables 3/4)"),
         GLUE_TABLES[1],
@@ -35,10 +36,24 @@ rule tables:
     params:
         glue_stem=subpath(output[0], strip_suffix=".csv"),  # GLUE_TABLES[0]
         paper_reference=config["glue"]["paper_reference"],
-        pretraining=json.dumps(PRETRAINING),
+        pretraining=json.dumps(pretraining(STUDY_RUNS)),
     shell:
         "python -m cramswarm tables --results {input.results} --out-stem {params.glue_stem} "
         "--paper-reference '{params.paper_reference}' --pretraining {params.pretraining:q} > {log} 2>&1"
+
+
+use rule tables as tables_apart with:
+    input:
+        results=finetune_results(runs=APART_RUNS),
+        summaries=[path for _, _, path in pretraining(APART_RUNS)],
+    output:
+        APART_TABLES,
+    log:
+        f"logs/report/{SOURCE}/tables_apart.log",
+    benchmark:
+        f"results/benchmarks/tables/{SOURCE}/tables_apart.tsv"
+    params:
+        pretraining=json.dumps(pretraining(APART_RUNS)),
 
 
 rule vocab_sweep:
@@ -168,8 +183,7 @@ rule claims_table:
 
 
 rule claims_available:  # no input or output: runs whenever asked, on whatever results exist
-    """The claims table from the results already on disk, every claim whose inputs are absent marked not run
-    (the same files as claims_table, without running any experiment)."""
+    """claims_table's files from the results already on disk (a claim without its inputs: not run), no experiment."""
     log:
         f"logs/report/{SOURCE}/claims_available.log",
     conda:

@@ -174,6 +174,13 @@ def test_invalid_values_name_the_key(repo, default, path, value, expected):
         assert text in str(err.value)
 
 
+def test_a_study_needs_one_model_in_it(repo, default):
+    for model in default["models"].values():
+        model["study"] = False
+    with pytest.raises(ConfigError, match="'models': at least one model needs study: true"):
+        check(default, repo)
+
+
 def test_narrowing_compression_needs_a_boundary_on_either_transport(repo, default):
     for transport in ("emulation", "hivemind"):
         cfg = mutate(mutate(default, ("swarm", "compression"), "bottleneck4"), ("swarm", "transport"), transport)

@@ -154,6 +154,19 @@ def test_the_references_warmup_quirk_adds_its_tasks_data_and_reruns_finetuning_o
     assert jobs == {"glue_data": 1, "finetune_model": 4, "tables": 1, "figures": 1, "study_record": 1, "all": 1}
 
 
+def test_a_model_kept_apart_leaves_the_study_for_its_own_target(workdir):
+    overlay = workdir / "config" / "test" / "apart.yaml"
+    overlay.write_text("models:\n  swarm:\n    study: false\n")
+    args = (*TINY, str(overlay.relative_to(workdir)))
+    # the study's table and figures are made again without it; nothing is trained again
+    assert planned_jobs(workdir, *args) == {"tables": 1, "figures": 1, "study_record": 1, "all": 1}
+    # its own target: its run and fine-tuning are there already, so only its own table
+    assert planned_jobs(workdir, "apart", *args) == {"tables_apart": 1, "apart": 1}
+    snakemake(workdir, "--cores", "1", "apart", *args)
+    apart = pd.read_csv(workdir / "results" / "tables" / "synthetic" / "glue_apart.csv")
+    assert apart["model"].tolist() == ["swarm"] and apart["pretrain_tokens"].notna().all()
+
+
 def test_switching_one_models_protocol_reruns_its_finetuning_only(workdir):
     overlay = workdir / "config" / "test" / "protocol.yaml"
     overlay.write_text("models:\n  no_pretrain:\n    glue_protocol: bert_checkpoint\n")

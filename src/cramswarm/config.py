@@ -290,6 +290,8 @@ def _semantic_errors(cfg: dict, base_dir: Path, schema: dict) -> list[str]:
             errors.append(f"config key '{where}': {name!r} is not in glue.protocols ({', '.join(protocols)})")
     if not any(m["pretrain"] for m in cfg["models"].values()):
         errors.append("config key 'models': at least one model needs pretrain: true")
+    if not any(m["study"] for m in cfg["models"].values()):
+        errors.append("config key 'models': at least one model needs study: true (the study's table is of them)")
     rebalancing = cfg["swarm_study"]["rebalancing"]
     if rebalancing["starved_stage"] >= rebalancing["stages"]:
         errors.append(f"config key 'swarm_study.rebalancing.starved_stage': stage {rebalancing['starved_stage']} "
