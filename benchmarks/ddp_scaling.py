@@ -76,6 +76,7 @@ def main() -> int:
     import torch.distributed as dist
 
     from cramswarm.config import load_config
+    from cramswarm.impl import computed
 
     if not (dist.is_available() and dist.is_gloo_available()):
         raise SystemExit("torch.distributed with gloo is unavailable")
@@ -84,9 +85,10 @@ def main() -> int:
                  max_positions=args.seq)  # fmt: skip
     arch = cfg["models"]["crammed"]["arch"] | shape
     tokens = args.steps * args.batch * args.seq
-    computes = {k: v for k, v in cfg["pretrain"].items() if k != "impl"}  # how it runs: run()'s --impl
-    recipe = computes | dict(budget={"unit": "tokens", "value": tokens}, micro_batch_sequences=args.micro,
-                             batch_sequences=args.batch, precision="bf16", eval_blocks=0, warmup_fraction=0.0)
+    # what the runs compute (how they run: run()'s --impl)
+    recipe = computed(cfg["pretrain"]) | dict(budget={"unit": "tokens", "value": tokens},
+                                              micro_batch_sequences=args.micro, batch_sequences=args.batch,
+                                              precision="bf16", eval_blocks=0, warmup_fraction=0.0)
     results: dict[int, list[dict]] = {1: [], 2: []}
     with tempfile.TemporaryDirectory(prefix="ddp-scaling-") as tmp:
         folder = Path(tmp)

@@ -22,6 +22,7 @@ from cramswarm.config import (
     swarm_study_model,
     validate_config,
 )
+from cramswarm.impl import computed
 from cramswarm.glue_tasks import TASK_NAMES
 
 try:
@@ -56,10 +57,7 @@ PRETRAIN_IMPL = json.dumps(IMPL, sort_keys=True, separators=(",", ":"))  # compa
 SWARM_IMPL = json.dumps(config["swarm"]["impl"], sort_keys=True, separators=(",", ":"))
 # The config less its impl sections: what the study computed, as its record holds it (each summary.json holds its
 # run's impl)
-COMPUTED = {
-    **config,
-    **{part: {k: v for k, v in config[part].items() if k != "impl"} for part in ("pretrain", "swarm")},
-}
+COMPUTED = {**config, "pretrain": computed(config["pretrain"]), "swarm": computed(config["swarm"])}
 
 # (model, vocab) pairs of the study (`all`): every model at the main vocab size, but those kept apart (study: false:
 # the named target `apart`)

@@ -93,13 +93,14 @@ def warmup_arg(wildcards, input):
 
 
 def swarm_json(wildcards):
-    """What the swarm computes (swarm less its impl, which reaches the command as SWARM_IMPL)."""
-    return json.dumps({k: v for k, v in config["swarm"].items() if k != "impl"}, sort_keys=True)
+    """What the swarm computes (its impl reaches the command as the resource SWARM_IMPL)."""
+    return json.dumps(computed(config["swarm"]), sort_keys=True)
 
 
-# swarm.impl.placement srun: one SLURM job of SWARM_TASKS (stages x peers_per_stage) tasks, one CPU per stage peer across
-# nodes; the launcher runs in its batch step and starts every process as its own srun job step (--overlap; `mpi`: it
-# calls srun itself). Threads - srun: one CPU per task; the emulation: one process; hivemind here: its processes.
+# swarm.impl.placement srun: one SLURM job of SWARM_TASKS (stages x peers_per_stage) tasks, one CPU per stage peer
+# across nodes; the launcher runs in its batch step and starts every process as its own srun job step (--overlap;
+# `mpi`: it calls srun itself). Threads - srun: one CPU per task; the emulation: one process; hivemind here: its
+# processes.
 SWARM_SRUN = config["swarm"]["impl"]["placement"] == "srun"
 SWARM_THREADS = 1 if SWARM_SRUN or config["swarm"]["transport"] == "emulation" else 2
 SWARM_SLURM = {"tasks": SWARM_TASKS, "mpi": "srun"} if SWARM_SRUN else {}

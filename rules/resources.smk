@@ -1,6 +1,7 @@
 # The resources every job rule asks a cluster for (mem_mb, runtime), estimated from the config. Included by the
-# Snakefile after common.smk (whose names it uses) and before the rule files (which call it). Every job rule declares `mem_mb` (MB, sbatch --mem) and `runtime` (minutes, sbatch --time) with the functions
-# below: they read the config and the wildcards, the arithmetic (rates, floors, margins) is cramswarm.resources.
+# Snakefile after common.smk (whose names it uses) and before the rule files (which call it). Every job rule
+# declares `mem_mb` (MB, sbatch --mem) and `runtime` (minutes, sbatch --time) with the functions below: they read
+# the config and the wildcards, the arithmetic (rates, floors, margins) is cramswarm.resources.
 # profiles/slurm adds only site values (partition, account, GPUs). A site that knows better sets a rule's values in
 # a copy of profiles/slurm (set-resources: <rule>: {runtime: ..., mem_mb: ...}), which takes precedence over these.
 from cramswarm import resources as est

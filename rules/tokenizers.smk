@@ -20,7 +20,8 @@ rule train_tokenizer:
         mem_mb=tokenizer_mem_mb,
         runtime=data_runtime,
     params:
-        vocab=lambda wildcards: int(wildcards.vocab),  # a param, not only a wildcard, so the between-workflow cache hashes it
+        # a param, not only a wildcard, so the between-workflow cache hashes it
+        vocab=lambda wildcards: int(wildcards.vocab),
         family=lambda wildcards: wildcards.family,
         min_frequency=config["tokenizer"]["min_frequency"],
         case="" if config["tokenizer"]["lowercase"] else "--cased",

@@ -15,7 +15,7 @@ from typing import Any, Iterable
 import yaml
 from jsonschema import Draft202012Validator, validators
 
-from cramswarm.impl import PRETRAIN_IMPL_KEYS, SWARM_IMPL_KEYS
+from cramswarm.impl import PRETRAIN_IMPL_KEYS, SWARM_IMPL_KEYS, computed
 
 
 def _repo_root() -> Path:
@@ -418,8 +418,7 @@ def corpus_spec(cfg: dict, name: str) -> dict:
 def model_recipe(cfg: dict, name: str) -> dict:
     """What model ``name``'s pretraining computes: ``pretrain`` (less its ``impl``) with the model's ``recipe``
     overrides."""
-    recipe = {k: v for k, v in cfg["pretrain"].items() if k != "impl"}
-    return deep_merge(recipe, cfg["models"][name]["recipe"])
+    return deep_merge(computed(cfg["pretrain"]), cfg["models"][name]["recipe"])
 
 
 def glue_protocol(cfg: dict, name: str | None = None) -> dict:
@@ -427,11 +426,9 @@ def glue_protocol(cfg: dict, name: str | None = None) -> dict:
     the protocols entry plus its ``name`` and the settings shared by every protocol."""
     glue = cfg["glue"]
     name = name or glue["protocol"]
-    # an option left off (warmup_from_task null) is left out, so that studies from before it keep their params
-    entry = {k: v for k, v in glue["protocols"][name].items() if not (k == "warmup_from_task" and v is None)}
     return {
         "name": name,
-        **entry,
+        **glue["protocols"][name],
         "max_length_tokens": glue["max_length_tokens"],
         "device": glue["device"],
     }

@@ -24,8 +24,6 @@ from cramswarm.impl import PretrainImpl
 RENDEZVOUS_PORT = 29500  # multi-node: the c10d rendezvous port on the allocation's first host
 
 
-
-
 def launched() -> bool:
     """Whether this process was started by torch's launcher (it sets WORLD_SIZE and LOCAL_RANK)."""
     return "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ

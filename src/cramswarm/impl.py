@@ -1,10 +1,10 @@
 """How a run executes, apart from what it computes: the ``impl`` sections of the config.
 
 ``pretrain.impl`` and ``swarm.impl`` hold the settings that may change a run's speed, where its processes start and
-how often it logs or saves, never its result. The workflow hands them to the commands outside the rules' params
+how often it logs or saves, never its result. The workflow hands them to the commands as rule resources, not params
 (rules/common.smk, ``PRETRAIN_IMPL`` and ``SWARM_IMPL``), so changing one reruns nothing, and no resume fingerprint
 holds them, so a saved state resumes under other values. Everything else in ``pretrain`` and ``swarm`` is what the
-run computes: it reaches the params and the fingerprints.
+run computes (:func:`computed`): it reaches the params and the fingerprints.
 """
 
 from __future__ import annotations
@@ -20,6 +20,11 @@ SWARM_IMPL_KEYS = (
     "give_up_after_s", "launcher_grace_s", "placement", "host", "interface", "srun_args", "checkpoint_every_s",
     "startup_timeout_s",
 )  # fmt: skip
+
+
+def computed(section: dict) -> dict:
+    """What a ``pretrain`` or ``swarm`` section computes: the section less its ``impl``."""
+    return {key: value for key, value in section.items() if key != "impl"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,11 +51,6 @@ class PretrainImpl:
         if unknown:
             raise ValueError(f"pretrain.impl: unknown keys {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         return cls(**(values or {}))
-
-    @property
-    def processes(self) -> int:
-        """Data-parallel processes of a run: devices per node x nodes."""
-        return self.devices * self.nodes
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -158,11 +158,10 @@ def with_pretraining(table: pd.DataFrame, summaries: Iterable[tuple[str, int, di
     restarted), from the run's ``summary.json``. ``summaries``: (model, vocab, summary) per pretrained run; a row
     without one (the random-init baseline) gets NaN."""
     seen = {(model, int(vocab)): s for model, vocab, s in summaries}
+    rows = [seen.get((m, int(v)), {}) for m, v in zip(table["model"], table["vocab"])]
     out = table.copy()
-    out["pretrain_tokens"] = [seen.get((m, int(v)), {}).get("tokens") for m, v in zip(out["model"], out["vocab"])]
-    out["data_passes"] = [seen.get((m, int(v)), {}).get("epochs_of_data") for m, v in zip(out["model"], out["vocab"])]
-    out["pretrain_tokens"] = out["pretrain_tokens"].astype("Int64")
-    out["data_passes"] = out["data_passes"].astype("float64")
+    out["pretrain_tokens"] = pd.array([row.get("tokens") for row in rows], dtype="Int64")
+    out["data_passes"] = np.array([row.get("epochs_of_data", np.nan) for row in rows], dtype="float64")
     return out
 
 

@@ -20,7 +20,6 @@ from cramswarm.swarm_study.common import torch_threads, write_csv
 COMPRESSION_CONFIGS = ("none", "fp16", "blockwise8", "bottleneck2", "maxout2")
 
 
-
 class _CompressedPipeline(torch.nn.Module):
     """The stages of a split model run in one process with a compressor between consecutive stages."""
 

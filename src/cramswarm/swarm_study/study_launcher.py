@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from cramswarm.impl import computed
+
 VOCAB = 128        # the toy language's vocabulary (ids 5-20 used)
 SEQ_TOKENS = 64    # tokens per sequence of the study's swarm
 HIDDEN = 64        # hidden size of the study's toy model (2 heads, FFN 2 x hidden)
@@ -50,9 +52,9 @@ def toy_arch(hidden: int, layers: int, seq_len: int = SEQ_TOKENS) -> dict:
 def toy_recipe(micro: int, batch_micro: int, budget: dict) -> dict:
     """The default config's ``pretrain`` recipe (less its impl) with ``micro`` sequences per microbatch,
     ``batch_micro`` microbatches per global batch, ``budget``, a constant LR of 3e-3, bf16."""
-    computes = {k: v for k, v in _default_config()["pretrain"].items() if k != "impl"}
-    return computes | dict(budget=budget, micro_batch_sequences=micro, batch_sequences=batch_micro * micro, lr=3e-3,
-                           batch_ramp_fraction=0.0, warmup_fraction=0.0, precision="bf16")
+    return computed(_default_config()["pretrain"]) | dict(
+        budget=budget, micro_batch_sequences=micro, batch_sequences=batch_micro * micro, lr=3e-3,
+        batch_ramp_fraction=0.0, warmup_fraction=0.0, precision="bf16")
 
 
 def lost_microbatches(state_dir: Path, trainers: int) -> tuple[int, int]:
