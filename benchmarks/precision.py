@@ -12,9 +12,10 @@ features torch reports, and what ``precision: auto`` chose here and why; ``vs_fp
 fp32 row's. ``--also-avx2`` repeats every measurement in a child process with torch's and oneDNN's kernels
 capped at AVX2 (``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2``), which is how an AVX512 CPU shows what a
 CPU without native bf16 does, in the same run. ``--out`` writes the CSV that docs/benchmarks.md renders
-(``python -m cramswarm docs``):
+(``python -m cramswarm docs``); ``--record`` appends the run's ratios to the measured history
+(``results/readme/history/benchmarks.csv``, page ``docs/history/benchmarks.md``):
 
-    python benchmarks/precision.py --also-avx2 --out results/readme/precision_cpu.csv
+    python benchmarks/precision.py --also-avx2 --out results/readme/precision_cpu.csv --record
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import argparse
 import csv
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -111,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--also-avx2", action="store_true", help="repeat with kernels capped at AVX2 (child process)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON (what the child hands back)")
     parser.add_argument("--out", help="CSV to write (e.g. results/readme/precision_cpu.csv)")
+    parser.add_argument("--record", action="store_true", help="append the run to the measured history "
+                        "(results/readme/history/benchmarks.csv) and redraw docs/history/benchmarks.md")
     args = parser.parse_args(argv)
 
     rows = measure(args)
@@ -136,7 +140,25 @@ def main(argv: list[str] | None = None) -> int:
             writer.writeheader()
             writer.writerows(rows)
         print(f"wrote {args.out}")
+    if args.record:
+        record(rows, argv)
     return 0
+
+
+def record(rows: list[dict], argv: list[str] | None) -> None:
+    """Append this run to the benchmarks history: bf16 / fp32 per capability and measure."""
+    from cramswarm.report.docs import record_measurement
+
+    parts = []
+    for capability in dict.fromkeys(row["capability"] for row in rows):
+        mine = [row for row in rows if row["capability"] == capability and row["precision"] == "bf16"]
+        ratios = ", ".join(f"{row['measure']} {float(row['vs_fp32']):.3g}×" for row in mine)
+        parts.append(f"{capability}: {ratios} (`precision: auto` chooses {mine[0]['auto_chooses'].split()[0]})")
+    args = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--record"]
+    command = shlex.join(["python", "benchmarks/precision.py", *args])
+    row = record_measurement("benchmarks", "fp32 vs bf16 autocast: a matmul and crammed pretraining steps", command,
+                             "bf16 / fp32 on " + "; ".join(parts) + ".", section="Precision on the CPU", repo=REPO)
+    print(f"recorded in results/readme/history/benchmarks.csv ({row['date']}, {row['commit']})")
 
 
 if __name__ == "__main__":

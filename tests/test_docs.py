@@ -11,11 +11,13 @@ import pandas as pd
 import pytest
 from conftest import TINY, copy_workflow, snakemake
 
-from cramswarm.report import docs
+from cramswarm.report import docs, history
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "results" / "readme"
-PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "config" / "README.md"]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "docs" / "history").glob("*.md")),
+         REPO / "config" / "README.md"]
+HISTORY_PAGES = sorted((REPO / "docs" / "history").glob("*.md"))
 
 
 # --- the committed documents -------------------------------------------------------------------------------------
@@ -42,7 +44,7 @@ def test_committed_blocks_match_committed_results(page):
     fresh = docs.rewrite(text, RESULTS, page.parent, REPO, where=str(page))
     assert fresh == text, (
         f"{page.relative_to(REPO)} has generated blocks that differ from results/readme/: "
-        f"run `python -m cramswarm docs README.md docs/*.md` (or `snakemake --cores 1 docs`)"
+        f"run `python -m cramswarm docs README.md docs/*.md docs/history/*.md` (or `snakemake --cores 1 docs`)"
     )
 
 
@@ -102,6 +104,28 @@ def test_link_checker_catches_a_broken_link(tmp_path):
 def test_slugs_follow_github():
     assert _slugs("# Cluster (SLURM)\n## Models, recipes and budgets\n## `swarm_study`\n## A\n## A\n") == {
         "cluster-slurm", "models-recipes-and-budgets", "swarm_study", "a", "a-1"}  # fmt: skip
+
+
+def test_every_history_file_has_its_page_and_every_page_its_file():
+    """results/readme/history/<topic>.csv and docs/history/<topic>.md come in pairs; each file's rows are well formed
+    and name committed details; the guide pages hold no dated-measurement paragraph (they link to the history)."""
+    topics = {p.stem for p in (RESULTS / "history").glob("*.csv")}
+    assert topics and topics == {p.stem for p in HISTORY_PAGES}
+    for topic in sorted(topics):
+        rows = history.read_history(history.history_file(RESULTS, topic))
+        assert rows, topic
+        assert all((RESULTS / r["details"]).is_file() for r in rows if r["details"]), topic
+        assert docs.block_names((REPO / "docs" / "history" / f"{topic}.md").read_text()) == [f"history:{topic}"]
+    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        prose = re.sub(r"<!-- generated:(\S+) -->.*?<!-- /generated:\1 -->", "", page.read_text(), flags=re.DOTALL)
+        dated = r"\(dated measurement|Dated measurement[ ,(]|[Rr]ecorded at commit|[Mm]easured \(?(at commit|20\d\d-)"
+        assert not re.search(dated, prose), page
+
+
+@pytest.mark.parametrize("page", [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *HISTORY_PAGES],
+                         ids=lambda p: str(p.relative_to(REPO)))
+def test_pages_stay_short(page):
+    assert len(page.read_text().splitlines()) <= (200 if page.name == "README.md" else 400)
 
 
 # --- the generator on fixtures -----------------------------------------------------------------------------------
@@ -247,3 +271,88 @@ def test_docs_target_snapshots_then_rewrites_every_page(tmp_path):
     assert "--record results/report/synthetic" in snap and "--out-dir results/readme" in snap
     rewrite = out[out.index("python -m cramswarm docs --results-dir") :].splitlines()[0]
     assert "README.md" in rewrite and all(f"docs/{p.name}" in rewrite for p in (REPO / "docs").glob("*.md"))
+
+
+def _history_row(**fields) -> dict:
+    return {"date": "2026-01-02", "commit": "abc1234", "machine": "2 cores", "section": "Routing", "what": "a run",
+            "command": "python bench.py", "result": "1.5x", "details": ""} | fields
+
+
+def _write_history(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(rows, columns=history.COLUMNS).to_csv(path, index=False)
+
+
+def test_history_block_newest_first_grouped_by_section(tmp_path):
+    out = tmp_path / "results" / "readme"
+    (out / "history" / "bench").mkdir(parents=True)
+    (out / "history" / "bench" / "table.md").write_text("| setup | rate |\n|---|---|\n| a | 9.8 |\n")
+    _write_history(out / "history" / "bench.csv", [
+        _history_row(date="2026-01-01", what="oldest routing run", result="1.1x"),
+        _history_row(date="2026-01-05", section="Memory", what="memory run", commit="def5678 0123abc",
+                     command="a\nb", result="306 MiB", details="history/bench/table.md"),
+        _history_row(date="2026-01-03", what="newer routing run", result="2.1x", machine=""),
+    ])  # fmt: skip
+    body = docs.render_block("history:bench", out, tmp_path / "docs" / "history", tmp_path)
+    lines = body.splitlines()
+    assert lines[0] == "## Memory"  # the section of the newest row first
+    assert body.index("## Memory") < body.index("## Routing") < body.index("newer routing run") < body.index("oldest")
+    assert "### 2026-01-05: memory run" in lines and "| a | 9.8 |" in lines  # the details file below its row
+    assert "Commits `def5678` `0123abc`; 2 cores." in body and "```bash\na\nb\n```" in body
+    assert "Commit `abc1234`. Command: `python bench.py`" in body  # no machine recorded: none shown
+    assert lines[-1].startswith("<sub>") and "`results/readme/history/bench.csv`" in lines[-1]
+    assert "3 measurements, 2026-01-01 to 2026-01-05" in lines[-1]
+    page = tmp_path / "bench.md"
+    page.write_text("# History\n\n<!-- generated:history:bench -->\n<!-- /generated:history:bench -->\n")
+    assert docs.regenerate([page], out, tmp_path) == [page] and docs.regenerate([page], out, tmp_path) == []
+
+
+def test_history_block_refuses_bad_rows_and_names_a_missing_file(tmp_path):
+    missing_note = docs.render_block("history:nothing", tmp_path, tmp_path, tmp_path)
+    assert "Not committed yet" in missing_note and "results/readme/history/nothing.csv" in missing_note
+    _write_history(tmp_path / "history" / "bad.csv", [_history_row(date="yesterday")])
+    with pytest.raises(docs.DocsError, match="not YYYY-MM-DD"):
+        docs.render_block("history:bad", tmp_path, tmp_path, tmp_path)
+    _write_history(tmp_path / "history" / "gone.csv", [_history_row(details="history/gone/table.md")])
+    with pytest.raises(docs.DocsError, match="not committed"):
+        docs.render_block("history:gone", tmp_path, tmp_path, tmp_path)
+    with pytest.raises(docs.DocsError, match="lowercase"):
+        docs.render_block("history:Bad Topic", tmp_path, tmp_path, tmp_path)
+
+
+def _git(repo: Path, *args: str) -> str:
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t",
+           "HOME": str(repo), "PATH": "/usr/bin:/bin"}  # fmt: skip
+    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True, env=env).stdout
+
+
+def test_record_history_appends_a_row_with_the_commit(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    (repo / "a.txt").write_text("one\n")
+    _git(repo, "add", "a.txt")
+    _git(repo, "commit", "-q", "-m", "one")
+    head = _git(repo, "rev-parse", "--short", "HEAD").strip()
+
+    first = history.record_history("bench", "a run", "python bench.py --x", "1.5x", section="Routing", repo=repo,
+                                   machine="test machine")  # fmt: skip
+    (repo / "a.txt").write_text("two\n")  # a tracked file changed: the next row says so
+    second = history.record_history("bench", "another run", "python bench.py", "1.6x", section="Routing", repo=repo)
+    path = repo / "results" / "readme" / "history" / "bench.csv"
+    assert path.read_text().count("date,commit,machine") == 1
+    rows = history.read_history(path)
+    assert [r["result"] for r in rows] == ["1.5x", "1.6x"] and rows == [first, second]
+    assert rows[0]["commit"] == head and rows[1]["commit"] == f"{head}-dirty"
+    assert rows[0]["machine"] == "test machine" and "cores" in rows[1]["machine"]
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", rows[0]["date"])
+    with pytest.raises(history.HistoryError, match="result empty"):
+        history.record_history("bench", "no result", "cmd", " ", section="Routing", repo=repo)
+    assert len(history.read_history(path)) == 2  # a refused row writes nothing
+
+    page = repo / "docs" / "history" / "bench.md"
+    page.parent.mkdir(parents=True)
+    page.write_text("# History\n\n<!-- generated:history:bench -->\n<!-- /generated:history:bench -->\n")
+    docs.record_measurement("bench", "third run", "python bench.py", "1.7x", section="Memory", repo=repo)
+    text = page.read_text()  # the page is redrawn with the new row on top
+    assert text.index("## Memory") < text.index("## Routing") and "1.7x" in text and "3 measurements" in text

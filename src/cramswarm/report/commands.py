@@ -216,7 +216,7 @@ def docs_snapshot(args) -> int:
     "docs",
     "rewrite the generated blocks (<!-- generated:NAME --> ... <!-- /generated:NAME -->) of Markdown files from "
     "the committed results",
-    arg("paths", nargs="+", help="Markdown files (README.md docs/*.md)"),
+    arg("paths", nargs="+", help="Markdown files (README.md docs/*.md docs/history/*.md)"),
     arg("--results-dir", default="results/readme", help="the committed results folder"),
     arg("--repo", default=".", help="the repository root (links are written relative to each file)"),
     arg("--check", action="store_true", help="write nothing; exit 1 if a block is not what the results give"),

@@ -19,10 +19,12 @@ Blocks:
 - ``claims:SOURCE``: the papers' claims checked on one source (``claims_<source>.csv``, `claims` target);
 - ``claims-summary:SOURCE``: the same claims' verdict counts and ids in a few lines (the README's);
 - ``swarm-findings``: SWARM's findings from the committed runs beside the paper's (``swarm_findings``);
-- ``table:FILE``: any committed CSV, Markdown table or JSON file (benchmark output) under the results folder.
+- ``table:FILE``: any committed CSV, Markdown table or JSON file (benchmark output) under the results folder;
+- ``history:TOPIC``: the measured history of one topic (``history/<topic>.csv``, :mod:`cramswarm.report.history`),
+  newest first, grouped by section: the body of the page ``docs/history/<topic>.md``.
 
 ``tests/test_docs.py`` regenerates every block from the committed files and fails if a committed block differs;
-``python -m cramswarm docs README.md docs/*.md`` rewrites them.
+``python -m cramswarm docs README.md docs/*.md docs/history/*.md`` rewrites them.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 
+from cramswarm.report.history import history_file, read_history, record_history
 from cramswarm.report.markdown import (  # noqa: F401 (sha256, sidecar, record_file: the docs' API too)
     PROVENANCE,
     RESULTS_DIR,
@@ -129,6 +132,7 @@ def _flatten(value, prefix: str = "") -> list[tuple[str, object]]:
 # The command that writes a committed table, where one is known (else the docs around the block name it).
 TABLE_WRITERS = {
     "front_door.csv": "python benchmarks/front_door.py --smoke --default --out results/readme/front_door.csv",
+    "precision_cpu.csv": "python benchmarks/precision.py --also-avx2 --out results/readme/precision_cpu.csv",
     "pretrain_gpu.csv": "python benchmarks/throughput_table.py results/readme/pretrain_gpu/*.json "
     "--out results/readme/pretrain_gpu.csv",
     "pretrain_gpu_kernels.csv": "python benchmarks/throughput_table.py results/readme/pretrain_gpu/*.json "
@@ -136,29 +140,99 @@ TABLE_WRITERS = {
 }
 
 
-def render_table(results_dir: Path, doc_dir: Path, repo: Path, file: str) -> str:
-    import pandas as pd
-
+def _under_results(results_dir: Path, file: str, block: str) -> Path:
     path = (results_dir / file).resolve()
     if results_dir.resolve() not in path.parents:
-        raise DocsError(f"generated:table:{file}: the file must lie under {RESULTS_DIR}")
+        raise DocsError(f"generated:{block}: {file} must lie under {RESULTS_DIR}")
+    return path
+
+
+def _file_body(path: Path, block: str) -> str:
+    """A committed .md file as written, a .csv as a table of its cells exactly as written, a .json flattened to
+    key/value rows."""
+    import pandas as pd
+
+    if path.suffix == ".md":
+        return path.read_text().rstrip("\n")
+    if path.suffix == ".csv":
+        return _markdown(pd.read_csv(path, dtype=str, keep_default_na=False))
+    if path.suffix == ".json":
+        rows = _flatten(json.loads(path.read_text()))
+        return _markdown(pd.DataFrame(rows, columns=["key", "value"]).astype({"value": str}))
+    raise DocsError(f"generated:{block}: only .csv, .md and .json files can be rendered")
+
+
+def render_table(results_dir: Path, doc_dir: Path, repo: Path, file: str) -> str:
+    path = _under_results(results_dir, file, f"table:{file}")
     writer = TABLE_WRITERS.get(file)
     if not path.is_file():
         return missing(results_dir / file, results_dir, writer or "the benchmark or rule that writes it")
-    if path.suffix == ".md":
-        body = path.read_text().rstrip("\n")
-    elif path.suffix == ".csv":
-        body = _markdown(pd.read_csv(path, dtype=str, keep_default_na=False))  # cells exactly as written
-    elif path.suffix == ".json":
-        rows = _flatten(json.loads(path.read_text()))
-        body = _markdown(pd.DataFrame(rows, columns=["key", "value"]).astype({"value": str}))
-    else:
-        raise DocsError(f"generated:table:{file}: only .csv, .md and .json files can be rendered")
     return (
-        body
+        _file_body(path, f"table:{file}")
         + "\n\n"
         + provenance_line([results_dir / file], results_dir, writer=writer or "the rule or benchmark named in docs")
     )
+
+
+HISTORY_WRITER = "a benchmark's `--record`, or `cramswarm.report.history.record_history`"
+COMMIT = re.compile(r"\b[0-9a-f]{7,40}(?:-dirty)?\b")
+
+
+def _code(text: str) -> str:
+    """``text`` as an inline code span (a fenced block where it spans lines)."""
+    if "\n" in text:
+        return "\n```bash\n" + text.strip("\n") + "\n```"
+    fence = "``" if "`" in text else "`"
+    pad = " " if fence == "``" else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
+def _history_row(row: dict, results_dir: Path, record: dict, block: str) -> str:
+    commits = len(COMMIT.findall(row["commit"]))
+    commit = COMMIT.sub(lambda m: f"`{m[0]}`", row["commit"]) if row["commit"].strip() else "not recorded"
+    meta = f"Commit{'s' if commits > 1 else ''} {commit}" + (f"; {row['machine']}" if row["machine"].strip() else "")
+    lines = [f"### {row['date']}: {row['what']}", "", meta + "."]
+    if row["command"].strip():
+        command = _code(row["command"])
+        lines[-1] += " Command:" + ("" if command.startswith("\n") else " ") + command
+    lines += ["", row["result"].strip()]
+    if row["details"].strip():
+        path = _under_results(results_dir, row["details"], block)
+        if not path.is_file():
+            raise DocsError(f"generated:{block}: details file {row['details']} is not committed")
+        lines += ["", _file_body(path, block)]
+        if file_record(path, record):  # a committed result with its own run record: name it
+            lines += ["", provenance_line([results_dir / row["details"]], results_dir,
+                                          writer="the rule or benchmark named in docs")]  # fmt: skip
+    return "\n".join(lines)
+
+
+def render_history(results_dir: Path, doc_dir: Path, repo: Path, topic: str) -> str:
+    """One topic's measured history: sections ordered by their newest measurement, newest first, and within each
+    the rows newest first (by date, then the later row of the file first), each with its commit, machine, command,
+    result and details; then a provenance line. A details file's links are written for ``docs/history/``."""
+    block = f"history:{topic}"
+    try:
+        path = history_file(results_dir, topic)
+        rows = read_history(path) if path.is_file() else None
+    except ValueError as error:
+        raise DocsError(f"generated:{block}: {error}") from error
+    if rows is None:
+        return missing(path, results_dir, HISTORY_WRITER)
+    ordered = sorted(enumerate(rows), key=lambda item: (item[1]["date"], item[0]), reverse=True)
+    sections: dict[str, list[dict]] = {}
+    for _, row in ordered:
+        sections.setdefault(row["section"], []).append(row)
+    record = load_provenance(results_dir)
+    parts = []
+    for section, members in sections.items():
+        parts.append(f"## {section}")
+        parts += [_history_row(row, results_dir, record, block) for row in members]
+    dates = sorted(row["date"] for row in rows)
+    extra = f"{len(rows)} measurements" + (f", {dates[0]} to {dates[-1]}" if rows else "")
+    provenance = (f"<sub>Generated by `python -m cramswarm docs` from `{display(path, results_dir)}` (rows written "
+                  f"by {HISTORY_WRITER}); {extra}, each with the commit and machine it was measured on.</sub>")
+    return "\n\n".join([*parts, provenance])
 
 
 # The claims table's columns shown in a page (the committed CSV has them all, docs/claims.md explains each).
@@ -229,8 +303,10 @@ def render_block(name: str, results_dir: str | os.PathLike, doc_dir: str | os.Pa
         return render_claims(results_dir, doc_dir, repo, name.removeprefix("claims:"))
     if name.startswith("claims-summary:"):
         return render_claims_summary(results_dir, doc_dir, repo, name.removeprefix("claims-summary:"))
+    if name.startswith("history:"):
+        return render_history(results_dir, doc_dir, repo, name.removeprefix("history:"))
     if name not in RENDERERS:
-        known = ", ".join([*RENDERERS, "table:FILE", "claims:SOURCE", "claims-summary:SOURCE"])
+        known = ", ".join([*RENDERERS, "table:FILE", "claims:SOURCE", "claims-summary:SOURCE", "history:TOPIC"])
         raise DocsError(f"unknown generated block {name!r}; known: {known}")
     return RENDERERS[name](results_dir, doc_dir, repo)
 
@@ -321,3 +397,19 @@ def snapshot(files: Iterable[str | os.PathLike], record_dir: str | os.PathLike, 
     tmp.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
     tmp.replace(path)
     return path
+
+
+def history_page(repo: str | os.PathLike, topic: str) -> Path:
+    """The page of a topic's measured history: ``docs/history/<topic>.md``."""
+    return Path(repo) / "docs" / "history" / f"{topic}.md"
+
+
+def record_measurement(topic: str, what: str, command: str, result: str, *, section: str,
+                       repo: str | os.PathLike = ".", details: str = "", **fields) -> dict:  # fmt: skip
+    """Append a measurement to the topic's history (:func:`cramswarm.report.history.record_history`, ``fields``
+    passed on) and redraw the topic's page where it exists, so that the committed page stays what the file gives."""
+    row = record_history(topic, what, command, result, section=section, details=details, repo=repo, **fields)
+    page = history_page(repo, topic)
+    if page.is_file():
+        regenerate([page], fields.get("results_dir") or Path(repo) / RESULTS_DIR, repo)
+    return row
