@@ -12,10 +12,7 @@ configfile: "config/config.yaml"
 report: "rules/workflow.rst"  # the front page of `snakemake --report`
 
 
-include: "rules/common.smk"  # validates the config before any job runs
-include: "rules/inputs.smk"  # the input and params functions of single stages
-include: "rules/claims_manifest.smk"  # what each of the papers' claims reads
-include: "rules/resources.smk"  # mem_mb and runtime of every job, from the config
+include: "rules/common.smk"  # validates the config; each rule file's functions: src/cramswarm/workflow/
 include: "rules/outputs.smk"  # report() figures and tables
 include: "rules/data.smk"
 include: "rules/tokenizers.smk"

@@ -1,6 +1,6 @@
 # Stage 6 (named targets only): the training ablations of Cramming, every run at ablations.budget.
 # Runs are named by cramswarm.config.resolve_runs and built by the same pretrain/finetune rules as the study.
-# Their functions (ABLATIONS, data_reports, data_runs_json) are in rules/inputs.smk.
+# Their functions (ABLATIONS, data_reports, data_runs_json): src/cramswarm/workflow/ablations.py.
 
 
 # The reports: seconds of work on the submit host rather than sbatch jobs of their own (with --executor slurm).

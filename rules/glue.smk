@@ -22,7 +22,7 @@ if GLUE_JOBS == "per_seed":
             "../envs/cramswarm.yaml"
         threads: 1
         resources:
-            gpu=finetune_gpus,  # see gpus() in common.smk
+            gpu=finetune_gpus,  # see cramswarm.workflow.study.gpus
             mem_mb=finetune_mem_mb,
             runtime=finetune_runtime,
         params:
@@ -55,7 +55,7 @@ else:
             "../envs/cramswarm.yaml"
         threads: 1
         resources:
-            gpu=finetune_gpus,  # see gpus() in common.smk
+            gpu=finetune_gpus,  # see cramswarm.workflow.study.gpus
             mem_mb=finetune_mem_mb,
             runtime=finetune_runtime,
         params:
@@ -97,7 +97,7 @@ if GLUE_JOBS == "per_model":
             "../envs/cramswarm.yaml"
         threads: 1
         resources:
-            gpu=finetune_gpus,  # see gpus() in common.smk
+            gpu=finetune_gpus,  # see cramswarm.workflow.study.gpus
             mem_mb=finetune_mem_mb,
             runtime=finetune_runtime,
         params:

@@ -19,7 +19,7 @@ rule preflight:
         runtime=BASE_MINUTES + 60,
         gpu=gpus(IMPL["device"]),
     params:
-        configfiles=" ".join(shlex.quote(path) for path in CONFIG_FILES),  # this run's, in order (claims_manifest.smk)
+        configfiles=" ".join(shlex.quote(path) for path in CONFIG_FILES),  # this run's, in order
         out_dir=lambda wildcards, output: os.path.dirname(output.report),
     shell:
         "python -m cramswarm preflight --configfile {params.configfiles} --out-dir {params.out_dir} > {log} 2>&1"

@@ -79,7 +79,7 @@ rule pretrain:
     # multiplies its GPUs per process by this
     threads: IMPL["devices"]
     resources:
-        gpu=pretrain_gpus,  # one per process where the run uses a GPU: see gpus() in common.smk
+        gpu=pretrain_gpus,  # one per process where the run uses a GPU: see cramswarm.workflow.study.gpus
         nodes=IMPL["nodes"],  # pretrain.impl.nodes (profiles/slurm: sbatch --nodes; srun starts one torchrun per node)
         mem_mb=pretrain_mem_mb,
         gpu_mem_mb=pretrain_gpu_mem_mb,  # per process; 0 on a CPU

@@ -1,7 +1,7 @@
 # SWARM parallelism (arXiv 2301.11913): models with trainer: swarm are pretrained by a pipeline of stages, each
 # served by replicas, with randomized throughput-weighted routing, in-stage averaging, compression between
 # stages and (optionally) injected failures. The checkpoint has the crammed layout, so rule finetune reads it as is.
-# Its functions (the placement's SWARM_SLURM, the swarm_study experiments' settings) are in rules/inputs.smk.
+# Its functions (the placement's SWARM_SLURM, the swarm_study experiments' settings): src/cramswarm/workflow/swarm.py.
 
 
 # The study's report: seconds of work on the submit host rather than an sbatch job of its own (--executor slurm).

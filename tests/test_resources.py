@@ -1,4 +1,5 @@
-"""The resource estimates behind rules/resources.smk (cramswarm.resources): units, scaling, budgets, GLUE rows."""
+"""The resource estimates behind the workflow's resource functions (cramswarm.resources): units, scaling, budgets,
+GLUE rows."""
 
 from __future__ import annotations
 

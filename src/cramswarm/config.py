@@ -394,7 +394,7 @@ def filters_key(recipe: dict) -> str:
 
 
 def data_wildcards(recipe: dict) -> dict:
-    """The path wildcards of a recipe's files (rules/common.smk: FILTERED, TOKENIZER, PACKED, BLOCKS)."""
+    """The path wildcards of a recipe's files (cramswarm.workflow.study: FILTERED, TOKENIZER, PACKED, BLOCKS)."""
     return {
         "corpus": recipe["corpus"],
         "filters": filters_key(recipe),

@@ -2,7 +2,7 @@
 
 ``pretrain.impl`` and ``swarm.impl`` hold the settings that may change a run's speed, where its processes start and
 how often it logs or saves, never its result. The workflow hands them to the commands as rule resources, not params
-(rules/common.smk, ``PRETRAIN_IMPL`` and ``SWARM_IMPL``), so changing one reruns nothing, and no resume fingerprint
+(cramswarm.workflow: ``PRETRAIN_IMPL``, ``SWARM_IMPL``), so changing one reruns nothing, and no resume fingerprint
 holds them, so a saved state resumes under other values. Everything else in ``pretrain`` and ``swarm`` is what the
 run computes (:func:`computed`): it reaches the params and the fingerprints.
 """

@@ -1,6 +1,6 @@
 """What a workflow job asks a cluster for (``mem_mb``: MB, sbatch --mem; ``runtime``: minutes, sbatch --time),
-estimated from the config: the arithmetic behind ``rules/resources.smk``, which reads the config and the wildcards
-and calls these with plain numbers.
+estimated from the config: the arithmetic behind the resource functions of ``cramswarm.workflow``, which read the
+config and the wildcards and call these with plain numbers.
 
 The estimates err on the generous side (a job cut off at its time limit loses its allocation; only pretraining
 resumes). They assume the slowest rates below, far under the measured ones (README: the 2-core CPU trains the

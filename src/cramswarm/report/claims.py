@@ -8,7 +8,7 @@ A claim's verdict is one of :data:`VERDICTS` and always comes from the result fi
   is larger than the effect;
 * ``not run``: one of the claim's input files is absent (the experiment did not run).
 
-The inputs are named by a *manifest* (a JSON object the workflow builds in ``rules/common.smk``,
+The inputs are named by a *manifest* (a JSON object the workflow builds, ``cramswarm.workflow.report``'s
 ``claims_manifest()``) so that this module knows no paths of its own:
 
 ``source``

@@ -234,7 +234,7 @@ def docs(args) -> int:
     "claims",
     "the papers' claims, checked: one row per claim (verdict from the result files), as CSV + Markdown",
     arg("--manifest", type=json_arg, required=True,
-        help="JSON naming the result files per claim input (rules/common.smk: claims_manifest())"),
+        help="JSON naming the result files per claim input (cramswarm.workflow.report.claims_manifest)"),
     arg("--out-stem", required=True, help="table path without suffix (.csv and .md)"),
     arg("--copy-to", help="also copy the CSV to this path (the committed results/readme/ folder) and record where "
         "its inputs were made beside it, in <path>.provenance.json"),

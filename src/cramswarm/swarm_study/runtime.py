@@ -1,5 +1,5 @@
 """How long the swarm_study experiments take, from their config sections: the workflow's runtime requests
-(``rules/resources.smk``). Plain arithmetic; imports neither torch nor the experiments."""
+(``cramswarm.workflow.swarm``). Plain arithmetic; imports neither torch nor the experiments."""
 
 from __future__ import annotations
 
