@@ -51,7 +51,7 @@ from cramswarm.config import load_config, model_recipe  # noqa: E402
 from cramswarm.io import write_json  # noqa: E402
 from cramswarm.swarm import compression, hivemind_transport  # noqa: E402
 from cramswarm.swarm.data import CountingSource  # noqa: E402
-from cramswarm.swarm.policies import RetryPolicy  # noqa: E402
+from cramswarm.swarm.routing import RetryPolicy  # noqa: E402
 from cramswarm.swarm.stages import assemble_model, build_swarm_model, split_model  # noqa: E402
 from cramswarm.testbed import Unavailable, unavailable_reason  # noqa: E402
 from cramswarm.testbed import swarm as tbswarm  # noqa: E402

@@ -56,7 +56,7 @@ sys.path.insert(0, str(REPO / "src"))
 
 from cramswarm.swarm import hivemind_transport as ht  # noqa: E402
 from cramswarm.swarm.data import BOUNDED, CountingSource  # noqa: E402
-from cramswarm.swarm.policies import RetryPolicy  # noqa: E402
+from cramswarm.swarm.routing import RetryPolicy  # noqa: E402
 from cramswarm.swarm.stages import PEAK_BYTES_PER_PARAMETER, STATE_BYTES_PER_PARAMETER  # noqa: E402
 from cramswarm.swarm_study.study_launcher import SEQ_TOKENS, VOCAB, rate_in, run_launcher, toy_arch, toy_recipe  # noqa: E402
 

@@ -3,7 +3,7 @@
 Setup: 2 stages, 3 stage peers placed 2 + 1, speeds 0.25, 0.25 | 0.025 (the one-peer stage is the bottleneck), 3
 trainers, rebalancing every ``--period`` seconds. The hivemind run trains a tiny crammed BERT under the launcher
 (``hivemind_transport.run_swarm`` with ``decentralised``; ``peer_rebalance`` decides the move). The emulation
-(threads, ``emulation.run``) and the simulator (``sim.run``) run an ``emulation.SwarmSetup`` of the same peers,
+(threads, ``emulation.run``) and the simulator (``sim.run``) run a ``setups.SwarmSetup`` of the same peers,
 trainers and period for as long as the hivemind run trained, with ``--stage-time`` seconds of emulated compute per
 forward call at speed 1 (default: calibrated so that the starved stage's capacity, one peer of speed 0.025 doing 3
 units per microbatch, equals the hivemind run's throughput before its first move). Prints, per transport, the moves
@@ -38,8 +38,8 @@ from pathlib import Path
 from cramswarm.config import load_config, model_recipe
 from cramswarm.swarm import emulation, hivemind_transport, sim
 from cramswarm.swarm.data import CountingSource
-from cramswarm.swarm.emulation import PeerSpec, SwarmSetup
-from cramswarm.swarm.policies import RetryPolicy
+from cramswarm.swarm.routing import RetryPolicy
+from cramswarm.swarm.setups import PeerSpec, SwarmSetup
 
 REPO = Path(__file__).resolve().parents[1]
 SPEEDS, PLACEMENT, TRAINERS = [0.25, 0.25, 0.025], [2, 1], 3

@@ -15,12 +15,14 @@ numbers carry thread-scheduling jitter; the simulator is exact. ~1-2 minutes on 
 
     python benchmarks/swarm_routing.py
     python benchmarks/swarm_routing.py --out swarm_routing.json
+    python benchmarks/swarm_routing.py --record   # append the run to results/readme/history/swarm.csv
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -29,7 +31,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from cramswarm.swarm import emulation, sim  # noqa: E402
-from cramswarm.swarm.emulation import PeerSpec, SwarmSetup  # noqa: E402
+from cramswarm.swarm.optimum import optimal_throughput  # noqa: E402
+from cramswarm.swarm.setups import PeerSpec, SwarmSetup  # noqa: E402
 from cramswarm.swarm_study.study import heterogeneous_stages, periodic_kills  # noqa: E402
 
 SPEEDS = (1.0, 0.5, 0.25)
@@ -77,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--failure-time-scale", type=float, default=0.02, help="wall seconds per emulated second")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="also write every number to this JSON file")
+    parser.add_argument("--record", action="store_true", help="append the run to the measured history "
+                        "(results/readme/history/swarm.csv) and redraw docs/history/swarm.md")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     report: dict = {"targets": TARGETS, "args": {k: str(v) for k, v in vars(args).items()}}
@@ -85,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, setup in routing_setups(args.routing_duration).items():
         routing[name] = {"emulation": emulate(setup, args.routing_time_scale)["throughput_mb_s"],
                          "sim": sim.run(setup)["throughput_mb_s"],
-                         "optimum": sim.optimal_throughput([p.speed for p in setup.peers], setup.num_stages,
-                                                           setup.stage_time_s)}
+                         "optimum": optimal_throughput([p.speed for p in setup.peers], setup.num_stages,
+                                                       setup.stage_time_s)}
     failures = {}
     for key, setup in failure_setups(args.failure_duration, args.seed).items():
         emulated = emulate(setup, args.failure_time_scale)
@@ -144,7 +149,29 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
         print(f"\nwrote {args.out}")
+    if args.record:
+        record(report, argv)
     return 0
+
+
+def record(report: dict, argv: list[str] | None) -> None:
+    """Append this run to the SWARM history: the three targets' numbers in a line."""
+    from cramswarm.report.docs import record_measurement
+
+    ratio, fraction = report["weighted_over_uniform"], report["fraction_of_failure_free"]
+    agreement = [100 * v for v in report["sim_vs_emulation_rel_diff"].values()]
+    kept, within = 100 * TARGETS["swarm_fraction_under_failures"], 100 * TARGETS["sim_vs_emulation_rel_diff"]
+    result = (f"Weighted / uniform routing {ratio['emulation']:.2f}× in the emulation ({ratio['sim']:.2f}× in the "
+              f"simulator; target ≥ {TARGETS['weighted_over_uniform']}×); one peer killed per emulated minute: "
+              f"{100 * fraction['weighted/emulation']:.1f} % of failure-free throughput, fixed pipeline "
+              f"{100 * fraction['fixed/emulation']:.1f} % (target ≥ {kept:.0f} %); the simulator within "
+              f"{min(agreement):+.1f} % to {max(agreement):+.1f} % of the emulation on {len(agreement)} setups "
+              f"(target {within:.0f} %); {report['wall_s']:.0f} s wall.")
+    args = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--record"]
+    command = shlex.join(["python", "benchmarks/swarm_routing.py", *args])
+    row = record_measurement("swarm", "SWARM's routing in the emulation and the simulator side by side", command,
+                             result, section="SWARM routing", repo=Path(__file__).resolve().parents[1])
+    print(f"recorded in results/readme/history/swarm.csv ({row['date']}, {row['commit']})")
 
 
 if __name__ == "__main__":

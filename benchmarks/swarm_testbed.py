@@ -65,8 +65,8 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from cramswarm.swarm import compression, hivemind_transport, sim  # noqa: E402
 from cramswarm.swarm.data import CountingSource  # noqa: E402
-from cramswarm.swarm.emulation import BACKWARD_COMPUTE_FACTOR, PeerSpec, SwarmSetup  # noqa: E402
-from cramswarm.swarm.policies import RetryPolicy  # noqa: E402
+from cramswarm.swarm.routing import RetryPolicy  # noqa: E402
+from cramswarm.swarm.setups import BACKWARD_COMPUTE_FACTOR, PeerSpec, SwarmSetup  # noqa: E402
 from cramswarm.swarm_study.study_launcher import VOCAB, toy_arch, toy_recipe  # noqa: E402
 from cramswarm.testbed import Unavailable, callcost, unavailable_reason  # noqa: E402
 from cramswarm.testbed import swarm as tbswarm  # noqa: E402
@@ -138,7 +138,7 @@ def testbed_run(plan, args, bandwidth_mbit, latency_ms) -> dict:
             "microbatches_done": stats["microbatches_done"], "lost_microbatches": stats["lost_microbatches"],
             "retries": stats["retries"], "timeouts": stats["timeouts"], "steps": len(result.log),
             "stalls": step_stalls(stats["step_stalls"], args.micro),
-            "admission_wait_s": stats["admission_wait_s"], "held_calls": stats["held_calls"],
+            "overshoot": stats["step_overshoot"],
             "resyncs": stats["resyncs"],
             "wall_s": round(time.perf_counter() - started, 1), "load": [load_before, os.getloadavg()[0]]}
 
@@ -292,21 +292,20 @@ def main() -> int:
           f"{step_model[0] * 1e3:.1f} ms (measured calls + step), {step_mb_model[0] * 1e3:.1f} ms (+ step, mb/step)")
     print(f"the in-stage step, per stage (mean over the steady steps; ms; a step every {args.batch} microbatches "
           "by the global batch): stall = trigger (batch computed -> a peer begins its step) + gather + all-reduce + "
-          "apply; 'share' is the part of the steady time the stage spent stepping; 'held' the backward calls that "
-          "waited for admission, and their total wait")
+          "apply; 'share' is the part of the steady time the stage spent stepping; 'over' the mean and largest "
+          "batch over its target (the calls that arrived while a step was decided and averaged)")
     print(f"{'run':36s} {'stage':>5s} {'steps':>5s} {'mb/step':>7s} {'stall':>7s} {'max':>7s} {'trigger':>7s} "
-          f"{'gather':>7s} {'reduce':>7s} {'apply':>7s} {'share':>6s} {'held':>5s} {'wait s':>7s}")
+          f"{'gather':>7s} {'reduce':>7s} {'apply':>7s} {'share':>6s} {'over':>6s} {'max':>6s}")
     runs = [("calibration before", before), *((f"{m:g} Mb/s, {d:g} ms", r) for (m, d), r in zip(setups, shaped)),
             ("calibration after", after)]
     for name, run in runs:
         for st in run["stalls"]:
-            uids = [u for u in run["held_calls"] if u.startswith(f"s{st['stage']}p")]
+            over = run["overshoot"].get(str(st["stage"]), {"mean": float("nan"), "max": float("nan")})
             share = "" if st["stepping_share"] is None else f"{st['stepping_share']:6.3f}"
             print(f"{name:36s} {st['stage']:5d} {st['steps']:5d} {st['microbatches_per_step']:7.2f} "
                   f"{st['stall_s'] * 1e3:7.0f} {st['max_stall_s'] * 1e3:7.0f} {st['trigger_s'] * 1e3:7.0f} "
                   f"{st['gather_s'] * 1e3:7.0f} {st['reduce_s'] * 1e3:7.0f} {st['apply_s'] * 1e3:7.0f} {share:>6s} "
-                  f"{sum(run['held_calls'][u] for u in uids):5d} "
-                  f"{sum(run['admission_wait_s'][u] for u in uids):7.1f}")
+                  f"{over['mean']:6.2f} {over['max']:6.2f}")
     print("throughput in microbatches per second (mb/s)")
     print(f"calibration (unshaped, relay, 0 ms): {before['mb_s']:.3f} mb/s before the shaped runs, "
           f"{after['mb_s']:.3f} after (after/before {after['mb_s'] / before['mb_s']:.3f}); the simulator is "

@@ -18,7 +18,7 @@ from conftest import ARCH, recipe
 from cramswarm.swarm import hivemind_transport as ht
 from cramswarm.swarm.data import CountingSource, counting_microbatches
 from cramswarm.swarm.peer_sync import newest_shard
-from cramswarm.swarm.policies import RetryPolicy
+from cramswarm.swarm.routing import RetryPolicy
 
 TINY = ARCH | dict(layers=2, hidden_size=64, heads=2, intermediate_size=128, max_positions=32)
 
@@ -111,7 +111,8 @@ def wait_all(tasks, logs, timeout_s=60):
 
 KEYS = ("stepped_samples", "stepped_microbatches", "resumed",
         "stage_steps", "retries", "timeouts", "errors", "last_error", "trainer_restarts",
-        "killed", "peers_killed", "rejoins", "resyncs", "digest_mismatches", "lost_gradient_samples", "replica_steps")
+        "killed", "peers_killed", "rejoins", "resyncs", "digest_mismatches", "lost_gradient_samples", "replica_steps",
+        "duplicate_microbatches", "step_overshoot")
 
 
 def brief(stats: dict) -> dict:

@@ -75,7 +75,7 @@ def test_the_launchers_kills_become_failure_events_that_count_peers_up():
 
 
 def test_kills_for_good_are_never_back_and_become_gone_faults():
-    from cramswarm.swarm.emulation import FailureEvent, PeerSpec, SwarmSetup
+    from cramswarm.swarm.setups import FailureEvent, PeerSpec, SwarmSetup
 
     # two peers killed for good at 12 s (not replaced), one killed every so often and back 5 s later
     killed = [{"uid": "s1p4", "stage": 1, "t_s": 12.0, "replaced": False},
@@ -97,18 +97,18 @@ def test_kills_for_good_are_never_back_and_become_gone_faults():
 
 
 def test_the_gone_fault_kills_all_but_the_stages_last_current_replica():
-    launcher = pytest.importorskip("cramswarm.swarm.launcher", reason="hivemind is not installed")
+    from cramswarm.swarm import fault_rules
 
-    assert launcher.parse_gone("gone2:stage1") == (2, 1) and launcher.parse_gone("gone12:stage0") == (12, 0)
+    assert fault_rules.parse_gone("gone2:stage1") == (2, 1) and fault_rules.parse_gone("gone12:stage0") == (12, 0)
     for other in ("stage1", "peer", "trainer0", "cut:h3", "gone:stage1", "gone2:stage", "gone2:stage1x"):
-        assert launcher.parse_gone(other) is None, other
+        assert fault_rules.parse_gone(other) is None, other
     with pytest.raises(ValueError, match="at least one peer"):
-        launcher.parse_gone("gone0:stage1")
+        fault_rules.parse_gone("gone0:stage1")
     steps = {"s1p4": 3, "s1p5": 2, "s1p6": 3, "s1p7": -1}
     # the furthest behind first; s1p4 (smallest uid at the latest step) is kept whatever the count
-    assert launcher.gone_victims(steps, 2) == ["s1p7", "s1p5"]
-    assert launcher.gone_victims(steps, 3) == launcher.gone_victims(steps, 9) == ["s1p7", "s1p5", "s1p6"]
-    assert launcher.gone_victims({"s1p4": 0}, 1) == [] and launcher.gone_victims({}, 2) == []
+    assert fault_rules.gone_victims(steps, 2) == ["s1p7", "s1p5"]
+    assert fault_rules.gone_victims(steps, 3) == fault_rules.gone_victims(steps, 9) == ["s1p7", "s1p5", "s1p6"]
+    assert fault_rules.gone_victims({"s1p4": 0}, 1) == [] and fault_rules.gone_victims({}, 2) == []
 
 
 def test_runtime_bound_counts_testbed_runs_in_real_seconds():

@@ -260,8 +260,8 @@ def _syncing_peer(tmp_path, uid: str):
 def test_a_leaving_peer_hands_its_held_gradients_to_a_replica_that_stays(tmp_path):
     """peer_rebalance's mover gives what it accumulated since its last step to a replica of its stage (as the
     emulation's mover does): the heir's gradients become the sum of both, with both sample counts, loss sums and
-    microbatches; the mover holds nothing after. Gradients of another step, or of a microbatch the heir already
-    holds, are refused (they would be stale, or count twice)."""
+    microbatches; the mover holds nothing after. Gradients of another step are refused (stale); those of a
+    microbatch the heir holds already count again (at least once, as in SWARM)."""
     from cramswarm.swarm.compression import encode
     from cramswarm.swarm.wire import flatten_payload
 
@@ -285,8 +285,8 @@ def test_a_leaving_peer_hands_its_held_gradients_to_a_replica_that_stays(tmp_pat
     assert heir.local_samples == 9 and heir.local_mbs == {10, 11, 12} and heir.local_loss == pytest.approx(loss)
     assert all(torch.allclose(p.grad, e) for p, e in zip(heir.params, expected))
 
-    again = heir._add_held(tensors, meta)   # the same microbatches once more
-    assert again["status"] == "refused" and heir.local_samples == 9
+    assert heir._add_held(tensors, meta) == {"status": "ok"}   # the same microbatches once more: at least once
+    assert heir.local_samples == 15
     heir.step = 1
     assert heir._add_held(tensors, meta | {"mbs": [20]})["status"] == "refused"   # computed at another step
 
@@ -301,118 +301,58 @@ def _backward_call(peer, seed: int, mb: int, **extra) -> None:
     peer._backward(tensors, meta)
 
 
-def test_a_leaving_peer_hands_over_the_resent_microbatches_it_holds_apart(tmp_path):
-    """What a mover held apart (re-sent backward calls, peer_sync) goes to the heir with its accumulated gradients,
-    over the wire format of rpc_handover, and is held apart there in turn (the step's rule decides whether it
-    counts); one the heir accumulated itself is a duplicate and dropped. Nothing is left with the mover, and the
-    heir's snapshot with the kept microbatch equals a peer's that accumulated every microbatch once."""
-    import asyncio
-
-    from cramswarm.swarm.peer_sync import handed_samples
-    from cramswarm.swarm.wire import request, unpack
-
-    mover, heir, both = (_syncing_peer(tmp_path, uid) for uid in ("s1p1", "s1p2", "s1p3"))
-    _backward_call(mover, 1, 10)
-    _backward_call(mover, 2, 11, resent=True)
-    _backward_call(mover, 3, 12, resent=True)
-    _backward_call(heir, 3, 12)   # the first replica of microbatch 12 was the heir: it accumulated it
-    for seed, mb in ((1, 10), (2, 11), (3, 12)):
-        _backward_call(both, seed, mb)
-    tensors, meta = asyncio.run(unpack(request(*mover._take_held())))
-    assert meta["samples"] == 3 and [e[0] for e in meta["resent"]] == [11, 12] and handed_samples(meta) == 9
-    assert mover._held_samples() == 0 and not mover.resent and not mover.local_mbs
-    assert heir._add_held(tensors, meta) == {"status": "ok"}
-    assert set(heir.resent) == {11} and heir.local_mbs == {10, 12} and heir.counters["duplicate_samples"] == 3
-    assert heir._held_samples() == 9
-    flat, samples = heir._take_snapshot(0)
-    merged, count = heir._with_resent(flat, samples, [11])
-    reference, reference_samples = both._take_snapshot(0)
-    assert count == reference_samples == 9 and torch.allclose(merged, reference, atol=1e-6)
-
-
-def test_a_resent_microbatch_counts_once_in_the_group_whichever_replicas_hold_it():
-    """The group's ready records decide which re-sent microbatches count: one a member accumulated is dropped,
-    one held apart by several members only is kept by the lowest uid, and every member computes the same."""
-    from cramswarm.swarm.peer_sync import resent_kept, resent_samples
-
-    group = {"s1p2": {"snap": 6, "mbs": [3], "resent": [[5, 4, 1.0], [6, 4, 2.0]]},
-             "s1p1": {"snap": 8, "mbs": [1, 2], "resent": [[3, 4, 0.5], [5, 4, 1.5]]}}
-    kept = resent_kept(group)
-    assert kept == {"s1p1": [5], "s1p2": [6]}
-    assert resent_samples(group, kept) == (8, 3.5)
-    assert resent_kept({"a": {"mbs": [1]}, "b": {"mbs": [2], "resent": [[1, 4, 0.0]]}}) == {}
-
-
-def test_a_peer_holds_a_resent_backward_apart_and_adds_it_only_when_kept(tmp_path):
-    """A backward call marked ``resent`` leaves the peer's accumulated gradients as they were and is held apart,
-    listed in its ready record; added (``_with_resent``) the snapshot equals that of a peer that accumulated both
-    microbatches. The same microbatch again is a duplicate; a state download drops what was held apart."""
-    peer, both = _syncing_peer(tmp_path, "s1p1"), _syncing_peer(tmp_path, "s1p2")
-    _backward_call(peer, 1, 10)
-    alone = [p.grad.clone() for p in peer.params]
-    _backward_call(peer, 2, 11, resent=True)
-    assert all(torch.equal(p.grad, a) for p, a in zip(peer.params, alone))   # accumulated: mb 10 only
-    assert peer.local_samples == 3 and peer.local_mbs == {10} and set(peer.resent) == {11}
-    assert peer._held_samples() == 6 and peer.counters["resent_samples"] == 3
-    _backward_call(peer, 2, 11)   # the first replica's copy, arriving here too: not accumulated again
-    assert peer.counters["duplicate_samples"] == 3 and peer.local_samples == 3
-    _backward_call(both, 1, 10)
-    _backward_call(both, 2, 11)
-
-    flat, samples = peer._take_snapshot(0)
-    assert not peer.resent and [e[0] for e in peer._resent_entries()] == [11]
-    ((n, loss),) = [e[1:] for e in peer._resent_entries()]
-    assert n == 3 and loss == pytest.approx(both.local_loss - peer.snapshot_loss)
-    merged, count = peer._with_resent(flat, samples, [11])
-    reference, reference_samples = both._take_snapshot(0)
-    assert count == reference_samples == 6 and torch.allclose(merged, reference, atol=1e-6)
-    unchanged, count = peer._with_resent(flat, samples, [])
-    assert unchanged is flat and count == samples and peer.snapshot[1] is flat   # the snapshot as it was
-
-    peer._load_extra_state({"stepped_samples": 0, "stepped_mbs": []})   # a download: held gradients go
-    assert not peer.snapshot_resent and not peer.resent
-
-
-def test_calls_computed_while_a_peer_steps_count_once_whichever_step_holds_their_microbatch(tmp_path):
-    """A peer that took its step's snapshot holds apart the calls it computes until it applies the step: there a
-    late call (or a re-sent one held apart) whose microbatch the step holds through another replica's copy is
-    dropped, and the other late calls are accumulated toward the next step, as if computed after the step.
-    Before, a call queued at its first replica when that replica stepped counted in this step (the re-sent copy
-    elsewhere) and in the next (accumulated at once)."""
+def test_calls_computed_while_a_peer_steps_count_toward_its_next_step(tmp_path):
+    """Backward calls are never held for a step: those computed after a peer's snapshot accumulate toward the next
+    step, and applying the step (the averaged gradients) keeps them (double buffering), as if computed after it."""
     peer, reference = _syncing_peer(tmp_path, "s1p1"), _syncing_peer(tmp_path, "s1p2")
     _backward_call(peer, 1, 10)
     flat, samples = peer._take_snapshot(0)
-    assert peer._stepping() and samples == 3
-    _backward_call(peer, 2, 11)                # queued here, re-sent to the other replica, which stepped it
-    _backward_call(peer, 3, 12)                # queued here only
-    _backward_call(peer, 4, 13, resent=True)   # a re-send whose first replica's copy is in the step
-    assert all(p.grad is None for p in peer.params) and peer.local_samples == 0
-    assert set(peer.late) == {11, 12} and set(peer.resent) == {13} and peer._held_samples() == 3 + 9
-    _backward_call(peer, 2, 11)                # the same microbatch again: a duplicate, not held twice
-    assert peer.counters["duplicate_samples"] == 3 and set(peer.late) == {11, 12}
-
+    assert peer._stepping() and samples == 3 and peer.snapshot_mbs == {10} and peer.busy()
+    _backward_call(peer, 2, 11)
+    _backward_call(peer, 3, 12)
+    assert peer._held_samples() == 3 + 6 and peer.local_mbs == {11, 12}
     peer.averaged = (b"group", flat)
-    assert peer._apply_counted(b"group", 1e-3, 9, {10, 11, 13})["status"] == "ok"
-    assert not peer._stepping() and not peer.late and not peer.resent
-    assert peer.local_mbs == {12} and peer.local_samples == 3 and peer.counters["duplicate_samples"] == 3 + 6
-    _backward_call(reference, 3, 12)
-    assert peer.local_loss == pytest.approx(reference.local_loss)
+    assert peer._apply_counted(b"group", 1e-3, 3, {10})["status"] == "ok"
+    assert peer.step == 1 and peer.stepped_mbs == {10} and peer.stepped_samples == 3 and not peer._stepping()
+    for seed, mb in ((2, 11), (3, 12)):
+        _backward_call(reference, seed, mb)
+    assert peer._held_samples() == 6 and peer.local_loss == pytest.approx(reference.local_loss)
     assert all(torch.allclose(p.grad, r.grad, atol=1e-6) for p, r in zip(peer.params, reference.params))
-    assert peer._held_samples() == 3 and peer._held_mbs() >= {10, 11, 12, 13}
-
-    _backward_call(peer, 5, 14)                # between steps: accumulated at once, as before
-    assert peer.local_mbs == {12, 14} and not peer.late
     peer._take_snapshot(1)
-    _backward_call(peer, 6, 15)
-    peer._drop_snapshot()                      # a step that stepped nothing: the late call is accumulated
-    assert peer.local_mbs == {15} and peer.local_samples == 3 and not peer.late
+    _backward_call(peer, 4, 13)
+    peer._drop_snapshot()                      # a step that stepped nothing: later calls stay accumulated
+    assert peer.local_mbs == {13} and peer.local_samples == 3 and not peer._stepping()
 
 
-def test_a_peer_downloading_a_state_drops_the_calls_it_held_apart_while_stepping(tmp_path):
+def test_a_resent_or_repeated_microbatch_counts_again_and_is_counted(tmp_path):
+    """At least once, as in SWARM: a re-sent backward call is accumulated like any other (its first replica may
+    have computed it too) and counted in ``resent_samples``; a microbatch this peer already holds toward its step
+    counts again and is counted in ``duplicate_microbatches``. A state download drops what the peer held."""
     peer = _syncing_peer(tmp_path, "s1p1")
     _backward_call(peer, 1, 10)
-    peer._take_snapshot(0)
+    _backward_call(peer, 2, 11, resent=True)
+    assert peer.local_samples == 6 and peer.local_mbs == {10, 11} and peer.counters["resent_samples"] == 3
     _backward_call(peer, 2, 11)
-    assert peer._held_samples() == 6
-    peer._load_extra_state({"stepped_samples": 0, "stepped_mbs": []})
-    assert not peer.late and 11 not in peer._held_mbs()
+    assert peer.local_samples == 9 and peer.counters["duplicate_microbatches"] == 1
+    peer._load_state(peer._state())
+    assert peer._held_samples() == 0 and not peer.local_mbs and all(p.grad is None for p in peer.params)
+
+
+def test_a_peer_taking_the_state_one_step_ahead_keeps_the_gradients_it_holds_toward_that_step(tmp_path):
+    """A member whose all-reduce failed while its group stepped downloads the state one step ahead: the gradients
+    it accumulated since its snapshot (toward that step) stay, counted as one step stale; a state further ahead
+    drops everything held (lost, as in SWARM)."""
+    peer, source = _syncing_peer(tmp_path, "s1p1"), _syncing_peer(tmp_path, "s1p2")
+    _backward_call(peer, 1, 10)
+    peer._take_snapshot(0)                     # the step's snapshot (applied by the group without this peer)
+    _backward_call(peer, 2, 11)                # toward the next step
+    held = [p.grad.clone() for p in peer.params]
+    source.step = 1
+    assert peer._load_state(source._state()) == 1
+    assert peer.local_samples == 3 and peer.local_mbs == {11} and not peer._stepping()
+    assert all(torch.equal(p.grad, h) for p, h in zip(peer.params, held))
+    assert peer.counters["stale_gradient_samples"] == 3 and peer.counters["lost_gradient_samples"] == 3
+    source.step = 4
+    assert peer._load_state(source._state()) == 4
+    assert peer._held_samples() == 0 and not peer.local_mbs and all(p.grad is None for p in peer.params)
+    assert peer.counters["lost_gradient_samples"] == 6

@@ -5,7 +5,9 @@ Threads carry scheduling jitter, so the assertions compare behaviour with genero
 
 import pytest
 
-from cramswarm.swarm.emulation import FailureEvent, PeerSpec, ScaledClock, SwarmSetup, run
+from cramswarm.swarm.emulation import run
+from cramswarm.swarm.setups import FailureEvent, PeerSpec, SwarmSetup
+from cramswarm.swarm.thread_swarm import ScaledClock
 
 SCALE = 0.01   # 1 emulated second = 10 ms of wall clock
 

@@ -36,10 +36,10 @@ from swarm_helpers import (
 )
 
 from cramswarm.swarm import hivemind_transport as ht  # noqa: E402
-from cramswarm.swarm import launcher as launcher_mod  # noqa: E402
+from cramswarm.swarm.launcher_faults import rank_of_uid  # noqa: E402
 from cramswarm.swarm.membership import BootstrapError, RankTaken, join_swarm, listen_host
 from cramswarm.swarm.peer_process import claim_rank  # noqa: E402
-from cramswarm.swarm.policies import RetryPolicy  # noqa: E402
+from cramswarm.swarm.routing import RetryPolicy  # noqa: E402
 from cramswarm.swarm.trainer import StageClient  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
@@ -195,7 +195,7 @@ def test_missing_tasks_fail_within_the_startup_timeout_naming_the_stages(tmp_pat
 
 
 def test_task_ranks_map_to_stages_and_bad_placements_fail_with_the_key(tmp_path, monkeypatch):
-    assert [launcher_mod.rank_of_uid(u) for u in ("s0r3.0", "s12r10.7", "s0p1")] == [3, 10, None]
+    assert [rank_of_uid(u) for u in ("s0r3.0", "s12r10.7", "s0p1")] == [3, 10, None]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 5")  # local placement spreads peers over these (SLURM's list)
     assert ht.visible_gpus() == ["2", "5"]
     assert listen_host({"interface": "lo"}) == "127.0.0.1" and listen_host({"host": "0.0.0.0"}) == "0.0.0.0"

@@ -1,10 +1,11 @@
 """The launcher's swarm run for real (hivemind processes on localhost): independent trainer processes, stage peers
 that decide their steps among themselves, a DHT joinable through any live member - and SIGKILLs of each role
-mid-run. The roles' logic without a run (records, shards, admission, reruns) is in test_swarm_roles.py."""
+mid-run. The roles' logic without a run (records, shards, step rules, reruns) is in test_swarm_roles.py."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -41,11 +42,8 @@ from swarm_helpers import (
 )
 
 from cramswarm.swarm import hivemind_transport as ht  # noqa: E402
-from cramswarm.swarm import launcher as launcher_mod  # noqa: E402
-from cramswarm.swarm.peer_sync import (  # noqa: E402
-    MIN_GATHER_S,
-)
-from cramswarm.swarm.policies import (
+from cramswarm.swarm import run_state  # noqa: E402
+from cramswarm.swarm.routing import (
     RetryPolicy,  # noqa: E402
 )
 from cramswarm.swarm.stages import STATE_BYTES_PER_PARAMETER, build_swarm_model, stage_state_bytes  # noqa: E402
@@ -72,7 +70,7 @@ def test_a_narrowing_compression_trains_under_the_launcher_and_its_layers_reach_
     assert torch.isfinite(model(input_ids=inputs, labels=labels).loss)
 
 
-def test_launcher_swarm_steps_every_sample_once_with_compressed_averaging():
+def test_launcher_swarm_steps_every_sample_at_least_once_with_compressed_averaging():
     total = 96
     # a cap each stage's state fits under while the whole model's does not: the peers build their stage only
     state = stage_state_bytes(plan().arch, plan().vocab_size, 2)
@@ -81,23 +79,27 @@ def test_launcher_swarm_steps_every_sample_once_with_compressed_averaging():
     cap_mb = (max(state) + whole) / 2 / 2**20
     assert max(state) < cap_mb * 2**20 < whole
     result, stats = launch(total, peer_memory_cap_mb=cap_mb)
-    # no failure: every sample stepped once on each stage (a backward call re-sent after a timeout on a loaded
-    # machine is held apart by the replica that takes it and counts once: peer_sync.resent_kept)
+    # no failure: every microbatch stepped on each stage, at least once (a backward call re-sent after a timeout
+    # on a loaded machine counts on both replicas: counted in duplicate_microbatches, as SWARM tolerates)
     assert stats["trainer_restarts"] == 0 and stats["peers_killed"] == 0, brief(stats)
-    assert stats["stepped_samples"] == [total * MICRO] * 2, (brief(stats), stats["duplicate_samples"])
-    # the steps hold the recipe's batch up to what the peers admitted between two reads of each other's counts
-    # (0.25 s apart), so a step may hold more or less than the batch and the next one makes up for it
+    assert stats["stepped_microbatches"] == [total, total] and stats["lost_gradient_samples"] == [0, 0], brief(stats)
+    assert stats["stepped_samples"] == [(total + d) * MICRO for d in stats["duplicate_microbatches"]], brief(stats)
+    # a step takes its target (4 microbatches) plus what arrived meanwhile: the overshoot is measured per stage
     batch = [row["batch_sequences"] for row in result.log]
-    assert sum(batch) == stats["stepped_samples"][1] and max(batch) <= 2 * 4 * MICRO, batch
-    assert len(batch) >= 0.75 * total / 4, batch
+    assert sum(batch) == stats["stepped_samples"][1] and all(row["target_sequences"] == 4 * MICRO
+                                                             for row in result.log), result.log
+    over = stats["step_overshoot"]
+    assert sorted(over) == ["0", "1"] and all(o["steps"] >= 1 and o["mean"] >= 1.0 and o["under"] <= o["steps"] // 4
+                                              for o in over.values()), over
+    assert over["1"]["steps"] >= len(batch) - 1 and over["1"]["max"] == max(batch[:-1]) / (4 * MICRO), (over, batch)
     # the peers' steps are timed (a step whose lines hold no samples of their own - a member that counted another's
-    # record, then failed the all-reduce - has no batch end and is left out): a stage's backward calls are held
-    # for at least the gather's minimum
+    # record, then failed the all-reduce - has no batch end and is left out): each gathers its group from the
+    # records (a DHT read at least), all-reduces and applies, while the stage's backward calls go on toward the next
     stalls = stats["step_stalls"]
     assert sorted(stalls) == ["0", "1"], stalls
     assert {e["step"] for e in stalls["1"]} <= {row["step"] for row in result.log}, (stalls, result.log)
     assert len(stalls["1"]) >= 0.9 * len(batch) and stalls["0"], stalls
-    assert all(e["gather_s"] >= MIN_GATHER_S and e["stall_s"] >= MIN_GATHER_S
+    assert all(e["gather_s"] > 0 and e["reduce_s"] >= 0 and e["apply_s"] >= 0
                for entries in stalls.values() for e in entries), stalls
     assert all(1.99 <= b <= 2.0 * 1.01 for b in stats["averaging_bytes_per_param"]), stats
     # each peer holds its own stage only: its parameter count is its stage's, its AdamW state two moments of it
@@ -113,12 +115,11 @@ def test_launcher_swarm_steps_every_sample_once_with_compressed_averaging():
 
 
 @pytest.mark.swarm
-def test_a_backward_call_resent_while_the_first_replica_computes_it_is_stepped_once():
+def test_a_backward_call_resent_while_the_first_replica_computes_it_counts_at_least_once():
     """Stage 1's second replica takes 1.5 s per call (speed 0.1 on a 0.05 s work-unit floor) and the trainers wait
     1.25 s for a backward call: the calls it gets are re-sent to the other replica while it still computes them,
-    and then it accumulates them. The re-sent copies are held apart and dropped at the step (the group's records
-    show the first replica holds the microbatch), so each stage steps every sample once. Measured without the
-    marking (the trainers' re-sends sent as first sends): stage 1 stepped 184 samples of 128."""
+    and then it accumulates them too. As in SWARM both copies count: every microbatch is stepped, the second copies
+    are counted (``duplicate_microbatches``) and the replicas stay equal."""
     daemons_before = own_p2p_daemons()
     total = 32
     slow = plan(decentralised=True, peers_per_stage=[1, 2], peer_speeds=[1.0, 1.0, 0.1], peer_unit_time_s=0.05,
@@ -128,8 +129,9 @@ def test_a_backward_call_resent_while_the_first_replica_computes_it_is_stepped_o
     stats = ht.run_swarm(slow, source(), total, progress=False).stats
     assert stats["microbatches_done"] == total and stats["lost_microbatches"] == 0, brief(stats)
     assert stats["timeouts"] > 0 and stats["resent_samples"][1] > 0, brief(stats)
-    assert stats["duplicate_samples"][1] > 0, (stats["duplicate_samples"], stats["resent_kept_samples"])
-    assert stats["stepped_samples"] == [total * MICRO] * 2, (brief(stats), stats["duplicate_samples"])
+    assert stats["stepped_microbatches"] == [total, total] and stats["lost_gradient_samples"] == [0, 0], brief(stats)
+    assert stats["duplicate_microbatches"][1] > 0, brief(stats)
+    assert stats["stepped_samples"] == [(total + d) * MICRO for d in stats["duplicate_microbatches"]], brief(stats)
     assert stats["replica_max_abs_diff"] == [0.0, 0.0], stats["replica_steps"]
     assert ht.leftover_processes(stats["process_groups"]) == [] and own_p2p_daemons() == daemons_before
 
@@ -325,7 +327,7 @@ def test_a_rerun_after_the_launcher_is_sigkilled_resumes_from_the_stage_shards(t
         brief(stats)
     assert stats["assembled_from"] == ["shard", "shard"] and stats["shard_steps"] == stats["stage_steps"]
     # the state folder outlives the run: its caller (swarm_pretrain) removes it once its outputs are written
-    assert (state / launcher_mod.RESUME_FILE).exists()
+    assert (state / run_state.RESUME_FILE).exists()
 
 
 @pytest.mark.swarm
@@ -334,7 +336,7 @@ def test_a_rerun_on_a_finished_runs_state_folder_trains_nothing_and_gives_the_sa
     (Snakemake deletes a failed job's outputs): the rerun resumes from the final shards with nothing left to train."""
     total, state = 96, tmp_path / "state"
     first, stats = launch(total, state_dir=state, checkpoint_every_s=1.0)
-    assert (state / launcher_mod.RESUME_FILE).exists()  # left to the caller (swarm_pretrain)
+    assert (state / run_state.RESUME_FILE).exists()  # left to the caller (swarm_pretrain)
     again, stats = launch(total, state_dir=state, checkpoint_every_s=1.0)
     sizes = [len(shard(total, r, 2)) for r in range(2)]
     assert stats["resumed"]["trainer_done"] == stats["resumed"]["trainer_done_before"] == sizes, stats["resumed"]
@@ -452,21 +454,27 @@ def test_sigkill_of_the_rules_own_process_leaves_nothing_behind_and_a_rerun_resu
     assert ht.leftover_processes(stats["process_groups"]) == []
 
 
-def test_hivemind_swarm_pretraining_matches_single_process_within_the_emulations_tolerance(tiny_run):
+def test_hivemind_swarm_pretraining_matches_single_process_within_the_emulations_tolerance(tiny_run, monkeypatch):
     """Loss parity on hivemind: swarm_pretrain under the launcher (2 stages x 2 peers, 3 trainer processes, blockwise
     8-bit boundaries, fp16 averaging, bf16) against cramswarm.pretrain on the same blocks and step budget (the
     launcher's trainers draw each microbatch's masks from its own seed, cramswarm.swarm.data, at the same rate):
     within test_swarm_train's PARITY_NATS, the emulation's tolerance, in final training loss and held-out loss.
-    Measured (2026-11-26, loaded 2-core machine; 3 runs): swarm minus single-process final training loss -0.027,
-    -0.060, -0.032 nats (a window mean over microbatches whose masks differ from pretrain's), held-out +0.013,
-    +0.026, +0.018. The swarm's steps overshoot the global batch (microbatches arriving while a stage averages join
-    that step): 25-27, not 30."""
+
+    A stage steps at its target batch plus what arrived while the step was decided and averaged (SWARM's and
+    hivemind's semantics): the overshoot is the calls of that latency. SWARM's regime is a batch far larger than
+    that (4096 samples, calls of seconds); the miniature's calls take milliseconds, and with a batch of two
+    microbatches its steps held 3-4 batches (8 steps for 30). So the peers' calls here take at least a fifth of a
+    second per work unit (``SwarmPlan.peer_unit_time_s``), as a slow peer's would, and the steps stay near the
+    batch."""
     from swarm_helpers import PARITY_NATS, SWARM, schema_swarm
     from swarm_helpers import TRAIN_TINY as TINY_TRAIN
 
     from cramswarm.pretrain import pretrain
     from cramswarm.swarm.train import swarm_pretrain
 
+    configured = ht.plan_from_config
+    monkeypatch.setattr(ht, "plan_from_config", lambda *a, **k: dataclasses.replace(configured(*a, **k),
+                                                                                     peer_unit_time_s=0.2))
     tmp, tok = tiny_run
     cfg = schema_swarm(**SWARM) | dict(transport="hivemind", trainers=3, forward_timeout_s=5.0, startup_timeout_s=120.0)
     rec = recipe(budget={"unit": "steps", "value": 30})
@@ -486,5 +494,7 @@ def test_hivemind_swarm_pretraining_matches_single_process_within_the_emulations
     least = 60 - (1 + stats["resyncs"]) * per_batch
     assert all(least <= n <= 60 for n in stats["stepped_microbatches"]) and stats["replicas_equal"], \
         (stats["stepped_microbatches"], stats["lost_gradient_samples"], stats["resyncs"], brief(stats))
+    over = stats["step_overshoot"]
+    assert all(1.0 <= o["mean"] <= 2.0 for o in over.values()), (over, stats["stage_steps"])
     assert abs(swarm["final_loss"] - single["final_loss"]) < PARITY_NATS
     assert abs(swarm["eval_loss"] - single["eval_loss"]) < PARITY_NATS

@@ -1,6 +1,6 @@
 """Rebalancing decided by the stage peers (``peer_rebalance``): the peer's own load measurement, the DHT-facing
 driver on a fake DHT, and a starved stage recovered on real hivemind processes under the launcher (the decision
-rule itself, ``policies.choose_move``, is tested in test_swarm_policies)."""
+rule itself, ``rebalancing.choose_move``, is tested in test_swarm_policies)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from cramswarm.swarm.policies import LoadMeter, _uid_hash
+from cramswarm.swarm.rebalancing import LoadMeter, _uid_hash
 
 pytest.importorskip("hivemind", reason="hivemind is not installed: the peers' rebalancing is untested")
 
@@ -118,8 +118,7 @@ class FakePeer:
         self.node, self.uid, self.stage, self.run_id, self.num_stages = node, uid, stage, "run", 2
         self.cfg, self.sync_timeout_s, self.workdir = {"give_up_after_s": 30.0}, 5.0, tmp_path
         self.counters = {"lost_gradient_samples": 0}
-        self.leaving = self.closing = False
-        self.calls, self.ready = {}, None
+        self.leaving, self.ready = False, None
 
     def _held_samples(self) -> int:
         return 0

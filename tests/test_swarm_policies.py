@@ -18,25 +18,27 @@ from cramswarm.swarm.compression import (
     payload_to,
     roundtrip,
 )
-from cramswarm.swarm.policies import (
-    CALL_ROUND_TRIPS,
+from cramswarm.swarm.fault_rules import kill_candidates
+from cramswarm.swarm.rebalancing import (
     LastMove,
     LoadMeter,
     Move,
     MoveGate,
-    NoPeersError,
     PeerLoad,
-    PerformanceEMA,
     Rebalancer,
+    _uid_hash,
+    choose_move,
+)
+from cramswarm.swarm.routing import (
+    CALL_ROUND_TRIPS,
+    NoPeersError,
+    PerformanceEMA,
     RetryPolicy,
     StageBalancer,
     StageCall,
-    StageSync,
     UniformBalancer,
-    _uid_hash,
-    choose_move,
-    kill_candidates,
 )
+from cramswarm.swarm.stage_sync import StageSync
 
 SPEEDS = {"fast": 1.0, "half": 0.5, "quarter": 0.25}
 
@@ -509,7 +511,7 @@ def test_a_microbatch_path_calls_the_stages_in_swarms_order_and_keeps_each_stage
     the blocking and the asyncio drivers give the same calls and the loss."""
     import asyncio
 
-    from cramswarm.swarm.policies import PathCall, drive_path, drive_path_async, microbatch_path
+    from cramswarm.swarm.routing import PathCall, drive_path, drive_path_async, microbatch_path
 
     def fake(log):
         def call(request: PathCall):

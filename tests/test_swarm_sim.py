@@ -5,8 +5,9 @@ import dataclasses
 
 import pytest
 
-from cramswarm.swarm import emulation, sim
-from cramswarm.swarm.emulation import FailureEvent, PeerSpec, SwarmSetup
+from cramswarm.swarm import emulation, scenarios, sim
+from cramswarm.swarm.optimum import optimal_throughput, optimum_over_time
+from cramswarm.swarm.setups import BACKWARD_COMPUTE_FACTOR, FailureEvent, JoinEvent, PeerSpec, SwarmSetup
 
 SPEEDS = (1.0, 0.5, 0.25)
 
@@ -34,7 +35,7 @@ def test_weighted_routing_gives_work_in_proportion_to_speed():
 def test_weighted_beats_uniform_on_heterogeneous_peers():
     weighted = sim.run(one_stage("weighted"))["throughput_mb_s"]
     uniform = sim.run(one_stage("uniform"))["throughput_mb_s"]
-    optimum = sim.optimal_throughput(SPEEDS, 1, 0.1)
+    optimum = optimal_throughput(SPEEDS, 1, 0.1)
     assert weighted > 1.5 * uniform          # the benchmark's target is 1.8x; this is a generous floor
     assert 0.8 * optimum < weighted <= optimum + 1e-9
 
@@ -64,7 +65,7 @@ def test_failures_cost_retries_but_no_microbatch():
     result = sim.run(setup)
     assert result["lost_microbatches"] == 0
     assert result["retries"] > 0 and result["peers_killed"] == len(failures)
-    assert result["microbatches_done"] > 0.5 * sim.optimal_throughput([1.0] * 9, 3, 1.0) * 200
+    assert result["microbatches_done"] > 0.5 * optimal_throughput([1.0] * 9, 3, 1.0) * 200
 
 
 def test_a_stage_without_peers_loses_microbatches_after_the_bounded_wait():
@@ -96,24 +97,24 @@ def test_same_seed_same_result():
 
 
 def test_thousand_peer_swarm_with_preemptions_runs():
-    setup = sim.heterogeneous_setup(1000, 4, stage_time_s=1.0, forward_timeout_s=30.0, duration_s=120.0,
-                                    rebalance_period_s=30.0, state_download_s=10.0)
-    setup.failures = sim.poisson_failures(1000, 120.0, mean_interval_s=1.0, rejoin_after_s=60.0, seed=1)
+    setup = scenarios.heterogeneous_setup(1000, 4, stage_time_s=1.0, forward_timeout_s=30.0, duration_s=120.0,
+                                          rebalance_period_s=30.0, state_download_s=10.0)
+    setup.failures = scenarios.poisson_failures(1000, 120.0, mean_interval_s=1.0, rejoin_after_s=60.0, seed=1)
     result = sim.run(setup, trainers_per_process=250, rebalancer_options={"min_gain": 0.0})
     assert result["peers_killed"] == len(setup.failures) > 50
     assert result["lost_microbatches"] == 0
-    assert result["microbatches_done"] > 0.3 * sim.optimum_over_time(setup) * 120.0
+    assert result["microbatches_done"] > 0.3 * optimum_over_time(setup) * 120.0
     assert result["events"] > 10_000
 
 
 def test_optimum_helpers():
-    assert sim.optimal_throughput([1.0] * 6, 3, 1.0) == pytest.approx(2 / 3.0)   # 2 peers per stage, 3 s each
-    assert sim.optimal_throughput([1.0], 2, 1.0) == 0.0
+    assert optimal_throughput([1.0] * 6, 3, 1.0) == pytest.approx(2 / 3.0)   # 2 peers per stage, 3 s each
+    assert optimal_throughput([1.0], 2, 1.0) == 0.0
     setup = SwarmSetup(peers=[PeerSpec(0), PeerSpec(1)], trainers=1, stage_time_s=1.0, duration_s=100.0,
                        failures=[FailureEvent(50.0, 0, rejoin_after_s=25.0)])
     # 1/3 microbatch/s while both are up, 0 for the 25 s one peer cannot fill two stages
-    assert sim.optimum_over_time(setup) == pytest.approx((75 / 100) / 3.0)
-    events = sim.poisson_failures(5, 1000.0, mean_interval_s=5.0, rejoin_after_s=50.0, seed=2)
+    assert optimum_over_time(setup) == pytest.approx((75 / 100) / 3.0)
+    events = scenarios.poisson_failures(5, 1000.0, mean_interval_s=5.0, rejoin_after_s=50.0, seed=2)
     down_until = {}
     for event in events:   # never a peer that is already down
         assert down_until.get(event.peer, -1.0) <= event.at_s
@@ -140,7 +141,7 @@ def first_done_s(result: dict) -> list[float]:
 def test_one_call_over_a_nic_takes_bytes_over_bandwidth_plus_latency():
     # One trainer, one peer: 4 transfers (forward and backward, request and reply) of 1 MB at 100 Mbit/s (0.08 s
     # each) with 20 ms one-way latency, plus 0.5 s forward and 1 s backward compute.
-    expected = 4 * (MB * 8 / 100e6 + 0.02) + 0.5 * (1 + emulation.BACKWARD_COMPUTE_FACTOR)
+    expected = 4 * (MB * 8 / 100e6 + 0.02) + 0.5 * (1 + BACKWARD_COMPUTE_FACTOR)
     for network in ({"nic_mbit_s": 100.0}, {"bandwidth_mbit_s": 100.0}):
         setup = SwarmSetup(peers=[PeerSpec(0)], trainers=1, stage_time_s=0.5, activation_bytes=MB, latency_s=0.02,
                            duration_s=10.0, **network)
@@ -177,7 +178,7 @@ def test_more_round_trips_per_call_cost_their_latency_on_every_call(network):
     # 2 stages: 4 calls of 0.04 s per round trip + 0.1 x (1 + 2) x 2 s compute. With 3 round trips per call each
     # call waits 2 x 0.04 s longer: the microbatch 0.32 s, and throughput drops from 1 / 0.76 to 1 / 1.08 mb/s.
     wire = 2 * 1000 * 8 / 100e6 if network else 0.0   # the request's and the reply's bits through the NIC
-    compute = 0.1 * (1 + emulation.BACKWARD_COMPUTE_FACTOR) * 2
+    compute = 0.1 * (1 + BACKWARD_COMPUTE_FACTOR) * 2
     one = sim.run(pure_latency(2, **network))
     three = sim.run(pure_latency(2, **network), round_trips_per_call=3.0)
     assert first_done_s(one)[0] == pytest.approx(4 * (0.04 + wire) + compute, rel=1e-9)
@@ -199,18 +200,18 @@ def test_a_fixed_overhead_is_paid_once_per_call_whatever_the_latency():
 def test_fused_last_stage_saves_one_call_but_no_compute():
     # 2 stages: stage 0 forward, the last stage's forward + backward in one call, stage 0 backward: 3 round trips
     # of 0.04 s instead of 4, the same 0.6 s of compute.
-    compute = 0.1 * (1 + emulation.BACKWARD_COMPUTE_FACTOR) * 2
+    compute = 0.1 * (1 + BACKWARD_COMPUTE_FACTOR) * 2
     fused = sim.run(pure_latency(2), fused_last_stage=True)
     assert first_done_s(fused)[0] == pytest.approx(3 * 0.04 + compute, rel=1e-9)
     assert first_done_s(sim.run(pure_latency(2)))[0] == pytest.approx(4 * 0.04 + compute, rel=1e-9)
     # the last stage still does forward + backward work per microbatch and counts its forward once
     done = fused["microbatches_done"]
     work = fused["work_units"]
-    assert work["peer001"] == pytest.approx(done * (1 + emulation.BACKWARD_COMPUTE_FACTOR), abs=3)
+    assert work["peer001"] == pytest.approx(done * (1 + BACKWARD_COMPUTE_FACTOR), abs=3)
     assert fused["served"]["peer000"] == pytest.approx(fused["served"]["peer001"], abs=1)
     # one stage: the microbatch is one call
     assert first_done_s(sim.run(pure_latency(1), fused_last_stage=True))[0] == pytest.approx(
-        0.04 + 0.1 * (1 + emulation.BACKWARD_COMPUTE_FACTOR), rel=1e-9)
+        0.04 + 0.1 * (1 + BACKWARD_COMPUTE_FACTOR), rel=1e-9)
     with pytest.raises(ValueError, match="round_trips_per_call"):
         sim.run(pure_latency(1), round_trips_per_call=0.5)
     with pytest.raises(ValueError, match="call_overhead_s"):
@@ -245,7 +246,7 @@ def test_a_peer_killed_mid_transfer_times_out_and_the_call_is_resent():
 
 # -- preemption models ----------------------------------------------------------------------------------------
 def test_burst_failures_kill_several_up_peers_at_once():
-    events = sim.burst_failures(20, 3600.0, mean_interval_s=300.0, burst_size=4, rejoin_after_s=600.0, seed=3)
+    events = scenarios.burst_failures(20, 3600.0, mean_interval_s=300.0, burst_size=4, rejoin_after_s=600.0, seed=3)
     times = sorted({e.at_s for e in events})
     assert 5 <= len(times) <= 20                      # about 12 bursts in an hour
     down_until: dict[int, float] = {}
@@ -255,12 +256,12 @@ def test_burst_failures_kill_several_up_peers_at_once():
         for peer in hit:
             assert down_until.get(peer, -1.0) <= t    # never a peer that is down
             down_until[peer] = t + 600.0
-    assert events == sim.burst_failures(20, 3600.0, mean_interval_s=300.0, burst_size=4, rejoin_after_s=600.0,
-                                        seed=3)
+    assert events == scenarios.burst_failures(20, 3600.0, mean_interval_s=300.0, burst_size=4,
+                                              rejoin_after_s=600.0, seed=3)
 
 
 def test_churn_replaces_departed_peers_with_new_ones():
-    failures, joins = sim.churn(10, 3600.0, mean_interval_s=120.0, join_after_s=60.0, stage="most_loaded", seed=1)
+    failures, joins = scenarios.churn(10, 3600.0, mean_interval_s=120.0, join_after_s=60.0, stage="most_loaded", seed=1)
     assert all(e.rejoin_after_s is None for e in failures)
     assert 15 <= len(failures) <= 45                  # about 30 departures in an hour
     assert [j.at_s for j in joins] == [e.at_s + 60.0 for e in failures][:len(joins)]
@@ -274,9 +275,9 @@ def test_churn_replaces_departed_peers_with_new_ones():
 
 def test_preemption_models_share_the_rate_of_preempted_peers():
     counts = {}
-    for model in sim.PREEMPTION_MODELS:
-        failures, joins = sim.preemptions(model, 100, 7200.0, preemptions_per_peer_hour=1.0, rejoin_after_s=600.0,
-                                          burst_size=4, seed=5)
+    for model in scenarios.PREEMPTION_MODELS:
+        failures, joins = scenarios.preemptions(model, 100, 7200.0, preemptions_per_peer_hour=1.0,
+                                                rejoin_after_s=600.0, burst_size=4, seed=5)
         counts[model] = len(failures)
         # churn: a newcomer for each departure whose newcomer arrives within the run
         expected_joins = sum(e.at_s + 600.0 < 7200.0 for e in failures) if model.startswith("churn") else 0
@@ -284,7 +285,7 @@ def test_preemption_models_share_the_rate_of_preempted_peers():
     for count in counts.values():
         assert count == pytest.approx(200, rel=0.25)   # 100 peers x 1 per hour x 2 hours
     with pytest.raises(ValueError, match="unknown preemption model"):
-        sim.preemptions("sunspots", 10, 10.0, preemptions_per_peer_hour=1.0, rejoin_after_s=1.0)
+        scenarios.preemptions("sunspots", 10, 10.0, preemptions_per_peer_hour=1.0, rejoin_after_s=1.0)
 
 
 def test_a_newcomer_joins_the_most_loaded_stage():
@@ -293,7 +294,7 @@ def test_a_newcomer_joins_the_most_loaded_stage():
     peers = [PeerSpec(s) for s in range(2) for _ in range(3)]
     failures = [FailureEvent(10.0, 3), FailureEvent(10.0, 4)]
     results = {}
-    for joins in ([emulation.JoinEvent(30.0, speed=1.0, stage="most_loaded")], []):
+    for joins in ([JoinEvent(30.0, speed=1.0, stage="most_loaded")], []):
         setup = SwarmSetup(peers=peers, trainers=8, stage_time_s=0.5, failures=failures, joins=joins,
                            forward_timeout_s=5.0, duration_s=120.0, state_download_s=5.0)
         results[len(joins)] = sim.run(setup)
@@ -302,8 +303,8 @@ def test_a_newcomer_joins_the_most_loaded_stage():
     assert results[1]["per_stage_peers"][1] == ["peer005", "peer006"]
     assert window_rate(results[1], 60.0, 120.0) > 1.6 * window_rate(results[0], 60.0, 120.0)   # 2 peers vs 1
     setup = SwarmSetup(peers=[PeerSpec(0), PeerSpec(1)], trainers=1, stage_time_s=1.0, duration_s=100.0,
-                       failures=[FailureEvent(50.0, 1)], joins=[emulation.JoinEvent(75.0)])
-    assert sim.optimum_over_time(setup) == pytest.approx((75 / 100) / 3.0)
+                       failures=[FailureEvent(50.0, 1)], joins=[JoinEvent(75.0)])
+    assert optimum_over_time(setup) == pytest.approx((75 / 100) / 3.0)
     with pytest.raises(ValueError, match="simulator only"):
         emulation.run(setup, time_scale=0.01)
 

@@ -17,7 +17,7 @@ pytest.importorskip("hivemind", reason="hivemind is not installed: transport 1 (
 from swarm_helpers import MICRO, own_p2p_daemons, plan, source  # noqa: E402
 
 from cramswarm.swarm import hivemind_transport as ht  # noqa: E402
-from cramswarm.swarm.policies import CALL_ROUND_TRIPS  # noqa: E402
+from cramswarm.swarm.routing import CALL_ROUND_TRIPS  # noqa: E402
 from cramswarm.testbed import netns  # noqa: E402
 from cramswarm.testbed import swarm as tbswarm  # noqa: E402
 from cramswarm.testbed.netns import namespaces  # noqa: E402

@@ -1,4 +1,4 @@
-"""Transport 2's training: crammed BERT trained by the emulation's threads (``emulation``'s peers, directory,
+"""Transport 2's training: crammed BERT trained by the emulation's threads (``thread_swarm``'s peers, directory,
 clock and routers), one process.
 
 Real training of crammed BERT split into stages (``stages.split_model``): each peer holds a replica
@@ -32,28 +32,13 @@ from tqdm.auto import tqdm
 
 from cramswarm.precision import autocast, resolve_precision
 from cramswarm.swarm.compression import COMPRESSIONS, decode, encode, payload_bytes, wire_scheme
-from cramswarm.swarm.emulation import (
-    Dropped,
-    Peer,
-    PeerSpec,
-    Request,
-    Router,
-    ScaledClock,
-    StopRun,
-    Swarm,
-)
-from cramswarm.swarm.policies import (
-    WORK_UNITS,
-    NoPeersError,
-    PathCall,
-    Rebalancer,
-    RetryPolicy,
-    StageSync,
-    drive_path,
-    kill_candidates,
-    microbatch_path,
-)
+from cramswarm.swarm.fault_rules import kill_candidates
+from cramswarm.swarm.rebalancing import WORK_UNITS, Rebalancer
+from cramswarm.swarm.routing import NoPeersError, PathCall, RetryPolicy, drive_path, microbatch_path
+from cramswarm.swarm.setups import PeerSpec
+from cramswarm.swarm.stage_sync import StageSync
 from cramswarm.swarm.stages import build_swarm_model, split_model
+from cramswarm.swarm.thread_swarm import Dropped, Peer, Request, Router, ScaledClock, StopRun, Swarm
 from cramswarm.training import (
     apply_gradients,
     budget_progress,
@@ -386,7 +371,7 @@ def _peer_specs(swarm_cfg: dict, num_stages: int) -> list[PeerSpec]:
 
 def _fault_loop(swarm: _TrainingSwarm, kill_every_s: float, rejoin_after_s: float | None, seed: int) -> None:
     """Every ``kill_every_s``: kill a random live peer whose stage keeps another live replica
-    (``policies.kill_candidates``, as the launcher chooses)."""
+    (``fault_rules.kill_candidates``, as the launcher chooses)."""
     rng = random.Random(seed)
     rejoins: list[tuple[float, Peer]] = []
     next_kill = swarm.clock.now() + kill_every_s

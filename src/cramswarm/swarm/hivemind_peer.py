@@ -130,6 +130,7 @@ class StagePeer(ServicerBase):
         self.averaged: tuple[bytes, torch.Tensor] | None = None     # (group id, flat averaged gradient)
         self.runners: dict[bytes, asyncio.Future] = {}
         self.activation_bytes = 0   # the most bytes one backward call's forward saved for backward (SavedActivations)
+        self.leaving = False   # moving to another stage (peer_rebalance): new calls are refused
 
     @property
     def is_last(self) -> bool:
@@ -163,7 +164,7 @@ class StagePeer(ServicerBase):
         """A peer of speed s takes compute / s for a call (emulated by sleeping on the compute thread). The compute
         is what the call measured (``seconds``), or with ``peer_unit_time_s`` (``SwarmPlan.peer_unit_time_s``) at
         least ``units`` x that (a microbatch's forward 1, backward 2, the last stage's fused call 3: the work
-        units of ``policies.WORK_UNITS``): then a call's time stays ``units x peer_unit_time_s / s`` on a loaded
+        units of ``rebalancing.WORK_UNITS``): then a call's time stays ``units x peer_unit_time_s / s`` on a loaded
         host, as long as the real compute fits under it, and peers' speeds keep their ratios whatever else runs.
         A peer of speed >= 1 without the floor does not sleep."""
         floor = units * self.unit_time_s if self.unit_time_s else 0.0
@@ -394,7 +395,11 @@ class StagePeer(ServicerBase):
         return []
 
     async def declare_forever(self) -> None:
+        """This peer's stage record, every ``DECLARE_PERIOD_S``; paused while it is ``leaving`` its stage (its record
+        is withdrawn: ``peer_rebalance``)."""
         key, peer_id = stage_key(self.run_id, self.stage), self.node.p2p.peer_id.to_base58()
         while True:
-            await self.node.store(key, subkey=self.uid, value=peer_id, expiration_time=get_dht_time() + RECORD_TTL_S)
+            if not self.leaving:
+                await self.node.store(key, subkey=self.uid, value=peer_id,
+                                      expiration_time=get_dht_time() + RECORD_TTL_S)
             await asyncio.sleep(DECLARE_PERIOD_S)

@@ -18,7 +18,7 @@ The launcher starts these (locally, as srun job steps: ``srun.SrunPlacement``, o
 trainers when the user's ``swarm-peer`` tasks serve the stages: placement ``attach``), injects faults, restarts
 what died, and gathers the checkpoint from the stage shards; a rerun resumes from them. Peer speed is emulated by
 the peers themselves (``SwarmPlan.peer_unit_time_s``); ``cramswarm.swarm_study.study_launcher.run_setup``
-runs an ``emulation.SwarmSetup`` this way and returns the throughput keys of ``emulation.run`` / ``sim.run``.
+runs a ``setups.SwarmSetup`` this way and returns the throughput keys of ``emulation.run`` / ``sim.run``.
 
 Every process is its own process-group leader (``start_new_session=True``) and is killed as a group with
 ``os.killpg``, so no ``p2pd`` daemon or child outlives a run.
@@ -33,13 +33,13 @@ from pathlib import Path
 from cramswarm.swarm import averaging
 from cramswarm.swarm.compression import COMPRESSIONS
 from cramswarm.swarm.emulation_training import TrainResult
-from cramswarm.swarm.policies import ROUTINGS, RetryPolicy
 from cramswarm.swarm.processes import (  # noqa: F401 (leftover_processes, _LIVE_GROUPS, visible_gpus: the tests' names)
     _LIVE_GROUPS,
     leftover_processes,
     own_daemons,
     visible_gpus,
 )
+from cramswarm.swarm.routing import ROUTINGS, RetryPolicy
 from cramswarm.swarm.stages import (  # noqa: F401 (stage_parameter_counts: the tests' and benchmarks' name here)
     build_swarm_model,
     check_memory_cap,

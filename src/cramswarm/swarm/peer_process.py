@@ -15,7 +15,7 @@ launcher did not start it (placements ``attach`` and ``srun``): it reads the lau
 (``config.json``, then the address file ``dht_addrs.txt``), takes the stage and speed of its rank (``--rank``, else
 ``SLURM_PROCID``: the tasks of one ``srun`` job step; ``claim_rank`` locks it, so a rank runs once) and runs
 ``stage`` as a child process group, which it restarts with a state download when it dies (``rejoin_after_s``
-later; on its rank's stage: a peer that moved and then died comes back where it started).
+later; on the stage it last served: a peer that moved and then died comes back on its new stage).
 
 The launcher keeps a heartbeat record in the DHT (``membership.launcher_key``: ``starting``, ``training`` or
 ``done``, re-stored every 2 s with a 10 s expiration). A stage peer exits (code 0) once it reads ``done``, and
@@ -64,7 +64,8 @@ from cramswarm.swarm.membership import (
     write_addr_file,
 )
 from cramswarm.swarm.peer_rebalance import MOVES_FILE, moved_uid, stage_after_moves
-from cramswarm.swarm.peer_sync import SyncingStagePeer, record_window_s
+from cramswarm.swarm.peer_sync import SyncingStagePeer
+from cramswarm.swarm.progress import record_window_s
 
 
 async def move_peer(peer, to_stage: int, record: dict):

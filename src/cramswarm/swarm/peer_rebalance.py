@@ -10,7 +10,7 @@ pay a cold start). The caller-side latency, which includes queueing and the netw
 
 Publishing is a task of its own (a record every period, whatever the decisions cost). At ``k T + DECIDE_DELAY``
 every peer reads the period-``k`` records of every stage and evaluates the same pure
-function, ``policies.choose_move`` (load = (queue + 1) / summed rate; from the least to the most loaded stage when
+function, ``rebalancing.choose_move`` (load = (queue + 1) / summed rate; from the least to the most loaded stage when
 the ratio exceeds the hysteresis and the bottleneck's projected rate grows by more than ``min_gain``; the mover is
 the donor peer with the smallest SHA-1 of its uid). A view is used only when it is complete (every peer declared
 under a stage published a record for period ``k``; an incomplete one is read once more ``DECIDE_DELAY`` later, as
@@ -19,7 +19,7 @@ peer the move names acts, the others only watch. Before it acts it stores a clai
 claims back ``DECIDE_DELAY`` later: if two peers read different views and both believed themselves the mover, only
 the claim with the smallest uid hash moves - at most one move per period. Nothing is decided while the last move
 (the ``last_move_key`` record) is in transit (for at most 2 x ``give_up_after_s``: a mover that died on its way),
-nor on a period that ended before it arrived (``policies.MoveGate``, the timing rule the emulation's and the
+nor on a period that ended before it arrived (``rebalancing.MoveGate``, the timing rule the emulation's and the
 simulator's ``Rebalancer`` apply too; by default no further cool-down: one move per period), nor once the launcher
 asked for the last batch. A dead peer's stage record lingers up to ``RECORD_TTL_S``, so no decision is taken in the
 periods right after a death.
@@ -28,9 +28,8 @@ The mover (``PeerRebalancer.leave``): stops admitting calls (``peer.leaving``: n
 refused, the trainers re-send them to another replica and ban this peer until its record is gone), replaces its
 stage record with a tombstone (trainers drop it at their next read), lets the calls it admitted finish (and a step
 under way end), then hands the gradients it holds since its last step to a replica that stays
-(``SyncingStagePeer.hand_over``: the first by uid that accepts adds the accumulated ones to its own, as the
-emulation's mover does, and keeps the re-sent ones the mover held apart separate too; ``handed_over_samples`` in
-the move record). Only if no replica takes them does it stay in its stage's
+(``hand_over``: the first by uid that accepts adds them to its own, as the emulation's mover does;
+``handed_over_samples`` in the move record). Only if no replica takes them does it stay in its stage's
 synchronisation until they went into a step (bounded by ``drain_timeout_s``; what it still holds then is dropped
 and counted in ``lost_gradient_samples``). ``move_peer`` then builds the new stage
 in the same process under a new uid (``moved_uid``), and ``peer_process.serve_stage`` serves it: state download
@@ -48,10 +47,20 @@ import re
 import time
 from pathlib import Path
 
+from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
 from cramswarm.swarm.membership import RECORD_TTL_S, stage_key, stage_records
-from cramswarm.swarm.policies import TRANSIT_GIVE_UPS, WORK_UNITS, LastMove, MoveGate, PeerLoad, _uid_hash, choose_move
+from cramswarm.swarm.rebalancing import (
+    TRANSIT_GIVE_UPS,
+    WORK_UNITS,
+    LastMove,
+    MoveGate,
+    PeerLoad,
+    _uid_hash,
+    choose_move,
+)
+from cramswarm.swarm.wire import request, unpack
 
 MOVES_FILE = "moves.jsonl"  # in the run's folder: one line per move event, appended by the moving peer
 
@@ -100,7 +109,7 @@ def stage_after_moves(moves_file: Path, uid: str, stage: int) -> tuple[str, int]
 
 
 def call_units(method: str, samples: int, last_stage: bool) -> float:
-    """Work units of one served call (``policies.WORK_UNITS``)."""
+    """Work units of one served call (``rebalancing.WORK_UNITS``)."""
     return samples * WORK_UNITS["last" if method == "backward" and last_stage else method]
 
 
@@ -144,7 +153,7 @@ class PeerRebalancer:
         return loads
 
     async def quiet(self, period: int) -> bool:
-        """Whether the last move holds decisions back (``policies.MoveGate``: in transit, or period ``period`` did
+        """Whether the last move holds decisions back (``rebalancing.MoveGate``: in transit, or period ``period`` did
         not end after its arrival plus ``cooldown_periods``)."""
         found = await self.node.get(last_move_key(self.run_id), latest=True)
         record = found.value if found is not None and isinstance(found.value, dict) else None
@@ -259,17 +268,41 @@ class PeerRebalancer:
             print(f"[{peer.uid}] could not withdraw its stage record: {e!r}", flush=True)
         deadline = started + self.drain_timeout_s
 
-        def busy() -> bool:  # calls admitted or computing, or a step under way
-            return bool(peer.meter.queue or peer.calls or peer.closing or peer.ready is not None)
-
-        while time.monotonic() < deadline and busy():
+        while time.monotonic() < deadline and peer.busy():   # calls waiting or computing, or a step under way
             await asyncio.sleep(0.05)
         handed = 0
-        if not busy():  # hand what it holds to a replica that stays, as the emulation's mover does
-            handed = await peer.hand_over(max(deadline - time.monotonic(), 1.0))
-        while time.monotonic() < deadline and (busy() or peer._held_samples()):  # else the stage's step takes it
+        if not peer.busy():  # hand what it holds to a replica that stays, as the emulation's mover does
+            handed = await hand_over(peer, max(deadline - time.monotonic(), 1.0))
+        while time.monotonic() < deadline and (peer.busy() or peer._held_samples()):  # else the stage's step takes it
             await asyncio.sleep(0.05)
         lost = peer._held_samples()
         peer.counters["lost_gradient_samples"] += lost
         return round(time.monotonic() - started, 3), handed, lost
 
+
+async def hand_over(peer, timeout_s: float) -> int:
+    """Give the gradients a leaving ``peer`` accumulated since its last step to another replica of its stage, the
+    first (by uid) that accepts (its ``rpc_handover``): a peer that leaves its stage loses no samples and need not
+    wait for the stage's step. Only between steps. Returns the samples handed over; what no replica took stays
+    with ``peer`` (restored, if still at the same step)."""
+    records = await stage_records(peer.node, peer.run_id, peer.stage)
+    heirs = sorted(uid for uid in records if uid != peer.uid)
+    if not heirs or peer.local_samples == 0 or peer.busy():   # checked after the last await before the take
+        return 0
+    tensors, meta = await peer._run(peer._take_held)
+    for uid in heirs:
+        stub = type(peer).get_stub(peer.node.p2p, PeerID.from_base58(records[uid][0]), namespace=peer.namespace)
+        try:
+            _, reply = await asyncio.wait_for(unpack(await stub.rpc_handover(request(tensors, meta))), timeout_s)
+        except Exception as e:
+            print(f"[{peer.uid}] handing its gradients to {uid} failed: {e!r}", flush=True)
+            continue
+        if reply.get("status") == "ok":
+            peer.counters["handed_over_samples"] += int(meta["samples"])
+            print(f"[{peer.uid}] handed {meta['samples']} samples' gradients to {uid}", flush=True)
+            await peer._publish()   # its record no longer counts them
+            return int(meta["samples"])
+        print(f"[{peer.uid}] {uid} refused its gradients: {reply.get('reason')}", flush=True)
+    if peer.ready is not None or (await peer._run(peer._add_held, tensors, meta))["status"] != "ok":
+        peer.counters["lost_gradient_samples"] += int(meta["samples"])   # the stage stepped meanwhile
+    return 0

@@ -18,6 +18,7 @@ import psutil
 import cramswarm
 
 PEER_MODULE = [sys.executable, "-m", "cramswarm.swarm.peer_process"]
+SUPERVISE_PERIOD_S = 0.5  # the launcher checks its processes (and, ending a run, its stages) this often
 _LIVE_GROUPS: set[int] = set()  # process groups started by this process and not yet killed
 
 

@@ -4,7 +4,7 @@
 
 The run's config names the microbatch source (``data``: ``cramswarm.swarm.data``, e.g. the packed training blocks,
 memory-mapped) and the number of microbatches; the run's folder holds the DHT address file and the launcher's
-``clock.json`` (``peer_sync.CLOCK_FILE``). Trainer ``R`` of ``N`` owns the microbatches ``i`` with ``i mod N == R``,
+``clock.json`` (``progress.CLOCK_FILE``). Trainer ``R`` of ``N`` owns the microbatches ``i`` with ``i mod N == R``,
 so the union of the shards is exactly what one process would see, and makes each one itself (``source[i]``: the
 blocks of microbatch ``i``, masked with a generator seeded from the run's seed and ``i``, so a trainer restarted
 at microbatch ``i`` makes the same masked batch). Once it has joined the swarm it says so in its progress file
@@ -60,9 +60,10 @@ from cramswarm.swarm.membership import (
     watch_launcher,
 )
 from cramswarm.swarm.peer_process import exit_with_parent
-from cramswarm.swarm.peer_sync import CLOCK_FILE, SyncingStagePeer, read_clock
-from cramswarm.swarm.policies import (
-    WORK_UNITS,
+from cramswarm.swarm.peer_sync import SyncingStagePeer
+from cramswarm.swarm.progress import CLOCK_FILE, read_clock
+from cramswarm.swarm.rebalancing import WORK_UNITS
+from cramswarm.swarm.routing import (
     NoPeersError,
     PathCall,
     RetryPolicy,
@@ -122,12 +123,11 @@ class StageClient:
 
     async def _call(self, stage: int, method: str, tensors: dict, meta: dict, samples: int, *,
                     fused: bool = False) -> tuple[dict, dict]:
-        """One stage call with SWARM's retry semantics, decided by ``policies.StageCall`` (the emulation's trainer
+        """One stage call with SWARM's retry semantics, decided by ``routing.StageCall`` (the emulation's trainer
         threads retry by the same object): another replica on a timeout or error, never dropped (``NoPeersError``
         once the stage has had no live peer for ``give_up_after_s``; ``TimeoutError`` once ``RetryPolicy`` is
         exhausted: declared peers that never answer). A backward call sent again is marked ``resent``: the replica
-        tried before may still compute it, so the next one holds it apart until its stage's step decides whether it
-        counts (``peer_sync.resent_kept``).
+        tried before may still compute it, and then both count (at least once, as in SWARM; ``peer_sync``).
 
         ``fused``: the last stage's forward + backward in one call. The peer's throughput estimate counts the
         call's work units (``WORK_UNITS``: forward 1, backward 2, fused 3 per sample, as the emulation does), so
@@ -155,12 +155,9 @@ class StageClient:
                 self.stats["last_error"] = f"stage {stage} {method} on {uid}: {e!r}"
                 call.refused(uid, sent_at, get_dht_time())
             else:
-                # less the seconds the peer held a backward call back for its stage's step or batch (peer_sync's
-                # admission): a wait of the stage, not of this replica, that would flatten the measured speeds
-                took = time.perf_counter() - started
-                call.succeeded(uid, units, max(took - float(result[1].get("held_s", 0.0)), 1e-3))
+                call.succeeded(uid, units, max(time.perf_counter() - started, 1e-3))
                 return result
-            if method == "backward":  # the replica tried may still compute it: the next one holds it apart
+            if method == "backward":  # the replica tried may still compute it (counted by the stage if so)
                 sent = {**meta, "resent": True}
 
     def _count(self, key: str) -> None:
@@ -175,9 +172,8 @@ class StageClient:
         """Forward through the stages, backward back; returns the loss. Activations travel trainer -> peer ->
         trainer (the trainer is the hub, as in SWARM's code); the trainer keeps each stage's input payload and
         sends it again with the output gradient, so any replica can take the backward call (it recomputes the
-        stage forward). The backward calls carry their sample count (``samples``: the launcher's peers admit
-        them toward the stage's global batch) and, given ``mb``, the microbatch's index (the launcher's peers do not
-        accumulate a microbatch they already stepped or hold twice: a trainer resumed from the stage shards)."""
+        stage forward). The backward calls carry their sample count (``samples``) and, given ``mb``, the
+        microbatch's index (the stage lists it as stepped, and counts one stepped twice: ``peer_sync``)."""
         samples = int(input_ids.shape[0])
         index = {} if mb is None else {"mb": int(mb)}
 

@@ -41,8 +41,9 @@ import numpy as np
 import pandas as pd
 import torch
 
-from cramswarm.swarm import emulation, sim
-from cramswarm.swarm.emulation import FailureEvent, PeerSpec, SwarmSetup
+from cramswarm.swarm import emulation, scenarios, sim
+from cramswarm.swarm.optimum import optimal_throughput, optimum_over_time
+from cramswarm.swarm.setups import BACKWARD_COMPUTE_FACTOR, FailureEvent, PeerSpec, SwarmSetup
 from cramswarm.swarm_study.common import torch_threads, write_csv
 from cramswarm.swarm_study.compression_loss import COMPRESSION_CONFIGS, compression_loss  # noqa: F401 (M5)
 from cramswarm.swarm_study.runtime import TRANSPORTS  # the default transports of wiring_throughput, ...
@@ -134,7 +135,7 @@ def periodic_kills(num_peers: int, duration_s: float, every_s: float, rejoin_aft
     while t < duration_s:
         times.append(t)
         t += every_s
-    return sim.kill_schedule(times, num_peers, rejoin_after_s, random.Random(seed))
+    return scenarios.kill_schedule(times, num_peers, rejoin_after_s, random.Random(seed))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -306,7 +307,7 @@ def wiring_throughput(out_csv: str | os.PathLike, *, speeds: Sequence[float] = (
 
     Columns: run (base | sweep), speeds (mixed | equal), transport, routing, stages, peers, trainers,
     trainers_per_peer, throughput_mb_s, optimum_mb_s (best assignment of the peers,
-    :func:`sim.optimal_throughput`), percent_of_optimum, microbatches_done, retries, duration_s, wall_s,
+    :func:`optimum.optimal_throughput`), percent_of_optimum, microbatches_done, retries, duration_s, wall_s,
     lost_microbatches, link_mbit_s and latency_ms (the testbed's link; NaN for the emulation and the simulator).
     """
     unknown = sorted(set(sweep_speeds) - set(SPEED_PROFILES))
@@ -322,7 +323,7 @@ def wiring_throughput(out_csv: str | os.PathLike, *, speeds: Sequence[float] = (
     rows = []
     for run, profile, transport, count in runs:
         peers = profiles[profile]
-        optimum = sim.optimal_throughput([p.speed for p in peers], stages, stage_time_s)
+        optimum = optimal_throughput([p.speed for p in peers], stages, stage_time_s)
         for routing in routings:
             if transport == "testbed" and routing == "fixed":
                 print("swarm_study.wiring: no fixed chains on the testbed (the launcher routes weighted or "
@@ -459,7 +460,7 @@ def rebalancing_recovery(out_csv: str | os.PathLike, *, stages: int = 3, peers_p
 
 def sim_scale(out_csv: str | os.PathLike, *, peer_counts: Sequence[int] = (100, 300, 1000), stages: int = 4,
               duration_s: float = 1800.0, stage_time_s: float = 1.0, speed_range: tuple[float, float] = (0.5, 1.0),
-              preemption_models: Sequence[str] = sim.PREEMPTION_MODELS, preemptions_per_peer_hour: float = 1.0,
+              preemption_models: Sequence[str] = scenarios.PREEMPTION_MODELS, preemptions_per_peer_hour: float = 1.0,
               rejoin_after_s: float = 600.0, burst_size: int = 4,
               rebalance_periods_s: Sequence[float | None] = (None, 60.0), state_download_s: float = 30.0,
               forward_timeout_s: float = 30.0, trainers_per_peer: float = 2.0, trainer_processes: int = 8,
@@ -467,7 +468,7 @@ def sim_scale(out_csv: str | os.PathLike, *, peer_counts: Sequence[int] = (100, 
               seed: int = 0) -> Path:
     """Simulated swarms of ``peer_counts`` peers (speeds log-uniform in ``speed_range``, each put on a random
     stage), preempted at ``preemptions_per_peer_hour`` per peer and hour on average under each of
-    ``preemption_models`` (:func:`sim.preemptions`: ``independent`` Poisson preemptions, the peer back on its
+    ``preemption_models`` (:func:`scenarios.preemptions`: ``independent`` Poisson preemptions, the peer back on its
     stage after ``rejoin_after_s``; ``burst`` the same rate in bursts of ``burst_size`` peers at once;
     ``churn_random`` / ``churn_most_loaded``: preempted peers never return, a new peer of a random speed
     arrives ``rejoin_after_s`` after each departure on a random / the most loaded stage); rebalancing off
@@ -479,31 +480,33 @@ def sim_scale(out_csv: str | os.PathLike, *, peer_counts: Sequence[int] = (100, 
     ``latency_ms`` (one way) and ``activation_bytes`` (per transfer) are set.
 
     Columns: peers, stages, preemption_model, rebalance_period_s (NaN = off), throughput_mb_s, optimum_mb_s
-    (time average of the best assignment of the live peers, :func:`sim.optimum_over_time`), percent_of_optimum,
+    (time average of the best assignment of the live peers, :func:`optimum.optimum_over_time`), percent_of_optimum,
     static_percent (the initial assignment's slowest stage as a percentage of the optimum of all peers),
     preemptions, joins, moves, retries, lost_microbatches, nic_mbit_s (NaN = unlimited), latency_ms,
     activation_bytes, events, sim_wall_s.
     """
-    unknown = sorted(set(preemption_models) - set(sim.PREEMPTION_MODELS))
+    unknown = sorted(set(preemption_models) - set(scenarios.PREEMPTION_MODELS))
     if unknown:
-        raise ValueError(f"preemption_models: unknown model(s) {unknown}; allowed: {', '.join(sim.PREEMPTION_MODELS)}")
+        raise ValueError(f"preemption_models: unknown model(s) {unknown}; allowed: "
+                         f"{', '.join(scenarios.PREEMPTION_MODELS)}")
     rows = []
     for n in peer_counts:
         trainers = math.ceil(trainers_per_peer * n)
-        base = sim.heterogeneous_setup(n, stages, speed_range=speed_range, seed=seed, trainers=trainers,
-                                       stage_time_s=stage_time_s,
-                                       forward_timeout_s=forward_timeout_s, duration_s=duration_s,
-                                       state_download_s=state_download_s, nic_mbit_s=nic_mbit_s,
-                                       latency_s=latency_ms / 1000.0, activation_bytes=activation_bytes)
+        base = scenarios.heterogeneous_setup(n, stages, speed_range=speed_range, seed=seed, trainers=trainers,
+                                             stage_time_s=stage_time_s,
+                                             forward_timeout_s=forward_timeout_s, duration_s=duration_s,
+                                             state_download_s=state_download_s, nic_mbit_s=nic_mbit_s,
+                                             latency_s=latency_ms / 1000.0, activation_bytes=activation_bytes)
         capacity = [sum(p.speed for p in base.peers if p.stage == s) for s in range(stages)]
-        best = sim.optimal_throughput([p.speed for p in base.peers], stages, stage_time_s)
-        static = 100 * min(capacity) / (stage_time_s * (1 + emulation.BACKWARD_COMPUTE_FACTOR)) / best
+        best = optimal_throughput([p.speed for p in base.peers], stages, stage_time_s)
+        static = 100 * min(capacity) / (stage_time_s * (1 + BACKWARD_COMPUTE_FACTOR)) / best
         for model in preemption_models:
-            failures, joins = sim.preemptions(model, n, duration_s, preemptions_per_peer_hour=preemptions_per_peer_hour,
-                                              rejoin_after_s=rejoin_after_s, burst_size=burst_size,
-                                              speed_range=speed_range, seed=seed + 1)
+            failures, joins = scenarios.preemptions(model, n, duration_s,
+                                                    preemptions_per_peer_hour=preemptions_per_peer_hour,
+                                                    rejoin_after_s=rejoin_after_s, burst_size=burst_size,
+                                                    speed_range=speed_range, seed=seed + 1)
             modelled = SwarmSetup(**{**base.__dict__, "failures": failures, "joins": joins})
-            optimum = sim.optimum_over_time(modelled)
+            optimum = optimum_over_time(modelled)
             for period in rebalance_periods_s:
                 setup = SwarmSetup(**{**modelled.__dict__, "rebalance_period_s": period})
                 start = time.perf_counter()

@@ -125,7 +125,7 @@ def killed_as_failures(killed: list[dict], num_peers: int, rejoin_after_s: float
     ``num_peers`` slots, each back ``rejoin_after_s`` later (when the launcher starts its replacement, which then
     loads the stage's state) or never (a kill marked ``"replaced": False``, a ``gone<N>:stage<S>`` fault): every
     kill takes a slot that is up, so ``study.peers_up`` counts the peers up."""
-    from cramswarm.swarm.emulation import FailureEvent
+    from cramswarm.swarm.setups import FailureEvent
 
     down_until, events = [float("-inf")] * num_peers, []
     for kill in sorted(killed, key=lambda k: k["t_s"]):
@@ -175,7 +175,7 @@ def run_setup(setup, *, link_mbit_s: float | None, latency_ms: float, kill_every
     ``timeouts``, ``wall_s``, ``load_avg``, ``testbed``."""
     from cramswarm.swarm import hivemind_transport as ht
     from cramswarm.swarm.data import BOUNDED, CountingSource
-    from cramswarm.swarm.policies import ROUTINGS, RetryPolicy
+    from cramswarm.swarm.routing import ROUTINGS, RetryPolicy
 
     if setup.routing not in ROUTINGS:
         raise ValueError(f"routing {setup.routing!r}: the launcher routes {' or '.join(ROUTINGS)} only")
