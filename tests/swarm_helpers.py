@@ -137,7 +137,8 @@ def launch(total: int, **kw):
     assert min(stats["stage_steps"]) >= 0.5 * max(stats["stage_steps"]), brief(stats)
     # the loss falls: the last stage's steps (one log row per step) and the trainers' microbatches
     losses = [row["loss"] for row in result.log]
-    assert len(losses) >= 10 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, losses
+    # (a step holds its batch plus what arrived while it was taken: fewer steps than microbatches / batch)
+    assert len(losses) >= 6 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, losses
     mb = stats["trainer_losses"]
     assert sum(mb[-16:]) / 16 < sum(mb[:16]) / 16 - 0.3
     # nothing outlives the run

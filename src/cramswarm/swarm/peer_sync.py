@@ -421,7 +421,8 @@ class SyncingStagePeer(StagePeer):
         # the next read when the stage's rate says the batch is due (ProgressTracker's ETA), at most a period away
         rate = self._rate() + sum(r.rate for r in at_step.values() if not r.ready)
         self.wait_s = min(PROGRESS_PERIOD_S, max(0.01, (target - estimate) / rate)) if rate > 0 else PROGRESS_PERIOD_S
-        if ready or estimate >= target or (estimate > 0 and await self._flushing()):
+        held = own + sum(r.snap if r.ready else r.samples for r in at_step.values())   # as published, unextrapolated
+        if ready or estimate >= target or (held > 0 and await self._flushing()):
             self.trigger = {"estimate": round(estimate, 1), "own": own, "target": target, "ready": ready,
                             "flush": not ready and estimate < target}
             self.wait_s = 0.0   # the next step's count is read at once: calls went on meanwhile
