@@ -298,7 +298,7 @@ def test_swarm_processes_run_as_job_steps_and_a_killed_rule_resumes(cluster, loc
     assert stats["placement"] == "srun" and stats["roles"] == "launcher"
     assert stats["resumed"]["shard_steps"][0] > 0 and stats["resumed"]["shard_steps"][1] > 0, stats["resumed"]
     assert stats["microbatches_requested"] == stats["microbatches_done"] > 0 and stats["lost_microbatches"] == 0
-    total = stats["microbatches_requested"]  # each stepped exactly once on every stage, across both jobs
+    total = stats["microbatches_requested"]  # each stepped on every stage (at least once), across both jobs
     assert stats["stepped_microbatches"] == [total, total] and stats["assembled_from"] == ["shard", "shard"]
     # nothing outlived the run: no process, no job step, no state folder
     assert processes_left(str(work / SWARM_STATE)) == []

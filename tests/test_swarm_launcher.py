@@ -320,11 +320,13 @@ def test_a_rerun_after_the_launcher_is_sigkilled_resumes_from_the_stage_shards(t
     # its training time counts both lives (not the gap between them); the log's times run from the first start
     assert 0 < resumed["wall_s_before"] < stats["wall_s"], (resumed, stats["wall_s"])
     assert 0 <= result.log[0]["elapsed_s"] <= result.log[-1]["elapsed_s"]
-    # the same end as an uninterrupted run: every microbatch stepped exactly once on every stage (those stepped
-    # before the kill are skipped when the resumed trainers send them again), the checkpoint from the final shards
+    # the same end as an uninterrupted run: every microbatch stepped on every stage, at least once (a stage whose
+    # shard was ahead steps again what the rewound trainers send again, and one in flight per trainer: counted),
+    # the checkpoint from the final shards
     assert stats["stepped_microbatches"] == [total, total], brief(stats)
-    assert all(total * MICRO <= n <= (total + stats["retries"]) * MICRO for n in stats["stepped_samples"]), \
-        brief(stats)
+    assert stats["stepped_samples"] == [(total + d) * MICRO for d in stats["duplicate_microbatches"]], brief(stats)
+    rewound = sum(b - a for a, b in zip(resumed["trainer_done"], resumed["trainer_done_before"]))
+    assert all(d <= rewound + 2 + stats["retries"] for d in stats["duplicate_microbatches"]), (rewound, brief(stats))
     assert stats["assembled_from"] == ["shard", "shard"] and stats["shard_steps"] == stats["stage_steps"]
     # the state folder outlives the run: its caller (swarm_pretrain) removes it once its outputs are written
     assert (state / run_state.RESUME_FILE).exists()
@@ -438,7 +440,7 @@ def test_sigkill_of_the_rules_own_process_leaves_nothing_behind_and_a_rerun_resu
     # it resumed from the shards (each stage at its shard's step), not from step 0
     assert all(step >= 3 for step in resumed["shard_steps"]), resumed
     assert stats["first_logged_step"] == resumed["shard_steps"][1] + 1, (stats["first_logged_step"], resumed)
-    # the budget reached, every microbatch done once and stepped exactly once on every stage
+    # the budget reached, every microbatch done once and stepped on every stage
     assert summary["tokens"] == total * MICRO * 32
     assert stats["microbatches_done"] == stats["microbatches_requested"] == total, brief(stats)
     assert stats["lost_microbatches"] == 0 and stats["microbatches_with_loss"] == total, brief(stats)
