@@ -67,7 +67,7 @@ from cramswarm.swarm.progress import (
     writes_shard,
 )
 from cramswarm.swarm.rebalancing import LoadMeter
-from cramswarm.swarm.shards import check_run, newest_shard, write_shard
+from cramswarm.swarm.shards import load_shard, newest_shard, write_shard
 from cramswarm.swarm.stages import stage_memory
 from cramswarm.swarm.wire import respond, unpack
 from cramswarm.training import step_lr
@@ -121,9 +121,7 @@ class SyncingStagePeer(StagePeer):
         self.flush_seen, self.flush_checked = False, 0.0
         newest = newest_shard(self.shard_dir, stage)
         if newest is not None:  # a resumed run (or a restart): start from the stage's last shard
-            state = torch.load(newest[1], weights_only=True, map_location=self.device)
-            check_run(state, newest[1], tuple(cfg.get("run_ids") or [self.run_id]))
-            self._load_state(state)
+            self._load_state(load_shard(newest[1], tuple(cfg.get("run_ids") or [self.run_id]), self.device))
             self.shard_step = self.counters["loaded_shard_step"] = self.step
             print(f"[{uid}] loaded stage {stage} shard {newest[1].name} (step {self.step})", flush=True)
 
