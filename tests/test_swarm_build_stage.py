@@ -282,7 +282,8 @@ def test_a_leaving_peer_hands_its_held_gradients_to_a_replica_that_stays(tmp_pat
     assert meta["samples"] == 6 and meta["mbs"] == [10, 11] and meta["step"] == 0
     assert mover.local_samples == 0 and not mover.local_mbs and all(p.grad is None for p in mover.params)
     assert heir._add_held(tensors, meta) == {"status": "ok"}
-    assert heir.local_samples == 9 and heir.local_mbs == {10, 11, 12} and heir.local_loss == pytest.approx(loss)
+    assert heir.local_samples == 9 and sorted(heir.local_mbs) == [10, 11, 12]
+    assert heir.local_loss == pytest.approx(loss)
     assert all(torch.allclose(p.grad, e) for p, e in zip(heir.params, expected))
 
     assert heir._add_held(tensors, meta) == {"status": "ok"}   # the same microbatches once more: at least once
@@ -307,10 +308,10 @@ def test_calls_computed_while_a_peer_steps_count_toward_its_next_step(tmp_path):
     peer, reference = _syncing_peer(tmp_path, "s1p1"), _syncing_peer(tmp_path, "s1p2")
     _backward_call(peer, 1, 10)
     flat, samples = peer._take_snapshot(0)
-    assert peer._stepping() and samples == 3 and peer.snapshot_mbs == {10} and peer.busy()
+    assert peer._stepping() and samples == 3 and sorted(peer.snapshot_mbs) == [10] and peer.busy()
     _backward_call(peer, 2, 11)
     _backward_call(peer, 3, 12)
-    assert peer._held_samples() == 3 + 6 and peer.local_mbs == {11, 12}
+    assert peer._held_samples() == 3 + 6 and sorted(peer.local_mbs) == [11, 12]
     peer.averaged = (b"group", flat)
     assert peer._apply_counted(b"group", 1e-3, 3, {10})["status"] == "ok"
     assert peer.step == 1 and peer.stepped_mbs == {10} and peer.stepped_samples == 3 and not peer._stepping()
@@ -321,19 +322,20 @@ def test_calls_computed_while_a_peer_steps_count_toward_its_next_step(tmp_path):
     peer._take_snapshot(1)
     _backward_call(peer, 4, 13)
     peer._drop_snapshot()                      # a step that stepped nothing: later calls stay accumulated
-    assert peer.local_mbs == {13} and peer.local_samples == 3 and not peer._stepping()
+    assert sorted(peer.local_mbs) == [13] and peer.local_samples == 3 and not peer._stepping()
 
 
 def test_a_resent_or_repeated_microbatch_counts_again_and_is_counted(tmp_path):
     """At least once, as in SWARM: a re-sent backward call is accumulated like any other (its first replica may
     have computed it too) and counted in ``resent_samples``; a microbatch this peer already holds toward its step
-    counts again and is counted in ``duplicate_microbatches``. A state download drops what the peer held."""
+    is held twice (its multiplicity; the step counts it in ``duplicate_microbatches``). A state download drops what
+    the peer held."""
     peer = _syncing_peer(tmp_path, "s1p1")
     _backward_call(peer, 1, 10)
     _backward_call(peer, 2, 11, resent=True)
-    assert peer.local_samples == 6 and peer.local_mbs == {10, 11} and peer.counters["resent_samples"] == 3
+    assert peer.local_samples == 6 and sorted(peer.local_mbs) == [10, 11] and peer.counters["resent_samples"] == 3
     _backward_call(peer, 2, 11)
-    assert peer.local_samples == 9 and peer.counters["duplicate_microbatches"] == 1
+    assert peer.local_samples == 9 and sorted(peer.local_mbs) == [10, 11, 11]
     peer._load_state(peer._state())
     assert peer._held_samples() == 0 and not peer.local_mbs and all(p.grad is None for p in peer.params)
 
@@ -349,7 +351,7 @@ def test_a_peer_taking_the_state_one_step_ahead_keeps_the_gradients_it_holds_tow
     held = [p.grad.clone() for p in peer.params]
     source.step = 1
     assert peer._load_state(source._state()) == 1
-    assert peer.local_samples == 3 and peer.local_mbs == {11} and not peer._stepping()
+    assert peer.local_samples == 3 and sorted(peer.local_mbs) == [11] and not peer._stepping()
     assert all(torch.equal(p.grad, h) for p, h in zip(peer.params, held))
     assert peer.counters["stale_gradient_samples"] == 3 and peer.counters["lost_gradient_samples"] == 3
     source.step = 4

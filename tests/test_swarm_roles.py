@@ -156,7 +156,7 @@ def test_a_peer_publishes_its_record_every_period_while_its_sync_loop_is_busy_an
         _publish, publish_forever, _record = SyncingStagePeer._publish, SyncingStagePeer.publish_forever, \
             SyncingStagePeer._record
         node, run_id, stage, uid, peer_id, step, stepped_samples, digest = Node(), "r", 1, "s1p3", "P", 4, 64, "d"
-        ready, snapshot_mbs, round_s, record_expiration = None, set(), 3.0, 0.0
+        ready, snapshot_mbs, round_s, record_expiration = None, [], 3.0, 0.0
         joining: int | None = 5
 
         def _held_samples(self):

@@ -20,7 +20,8 @@ averages accumulate toward the next one (``StagePeer._apply`` keeps them), so a 
 what arrived meanwhile. The overshoot is logged per step (``SYNC_LOG``, ``progress.overshoot``).
 
 Accounting is at least once, as in SWARM: a re-sent backward call may count on two replicas, and a microbatch
-trained again after a resume counts again; both are counted (``duplicate_microbatches``), not prevented. A peer
+trained again after a resume counts again; both are counted (``duplicate_microbatches``: the repeats the stage
+stepped, part of its state like its stepped samples, so a shard's counts agree), not prevented. A peer
 that sees a replica ahead, or whose digest differs from the lowest uid's at its step, downloads that replica's
 state (``_catch_up``; its held gradients are lost and counted, as in SWARM). The lowest uid at the stage's latest
 step writes the stage's shard (``shards``) every ``checkpoint_every_s`` and once more after the flush, when idle.
@@ -90,6 +91,7 @@ class SyncingStagePeer(StagePeer):
         self.workdir = Path(cfg["workdir"])
         self.peer_id = node.p2p.peer_id.to_base58()
         self.stepped_samples = 0
+        self.stepped_repeats = 0   # microbatches the stage stepped again (at least once)
         self.local_loss = self.snapshot_loss = 0.0  # summed loss x samples (last stage) since / in the snapshot
         self.digest: str | None = None
         self.ready: tuple[int, int, float, float] | None = None  # (step, samples, loss sum, training seconds)
@@ -108,13 +110,13 @@ class SyncingStagePeer(StagePeer):
         self.counters = {"uid": uid, "stage": stage, "steps_taken": 0, "resyncs": 0, "digest_mismatches": 0,
                          "lost_gradient_samples": 0, "averaging_bytes_sent": 0, "averaging_values_sent": 0,
                          "averaging_param_steps": 0, "group_sizes": [], "failed_rounds": 0, "shards_written": 0,
-                         "duplicate_microbatches": 0, "resent_samples": 0, "loaded_shard_step": None,
+                         "resent_samples": 0, "loaded_shard_step": None,
                          "served_from_shard_alone": None, "backward_samples": 0, "device": str(self.device),
                          "handed_over_samples": 0, "taken_over_samples": 0, "joining_wait_s": 0.0,
                          "slowest_dht_round_s": 0.0, "stale_gradient_samples": 0}
         self.stepped_mbs: set[int] = set()   # microbatches the stage stepped (a resume restarts the trainers there)
-        self.local_mbs: set[int] = set()     # ... accumulated here since the snapshot
-        self.snapshot_mbs: set[int] = set()  # ... in the snapshot
+        self.local_mbs: list[int] = []       # ... accumulated here since the snapshot
+        self.snapshot_mbs: list[int] = []    # ... in the snapshot
         self.shard_dir = Path(cfg.get("shard_dir") or self.workdir / "shards")
         self.checkpoint_every_s = float(cfg.get("checkpoint_every_s", 60.0))
         self.shard_step, self.last_write, self.writing = 0, time.monotonic(), False
@@ -149,17 +151,15 @@ class SyncingStagePeer(StagePeer):
 
     def _backward(self, tensors: dict[str, torch.Tensor], meta: dict) -> tuple[dict, dict]:
         """``StagePeer._backward``, accumulated toward the next step whatever the microbatch: one this peer holds or
-        the stage stepped already (a re-sent call, or a resume's) counts again and is counted."""
+        the stage stepped already (a re-sent call, or a resume's) counts again. Microbatches are held with their
+        multiplicity; the step counts the repeats it steps (``duplicate_microbatches``)."""
         start = time.perf_counter()
         result, out_meta = super()._backward(tensors, meta)
         self.meter.served(call_units("backward", out_meta["samples"], self.is_last), time.perf_counter() - start)
         if "loss" in out_meta:
             self.local_loss += out_meta["loss"] * out_meta["samples"]
         if (mb := meta.get("mb")) is not None:
-            mb = int(mb)
-            if mb in self.local_mbs:   # twice here toward one step (the step's count sees one)
-                self.counters["duplicate_microbatches"] += 1
-            self.local_mbs.add(mb)
+            self.local_mbs.append(int(mb))
         if meta.get("resent"):
             self.counters["resent_samples"] += int(out_meta["samples"])
         self.last_backward = time.time()
@@ -168,18 +168,20 @@ class SyncingStagePeer(StagePeer):
     def _take_snapshot(self, step: int) -> tuple[torch.Tensor, int]:
         if self.snapshot is None or self.snapshot[0] != step:
             self.snapshot_loss, self.local_loss = self.local_loss, 0.0
-            self.snapshot_mbs, self.local_mbs = self.local_mbs, set()
+            self.snapshot_mbs, self.local_mbs = self.local_mbs, []
             self.snapshot_backward, self.last_backward = self.last_backward, None
         return super()._take_snapshot(step)
 
-    def _apply_counted(self, group_id: bytes, lr: float, samples: int, mbs: set[int]) -> dict:
+    def _apply_counted(self, group_id: bytes, lr: float, samples: int, listed: list[int]) -> dict:
         """``_apply`` and, in the same compute-thread call, the stage's stepped samples and microbatches, so that a
         state taken for a download or a shard never holds a step without its counts."""
         reply = self._apply(group_id, lr)
         if reply.get("status") == "ok":
+            mbs = set(listed)
             self.stepped_samples += samples
+            self.stepped_repeats += len(listed) - len(mbs) + len(mbs & self.stepped_mbs)
             self.stepped_mbs |= mbs
-            self.snapshot_mbs = set()
+            self.snapshot_mbs = []
         return reply
 
     def _take_held(self) -> tuple[dict, dict]:
@@ -190,7 +192,7 @@ class SyncingStagePeer(StagePeer):
                 "mbs": sorted(self.local_mbs)}
         for p in self.params:
             p.grad = None
-        self.local_samples, self.local_loss, self.local_mbs = 0, 0.0, set()
+        self.local_samples, self.local_loss, self.local_mbs = 0, 0.0, []
         return tensors, meta
 
     def _add_held(self, tensors: dict, meta: dict) -> dict:
@@ -201,7 +203,7 @@ class SyncingStagePeer(StagePeer):
         self._add_flat(tensors["grad"])
         self.local_samples += int(meta["samples"])
         self.local_loss += float(meta["loss"])
-        self.local_mbs |= {int(i) for i in meta["mbs"]}
+        self.local_mbs.extend(int(i) for i in meta["mbs"])
         return {"status": "ok"}
 
     def _drop_snapshot(self) -> None:
@@ -231,12 +233,14 @@ class SyncingStagePeer(StagePeer):
 
     def _extra_state(self) -> dict:
         return {"stepped_samples": self.stepped_samples, "stepped_mbs": sorted(self.stepped_mbs),
+                "stepped_repeats": self.stepped_repeats,
                 "run_id": self.run_id}
 
     def _load_extra_state(self, state: dict) -> None:
         self.stepped_samples = int(state.get("stepped_samples", 0))
+        self.stepped_repeats = int(state.get("stepped_repeats", 0))
         self.stepped_mbs = {int(i) for i in state.get("stepped_mbs", [])}
-        self.local_mbs, self.snapshot_mbs = set(), set()
+        self.local_mbs, self.snapshot_mbs = [], []
         self.local_loss = self.snapshot_loss = 0.0
         self.ready = None
         self.digest = self._digest()
@@ -361,6 +365,7 @@ class SyncingStagePeer(StagePeer):
     def _write_counters(self) -> None:
         write_json(self.workdir / f"peer-{self.uid}.json",
                    {**self.counters, "step": self.step, "stepped_samples": self.stepped_samples,
+                    "duplicate_microbatches": self.stepped_repeats,
                     "stepped_microbatches": len(self.stepped_mbs), **stage_memory(self.module, self.optimizer),
                     "runtime_rss_bytes": self.runtime_rss_bytes, "activation_bytes": self.activation_bytes})
 
@@ -559,12 +564,10 @@ class SyncingStagePeer(StagePeer):
             t, target = step_target(self.cfg["recipe"], self.seq_len, self.stepped_samples, step, elapsed)
             lr, multiplier = step_lr(self.cfg["recipe"], t, self.stepped_samples)
             self.averaged = (group_id, averaged)
+            # at least once: a microbatch twice in the group's snapshots (one member's or two), or stepped
+            # before, counts again (every member reads the same records: the replicas' counts stay equal)
             listed = [mb for uid in uids for mb in group[uid].mbs]
-            mbs = set(listed)
-            if self.uid == uids[0]:   # at least once: a microbatch in two members' snapshots, or stepped before,
-                # counts again; counted once per stage (every member reads the same records)
-                self.counters["duplicate_microbatches"] += len(listed) - len(mbs) + len(mbs & self.stepped_mbs)
-            reply = await self._run_next(self._apply_counted, group_id, lr, total, mbs)
+            reply = await self._run_next(self._apply_counted, group_id, lr, total, listed)
             if reply.get("status") != "ok":
                 raise RuntimeError(f"step {step}: {reply}")
             self.digest, self.ready, self.others = reply["digest"], None, {}

@@ -223,8 +223,11 @@ class RunResult:
         done = self._done_microbatches()
         counters, rows = self._peer_counters(), self._sync_rows()
         micro = self.plan.recipe["micro_batch_sequences"]
-        stepped = [max((c["stepped_samples"] for c in counters if c["stage"] == s), default=0)
-                   for s in range(self.plan.stages)]
+        def stage_max(key: str) -> list[int]:   # stage state every replica holds (the most advanced one's)
+            return [max((c.get(key, 0) for c in counters if c["stage"] == s), default=0)
+                    for s in range(self.plan.stages)]
+
+        stepped = stage_max("stepped_samples")
 
         def per_stage(key: str) -> list[int]:
             return [sum(c.get(key, 0) for c in counters if c["stage"] == s) for s in range(self.plan.stages)]
@@ -251,7 +254,7 @@ class RunResult:
             steps=len(log), stage_steps=[max(steps.values()) for steps in replica_steps.values()],
             # at least once (peer_sync): a stage's stepped samples may pass the microbatches' by the duplicates;
             # lost are the microbatches of the run that the stage's final shard does not list as stepped
-            stepped_samples=stepped, duplicate_microbatches=per_stage("duplicate_microbatches"),
+            stepped_samples=stepped, duplicate_microbatches=stage_max("duplicate_microbatches"),
             lost_gradient_samples=[(requested - n) * micro for n in self.stats.get("stepped_microbatches",
                                                                                    [requested] * len(stepped))],
             resent_samples=per_stage("resent_samples"),

@@ -52,7 +52,8 @@ def write_shard(shard_dir: Path, stage: int, uid: str, step: int, blob: bytes | 
 
 def load_shard(path: Path, run_ids: tuple[str, ...] | None = None, map_location="cpu") -> dict:
     """A shard's contents (on ``map_location``): module and optimizer state dicts, step, stepped_samples,
-    stepped_mbs, run_id. With ``run_ids``, a shard of another run is refused (``ForeignShard``, naming both)."""
+    stepped_mbs, stepped_repeats, run_id. With ``run_ids``, a shard of another run is refused (``ForeignShard``,
+    naming both)."""
     state = torch.load(path, weights_only=True, map_location=map_location)
     if run_ids is not None and state.get("run_id") not in run_ids:
         raise ForeignShard(f"shard {path} belongs to run {state.get('run_id')!r}, not to this run "
