@@ -16,11 +16,12 @@ absolute rates across transports. The compute per work unit that the hivemind pe
 their published rate) is printed for reference.
 
 A fourth row, ``simulator (steps)``, gives the simulator what the hivemind run measured of its in-stage steps
-(``sim.run``'s ``step_stall_s`` and ``step_microbatches``: per stage, the mean stall and microbatches per step of
-the run's steps, first and last left out, from the peers' step lines) and the hivemind calls' shape (the last
-stage's forward and backward as one call), and calibrates only the compute per forward call (bisection) so that
-its rate before the move equals the hivemind run's. Its rate after the move is then a prediction, printed beside
-the hivemind run's with their ratio (issue 17: within 15 %). The emulation has no in-stage steps.
+(``sim.run``'s ``step_s``, ``apply_s`` and ``step_microbatches``: per stage, the mean step latency, optimizer step
+time and microbatches per step of the run's steps, first and last left out, from the peers' step lines; no call
+waits for a step, as on the launcher's peers) and the hivemind calls' shape (the last stage's forward and backward
+as one call), and calibrates only the compute per forward call (bisection) so that its rate before the move equals
+the hivemind run's. Its rate after the move is then a prediction, printed beside the hivemind run's with their
+ratio (issue 17: within 15 %). The emulation has no in-stage steps.
 
     python benchmarks/swarm_peer_rebalance.py [--microbatches 160] [--period 3]
 """
@@ -84,10 +85,10 @@ def unit_seconds(stats: dict) -> float:
     return statistics.median(estimates)
 
 
-def measured_steps(stats: dict) -> tuple[list[float], list[float]]:
-    """Per stage, the mean stall (s) and microbatches per step over the hivemind run's steps, the first and last
-    of each stage left out (start-up and the final partial batch)."""
-    stalls, batches = [], []
+def measured_steps(stats: dict) -> tuple[list[float], list[float], list[float]]:
+    """Per stage, the mean step latency (s), microbatches per step and optimizer step time (s) over the hivemind
+    run's steps, the first and last of each stage left out (start-up and the final partial batch)."""
+    stalls, batches, applies = [], [], []
     for stage in range(len(PLACEMENT)):
         entries = stats["step_stalls"].get(str(stage), [])
         steady = entries[1:-1] or entries
@@ -95,7 +96,8 @@ def measured_steps(stats: dict) -> tuple[list[float], list[float]]:
             raise RuntimeError(f"stage {stage} logged no step: raise --microbatches")
         stalls.append(statistics.fmean(e["stall_s"] for e in steady))
         batches.append(max(1.0, statistics.fmean(e["samples"] for e in steady) / MICRO))
-    return stalls, batches
+        applies.append(statistics.fmean(e["apply_s"] for e in steady))
+    return stalls, batches, applies
 
 
 def sim_rates(setup: SwarmSetup, period_s: float, **options) -> tuple[list, float, float]:
@@ -107,10 +109,10 @@ def sim_rates(setup: SwarmSetup, period_s: float, **options) -> tuple[list, floa
     return moves, *window_rates(timeline, decided, decided + period_s)
 
 
-def calibrated_steps(setup: SwarmSetup, period_s: float, before_mb_s: float, stalls, batches):
+def calibrated_steps(setup: SwarmSetup, period_s: float, before_mb_s: float, stalls, batches, applies):
     """(compute per forward call, moves, rate before, rate after) of the simulator with the measured steps, the
     compute chosen so that its rate before the move is ``before_mb_s`` (it falls as the compute grows)."""
-    options = dict(step_stall_s=stalls, step_microbatches=batches, fused_last_stage=True)
+    options = dict(step_s=stalls, step_microbatches=batches, apply_s=applies, fused_last_stage=True)
 
     def before(stage_time_s: float) -> float:
         rate = sim_rates(dataclasses.replace(setup, stage_time_s=stage_time_s), period_s, **options)[1]
@@ -157,9 +159,9 @@ def main() -> None:
         decided = result_moves[0]["t_s"] if result_moves else float("inf")
         rows.append((name, [(m["t_s"], m["from_stage"], m["to_stage"]) for m in result_moves],
                      *window_rates(timeline, decided, decided + args.period)))
-    stalls, per_step = measured_steps(stats)
+    stalls, per_step, applies = measured_steps(stats)
     step_time, step_moves, step_before, step_after = calibrated_steps(setup, args.period, rows[0][2], stalls,
-                                                                      per_step)
+                                                                      per_step, applies)
     rows.append(("simulator (steps)", [(m["t_s"], m["from_stage"], m["to_stage"]) for m in step_moves],
                  step_before, step_after))
     print(f"measured {time.strftime('%Y-%m-%d', time.gmtime(started))}: {args.microbatches} microbatches, "
@@ -171,8 +173,9 @@ def main() -> None:
         print(f"{name:22s} {shown:44s} {before:12.2f} {after:11.2f} {after / before:6.2f}")
     print(f"hivemind: lost microbatches {stats['lost_microbatches']}, {stats['wall_s']} s of training, "
           f"{stats['retries']} calls re-sent, lost gradient samples per stage {stats['lost_gradient_samples']}")
-    print(f"simulator (steps): measured stall per step {', '.join(f'{v:.2f}' for v in stalls)} s and microbatches "
-          f"per step {', '.join(f'{v:.1f}' for v in per_step)} (stages 0, 1); calibrated compute "
+    print(f"simulator (steps): measured step latency {', '.join(f'{v:.2f}' for v in stalls)} s, optimizer step "
+          f"{', '.join(f'{v * 1e3:.0f}' for v in applies)} ms and microbatches per step "
+          f"{', '.join(f'{v:.1f}' for v in per_step)} (stages 0, 1); calibrated compute "
           f"{step_time * 1e3:.2f} ms per forward call at speed 1; after the move: simulator / hivemind = "
           f"{step_after / rows[0][3]:.3f}")
 

@@ -26,20 +26,22 @@ boundary payload of one microbatch, the shaped rate as link and NIC rate, the re
   ``round_trips_per_call``, ``call_overhead_s``) and the last stage's forward + backward as one call
   (``fused_last_stage``), as the hivemind trainer makes it.
 
-* ``sim (measured calls + step)``: the measured calls and the in-stage synchronous step (``sim.run``'s
-  ``step_stall_s``, ``step_microbatches``): each stage's stall per step as measured in the same testbed run (the
-  calibration's in the calibration runs, their mean) from the peers' step lines (``peer_sync.stage_stalls``:
-  from the end of the batch's last backward computation to the peers' optimizer step, the mean over the steady
-  steps, those the throughput is measured over), and a step every ``--batch`` microbatches (the global batch:
-  column ``+ step``) or every as many as the stage's steady steps held on average (the peers read each other's
-  counts late and admit more, the later the longer the delay: column ``+ step, mb/step``).
+* ``sim (measured calls + step)``: the measured calls and the in-stage step (``sim.run``'s ``step_s``,
+  ``apply_s``, ``step_microbatches``; double-buffered: no call waits for a step): per stage, the step's latency
+  and its optimizer step's time as measured in the same testbed run (the calibration's in the calibration runs,
+  their mean) from the peers' step lines (``progress.stage_stalls``: ``stall_s``, from the end of the batch's
+  last backward computation to the peers' optimizer step, and ``apply_s``; the means over the steady steps, those
+  the throughput is measured over), and a step every ``--batch`` microbatches (the global batch: column
+  ``+ step``) or every as many as the stage's steady steps held on average (the peers read each other's counts
+  late and admit more, the later the longer the delay: column ``+ step, mb/step``).
 
 Each gets one compute time per call calibrated from the calibration runs, so that the simulator reproduces the
-calibration by construction and predicts the shaped runs from the network (and the step's stall) alone: for the
+calibration by construction and predicts the shaped runs from the network (and the steps) alone: for the
 first two, the per-microbatch time of a trainer there, less the fixed time of the microbatch's calls in that
 model, spread over ``3 x stages`` work units (forward 1, backward 2 per stage); for the third, the compute time
-at which the simulator with the calibration's stall gives the calibration's throughput (bisection). Not
-modelled: the averaging's, the DHT's and the relay's share of the CPU.
+at which the simulator with the calibration's steps gives the calibration's throughput (bisection). A step
+costs the simulator's throughput only its optimizer step's compute on each peer (``apply_s``). Not modelled: the
+averaging's, the DHT's and the relay's share of the CPU.
 
     python benchmarks/swarm_testbed.py --setup 100:20 [--setup 10:50 ...] [--microbatches 80] [--batch 4]
         [--json out.json]
@@ -110,7 +112,7 @@ def steady_mb_s(log: list[dict], micro: int) -> float:
 
 
 def step_stalls(stalls: dict[str, list[dict]], micro: int) -> list[dict]:
-    """Per stage, the mean of its steady steps' stalls and their parts (``peer_sync.stage_stalls``; the launcher's
+    """Per stage, the mean of its steady steps' stalls and their parts (``progress.stage_stalls``; the launcher's
     ``step_stalls``): its steps but the first and the last, as the throughput leaves them out; with the steps'
     mean microbatches and the share of the steady steps' time the stage spent stepping."""
     found = []
@@ -177,14 +179,14 @@ def simulate_steps(base: SwarmSetup, setups, mb_s: float, calibration: tuple[lis
                    shaped: list[tuple[list[float], list[float]]], *, round_trips: float, overhead_s: float
                    ) -> tuple[float, float, list[float]]:
     """(compute per forward call, simulated calibration, simulated shaped setups) with the measured calls and the
-    in-stage step, given per run its stages' (stalls, microbatches per step): the compute is the one at which the
-    simulator, given the calibration's, reproduces the calibration's ``mb_s`` (bisection); each shaped setup
-    gets its own."""
+    in-stage step, given per run its stages' (step latencies, microbatches per step, optimizer step times): the
+    compute is the one at which the simulator, given the calibration's, reproduces the calibration's ``mb_s``
+    (bisection); each shaped setup gets its own."""
     options = dict(round_trips_per_call=round_trips, call_overhead_s=overhead_s, fused_last_stage=True)
 
     def calibrated(stage_time_s: float) -> float:
-        return sim.run(dataclasses.replace(base, stage_time_s=stage_time_s), step_stall_s=calibration[0],
-                       step_microbatches=calibration[1], **options)["throughput_mb_s"]
+        return sim.run(dataclasses.replace(base, stage_time_s=stage_time_s), step_s=calibration[0],
+                       step_microbatches=calibration[1], apply_s=calibration[2], **options)["throughput_mb_s"]
 
     low, high = 1e-4, 1.0
     if calibrated(low) < mb_s:
@@ -197,8 +199,8 @@ def simulate_steps(base: SwarmSetup, setups, mb_s: float, calibration: tuple[lis
     stage_time_s = (low + high) / 2
     base = dataclasses.replace(base, stage_time_s=stage_time_s)
     shaped = [sim.run(dataclasses.replace(base, bandwidth_mbit_s=mbit, nic_mbit_s=mbit, latency_s=ms / 1000),
-                      step_stall_s=stalls, step_microbatches=batches, **options)["throughput_mb_s"]
-              for (mbit, ms), (stalls, batches) in zip(setups, shaped)]
+                      step_s=stalls, step_microbatches=batches, apply_s=applies, **options)["throughput_mb_s"]
+              for (mbit, ms), (stalls, batches, applies) in zip(setups, shaped)]
     return stage_time_s, calibrated(stage_time_s), shaped
 
 
@@ -262,13 +264,15 @@ def main() -> int:
     plain = simulate(base, setups, per_mb_s, args.stages)
     calls_model = simulate(base, setups, per_mb_s, args.stages, round_trips=round_trips, overhead_s=overhead_s,
                            fused=True)
-    # each stage's stall and microbatches per step: the calibration's the mean of its two runs'
+    # each stage's step latency, microbatches per step and optimizer step time: the calibration's the mean of its
+    # two runs'
+    step_keys = ("stall_s", "microbatches_per_step", "apply_s")
     calibration_steps = tuple([(b[key] + a[key]) / 2 for b, a in zip(before["stalls"], after["stalls"])]
-                              for key in ("stall_s", "microbatches_per_step"))
-    shaped_steps = [tuple([st[key] for st in run["stalls"]] for key in ("stall_s", "microbatches_per_step"))
-                    for run in shaped]
-    step_model = simulate_steps(base, setups, calibration["mb_s"], (calibration_steps[0], args.batch),
-                                [(stalls, args.batch) for stalls, _ in shaped_steps],
+                              for key in step_keys)
+    shaped_steps = [tuple([st[key] for st in run["stalls"]] for key in step_keys) for run in shaped]
+    step_model = simulate_steps(base, setups, calibration["mb_s"],
+                                (calibration_steps[0], args.batch, calibration_steps[2]),
+                                [(stalls, args.batch, applies) for stalls, _, applies in shaped_steps],
                                 round_trips=round_trips, overhead_s=overhead_s)
     step_mb_model = simulate_steps(base, setups, calibration["mb_s"], calibration_steps, shaped_steps,
                                    round_trips=round_trips, overhead_s=overhead_s)
@@ -300,7 +304,7 @@ def main() -> int:
             ("calibration after", after)]
     for name, run in runs:
         for st in run["stalls"]:
-            over = run["overshoot"].get(str(st["stage"]), {"mean": float("nan"), "max": float("nan")})
+            over = run.get("overshoot", {}).get(str(st["stage"]), {"mean": float("nan"), "max": float("nan")})
             share = "" if st["stepping_share"] is None else f"{st['stepping_share']:6.3f}"
             print(f"{name:36s} {st['stage']:5d} {st['steps']:5d} {st['microbatches_per_step']:7.2f} "
                   f"{st['stall_s'] * 1e3:7.0f} {st['max_stall_s'] * 1e3:7.0f} {st['trigger_s'] * 1e3:7.0f} "
@@ -332,7 +336,8 @@ def main() -> int:
                                    "call_overhead_s": overhead_s, "fused_last_stage": True,
                                    "calibration": calls_model[1], "shaped": calls_model[2]},
             "sim_step": {"stage_time_s": step_model[0], "step_microbatches": args.batch,
-                         "calibration_stalls_s": calibration_steps[0], "calibration": step_model[1],
+                         "calibration_stalls_s": calibration_steps[0], "calibration_apply_s": calibration_steps[2],
+                         "calibration": step_model[1],
                          "shaped": step_model[2]},
             "sim_step_mb": {"stage_time_s": step_mb_model[0], "calibration_steps": calibration_steps,
                             "shaped_steps": shaped_steps, "calibration": step_mb_model[1],

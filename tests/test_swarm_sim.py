@@ -309,55 +309,66 @@ def test_a_newcomer_joins_the_most_loaded_stage():
         emulation.run(setup, time_scale=0.01)
 
 
-def test_an_in_stage_step_holds_backward_calls_but_serves_forward_calls():
-    # One stage, one peer, one trainer, no network: a microbatch is a 0.1 s forward and a 0.2 s backward call. A
-    # step every 4 microbatches holds backward calls for 0.5 s after the 4th backward ends; the 5th microbatch's
-    # forward is served meanwhile, so its backward waits 0.5 - 0.1 s: 4 microbatches take 4 x 0.3 + 0.4 s.
+def test_an_in_stage_step_holds_no_call_and_its_apply_costs_only_the_apply():
+    # One stage, one peer, one trainer, no network: a microbatch is a 0.1 s forward and a 0.2 s backward call, its
+    # backward computed at 0.3 x k s. A step every 4 microbatches lasting 0.5 s (shorter than the 1.2 s a batch
+    # takes) holds nothing: the run is the plain one (a step holding the backward calls would delay the 5th).
     setup = pure_latency(1, latency_s=0.0)
-    plain = first_done_s(sim.run(setup))
-    stepped = sim.run(setup, step_microbatches=4, step_stall_s=0.5)
-    done = first_done_s(stepped)
-    assert plain[:9] == pytest.approx([0.3 * k for k in range(1, 10)], rel=1e-9)
-    assert done[:9] == pytest.approx([0.3, 0.6, 0.9, 1.2, 1.9, 2.2, 2.5, 2.8, 3.5], rel=1e-9)
-    assert stepped["throughput_mb_s"] == pytest.approx(4 / (4 * 0.3 + 0.5 - 0.1), rel=0.02)
-    assert stepped["stage_steps"] == [pytest.approx(stepped["microbatches_done"] / 4, abs=1)]
-    # the last stage's forward + backward as one call (fused) is held whole: the stall adds in full
-    fused = sim.run(setup, fused_last_stage=True, step_microbatches=4, step_stall_s=0.5)
-    assert fused["throughput_mb_s"] == pytest.approx(4 / (4 * 0.3 + 0.5), rel=0.02)
-    # 2.5 microbatches per step on average: steps after the 3rd, 5th, 8th, 10th ... call, 2 stalls per 5
-    fraction = sim.run(setup, fused_last_stage=True, step_microbatches=2.5, step_stall_s=0.5)
-    assert fraction["throughput_mb_s"] == pytest.approx(5 / (5 * 0.3 + 2 * 0.5), rel=0.02)
-    assert first_done_s(fraction)[:6] == pytest.approx([0.3, 0.6, 0.9, 1.7, 2.0, 2.8], rel=1e-9)
-    # no stall, or no steps: the run is the plain one
-    assert first_done_s(sim.run(setup, step_microbatches=4))[:9] == pytest.approx(plain[:9], rel=1e-9)
-    assert sim.run(setup, step_stall_s=0.5)["timeline"] == sim.run(setup)["timeline"]
+    plain = sim.run(setup)
+    stepped = sim.run(setup, step_microbatches=4, step_s=0.5)
+    assert first_done_s(plain)[:9] == pytest.approx([0.3 * k for k in range(1, 10)], rel=1e-9)
+    assert stepped["timeline"] == plain["timeline"]
+    assert stepped["stage_steps"] == [plain["microbatches_done"] // 4]
+    assert stepped["step_overshoot"] == {0: {"steps": plain["microbatches_done"] // 4, "mean": 1.0, "max": 1.0,
+                                             "under": 0}}
+    assert plain["stage_steps"] == [0] and plain["step_overshoot"] == {}
+    # the optimizer step's compute (apply_s) at the step's end (1.7 s): the peer computes the 6th backward until
+    # 1.8 s, then the apply until 1.85 s; every 4 microbatches take 4 x 0.3 + 0.05 s
+    applied = sim.run(setup, step_microbatches=4, step_s=0.5, apply_s=0.05)
+    assert first_done_s(applied)[:12] == pytest.approx(
+        [0.3, 0.6, 0.9, 1.2, 1.5, 1.8, 2.15, 2.45, 2.75, 3.05, 3.4, 3.7], rel=1e-9)
+    assert applied["throughput_mb_s"] == pytest.approx(4 / (4 * 0.3 + 0.05), rel=0.02)
+    # 2.5 microbatches per step (the fused call counts as the backward): targets 3, 2, 3, 2, steps after the 3rd,
+    # 5th, 8th and 10th call, none over its target
+    fused = dataclasses.replace(setup, duration_s=3.1)
+    fraction = sim.run(fused, fused_last_stage=True, step_microbatches=2.5, step_s=0.1)
+    assert fraction["stage_steps"] == [4]
+    assert fraction["step_overshoot"] == {0: {"steps": 4, "mean": 1.0, "max": 1.0, "under": 0}}
+    assert fraction["timeline"] == sim.run(fused, fused_last_stage=True)["timeline"]
 
 
-def test_each_stage_stalls_by_its_own_step_and_the_arguments_are_checked():
-    # two stages, one trainer, no network: 0.1 s + 0.1 s forward, 0.2 s + 0.2 s backward (stage 1, then stage 0).
-    # A stall on stage 0 alone delays stage 0's first backward after each step (the other calls overlap nothing)
+def test_a_step_longer_than_a_batch_overshoots_by_the_calls_computed_meanwhile():
+    # One stage, one peer, backward calls computed at 0.3 x k s, a step every 2 lasting 0.95 s, 2.9 s in all:
+    # step 1 at 0.6 s with 2 calls, ends 1.55 s; the calls computed at 0.9, 1.2, 1.5 s make step 2 at 1.55 s (3 of
+    # a target of 2), ends 2.5 s; 1.8, 2.1, 2.4 s make step 3 at 2.5 s (3); 2.7 s waits for the next.
+    setup = pure_latency(1, latency_s=0.0, duration_s=2.9)
+    tiny = sim.run(setup, step_microbatches=2, step_s=0.95)
+    assert tiny["stage_steps"] == [3]
+    assert tiny["step_overshoot"] == {0: {"steps": 3, "mean": round(4 / 3, 4), "max": 1.5, "under": 0}}
+    assert tiny["timeline"] == sim.run(setup)["timeline"]
+    # a step longer than the call timeout: nothing waits for it, so no call times out
+    long = sim.run(dataclasses.replace(setup, forward_timeout_s=0.5, duration_s=60.0), step_microbatches=2, step_s=3.0)
+    assert long["timeouts"] == 0 and long["lost_microbatches"] == 0
+    assert long["step_overshoot"][0]["mean"] > 4.5   # 10 calls computed per 3 s step, a target of 2
+
+
+def test_each_stage_steps_on_its_own_calls_and_the_arguments_are_checked():
+    # Two stages, one trainer, no network: a microbatch takes 0.6 s, stage 1's backward computed at 0.4 + 0.6 x k s,
+    # stage 0's at 0.6 x (k + 1) s. Stage 0 steps at once (0 s) on every 2 calls; stage 1's steps last 1.9 s,
+    # in which 3 or 4 of its calls are computed: its batches pass the target, stage 0's do not
     setup = pure_latency(2, latency_s=0.0)
-    plain = sim.run(setup)["throughput_mb_s"]
-    first = sim.run(setup, step_microbatches=2, step_stall_s=[0.3, 0.0])
-    second = sim.run(setup, step_microbatches=2, step_stall_s=[0.0, 0.3])
-    # stage 0: the next microbatch's forward calls (0.2 s) and stage 1's backward (0.2 s) overlap the 0.3 s stall
-    assert first["throughput_mb_s"] == pytest.approx(plain, rel=0.02)
-    # stage 1: its next backward arrives 0.1 s after its step began (stage 0's backward and stage 0's and 1's
-    # forwards take 0.2 + 0.1 + 0.1 s): 2 microbatches take 2 x 0.6 s + 0.3 - 0.4 s, no wait at all
-    assert second["throughput_mb_s"] == pytest.approx(plain, rel=0.02)
-    long = sim.run(setup, step_microbatches=2, step_stall_s=[0.0, 1.0])
-    assert long["throughput_mb_s"] == pytest.approx(2 / (2 * 0.6 + 1.0 - 0.4), rel=0.02)
-    assert long["stage_steps"][0] == pytest.approx(long["stage_steps"][1], abs=1)
-    with pytest.raises(ValueError, match="step_stall_s"):
-        sim.run(setup, step_microbatches=2, step_stall_s=[0.1])
-    with pytest.raises(ValueError, match="step_stall_s"):
-        sim.run(setup, step_microbatches=2, step_stall_s=-0.1)
+    plain = sim.run(setup)
+    result = sim.run(setup, step_microbatches=2, step_s=[0.0, 1.9])
+    assert result["timeline"] == plain["timeline"]
+    over = result["step_overshoot"]
+    assert over[0] == {"steps": plain["microbatches_done"] // 2, "mean": 1.0, "max": 1.0, "under": 0}
+    assert 1.5 <= over[1]["mean"] < 2.0 and over[1]["max"] == 2.0
+    assert result["stage_steps"] == [over[0]["steps"], over[1]["steps"]]
+    assert over[1]["steps"] < over[0]["steps"] / 1.5
+    for name in ("step_s", "apply_s"):
+        with pytest.raises(ValueError, match=name):
+            sim.run(setup, step_microbatches=2, **{name: [0.1]})
+        with pytest.raises(ValueError, match=name):
+            sim.run(setup, step_microbatches=2, **{name: -0.1})
     with pytest.raises(ValueError, match="step_microbatches"):
-        sim.run(setup, step_microbatches=0, step_stall_s=0.1)
-
-
-def test_a_stall_longer_than_the_call_timeout_makes_trainers_retry_but_loses_nothing():
-    setup = dataclasses.replace(pure_latency(1, latency_s=0.0), forward_timeout_s=0.5)
-    result = sim.run(setup, step_microbatches=2, step_stall_s=3.0)
-    assert result["timeouts"] > 0 and result["lost_microbatches"] == 0
-    assert result["microbatches_done"] > 0
+        sim.run(setup, step_microbatches=0, step_s=0.1)

@@ -19,10 +19,12 @@ The model is the emulation's, so the two transports can be compared run for run:
   ``run``'s ``round_trips_per_call`` and ``call_overhead_s`` delay every request's arrival by the round trips a
   call costs beyond the first and a fixed time (measured on the testbed: ``cramswarm.testbed.callcost``), and
   ``fused_last_stage`` makes the last stage's forward and backward one call, as the hivemind trainer does.
-* The in-stage synchronous step (off by default): with ``run``'s ``step_microbatches`` a stage steps once
-  every that many backward calls have arrived at its peers (its global batch), and for ``step_stall_s`` seconds
-  after the last of them is computed its peers admit no backward call (the gather, the all-reduce and the
-  optimizer step of ``peer_sync``): backward calls arriving then wait, forward calls are served.
+* The in-stage step (off by default), double-buffered as ``peer_sync``'s: with ``run``'s ``step_microbatches`` a
+  stage's step starts once the backward calls its peers have computed toward it reach its target (its global
+  batch) and lasts ``step_s`` (the gather, the all-reduce and the optimizer step). No call is held: backward calls
+  computed meanwhile count toward the next step, which starts when this one ends if they reached its target by
+  then, with all of them (the overshoot). ``apply_s`` charges each of the stage's peers the optimizer step's
+  compute at the step's end.
 * The network (off by default: links are never shared, as in the emulation): with ``nic_mbit_s`` set (for the
   setup or per ``PeerSpec``) every byte a peer receives (requests) or sends (replies) goes through its NIC,
   shared equally by all its transfers in flight, in and out alike (processor sharing); a transfer's rate is
@@ -77,6 +79,7 @@ from cramswarm.swarm.sim_lifecycle import PeerLifecycle
 from cramswarm.swarm.sim_network import NicNetwork
 from cramswarm.swarm.sim_state import (
     ARRIVE,
+    COMPUTED,
     ERROR,
     JOIN,
     KILL,
@@ -99,7 +102,8 @@ class Simulator(NicNetwork, PeerLifecycle):
     def __init__(self, setup: SwarmSetup, *, trainers_per_process: int = 1,
                  rebalancer_options: dict | None = None, round_trips_per_call: float = 1.0,
                  call_overhead_s: float = 0.0, fused_last_stage: bool = False,
-                 step_microbatches: float | Sequence[float] | None = None, step_stall_s: float | Sequence[float] = 0.0):
+                 step_microbatches: float | Sequence[float] | None = None, step_s: float | Sequence[float] = 0.0,
+                 apply_s: float | Sequence[float] = 0.0):
         setup.validate()
         if trainers_per_process < 1:
             raise ValueError(f"trainers_per_process must be at least 1, got {trainers_per_process}")
@@ -112,20 +116,16 @@ class Simulator(NicNetwork, PeerLifecycle):
         self.round_trips_per_call, self.call_overhead_s = round_trips_per_call, call_overhead_s
         self.fused_last_stage = fused_last_stage
         self.num_stages = setup.num_stages
-        stalls = self._per_stage(step_stall_s)
-        if stalls is None or not all(v >= 0.0 for v in stalls):
-            raise ValueError(f"step_stall_s must be one non-negative number or one per stage ({self.num_stages}), "
-                             f"got {step_stall_s}")
+        self.step_s, self.apply_s = self._seconds("step_s", step_s), self._seconds("apply_s", apply_s)
         batches = None if step_microbatches is None else self._per_stage(step_microbatches)
         if step_microbatches is not None and (batches is None or not all(v >= 1.0 for v in batches)):
             raise ValueError(f"step_microbatches must be None, or one number of at least 1 or one per stage "
                              f"({self.num_stages}), got {step_microbatches}")
-        self.step_microbatches, self.step_stall_s = batches, stalls
-        self.batch_calls = [0] * self.num_stages            # backward calls admitted at the stage, in all
-        self.batch_done_at = [0.0] * self.num_stages        # when the last of them is computed
-        self.stepping_until = [-math.inf] * self.num_stages  # the stage's current step ends then
-        self.held: list[list[SimCall]] = [[] for _ in range(self.num_stages)]  # backward calls waiting for it
+        self.step_microbatches = batches
+        self.accumulated = [0] * self.num_stages   # backward calls computed toward the stage's next step
+        self.stepping = [False] * self.num_stages  # a step of the stage is under way
         self.steps = [0] * self.num_stages
+        self.step_ratios: list[list[float]] = [[] for _ in range(self.num_stages)]   # per step: batch / target
         self.retry = RetryPolicy(forward_timeout_s=setup.forward_timeout_s)
         self.declare_period_s = setup.forward_timeout_s
         self.ttl_s = RECORD_TTL_TIMEOUTS * setup.forward_timeout_s
@@ -161,6 +161,13 @@ class Simulator(NicNetwork, PeerLifecycle):
             return [float(value)] * self.num_stages
         values = [float(v) for v in value]
         return values if len(values) == self.num_stages else None
+
+    def _seconds(self, name: str, value: float | Sequence[float]) -> list[float]:
+        seconds = self._per_stage(value)
+        if seconds is None or not all(v >= 0.0 for v in seconds):
+            raise ValueError(f"{name} must be one non-negative number or one per stage ({self.num_stages}), "
+                             f"got {value}")
+        return seconds
 
     def _chains(self) -> list[list[SimPeer]]:
         by_stage = [[p for p in self.peers if p.stage == s] for s in range(self.num_stages)]
@@ -283,8 +290,7 @@ class Simulator(NicNetwork, PeerLifecycle):
 
     def _on_arrive(self, call: SimCall) -> None:
         peer, now = call.peer, self.now
-        if call.deadline == math.inf:   # a call held through a step keeps the deadline of its arrival
-            call.deadline = now + self.retry.timeout(call.backward)
+        call.deadline = now + self.retry.timeout(call.backward)
         if peer.status == "moving":   # queued until the move ends, then refused (wrong stage)
             if peer.free_at < call.deadline:
                 self._schedule(call, peer.free_at, ERROR)
@@ -297,10 +303,6 @@ class Simulator(NicNetwork, PeerLifecycle):
         if peer.stage != call.stage:  # moved away meanwhile: refused
             self._schedule(call, now, ERROR)
             return
-        stage = call.stage
-        if call.backward and self.step_microbatches is not None and now < self.stepping_until[stage]:
-            self.held[stage].append(call)   # the stage is stepping: admitted when its step ends
-            return
         service = self._service_s(peer, call.stage, call.backward)
         call.start = max(now, peer.free_at)
         call.finish = peer.free_at = call.start + service
@@ -308,7 +310,7 @@ class Simulator(NicNetwork, PeerLifecycle):
         peer.meter.enter(now)
         peer.meter.exit_at(call.finish)
         if call.backward and self.step_microbatches is not None:
-            self._count_toward_step(stage, call.finish)
+            self._push(call.finish, COMPUTED, (peer, peer.epoch, call.stage))
         peer.meter.served(self._units(call.stage, call.backward), service)
         if call.finish <= call.deadline:
             if peer.nic is None:
@@ -318,26 +320,37 @@ class Simulator(NicNetwork, PeerLifecycle):
         else:
             self._schedule(call, call.deadline, TIMEOUT)
 
-    def _count_toward_step(self, stage: int, finish: float) -> None:
-        """A backward call admitted at ``stage``, computed by ``finish``: the last of the batch starts its step
-        (step k ends the batch once the stage's calls reach ``ceil(k x step_microbatches)``)."""
-        self.batch_calls[stage] += 1
-        self.batch_done_at[stage] = max(self.batch_done_at[stage], finish)
-        if self.batch_calls[stage] >= math.ceil((self.steps[stage] + 1) * self.step_microbatches[stage] - 1e-9):
-            self.stepping_until[stage] = self.batch_done_at[stage] + self.step_stall_s[stage]
-            self.batch_done_at[stage] = 0.0
-            self.steps[stage] += 1
-            self._push(self.stepping_until[stage], STEPPED, stage)
+    def _on_computed(self, payload: tuple[SimPeer, int, int]) -> None:
+        """A backward call's computation ended: it counts toward its stage's next step unless its peer died or
+        moved meanwhile (a timed-out call counts: its peer computed it)."""
+        peer, epoch, stage = payload
+        if epoch == peer.epoch:
+            self.accumulated[stage] += 1
+            self._try_step(stage)
+
+    def _try_step(self, stage: int) -> None:
+        """Start the stage's next step if none is under way and its computed calls reach the step's target: step
+        k's is ``ceil(k x step_microbatches) - ceil((k - 1) x step_microbatches)``, so a fraction alternates the
+        neighbouring whole numbers to its mean. The step takes every call computed so far (batch / target >= 1)."""
+        per_step, k = self.step_microbatches[stage], self.steps[stage] + 1
+        target = math.ceil(k * per_step - 1e-9) - math.ceil((k - 1) * per_step - 1e-9)
+        if self.stepping[stage] or self.accumulated[stage] < target:
+            return
+        self.step_ratios[stage].append(self.accumulated[stage] / target)
+        self.accumulated[stage] = 0
+        self.steps[stage] += 1
+        self.stepping[stage] = True
+        self._push(self.now + self.step_s[stage], STEPPED, stage)
 
     def _on_stepped(self, stage: int) -> None:
-        """The stage's step ended: its held backward calls arrive again, in their order (the first of them may
-        complete the next batch and start the next step, holding the rest again)."""
-        held, self.held[stage] = self.held[stage], []
-        for call in held:
-            if self.now >= call.deadline:   # its trainer gave up waiting meanwhile
-                self._schedule(call, self.now, TIMEOUT)
-            else:
-                self._on_arrive(call)
+        """The stage's step ended: each of its serving peers computes the optimizer step (``apply_s``) after the
+        calls it has admitted, and the next step starts if the calls computed meanwhile reached its target."""
+        self.stepping[stage] = False
+        if self.apply_s[stage] > 0.0:
+            for peer in self.peers:
+                if peer.status == "up" and peer.stage == stage:
+                    peer.free_at = max(self.now, peer.free_at) + self.apply_s[stage]
+        self._try_step(stage)
 
     def _on_reply(self, call: SimCall) -> None:
         call.resolved = True
@@ -374,7 +387,7 @@ class Simulator(NicNetwork, PeerLifecycle):
         duration = self.setup.duration_s
         handlers = (self._on_arrive, self._on_reply, self._on_timeout, self._on_error, self._on_send)
         others = (None, None, None, None, None, self._on_retry, self._on_kill, self._on_rejoin, self._on_ready,
-                  self._on_rebalance, self._on_nic, self._on_join, self._on_stepped)
+                  self._on_rebalance, self._on_nic, self._on_join, self._on_stepped, self._on_computed)
         for event in self.setup.failures:
             self._push(event.at_s, KILL, event)
         for join in self.setup.joins:
@@ -416,13 +429,16 @@ class Simulator(NicNetwork, PeerLifecycle):
                                 for s in range(self.num_stages)},
             "events": processed,
             "stage_steps": list(self.steps),
+            "step_overshoot": {stage: {"steps": len(ratios), "mean": round(sum(ratios) / len(ratios), 4),
+                                       "max": round(max(ratios), 4), "under": 0}
+                               for stage, ratios in enumerate(self.step_ratios) if ratios},
         }
 
 
 def run(setup: SwarmSetup, *, trainers_per_process: int = 1, rebalancer_options: dict | None = None,
         round_trips_per_call: float = 1.0, call_overhead_s: float = 0.0, fused_last_stage: bool = False,
-        step_microbatches: float | Sequence[float] | None = None, step_stall_s: float | Sequence[float] = 0.0
-        ) -> dict:
+        step_microbatches: float | Sequence[float] | None = None, step_s: float | Sequence[float] = 0.0,
+        apply_s: float | Sequence[float] = 0.0) -> dict:
     """Simulate ``setup`` for ``setup.duration_s`` virtual seconds; returns the emulation's result keys.
 
     ``microbatches_done`` (forward + backward through every stage), ``throughput_mb_s`` (microbatches per
@@ -432,7 +448,9 @@ def run(setup: SwarmSetup, *, trainers_per_process: int = 1, rebalancer_options:
     ``rejoins``, ``joins`` (new peers arrived), ``served`` (uid -> forward calls answered), ``work_units``
     (uid -> compute of its answered calls in forward-call units, backward = ``BACKWARD_COMPUTE_FACTOR``),
     ``per_stage_peers`` (stage -> serving uids at the end), ``events`` (events processed), ``stage_steps``
-    (per stage, the synchronous steps begun; zeros without ``step_microbatches``).
+    (per stage, the in-stage steps begun; zeros without ``step_microbatches``), ``step_overshoot`` (stage ->
+    ``steps``, ``mean`` and ``max`` of a step's batch over its target, ``under`` the steps below it: always 0 here;
+    the real runs' ``step_overshoot``, ``progress.overshoot``; stages that stepped only).
     ``trainers_per_process`` trainers share one set of balancers; ``rebalancer_options`` go to ``Rebalancer``
     (e.g. ``min_gain`` for large swarms).
 
@@ -449,24 +467,26 @@ def run(setup: SwarmSetup, *, trainers_per_process: int = 1, rebalancer_options:
       previous stage's forward, so a microbatch makes ``2 x stages - 1`` calls instead of ``2 x stages``. Its
       work counts ``1 + BACKWARD_COMPUTE_FACTOR`` units and one forward call in ``served``.
 
-    The in-stage synchronous step (``peer_sync``: a stage's peers gather, all-reduce and step once their backward
-    calls reach the global batch, and admit no backward call meanwhile; default: not modelled):
+    The in-stage step (``peer_sync``: a stage's peers gather, all-reduce and step once their backward calls reach
+    the global batch; default: not modelled). No call is held: a step's batch is what its stage's peers computed
+    until it started, and the backward calls computed while it runs count toward the next one (double buffering):
 
-    * ``step_microbatches``: microbatches per step (None: no steps): the global batch, or what the peers step on
-      average (``peer_sync``'s peers read each other's counts a little late and may admit more); one number or
-      one per stage. Every that many backward calls admitted at a stage's peers (the last stage's fused call
-      counts as its backward) make one step; a fraction alternates the neighbouring whole numbers to its mean
-      (step k ends once the stage's calls reach ``ceil(k x step_microbatches)``);
-    * ``step_stall_s``: seconds a step holds the stage's backward calls back, counted from the end of the
-      computation of its batch's last backward call (one number, or one per stage). A backward call arriving at
-      the stage from the moment its batch's last call was admitted until the step ends waits (no peer time; its
-      timeout runs from its arrival) and is then admitted in arrival order; forward calls are served
-      throughout. ``benchmarks/swarm_testbed.py`` measures it on the testbed from the peers' step lines
-      (``peer_sync.stage_stalls``). A stage whose peers all die with calls of its batch in flight counts them
-      all the same (the step is not re-run).
+    * ``step_microbatches``: the step's target in backward calls computed at the stage's peers (None: no steps;
+      the last stage's fused call counts as its backward); one number or one per stage. A fraction alternates the
+      neighbouring whole numbers to its mean (step k's target: ``ceil(k x n) - ceil((k - 1) x n)``). A step starts
+      as soon as its target is reached and the stage's previous step has ended; it takes every call computed by
+      then, so a step that waited for the previous one to end overshoots its target (``step_overshoot``). A call
+      whose peer died or moved before its computation ended does not count;
+    * ``step_s``: seconds from a step's start to its end (the gather, the all-reduce and the optimizer step; one
+      number, or one per stage): no step of the stage starts meanwhile. ``benchmarks/swarm_testbed.py`` measures
+      it on the testbed from the peers' step lines (``progress.stage_stalls``: from the end of the batch's last
+      backward computation to the optimizer step);
+    * ``apply_s``: seconds of compute the optimizer step takes on each of the stage's serving peers at the step's
+      end, after the calls the peer has admitted (one number, or one per stage; default 0: the step takes no peer
+      time and steps cost no throughput).
     """
     return Simulator(setup, trainers_per_process=trainers_per_process, rebalancer_options=rebalancer_options,
                      round_trips_per_call=round_trips_per_call, call_overhead_s=call_overhead_s,
                      fused_last_stage=fused_last_stage, step_microbatches=step_microbatches,
-                     step_stall_s=step_stall_s).run()
+                     step_s=step_s, apply_s=apply_s).run()
 

@@ -11,7 +11,7 @@ from cramswarm.swarm.rebalancing import LoadMeter
 from cramswarm.swarm.routing import StageBalancer
 
 # Event kinds; the heap holds (time, sequence number, kind, payload). Kinds up to SEND carry (call, token).
-ARRIVE, REPLY, TIMEOUT, ERROR, SEND, RETRY, KILL, REJOIN, READY, REBALANCE, NIC, JOIN, STEPPED = range(13)
+ARRIVE, REPLY, TIMEOUT, ERROR, SEND, RETRY, KILL, REJOIN, READY, REBALANCE, NIC, JOIN, STEPPED, COMPUTED = range(14)
 
 
 @dataclass(slots=True)
