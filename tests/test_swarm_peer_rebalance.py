@@ -5,6 +5,10 @@ rule itself, ``rebalancing.choose_move``, is tested in test_swarm_policies)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
+import json
+from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
@@ -17,11 +21,18 @@ from swarm_helpers import MICRO, brief, launch  # noqa: E402
 
 from cramswarm.swarm.membership import stage_key  # noqa: E402
 from cramswarm.swarm.peer_rebalance import (  # noqa: E402
+    MOVES_FILE,
     PeerRebalancer,
     call_units,
+    claims_key,
     last_move_key,
+    load_key,
     moved_uid,
+    read_move_events,
+    stage_after_moves,
 )
+from cramswarm.swarm.rebalancing import LastMove, LoadRecord, Move, MoveEvent  # noqa: E402
+from cramswarm.swarm.run_result import RunResult  # noqa: E402
 
 
 def test_a_served_call_counts_its_work_units():
@@ -29,22 +40,46 @@ def test_a_served_call_counts_its_work_units():
     assert call_units("backward", 4, True) == 12  # the last stage's fused forward + backward
 
 
+def move_events() -> list[MoveEvent]:
+    """Two peers' moves: s0r1.0 decided 0 -> 1; s0r2.0 decided 0 -> 1, arrived as s0r2.0-s1m1, decided 1 -> 2."""
+    first = MoveEvent("decided", 10.0, Move("s0r2.0", 0, 1), 3)
+    arrived = replace(first, event="arrived", time=12.0, new_uid="s0r2.0-s1m1", drain_s=0.5, handed_over_samples=4)
+    return [MoveEvent("decided", 9.0, Move("s0r1.0", 0, 1), 3), first, arrived,
+            MoveEvent("decided", 20.0, Move("s0r2.0-s1m1", 1, 2), 9)]
+
+
+def test_the_moves_file_reads_back_its_complete_lines_and_skips_garbage(tmp_path):
+    """``read_move_events``: the ``MoveEvent`` of each complete line, in order; a line of another layout or garbage
+    is skipped, the last line while it is being written (no newline yet) left for a later read."""
+    path = tmp_path / MOVES_FILE
+    assert read_move_events(path) == []
+    events = move_events()
+    lines = [json.dumps(e.value()) for e in events]
+    garbage = ["not json", "", json.dumps({"event": "decided", "uid": "s0r9.0"}), json.dumps([1, 2]), "null"]
+    path.write_text("\n".join(lines[:2] + garbage + lines[2:]) + "\n" + lines[0][:20])
+    assert read_move_events(path) == events
+    with open(path, "a") as out:   # the half-written line is completed
+        out.write(lines[0][20:] + "\n")
+    assert read_move_events(path) == events + [events[0]]
+
+
 def test_a_peer_process_is_followed_through_its_moves_to_the_stage_it_last_served(tmp_path):
     """An attached task restarts its dead peer where the peer last served: the uid's moves in the moves file,
     decided (new stage) and arrived (new uid), other peers' moves and a half-written last line ignored."""
-    import json
-
-    from cramswarm.swarm.peer_rebalance import stage_after_moves
-
-    path = tmp_path / "moves.jsonl"
+    path = tmp_path / MOVES_FILE
     assert stage_after_moves(path, "s0r2.0", 0) == ("s0r2.0", 0)   # no file: no move
-    events = [{"event": "decided", "uid": "s0r1.0", "from_stage": 0, "to_stage": 1},
-              {"event": "decided", "uid": "s0r2.0", "from_stage": 0, "to_stage": 1},
-              {"event": "arrived", "uid": "s0r2.0", "to_stage": 1, "new_uid": "s0r2.0-s1m1"},
-              {"event": "decided", "uid": "s0r2.0-s1m1", "from_stage": 1, "to_stage": 2}]
-    path.write_text("".join(json.dumps(e) + "\n" for e in events) + '{"event": "arr')
+    path.write_text("".join(json.dumps(e.value()) + "\n" for e in move_events()) + '{"event": "arr')
     assert stage_after_moves(path, "s0r2.0", 0) == ("s0r2.0-s1m1", 2)   # decided, not yet arrived: stage 2
     assert stage_after_moves(path, "s0r3.0", 0) == ("s0r3.0", 0)
+
+
+def test_the_result_lists_each_move_with_its_arrival():
+    """``RunResult._moves``: a decided event opens a move, its arrival completes it (times from the run's start)."""
+    launcher = SimpleNamespace(_move_events=move_events, moves_base=1, start_wall=5.0)
+    assert RunResult._moves(launcher) == [
+        {"t_s": 5.0, "uid": "s0r2.0", "from_stage": 0, "to_stage": 1, "period": 3, "arrived_s": 7.0,
+         "new_uid": "s0r2.0-s1m1", "drain_s": 0.5, "handed_over_samples": 4, "lost_gradient_samples": 0},
+        {"t_s": 15.0, "uid": "s0r2.0-s1m1", "from_stage": 1, "to_stage": 2, "period": 9}]
 
 
 def test_a_moved_peer_keeps_its_process_number_in_its_new_uid():
@@ -229,5 +264,71 @@ def test_the_last_move_holds_decisions_back_in_transit_and_until_a_period_after_
         assert await driver.quiet(10) and not await driver.quiet(11)   # the next period's loads show the mover
         cooling = PeerRebalancer(FakePeer(node, "s0p3", 0, tmp_path), period_s=1.0, cooldown_periods=1)
         assert await cooling.quiet(11) and not await cooling.quiet(12)
+
+    asyncio.run(scenario())
+
+
+def test_a_value_that_is_no_record_is_counted_and_never_decides(tmp_path):
+    """A load value that is no ``LoadRecord`` counts as the peer's missing record (no decision on that view), a
+    claim value that is no ``ClaimRecord`` claims nothing, a last-move value that is no ``LastMove`` holds
+    nothing back; each is counted in ``malformed_rebalance_records``."""
+    async def scenario():
+        node = FakeDHT()
+        uids = {"s0p1": 0, "s0p2": 0, "s1p3": 1}
+        peers = {uid: PeerRebalancer(FakePeer(node, uid, stage, tmp_path), period_s=1.0) for uid, stage in
+                 uids.items()}
+        for uid, stage in uids.items():
+            await declare(node, stage, uid)
+        period = int(get_dht_time()) + 1
+        window = {"queue": 0.0, "units": 0.0, "busy_s": 0.0, "calls": 0, "span_s": 1.0, "rate": 1.0}
+        for uid in ("s0p1", "s0p2"):
+            await peers[uid].publish(period, window)
+        stored = node.data[load_key("run", 0)]["s0p1"].value
+        assert LoadRecord.from_value(stored) == LoadRecord.from_window(period, window)
+        await node.store(load_key("run", 1), {"period": period, "queue": -1.0, "rate": 0.25}, period + 1.0,
+                         subkey="s1p3")
+        driver = peers["s0p1"]
+        assert await driver.view(period) is None and driver.missing == ["s1p3"]
+        assert driver.peer.counters["malformed_rebalance_records"] == 1
+        await peers["s1p3"].publish(period, window | {"rate": 0.25, "queue": 2.0})
+        assert await driver.view(period) is not None
+        # garbage under the last-move key: counted, holds nothing back
+        await node.store(last_move_key("run"), {"period": "9", "t": get_dht_time()}, get_dht_time() + 3600)
+        assert not await driver.quiet(period)
+        assert driver.peer.counters["malformed_rebalance_records"] == 2
+        # a garbage claim with the smaller uid hash does not beat a real one
+        move = await driver.decide(period)
+        assert move is not None
+        mover = peers[move.uid]
+        rival = next(uid for i in itertools.count() if _uid_hash(uid := f"r{i}") < _uid_hash(move.uid))
+        await node.store(claims_key("run", period), {"to": "1"}, period + 4.0, subkey=rival)
+        before = mover.peer.counters.get("malformed_rebalance_records", 0)
+        assert await mover.claim(period, move)
+        assert mover.peer.counters["malformed_rebalance_records"] == before + 1
+        await node.store(claims_key("run", period), {"to": 1}, period + 5.0, subkey=rival)
+        assert not await mover.claim(period, move)   # a real claim with the smaller hash wins
+
+    asyncio.run(scenario())
+
+
+def test_an_arrived_mover_records_its_arrival_in_the_moves_file_and_the_dht(tmp_path):
+    """The moved peer's driver (``arrived_from``: the decided move, its drain over) appends the arrival to the
+    moves file and stores the move as arrived under ``last_move_key``: the gate holds this period back only."""
+    async def scenario():
+        node = FakeDHT()
+        peer = FakePeer(node, "s1p2m1", 1, tmp_path)
+        peer.meter = LoadMeter(now=0.0)
+        decided = MoveEvent("decided", 100.0, Move("s0p2", 0, 1), 7)
+        peer.arrived_from = replace(decided, drain_s=0.5, handed_over_samples=4, lost_gradient_samples=0)
+        driver = PeerRebalancer(peer, period_s=1.0)
+        task = asyncio.create_task(driver.run())
+        await asyncio.sleep(0.2)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        (event,) = read_move_events(tmp_path / MOVES_FILE)
+        assert event == replace(peer.arrived_from, event="arrived", time=event.time, new_uid="s1p2m1")
+        last = LastMove.from_value((await node.get(last_move_key("run"))).value)
+        assert last.move == Move("s0p2", 0, 1) and last.period == 7 and last.arrived is not None
+        assert await driver.quiet(last.arrived) and not await driver.quiet(last.arrived + 1)
 
     asyncio.run(scenario())

@@ -1,7 +1,10 @@
 """SWARM's pure policy objects (routing, retries, rebalancing, in-stage accounting) and inter-stage compression."""
 
+import dataclasses
 import hashlib
 import itertools
+import json
+import math
 import random
 
 import pytest
@@ -20,9 +23,12 @@ from cramswarm.swarm.compression import (
 )
 from cramswarm.swarm.fault_rules import kill_candidates
 from cramswarm.swarm.rebalancing import (
+    ClaimRecord,
     LastMove,
     LoadMeter,
+    LoadRecord,
     Move,
+    MoveEvent,
     MoveGate,
     PeerLoad,
     Rebalancer,
@@ -335,6 +341,105 @@ def test_rebalancer_never_empties_a_stage_and_fills_an_empty_one():
     assert rebalancer.decide(state, now=0.0) is None  # no stage has a peer to spare
     move = rebalancer.decide({0: [PeerLoad("a", 0, 1.0), PeerLoad("b", 0, 1.0)], 1: []}, now=0.0)
     assert move is not None and (move.from_stage, move.to_stage) == (0, 1)
+
+
+def test_a_load_record_round_trips_and_garbage_is_no_record():
+    """``LoadRecord``: what a peer stores of its meter's window and what every peer parses back (the DHT layout:
+    period, queue, rate, units, busy_s, calls, span_s); a value that is not one parses to None."""
+    meter = LoadMeter(now=0.0)
+    for i in range(12):   # settled: a rate
+        meter.enter(i * 0.1)
+        meter.served(2.0, 0.05)
+        meter.exit(i * 0.1 + 0.05)
+    record = LoadRecord.from_window(7, meter.window(1.2))
+    assert record.period == 7 and record.calls == 12 and record.rate == pytest.approx(40.0)
+    assert set(record.value()) == {"period", "queue", "rate", "units", "busy_s", "calls", "span_s"}
+    assert LoadRecord.from_value(record.value()) == record
+    assert LoadRecord.from_value(json.loads(json.dumps(record.value()))) == record
+    assert record.peer_load("s0p1") == PeerLoad("s0p1", record.queue, 40.0)
+    unsettled = {"period": 3, "queue": 2, "rate": None, "units": 0.0, "busy_s": 0.0, "calls": 0, "span_s": 1.0}
+    assert LoadRecord.from_value(unsettled).peer_load("a") == PeerLoad("a", 2.0, None)
+    assert LoadRecord.from_value({"period": 3, "queue": 0.5, "rate": 1, "other": "x"}) == LoadRecord(3, 0.5, 1)
+    good = {"period": 3, "queue": 0.5, "rate": 1.5, "units": 3.0, "busy_s": 2.0, "calls": 4, "span_s": 1.0}
+    garbage = [None, "load", [], {}, 3, {**good, "period": "3"}, {**good, "period": True}, {**good, "period": -1},
+               {**good, "period": 3.0}, {**good, "queue": -0.5}, {**good, "queue": math.nan},
+               {**good, "queue": math.inf}, {**good, "queue": "1"}, {**good, "queue": None}, {**good, "queue": 10**400},
+               {**good, "rate": math.nan}, {**good, "rate": -1.0}, {**good, "rate": "1"}, {**good, "rate": False},
+               {**good, "calls": 1.5}, {**good, "calls": -1}, {**good, "busy_s": "x"}, {**good, "span_s": -1.0},
+               {k: v for k, v in good.items() if k != "rate"}, {k: v for k, v in good.items() if k != "queue"},
+               {k: v for k, v in good.items() if k != "period"}]
+    assert LoadRecord.from_value(good) == LoadRecord(3, 0.5, 1.5, 3.0, 2.0, 4, 1.0)
+    assert [LoadRecord.from_value(v) for v in garbage] == [None] * len(garbage)
+
+
+def test_the_last_move_record_keeps_its_dht_layout_and_garbage_is_no_record():
+    """``LastMove`` as the launcher's peers store it under ``last_move_key``: decided (``arrived`` None), then
+    arrived; the move's uid and stages flat in the value."""
+    move = Move("s0p2", 0, 1)
+    decided = LastMove(9, 100.5, move=move)
+    assert decided.value() == {"uid": "s0p2", "from_stage": 0, "to_stage": 1, "period": 9, "arrived": None,
+                               "t": 100.5}
+    arrived = LastMove(9, 130.0, arrived=11, move=move)
+    for record in (decided, arrived, LastMove(4, 2.0)):
+        assert LastMove.from_value(record.value()) == record
+        assert LastMove.from_value(json.loads(json.dumps(record.value()))) == record
+    # the arrival's record as the mover stores it, with its drain's entries
+    stored = {**arrived.value(), "drain_s": 0.4, "handed_over_samples": 8, "lost_gradient_samples": 0}
+    assert LastMove.from_value(stored) == arrived
+    assert MoveGate().quiet(LastMove.from_value(decided.value()), 10, 101.0)
+    good = decided.value()
+    garbage = [None, "moved", [], {}, {**good, "period": "9"}, {**good, "period": 9.5}, {**good, "period": -1},
+               {**good, "t": math.nan}, {**good, "t": "now"}, {**good, "arrived": "10"}, {**good, "arrived": -1},
+               {**good, "arrived": 10.0}, {**good, "uid": ""}, {**good, "uid": 5}, {**good, "from_stage": -1},
+               {**good, "to_stage": "1"}, {**good, "to_stage": True},
+               {k: v for k, v in good.items() if k != "period"}, {k: v for k, v in good.items() if k != "t"},
+               {k: v for k, v in good.items() if k != "to_stage"}, {"period": 9, "t": 1.0, "uid": "s0p2"}]
+    assert [LastMove.from_value(v) for v in garbage] == [None] * len(garbage)
+    # the simulator's and the emulation's Rebalancer keep the move they decided, then its arrival
+    rebalancer = Rebalancer(period_s=60.0)
+    move = rebalancer.decide(loads(["a", "b", "c", "d"], ["e"]), now=0.0)
+    assert rebalancer.last == LastMove(0, 0.0, move=move)
+    rebalancer.arrived(90.0)
+    assert rebalancer.last == LastMove(0, 0.0, arrived=1, move=move)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rebalancer.last.arrived = 2
+
+
+def test_a_claim_record_names_a_stage_and_garbage_is_no_claim():
+    assert ClaimRecord(1).value() == {"to": 1}
+    assert ClaimRecord.from_value({"to": 1}) == ClaimRecord(1)
+    assert ClaimRecord.from_value({"to": 0, "from": 1}) == ClaimRecord(0)
+    garbage = [None, 1, "to", [], {}, {"to": "1"}, {"to": -1}, {"to": True}, {"to": None}, {"to": 1.0},
+               {"to_stage": 1}]
+    assert [ClaimRecord.from_value(v) for v in garbage] == [None] * len(garbage)
+
+
+def test_move_events_round_trip_through_a_json_line_and_garbage_is_no_event():
+    """``MoveEvent``: the moves file's lines (decided; arrived with the new uid and the drain's outcome), the move's
+    uid and stages flat in the line; a line of another layout parses to None."""
+    decided = MoveEvent("decided", 1700000000.25, Move("s0p2", 0, 1), 7)
+    assert decided.value() == {"event": "decided", "time": 1700000000.25, "uid": "s0p2", "from_stage": 0,
+                               "to_stage": 1, "period": 7}
+    drained = dataclasses.replace(decided, drain_s=0.5, handed_over_samples=8, lost_gradient_samples=0)
+    arrived = dataclasses.replace(drained, event="arrived", time=1700000003.5, new_uid="s1p2m1")
+    assert arrived.value() == {"event": "arrived", "time": 1700000003.5, "uid": "s0p2", "from_stage": 0,
+                               "to_stage": 1, "period": 7, "new_uid": "s1p2m1", "drain_s": 0.5,
+                               "handed_over_samples": 8, "lost_gradient_samples": 0}
+    for event in (decided, drained, arrived):
+        assert MoveEvent.from_value(json.loads(json.dumps(event.value()))) == event
+    # an arrival line without handed_over_samples (written before gradients were handed over) counts 0
+    old = {k: v for k, v in arrived.value().items() if k != "handed_over_samples"}
+    assert MoveEvent.from_value(old) == dataclasses.replace(arrived, handed_over_samples=0)
+    good, late = decided.value(), arrived.value()
+    garbage = [None, "decided", [], {}, {**good, "event": "moved"}, {**good, "time": math.nan},
+               {**good, "time": "now"}, {**good, "period": "7"}, {**good, "period": -1}, {**good, "uid": ""},
+               {**good, "to_stage": 1.5}, {**good, "new_uid": "s1p2m1"}, {**good, "drain_s": -1.0},
+               {k: v for k, v in good.items() if k != "time"}, {k: v for k, v in good.items() if k != "period"},
+               {k: v for k, v in good.items() if k != "to_stage"}, {k: v for k, v in good.items() if k != "event"},
+               {k: v for k, v in late.items() if k != "new_uid"}, {k: v for k, v in late.items() if k != "drain_s"},
+               {**late, "new_uid": 3}, {**late, "lost_gradient_samples": -1}, {**late, "handed_over_samples": "8"},
+               {**late, "drain_s": math.inf}]
+    assert [MoveEvent.from_value(v) for v in garbage] == [None] * len(garbage)
 
 
 def test_stage_sync_counts_to_the_target_and_weights_by_samples():

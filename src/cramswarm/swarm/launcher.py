@@ -84,9 +84,10 @@ from cramswarm.swarm.membership import (
     stage_namespace,
     stage_records,
 )
-from cramswarm.swarm.peer_rebalance import MOVES_FILE
+from cramswarm.swarm.peer_rebalance import MOVES_FILE, read_move_events
 from cramswarm.swarm.peer_sync import SyncingStagePeer
 from cramswarm.swarm.processes import SUPERVISE_PERIOD_S, PeerProcess, ProcessGroups, own_daemons, peer_gpu
+from cramswarm.swarm.rebalancing import MoveEvent
 from cramswarm.swarm.routing import NoPeersError
 from cramswarm.swarm.run_result import RunResult
 from cramswarm.swarm.run_state import RunFolder
@@ -136,7 +137,7 @@ class Launcher(RunFolder, FaultInjection, RunResult):
         self.trainers: dict[int, object] = {}     # rank -> Popen
         self.finished: set[int] = set()
         self.next_uid = 0
-        self.moves_seen = self.moves_base = 0      # lines of the peers' moves file read so far / before this life
+        self.moves_seen = self.moves_base = 0      # events of the peers' moves file read so far / before this life
         self.bootstrap = None
         self.tasks: set[asyncio.Task] = set()
         self.stats = {"peers_killed": 0, "rejoins": 0, "trainer_restarts": 0, "killed": [], "bootstrap_killed": 0}
@@ -286,29 +287,22 @@ class Launcher(RunFolder, FaultInjection, RunResult):
         self._start_trainer(rank)
         self.stats["trainer_restarts"] += 1
 
-    def _move_events(self) -> list[dict]:
-        """The complete lines of the moves file the peers append to (``peer_rebalance``)."""
-        path = self.workdir / MOVES_FILE
-        events = []
-        for line in path.read_text().splitlines() if path.exists() else []:
-            try:
-                events.append(json.loads(line))
-            except ValueError:  # a line being written: read it next time
-                break
-        return events
+    def _move_events(self) -> list[MoveEvent]:
+        """The events of the moves file the peers append to (``peer_rebalance.read_move_events``)."""
+        return read_move_events(self.workdir / MOVES_FILE)
 
     def _follow_moves(self) -> None:
         """Follow the moves the peers made themselves: a moved process is restarted, should it die, on the stage
         it moved to, and is known by its new uid once it arrived (the launcher decides and tells nothing)."""
         events = self._move_events()
         for event in events[self.moves_seen:]:
-            peer = self.peers.get(event["uid"])
+            peer = self.peers.get(event.move.uid)
             if peer is None:
                 continue
-            peer.stage = event["to_stage"]
-            if event["event"] == "arrived":
-                del self.peers[event["uid"]]
-                peer.uid = event["new_uid"]
+            peer.stage = event.move.to_stage
+            if event.event == "arrived":
+                del self.peers[event.move.uid]
+                peer.uid = event.new_uid
                 self.peers[peer.uid] = peer
         self.moves_seen = len(events)
 

@@ -66,12 +66,15 @@ from cramswarm.swarm.membership import (
 from cramswarm.swarm.peer_rebalance import MOVES_FILE, moved_uid, stage_after_moves
 from cramswarm.swarm.peer_sync import SyncingStagePeer
 from cramswarm.swarm.progress import record_window_s
+from cramswarm.swarm.rebalancing import MoveEvent
 
 
-async def move_peer(peer, to_stage: int, record: dict):
+async def move_peer(peer, to_stage: int, record: MoveEvent):
     """The peer that left its stage (``PeerRebalancer.leave``; its tasks are cancelled) becomes a new peer of
     ``to_stage`` in the same process: its progress record is withdrawn, its handlers removed, the new stage built
-    under ``moved_uid``. The caller (``serve_stage``) downloads the new stage's state and serves it."""
+    under ``moved_uid``, and ``record`` (the decided move, its drain over) goes with it (``arrived_from``: its
+    ``PeerRebalancer`` records the arrival). The caller (``serve_stage``) downloads the new stage's state and serves
+    it."""
     await peer.node.store(progress_key(peer.run_id, peer.stage), subkey=peer.uid, value={"left": True},
                           expiration_time=max(get_dht_time() + record_window_s(peer.round_s),
                                               peer.record_expiration) + 1.0)

@@ -1,41 +1,42 @@
 """Rebalancing decided by the stage peers of the launcher's swarm (``launcher``): no process tells a peer to move.
 
 Every ``swarm.rebalance_period_s`` (T) each ``peer_sync.SyncingStagePeer`` closes its ``LoadMeter`` window and
-stores what it measured itself under its stage's load key (``load_key``; sub-key = its uid; the period's index
-``k = dht_time // T`` in the value, expiring two periods later): the time-averaged number of calls in its compute
-queue (waiting or computing: ``queue``) and the work units it served per second of its own compute time over the
-period (``rate``; forward 1, backward 2, the last stage's fused call 3 per sample, as the trainers and the
-emulation count them; None until it has served ``SETTLED_UPDATES`` calls at its stage: a fresh peer's first calls
-pay a cold start). The caller-side latency, which includes queueing and the network, is not used.
+stores what it measured itself under its stage's load key (``load_key``; sub-key = its uid; a
+``rebalancing.LoadRecord`` with the period's index ``k = dht_time // T``, expiring two periods later): the
+time-averaged number of calls in its compute queue (waiting or computing: ``queue``) and the work units it served
+per second of its own compute time over the period (``rate``; forward 1, backward 2, the last stage's fused call 3
+per sample, as the trainers and the emulation count them; None until it has served ``SETTLED_UPDATES`` calls at its
+stage: a fresh peer's first calls pay a cold start). The caller-side latency, which includes queueing and the
+network, is not used.
 
 Publishing is a task of its own (a record every period, whatever the decisions cost). At ``k T + DECIDE_DELAY``
-every peer reads the period-``k`` records of every stage and evaluates the same pure
-function, ``rebalancing.choose_move`` (load = (queue + 1) / summed rate; from the least to the most loaded stage when
-the ratio exceeds the hysteresis and the bottleneck's projected rate grows by more than ``min_gain``; the mover is
-the donor peer with the smallest SHA-1 of its uid). A view is used only when it is complete (every peer declared
-under a stage published a record for period ``k``; an incomplete one is read once more ``DECIDE_DELAY`` later, as
-a record may still be on its way), so the peers that decide all decide on the same records; the
-peer the move names acts, the others only watch. Before it acts it stores a claim for period ``k`` and reads the
-claims back ``DECIDE_DELAY`` later: if two peers read different views and both believed themselves the mover, only
-the claim with the smallest uid hash moves - at most one move per period. Nothing is decided while the last move
-(the ``last_move_key`` record) is in transit (for at most 2 x ``give_up_after_s``: a mover that died on its way),
-nor on a period that ended before it arrived (``rebalancing.MoveGate``, the timing rule the emulation's and the
-simulator's ``Rebalancer`` apply too; by default no further cool-down: one move per period), nor once the launcher
-asked for the last batch. A dead peer's stage record lingers up to ``RECORD_TTL_S``, so no decision is taken in the
-periods right after a death.
+every peer reads the period-``k`` records of every stage and evaluates the same pure function,
+``rebalancing.choose_move`` (load = (queue + 1) / summed rate; from the least to the most loaded stage when the
+ratio exceeds the hysteresis and the bottleneck's projected rate grows by more than ``min_gain``; the mover is the
+donor peer with the smallest SHA-1 of its uid). A view is used only when it is complete (every peer declared under a
+stage published a record for period ``k``; a value that is no record counts as missing; an incomplete one is read
+once more ``DECIDE_DELAY`` later, as a record may still be on its way), so the peers that decide all decide on the
+same records; the peer the move names acts, the others only watch. Before it acts it stores a claim for period ``k``
+and reads the claims (``rebalancing.ClaimRecord``) back ``DECIDE_DELAY`` later: if two peers read different views
+and both believed themselves the mover, only the claim with the smallest uid hash moves - at most one move per
+period. Nothing is decided while the last move (the ``last_move_key`` record, a ``rebalancing.LastMove``) is in
+transit (for at most 2 x ``give_up_after_s``: a mover that died on its way), nor on a period that ended before it
+arrived (``rebalancing.MoveGate``, the timing rule the emulation's and the simulator's ``Rebalancer`` apply too; by
+default no further cool-down: one move per period), nor once the launcher asked for the last batch. A dead peer's
+stage record lingers up to ``RECORD_TTL_S``, so no decision is taken in the periods right after a death.
 
 The mover (``PeerRebalancer.leave``): stops admitting calls (``peer.leaving``: new forward and backward calls are
 refused, the trainers re-send them to another replica and ban this peer until its record is gone), replaces its
 stage record with a tombstone (trainers drop it at their next read), lets the calls it admitted finish (and a step
-under way end), then hands the gradients it holds since its last step to a replica that stays
-(``hand_over``: the first by uid that accepts adds them to its own, as the emulation's mover does;
-``handed_over_samples`` in the move record). Only if no replica takes them does it stay in its stage's
-synchronisation until they went into a step (bounded by ``drain_timeout_s``; what it still holds then is dropped
-and counted in ``lost_gradient_samples``). ``move_peer`` then builds the new stage
-in the same process under a new uid (``moved_uid``), and ``peer_process.serve_stage`` serves it: state download
-from a live replica of the new stage (the joining peers' path), declaration, synchronisation. Each move is
-appended to ``moves.jsonl`` in the run's folder (decided, arrived); the launcher reads it for its result and to
-restart a dead peer on the stage it last served, and decides nothing.
+under way end), then hands the gradients it holds since its last step to a replica that stays (``hand_over``: the
+first by uid that accepts adds them to its own, as the emulation's mover does; ``handed_over_samples`` in its arrival
+event). Only if no replica takes them does it stay in its stage's synchronisation until they went into a step
+(bounded by ``drain_timeout_s``; what it still holds then is dropped and counted in ``lost_gradient_samples``).
+``move_peer`` then builds the new stage in the same process under a new uid (``moved_uid``), and
+``peer_process.serve_stage`` serves it: state download from a live replica of the new stage (the joining peers'
+path), declaration, synchronisation. Each move is appended to ``moves.jsonl`` in the run's folder
+(``rebalancing.MoveEvent`` lines: decided, arrived; ``read_move_events``); the launcher reads it for its result and
+to restart a dead peer on the stage it last served, and decides nothing.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import json
 import math
 import re
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from hivemind.p2p import PeerID
@@ -54,7 +56,10 @@ from cramswarm.swarm.membership import RECORD_TTL_S, stage_key, stage_records
 from cramswarm.swarm.rebalancing import (
     TRANSIT_GIVE_UPS,
     WORK_UNITS,
+    ClaimRecord,
     LastMove,
+    LoadRecord,
+    MoveEvent,
     MoveGate,
     PeerLoad,
     _uid_hash,
@@ -92,19 +97,30 @@ def moved_uid(uid: str, to_stage: int, moves: int) -> str:
     return f"s{to_stage}{match.group(1)}m{moves}" if match else f"{uid}-s{to_stage}m{moves}"
 
 
+def read_move_events(moves_file: Path) -> list[MoveEvent]:
+    """The events of the moves file's complete lines, in order (none without the file). A line that holds no
+    ``MoveEvent`` (garbage, another layout) is skipped; the last line, while it is being written (no newline
+    yet), is left for a later read."""
+    text = moves_file.read_text() if moves_file.exists() else ""
+    events = []
+    for line in text.split("\n")[:-1]:
+        try:
+            event = MoveEvent.from_value(json.loads(line))
+        except ValueError:
+            continue
+        if event is not None:
+            events.append(event)
+    return events
+
+
 def stage_after_moves(moves_file: Path, uid: str, stage: int) -> tuple[str, int]:
     """The uid and stage a peer process last served: ``uid`` (serving ``stage``) followed through the moves file
-    (a decided move names the new stage, an arrival the new uid; a line being written is left for later)."""
-    lines = moves_file.read_text().splitlines() if moves_file.exists() else []
-    for line in lines:
-        try:
-            event = json.loads(line)
-        except ValueError:
-            break
-        if event.get("uid") == uid:
-            stage = int(event["to_stage"])
-            if event.get("event") == "arrived":
-                uid = event["new_uid"]
+    (``read_move_events``: a decided move names the new stage, an arrival the new uid)."""
+    for event in read_move_events(moves_file):
+        if event.move.uid == uid:
+            stage = event.move.to_stage
+            if event.event == "arrived":
+                uid = event.new_uid
     return uid, stage
 
 
@@ -128,51 +144,65 @@ class PeerRebalancer:
         self.run_id, self.node = peer.run_id, peer.node
 
     # -- records ----------------------------------------------------------------------------------------------
+    def _malformed(self, count: int = 1) -> None:
+        """Count records read that hold none of the type expected there (``malformed_rebalance_records``)."""
+        if count:
+            counters = self.peer.counters
+            counters["malformed_rebalance_records"] = counters.get("malformed_rebalance_records", 0) + count
+
     async def publish(self, period: int, window: dict) -> None:
-        value = {"period": period, **{k: window[k] for k in ("queue", "rate", "units", "busy_s", "calls", "span_s")}}
-        await self.node.store(load_key(self.run_id, self.peer.stage), subkey=self.peer.uid, value=value,
+        """Store this peer's ``LoadRecord`` of period ``period`` (its meter's ``window``)."""
+        await self.node.store(load_key(self.run_id, self.peer.stage), subkey=self.peer.uid,
+                              value=LoadRecord.from_window(period, window).value(),
                               expiration_time=(period + 2) * self.period_s)
 
     async def view(self, period: int) -> dict[int, list[PeerLoad]] | None:
-        """Every stage's period-``period`` loads; None unless every declared peer published one. The stages' load
-        and stage records are read at once (one round trip over a slow link, not one per key)."""
+        """Every stage's period-``period`` loads; None unless every declared peer published one (a value that is no
+        ``LoadRecord`` counts as missing, and as malformed). The stages' load and stage records are read at once
+        (one round trip over a slow link, not one per key)."""
         stages = range(self.peer.num_stages)
         found = await asyncio.gather(*(self.node.get(load_key(self.run_id, s), latest=True) for s in stages))
         declared = await asyncio.gather(*(stage_records(self.node, self.run_id, s) for s in stages))
         loads, self.missing = {}, []
         for stage, load, peers in zip(stages, found, declared):
             entries = load.value if load is not None and isinstance(load.value, dict) else {}
-            records = {uid: e.value for uid, e in entries.items()
-                       if isinstance(e.value, dict) and e.value.get("period") == period}
+            parsed = {uid: LoadRecord.from_value(e.value) for uid, e in entries.items()}
+            self._malformed(sum(r is None for r in parsed.values()))
+            records = {uid: r for uid, r in parsed.items() if r is not None and r.period == period}
             missing = sorted(set(peers) - set(records))
             if missing:
                 self.missing = missing
                 return None
-            loads[stage] = [PeerLoad(uid, float(r["queue"]), r["rate"]) for uid, r in sorted(records.items())
-                            if uid in peers]
+            loads[stage] = [r.peer_load(uid) for uid, r in sorted(records.items()) if uid in peers]
         return loads
 
     async def quiet(self, period: int) -> bool:
         """Whether the last move holds decisions back (``rebalancing.MoveGate``: in transit, or period ``period`` did
-        not end after its arrival plus ``cooldown_periods``)."""
+        not end after its arrival plus ``cooldown_periods``). A value that is no ``LastMove`` is counted as
+        malformed and holds nothing back."""
         found = await self.node.get(last_move_key(self.run_id), latest=True)
-        record = found.value if found is not None and isinstance(found.value, dict) else None
-        last = None if record is None else LastMove(record["period"], record["t"], record.get("arrived"))
+        last = None if found is None else LastMove.from_value(found.value)
+        self._malformed(int(found is not None and last is None))
         return self.gate.quiet(last, period, get_dht_time())
 
     async def claim(self, period: int, move) -> bool:
-        """Claim period ``period``'s move; True if this peer's claim has the smallest uid hash once all are read."""
+        """Claim period ``period``'s move; True if this peer's claim has the smallest uid hash once all are read (a
+        value that is no ``ClaimRecord`` claims nothing and is counted as malformed)."""
         key = claims_key(self.run_id, period)
-        await self.node.store(key, subkey=self.peer.uid, value={"to": move.to_stage},
+        await self.node.store(key, subkey=self.peer.uid, value=ClaimRecord(move.to_stage).value(),
                               expiration_time=(period + 4) * self.period_s)
         await asyncio.sleep(self.delay_s)
         found = await self.node.get(key, latest=True)
-        claimants = list(found.value) if found is not None and isinstance(found.value, dict) else []
+        entries = found.value if found is not None and isinstance(found.value, dict) else {}
+        claimants = [uid for uid, e in entries.items()
+                     if isinstance(uid, str) and ClaimRecord.from_value(e.value) is not None]
+        self._malformed(len(entries) - len(claimants))
         return min(claimants + [self.peer.uid], key=_uid_hash) == self.peer.uid
 
-    def log_move(self, event: dict) -> None:
+    def log_move(self, event: MoveEvent) -> None:
+        """Append ``event`` to the run's moves file (one line)."""
         with open(Path(self.peer.workdir) / MOVES_FILE, "a") as out:
-            out.write(json.dumps(event) + "\n")
+            out.write(json.dumps(event.value()) + "\n")
 
     # -- the loop ---------------------------------------------------------------------------------------------
     async def publish_every_period(self) -> None:
@@ -196,22 +226,24 @@ class PeerRebalancer:
         ``peer.migrate_to`` set) once this peer moves. A round that ends after the next period's reading time
         skips to the latest period whose reading time has not passed."""
         peer = self.peer
-        arrival = getattr(peer, "arrived_from", None)
+        arrival: MoveEvent | None = getattr(peer, "arrived_from", None)   # the decided move, its drain done
         if arrival is not None:  # this peer just moved here: the move is over, the cool-down starts
             period = math.floor(get_dht_time() / self.period_s)
-            record = {**arrival, "arrived": period, "t": get_dht_time()}
-            await self.node.store(last_move_key(self.run_id), record, get_dht_time() + 3600)
-            self.log_move({"event": "arrived", "time": time.time(), "new_uid": peer.uid, **arrival})
+            await self.node.store(last_move_key(self.run_id),
+                                  LastMove(arrival.period, get_dht_time(), arrived=period, move=arrival.move).value(),
+                                  get_dht_time() + 3600)
+            self.log_move(replace(arrival, event="arrived", time=time.time(), new_uid=peer.uid))
         publisher = asyncio.create_task(self.publish_every_period())
         try:
             move, period = await self.next_move()
             publisher.cancel()   # this peer leaves its stage: no more records under it
-            record = {"uid": peer.uid, "from_stage": move.from_stage, "to_stage": move.to_stage, "period": period}
-            self.log_move({"event": "decided", "time": time.time(), **record})
+            decided = MoveEvent("decided", time.time(), move, period)
+            self.log_move(decided)
             print(f"[{peer.uid}] moving from stage {move.from_stage} to {move.to_stage} (period {period})",
                   flush=True)
-            record["drain_s"], record["handed_over_samples"], record["lost_gradient_samples"] = await self.leave()
-            peer.migrate_to.set_result((move.to_stage, record))
+            drain_s, handed, lost = await self.leave()
+            peer.migrate_to.set_result((move.to_stage, replace(decided, drain_s=drain_s, handed_over_samples=handed,
+                                                               lost_gradient_samples=lost)))
         finally:
             publisher.cancel()
 
@@ -227,9 +259,7 @@ class PeerRebalancer:
                 move = await self.decide(period)
                 if move is None or move.uid != peer.uid or not await self.claim(period, move):
                     continue
-                await self.node.store(last_move_key(self.run_id),
-                                      {"uid": peer.uid, "from_stage": move.from_stage, "to_stage": move.to_stage,
-                                       "period": period, "arrived": None, "t": get_dht_time()},
+                await self.node.store(last_move_key(self.run_id), LastMove(period, get_dht_time(), move=move).value(),
                                       get_dht_time() + 3600)
             except Exception as e:  # a DHT hiccup: this period is skipped
                 print(f"[{peer.uid}] rebalancing round {period} failed: {e!r}", flush=True)

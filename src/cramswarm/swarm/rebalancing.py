@@ -13,6 +13,10 @@ discrete-event ``sim``) measures with the same meter and decides with the same r
 * ``MoveGate`` - when the swarm may decide its next move (``LastMove``: not while a move is in transit, nor on a
   period that ended before the mover arrived).
 * ``Rebalancer`` - gate and rule for a driver that sees every peer's load at once (the emulation, the simulator).
+* The records the launcher's peers exchange (``peer_rebalance``): ``LoadRecord`` (a peer's period load in the DHT),
+  ``LastMove`` (the swarm's latest move in the DHT), ``ClaimRecord`` (a claim of a period's move) and ``MoveEvent``
+  (a line of the run's moves file). Each parses a raw value with ``from_value`` (None for a value that is not one:
+  garbage, another layout) and gives what is stored with ``value``.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import hashlib
 import heapq
 import math
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 from cramswarm.swarm.routing import RetryPolicy
 
@@ -117,6 +121,27 @@ class LoadMeter:
         return PeerLoad(uid, window["queue"], window["rate"])
 
 
+def _is_int(value, minimum: int = 0) -> bool:
+    """An int (not a bool) of at least ``minimum``: a wire value's count, index or stage."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _is_number(value, minimum: float | None = 0.0) -> bool:
+    """A finite int or float (not a bool) of at least ``minimum`` (None: any): a wire value's measure or time."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and (minimum is None or value >= minimum))
+
+
+def _parsed(cls, value: dict):
+    """``cls`` built from the entries of ``value`` named after its fields (a missing one keeps its default), or
+    None where a field without default is missing or the record is not valid (``_valid``)."""
+    try:
+        record = cls(**{f.name: value[f.name] for f in fields(cls) if f.name in value})
+        return record if record._valid() else None
+    except (TypeError, ValueError, OverflowError):   # a field missing, or a value no check can compare
+        return None
+
+
 @dataclass(frozen=True)
 class PeerLoad:
     uid: str
@@ -130,6 +155,123 @@ class Move:
     from_stage: int
     to_stage: int
 
+    @classmethod
+    def from_value(cls, value) -> Move | None:
+        """The move a wire value's ``uid``, ``from_stage`` and ``to_stage`` name, or None where they do not (a
+        missing or empty uid, a stage that is not an index >= 0)."""
+        return _parsed(cls, value) if isinstance(value, dict) else None
+
+    def _valid(self) -> bool:
+        return isinstance(self.uid, str) and bool(self.uid) and _is_int(self.from_stage) and _is_int(self.to_stage)
+
+    def value(self) -> dict:
+        """Its wire entries (``uid``, ``from_stage``, ``to_stage``), part of the records that name a move."""
+        return {"uid": self.uid, "from_stage": self.from_stage, "to_stage": self.to_stage}
+
+
+@dataclass(frozen=True)
+class LoadRecord:
+    """A stage peer's load over one rebalancing period, as it stores it under its stage's load key
+    (``peer_rebalance.load_key``, sub-key = its uid): its ``LoadMeter`` window closed at the period's start."""
+
+    period: int                 # the period's index k (DHT time // period length)
+    queue: float                # calls in its compute queue (waiting or computing), time-averaged, >= 0
+    rate: float | None          # work units per second of its own compute, >= 0; None: not settled yet
+    units: float = 0.0          # work units served in the window
+    busy_s: float = 0.0         # seconds of its own compute in the window
+    calls: int = 0              # calls served in the window
+    span_s: float = 0.0         # the window's length in seconds
+
+    @classmethod
+    def from_window(cls, period: int, window: dict) -> LoadRecord:
+        """The record of a ``LoadMeter.window`` published for period ``period``."""
+        return cls(period, **{f.name: window[f.name] for f in fields(cls) if f.name != "period"})
+
+    @classmethod
+    def from_value(cls, value) -> LoadRecord | None:
+        """The record a DHT value holds, or None where it is not one (a missing ``period``, ``queue`` or ``rate``,
+        a count or measure that is not a finite number >= 0)."""
+        return _parsed(cls, value) if isinstance(value, dict) else None
+
+    def _valid(self) -> bool:
+        return (_is_int(self.period) and _is_int(self.calls)
+                and all(_is_number(v) for v in (self.queue, self.units, self.busy_s, self.span_s))
+                and (self.rate is None or _is_number(self.rate)))
+
+    def value(self) -> dict:
+        """What is stored in the DHT (every field; ``rate`` None while unsettled)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def peer_load(self, uid: str) -> PeerLoad:
+        """The load ``choose_move`` reads of peer ``uid``."""
+        return PeerLoad(uid, float(self.queue), None if self.rate is None else float(self.rate))
+
+
+@dataclass(frozen=True)
+class ClaimRecord:
+    """A peer's claim of a period's move, stored under the period's claims key (``peer_rebalance.claims_key``,
+    sub-key = the claiming peer's uid): the stage it would move to."""
+
+    to_stage: int
+
+    @classmethod
+    def from_value(cls, value) -> ClaimRecord | None:
+        """The claim a DHT value holds (``to``: a stage index), or None where it is not one."""
+        return _parsed(cls, {"to_stage": value["to"]}) if isinstance(value, dict) and "to" in value else None
+
+    def _valid(self) -> bool:
+        return _is_int(self.to_stage)
+
+    def value(self) -> dict:
+        """What is stored in the DHT."""
+        return {"to": self.to_stage}
+
+
+MOVE_EVENTS = ("decided", "arrived")
+
+
+@dataclass(frozen=True)
+class MoveEvent:
+    """A line of the run's moves file (``peer_rebalance.MOVES_FILE``), appended by the moving peer: ``decided``
+    when it leaves its stage, ``arrived`` once it serves the new one under ``new_uid``. The drain's fields are set
+    once the mover left its stage (``PeerRebalancer.leave``); an ``arrived`` line holds ``new_uid`` and
+    ``drain_s``."""
+
+    event: str                          # one of ``MOVE_EVENTS``
+    time: float                         # wall-clock seconds (``time.time()``)
+    move: Move                          # who moved from which stage to which
+    period: int                         # the period whose loads decided it
+    new_uid: str | None = None          # its uid at the new stage (``arrived``)
+    drain_s: float | None = None        # seconds its drain took
+    handed_over_samples: int = 0        # gradient samples it handed to a replica that stays
+    lost_gradient_samples: int = 0      # gradient samples it dropped
+
+    @classmethod
+    def from_value(cls, value) -> MoveEvent | None:
+        """The event a parsed line holds, or None where it is not one (another layout, garbage)."""
+        if not isinstance(value, dict) or (move := Move.from_value(value)) is None:
+            return None
+        return _parsed(cls, value | {"move": move})
+
+    def _valid(self) -> bool:
+        arrived = self.event == "arrived"
+        return (self.event in MOVE_EVENTS and _is_number(self.time, None) and isinstance(self.move, Move)
+                and self.move._valid() and _is_int(self.period)
+                and (isinstance(self.new_uid, str) and bool(self.new_uid) if arrived else self.new_uid is None)
+                and (_is_number(self.drain_s) if arrived else self.drain_s is None or _is_number(self.drain_s))
+                and _is_int(self.handed_over_samples) and _is_int(self.lost_gradient_samples))
+
+    def value(self) -> dict:
+        """The line's entries (the move's flat: ``uid``, ``from_stage``, ``to_stage``; the drain's only once it
+        is over)."""
+        out = {"event": self.event, "time": self.time, **self.move.value(), "period": self.period}
+        if self.new_uid is not None:
+            out["new_uid"] = self.new_uid
+        if self.drain_s is not None:
+            out |= {"drain_s": self.drain_s, "handed_over_samples": self.handed_over_samples,
+                    "lost_gradient_samples": self.lost_gradient_samples}
+        return out
+
 
 def _uid_hash(uid: str) -> str:
     return hashlib.sha1(uid.encode()).hexdigest()
@@ -138,14 +280,37 @@ def _uid_hash(uid: str) -> str:
 TRANSIT_GIVE_UPS = 2.0   # a move in transit holds decisions for at most this many trainer give-up times
 
 
-@dataclass
+@dataclass(frozen=True)
 class LastMove:
-    """The swarm's latest move as every rebalancing driver keeps it (the launcher's peers: the ``last_move_key``
-    record in the DHT)."""
+    """The swarm's latest move as every rebalancing driver keeps it; the launcher's peers store it under
+    ``peer_rebalance.last_move_key`` when a move is decided and again when the mover arrived."""
 
     period: int                 # the period whose loads decided it
-    t: float                    # when it was decided (seconds on the driver's clock)
+    t: float                    # when it was decided or arrived (seconds on the driver's clock; the DHT's time)
     arrived: int | None = None  # the period in which the mover began to serve its new stage; None: in transit
+    move: Move | None = None    # who moved where (None: a driver that keeps the timing only)
+
+    @classmethod
+    def from_value(cls, value) -> LastMove | None:
+        """The record a DHT value holds (``period``, ``t``, ``arrived`` and the move's ``uid``, ``from_stage``,
+        ``to_stage``, or none of those three), or None where it is not one."""
+        if not isinstance(value, dict):
+            return None
+        move = None
+        if any(k in value for k in ("uid", "from_stage", "to_stage")):
+            if (move := Move.from_value(value)) is None:
+                return None
+        return _parsed(cls, value | {"move": move})
+
+    def _valid(self) -> bool:
+        return (_is_int(self.period) and _is_number(self.t, None)
+                and (self.arrived is None or _is_int(self.arrived))
+                and (self.move is None or isinstance(self.move, Move) and self.move._valid()))
+
+    def value(self) -> dict:
+        """What is stored in the DHT (the move's entries flat)."""
+        return {"period": self.period, "t": self.t, "arrived": self.arrived,
+                **(self.move.value() if self.move is not None else {})}
 
 
 @dataclass(frozen=True)
@@ -241,13 +406,13 @@ class Rebalancer:
             return None
         move = choose_move(loads, hysteresis=self.hysteresis, min_gain=self.min_gain)
         if move is not None:
-            self.last = LastMove(period, now)
+            self.last = LastMove(period, now, move=move)
         return move
 
     def arrived(self, now: float) -> None:
         """The last move's peer serves its new stage from ``now`` on: the cool-down starts."""
         if self.last is not None and self.last.arrived is None:
-            self.last.arrived = math.floor(now / self.period_s)
+            self.last = replace(self.last, arrived=math.floor(now / self.period_s))
 
 
 def choose_move(loads: dict[int, list[PeerLoad]], *, hysteresis: float = 1.5, min_gain: float = 0.05) -> Move | None:

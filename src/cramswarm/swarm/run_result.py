@@ -169,16 +169,17 @@ class RunResult:
         arrived, when and under which uid, how long its drain took and the gradient samples it dropped."""
         moves, open_moves = [], {}
         for event in self._move_events()[self.moves_base:]:
-            if event["event"] == "decided":
-                open_moves[event["uid"]] = move = {
-                    "t_s": round(event["time"] - self.start_wall, 3), "uid": event["uid"],
-                    "from_stage": event["from_stage"], "to_stage": event["to_stage"], "period": event["period"]}
+            uid = event.move.uid
+            if event.event == "decided":
+                open_moves[uid] = move = {
+                    "t_s": round(event.time - self.start_wall, 3), "uid": uid, "from_stage": event.move.from_stage,
+                    "to_stage": event.move.to_stage, "period": event.period}
                 moves.append(move)
-            elif event["uid"] in open_moves:
-                open_moves.pop(event["uid"]).update(
-                    arrived_s=round(event["time"] - self.start_wall, 3), new_uid=event["new_uid"],
-                    drain_s=event["drain_s"], handed_over_samples=event.get("handed_over_samples", 0),
-                    lost_gradient_samples=event["lost_gradient_samples"])
+            elif uid in open_moves:
+                open_moves.pop(uid).update(
+                    arrived_s=round(event.time - self.start_wall, 3), new_uid=event.new_uid, drain_s=event.drain_s,
+                    handed_over_samples=event.handed_over_samples,
+                    lost_gradient_samples=event.lost_gradient_samples)
         return moves
 
     def _trainer_stats(self) -> dict:
@@ -273,6 +274,7 @@ class RunResult:
             incomplete_load_views=sum(c.get("incomplete_views", 0) for c in counters),
             incomplete_view_missing=_summed(c.get("incomplete_view_missing", {}) for c in counters),
             late_load_views=sum(c.get("late_views", 0) for c in counters),
+            malformed_rebalance_records=sum(c.get("malformed_rebalance_records", 0) for c in counters),
             peer_loads={c["uid"]: c["load"] for c in counters if "load" in c},
             peer_backward_samples={c["uid"]: c.get("backward_samples", 0) for c in counters},
             step_stalls=self._step_stalls(rows),
