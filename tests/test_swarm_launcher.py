@@ -292,25 +292,75 @@ def test_peers_and_trainers_exit_when_the_launcher_is_sigkilled(tmp_path):
             shutil.rmtree(workdir, ignore_errors=True)
 
 
-def test_a_rerun_after_the_launcher_is_sigkilled_resumes_from_the_stage_shards(tmp_path):
-    """(d): SIGKILL of the launcher's process group mid-run (every process dies), then the same command again."""
-    total, state = 160, tmp_path / "state"
+def start_launcher_until_shards(tmp_path, total: int, state: Path, **kw) -> subprocess.Popen:
+    """A launcher run (2 stages x 2 peers, 2 trainers) in its own process, returned once both stages wrote a shard."""
     code = ("import sys; sys.path.insert(0, {tests!r}); import swarm_helpers as t; from pathlib import Path; "
-            "t.ht.run_swarm(t.plan(decentralised=True, state_dir=Path({state!r}), checkpoint_every_s=1.0), "
+            "t.ht.run_swarm(t.plan(decentralised=True, state_dir=Path({state!r}), checkpoint_every_s=1.0, **{kw!r}), "
             "t.source(), {total}, progress=False)")
-    first = start_until_shards([sys.executable, "-c", code.format(tests=str(TESTS), state=str(state), total=total)],
-                               tmp_path / "launcher.log", state, within_s=300)
+    return start_until_shards([sys.executable, "-c", code.format(tests=str(TESTS), state=str(state), total=total,
+                                                                 kw=kw)],
+                              tmp_path / "launcher.log", state, within_s=300)
+
+
+def trainers_done(state: Path) -> int:
+    return sum(json.loads((state / f"trainer{r}.json").read_text())["done"] for r in (0, 1))
+
+
+def test_a_launcher_sigkilled_mid_run_leaves_the_swarm_training_and_a_rerun_reattaches_to_it(tmp_path):
+    """SIGKILL of the launcher's process group mid-run: the swarm (its own process groups) trains on without it, and
+    the same command again within ``launcher_grace_s`` re-attaches to the live swarm and finishes it: nothing is
+    resumed, trained again or lost."""
+    total, state = 240, tmp_path / "state"
+    first = start_launcher_until_shards(tmp_path, total, state, launcher_grace_s=120.0)
     try:
         started = psutil.Process(first.pid).children(recursive=True)
         os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(first.pid, signal.SIGKILL)
+    try:
+        # the trainers go on: their count grows with no launcher (waited for, not timed)
+        at_kill, deadline = trainers_done(state), time.monotonic() + 120
+        while trainers_done(state) <= at_kill + 4:
+            assert time.monotonic() < deadline and running(started), (at_kill, trainers_done(state))
+            time.sleep(0.5)
+        result, stats = launch(total, state_dir=state, checkpoint_every_s=1.0, launcher_grace_s=120.0)
+    finally:
+        for proc in running(started):   # whatever happened, nothing of the first launcher's swarm outlives the test
+            with contextlib.suppress(psutil.Error, ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    attached = stats["reattached"]
+    assert "resumed" not in stats and attached["run_id"] == json.loads((state / "config.json").read_text())["run_id"]
+    # its peers (a trainer whose shard was done meanwhile has exited)
+    assert len(attached["peers"]) == 4 and set(attached["trainers"]) <= {0, 1}, attached
+    assert stats["peers_killed"] == 0 and stats["rejoins"] == 0, brief(stats)
+    # its training time runs from the first launcher's start, through the time without a launcher
+    assert 0 < attached["training_s_before"] < stats["wall_s"], (attached, stats["wall_s"])
+    assert stats["stepped_microbatches"] == [total, total] and stats["lost_gradient_samples"] == [0, 0], brief(stats)
+    assert stats["stepped_samples"] == [(total + d) * MICRO for d in stats["duplicate_microbatches"]], brief(stats)
+    assert all(d <= 2 + stats["retries"] for d in stats["duplicate_microbatches"]), brief(stats)
+    assert stats["assembled_from"] == ["shard", "shard"] and stats["shard_steps"] == stats["stage_steps"]
+    assert running(started) == [], [safe_cmdline(p) for p in running(started)]   # the adopted processes ended
+
+
+def test_a_rerun_after_the_whole_swarm_is_sigkilled_resumes_from_the_stage_shards(tmp_path):
+    """(d): SIGKILL of every process of the run at once (the launcher's group and each of its processes' groups),
+    then the same command again: no swarm is left to re-attach to, so it resumes from the stages' shards."""
+    total, state = 160, tmp_path / "state"
+    first = start_launcher_until_shards(tmp_path, total, state)
+    try:
+        started = psutil.Process(first.pid).children(recursive=True)
+        for pid in [first.pid, *(p.pid for p in started)]:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
         first.wait()
         gone, alive = psutil.wait_procs(started, timeout=30)
         assert running(alive) == [], [safe_cmdline(p) for p in alive]
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(first.pid, signal.SIGKILL)
-    done_before = sum(json.loads((state / f"trainer{r}.json").read_text())["done"] for r in (0, 1))
-    assert 0 < done_before < total
+    assert 0 < trainers_done(state) < total
     result, stats = launch(total, state_dir=state, checkpoint_every_s=1.0)
     resumed = stats["resumed"]
     # it resumed from the shards: the stages started at their shards' steps, the log goes on after them
@@ -380,11 +430,12 @@ def test_sigkill_of_all_peers_of_a_stage_but_one_at_once_loses_no_microbatch():
 
 
 @pytest.mark.swarm
-def test_sigkill_of_the_rules_own_process_leaves_nothing_behind_and_a_rerun_resumes_from_the_shards(tiny_run):
+def test_the_swarm_of_a_sigkilled_rule_leaves_after_its_grace_with_its_shards_and_a_rerun_resumes_from_them(tiny_run):
     """(d) at the rule's level: the command rule swarm_pretrain runs (its arguments; a tiny model and data),
-    SIGKILLed alone - not its process group - once both stages wrote a shard: every process it started dies with it
-    (its peers, trainers and DHT bootstrap see their parent gone; its own p2pd gets the kernel's parent-death
-    signal). The same command again resumes from the shards and ends like an uninterrupted run."""
+    SIGKILLed alone - not its process group - once both stages wrote a shard. Its own p2pd gets the kernel's
+    parent-death signal; its swarm trains on until the heartbeat has been missing ``launcher_grace_s`` (5 s here),
+    then each stage's lowest uid at its latest step writes the stage's shard and every process exits. The same
+    command again, with no swarm left, resumes from those shards and ends like an uninterrupted run."""
     import yaml
 
     from cramswarm.config import DEFAULT_SCHEMA
@@ -396,8 +447,8 @@ def test_sigkill_of_the_rules_own_process_leaves_nothing_behind_and_a_rerun_resu
         transport="hivemind", stages=2, peers_per_stage=2, trainers=2, peer_speeds=[1.0], compression="blockwise8",
         averaging_compression="fp16", forward_timeout_s=5.0)
     swarm_impl = {key: spec["default"] for key, spec in keys["impl"]["properties"].items()} | dict(
-        checkpoint_every_s=1.0, startup_timeout_s=120.0)
-    steps = 40
+        checkpoint_every_s=1.0, startup_timeout_s=120.0, launcher_grace_s=5.0)
+    steps = 100   # the swarm trains on for the grace and the heartbeat record's life (15 s): not to the end
     rec = recipe(micro_batch_sequences=MICRO, batch_sequences=4 * MICRO, lr=3e-3, batch_ramp_fraction=0.0,
                  budget={"unit": "steps", "value": steps}, eval_blocks=16)
     total = 4 * steps
@@ -421,8 +472,10 @@ def test_sigkill_of_the_rules_own_process_leaves_nothing_behind_and_a_rerun_resu
         assert any(p.name() == "p2pd" and p.ppid() == first.pid for p in started), names  # the command's own
         os.kill(first.pid, signal.SIGKILL)  # the command's process only, not its group
         first.wait()
-        gone, alive = psutil.wait_procs(started, timeout=30)
+        gone, alive = psutil.wait_procs(started, timeout=120)   # the grace, the shards, the exits (not timed)
         assert running(alive) == [], [safe_cmdline(p) for p in alive]
+        logs = "".join(path.read_text(errors="replace") for path in state.glob("s*p*.log"))
+        assert "writing the stage's shard if it is this peer's" in logs, logs[-3000:]
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(first.pid, signal.SIGKILL)

@@ -36,8 +36,10 @@ of named processes at given times; ``gone<N>:stage<S>``: N peers of a stage, nev
 restarts, it holds no training state; once every trainer reports its shard done it ends the run (``run_result``: it
 asks the peers for the last, partial global batch, ``membership.flush_key``, waits until every stage is idle,
 downloads the stages' parameters from live replicas and assembles the result) and stops everything. If it dies, the
-peers and trainers exit: at once where they see their parent gone, else once its heartbeat record has been missing
-``launcher_grace_s``.
+swarm trains on: the peers and trainers leave only once its heartbeat record has been missing ``launcher_grace_s``
+(the peers write their stages' shards first). A launcher started again on the same state folder within that time
+re-attaches (``_reattach``: the swarm's run id, clock and processes) and finishes the run; after it, it resumes from
+the shards. A deliberate stop (SIGTERM, Ctrl-C) ends every process at once.
 
 Checkpoint and resume (``run_state``): with ``state_dir`` the run's folder is that folder, not a temporary one, and
 a launcher that finds an interrupted run of the same settings and data there resumes it from the stages' shards.
@@ -84,17 +86,31 @@ from cramswarm.swarm.membership import (
     stage_namespace,
     stage_records,
 )
-from cramswarm.swarm.peer_rebalance import MOVES_FILE, read_move_events
+from cramswarm.swarm.peer_rebalance import MOVES_FILE, read_move_events, stage_after_moves
 from cramswarm.swarm.peer_sync import SyncingStagePeer
-from cramswarm.swarm.processes import SUPERVISE_PERIOD_S, PeerProcess, ProcessGroups, own_daemons, peer_gpu
+from cramswarm.swarm.processes import (
+    SUPERVISE_PERIOD_S,
+    Adopted,
+    PeerProcess,
+    ProcessGroups,
+    own_daemons,
+    peer_gpu,
+    swarm_processes,
+)
+from cramswarm.swarm.progress import read_clock
 from cramswarm.swarm.rebalancing import MoveEvent
 from cramswarm.swarm.routing import NoPeersError
 from cramswarm.swarm.run_result import RunResult
-from cramswarm.swarm.run_state import RunFolder
+from cramswarm.swarm.run_state import TIME_FILE, RunFolder
 from cramswarm.swarm.trainer import EXIT_NO_PEERS, progress_path
 
 TRAINER_MODULE = [sys.executable, "-m", "cramswarm.swarm.trainer"]
 KILLED_STEP = 128 + signal.SIGKILL  # srun's exit code for a task SIGKILLed (its step's, srun placement)
+
+
+def option(cmdline: list[str], name: str) -> str:
+    """The value after ``name`` in a command line."""
+    return cmdline[cmdline.index(name) + 1]
 
 
 class Launcher(RunFolder, FaultInjection, RunResult):
@@ -139,6 +155,7 @@ class Launcher(RunFolder, FaultInjection, RunResult):
         self.next_uid = 0
         self.moves_seen = self.moves_base = 0      # events of the peers' moves file read so far / before this life
         self.bootstrap = None
+        self.reattach: str | None = None           # the run id of the live swarm this launcher takes over (run_state)
         self.tasks: set[asyncio.Task] = set()
         self.stats = {"peers_killed": 0, "rejoins": 0, "trainer_restarts": 0, "killed": [], "bootstrap_killed": 0}
         self.start = time.perf_counter()
@@ -217,10 +234,12 @@ class Launcher(RunFolder, FaultInjection, RunResult):
 
     async def _start_dht(self) -> None:
         self.addr_file = self.workdir / ADDR_FILE
-        args = ["bootstrap", "--addr-file", str(self.addr_file), "--host", self.host]
-        if self.plan.placement == "srun":  # on any node: its own interface's address; no parent to watch
-            args += ["--interface", self.plan.interface] if self.plan.interface else []
-            args += ["--run-id", self.run_id, "--grace-s", repr(self.plan.launcher_grace_s)]
+        # it leaves once this run's heartbeat says done or has been missing launcher_grace_s (a re-attaching
+        # launcher beats under the same run id)
+        args = ["bootstrap", "--addr-file", str(self.addr_file), "--host", self.host,
+                "--run-id", self.run_id, "--grace-s", repr(self.plan.launcher_grace_s)]
+        if self.plan.placement == "srun" and self.plan.interface:  # on any node: its own interface's address
+            args += ["--interface", self.plan.interface]
         self.bootstrap, log = self.groups.spawn(args, "bootstrap")
         deadline = time.monotonic() + self.plan.startup_timeout_s
         while not self.addr_file.exists():
@@ -366,26 +385,10 @@ class Launcher(RunFolder, FaultInjection, RunResult):
         try:
             seq_len = self._prepare()
             self.moves_base = self.moves_seen = len(self._move_events())  # an earlier life's moves (a resumed run)
-            self.config = self._write_config(seq_len)
-            await self._start_dht()
-            self._spawn(self._heartbeat_forever())
-            if self.plan.placement == "attach":  # the user's swarm-peer tasks serve the stages
-                await self._wait_attached()
+            if self.reattach is not None:
+                await self._reattach()
             else:
-                speeds = self.plan.peer_speeds
-                specs = [s for s, n in enumerate(self.plan.peers_per_stage) for _ in range(n)]
-                peers = [self._start_peer(s, speeds[i % len(speeds)], load_state=False) for i, s in enumerate(specs)]
-                await self._wait_declared(peers)
-            self.phase = "training"
-            await self._beat()
-            for rank in range(self.plan.trainers):
-                self._start_trainer(rank)
-            await self._wait_trainers_ready()
-            # training starts now, for every trainer at once (their start-up - seconds of imports and a DHT join
-            # on a loaded machine - does not count against a seconds budget)
-            self.start, self.start_wall = time.perf_counter(), time.time()
-            self.first_start_wall = self.first_start_wall or self.start_wall
-            self._write_clock()
+                await self._start_swarm(seq_len)
             if self.plan.kill_every_s:
                 self._spawn(self._kill_forever(self.plan.kill_every_s))
             for at_s, target in self.plan.faults:
@@ -405,6 +408,89 @@ class Launcher(RunFolder, FaultInjection, RunResult):
         finally:
             await self._shutdown()
         return self._result(stage_states, replica_steps, spread, wall_s)
+
+    async def _start_swarm(self, seq_len: int) -> None:
+        """Start the run's processes (the bootstrap, the stage peers unless the user's tasks serve them, the
+        trainers) and its training clock."""
+        self.config = self._write_config(seq_len)
+        await self._start_dht()
+        self._spawn(self._heartbeat_forever())
+        if self.plan.placement == "attach":  # the user's swarm-peer tasks serve the stages
+            await self._wait_attached()
+        else:
+            speeds = self.plan.peer_speeds
+            specs = [s for s, n in enumerate(self.plan.peers_per_stage) for _ in range(n)]
+            peers = [self._start_peer(s, speeds[i % len(speeds)], load_state=False) for i, s in enumerate(specs)]
+            await self._wait_declared(peers)
+        self.phase = "training"
+        await self._beat()
+        for rank in range(self.plan.trainers):
+            self._start_trainer(rank)
+        await self._wait_trainers_ready()
+        # training starts now, for every trainer at once (their start-up - seconds of imports and a DHT join
+        # on a loaded machine - does not count against a seconds budget)
+        self.start, self.start_wall = time.perf_counter(), time.time()
+        self.first_start_wall = self.first_start_wall or self.start_wall
+        self._write_clock()
+
+    async def _reattach(self) -> None:
+        """Take over the live swarm of this folder (``run_state``: its launcher was killed, its processes train
+        on): join its DHT, beat its heartbeat under its run id, adopt its bootstrap, stage peers and trainers
+        (``processes.Adopted``: restarted like this launcher's own when they die), start a peer for each one a
+        stage lacks, and go on with its training clock. Training time runs from the clock's origin."""
+        self.config, self.addr_file = self.workdir / CONFIG_FILE, self.workdir / ADDR_FILE
+        maddrs = await asyncio.to_thread(read_addr_file, self.addr_file, self.plan.join_timeout_s)
+        self.node = await join_dht(maddrs, client_mode=True, host=self.host, timeout_s=self.plan.join_timeout_s)
+        self.phase = "training"
+        await self._beat()
+        self._spawn(self._heartbeat_forever())
+        live = swarm_processes(self._markers())
+        for pid, _ in live["bootstrap"]:
+            self.bootstrap = Adopted(pid)
+            self.groups.adopt(self.bootstrap)
+        moves = self.workdir / MOVES_FILE
+        for pid, cmdline in live["stage"]:
+            uid, stage = stage_after_moves(moves, option(cmdline, "--uid"), int(option(cmdline, "--stage")))
+            peer = PeerProcess(uid, stage, float(option(cmdline, "--speed")), Adopted(pid),
+                               self.workdir / f"{option(cmdline, '--uid')}.log")
+            self.groups.adopt(peer.proc)
+            self.peers[uid] = peer
+        for pid, cmdline in live["trainer"]:
+            rank = int(option(cmdline, "--rank"))
+            self.trainers[rank] = Adopted(pid, ended_well=lambda rank=rank: self._shard_done(rank))
+            self.groups.adopt(self.trainers[rank])
+        self.moves_seen = len(self._move_events())   # the adopted peers' moves are known
+        self.next_uid = max([int(u.split("p")[-1]) for u in (p.stem for p in self.workdir.glob("s*p*.log"))
+                             if u.split("p")[-1].isdigit()], default=0)
+        speeds = self.plan.peer_speeds
+        for stage, planned in enumerate(self.plan.peers_per_stage):
+            for i in range(planned - sum(p.stage == stage for p in self.peers.values())):
+                self._start_peer(stage, speeds[i % len(speeds)], load_state=True)
+        for rank in range(self.plan.trainers):
+            if rank not in self.trainers:
+                self.trainers[rank] = None
+                if self._shard_done(rank):
+                    self.finished.add(rank)
+                else:
+                    self._start_trainer(rank)
+        origin = read_clock(self.workdir, self.run_id)["origin_wall"]
+        self.start, self.start_wall = time.perf_counter(), time.time()
+        self.wall_before = self.start_wall - origin   # the swarm trained while no launcher was there
+        with contextlib.suppress(Exception):
+            self.first_start_wall = float(read_json(self.workdir / TIME_FILE)["start_wall"])
+        self.first_start_wall = self.first_start_wall or origin
+        self.stats["reattached"] = {"run_id": self.run_id, "peers": sorted(self.peers),
+                                    "trainers": sorted(r for r, p in self.trainers.items() if p is not None),
+                                    "training_s_before": round(self.wall_before, 3)}
+        print(f"re-attached to the live swarm {self.run_id} in {self.workdir}: peers {sorted(self.peers)}, "
+              f"trainers {self.stats['reattached']['trainers']}", flush=True)
+
+    def _shard_done(self, rank: int) -> bool:
+        """Whether trainer ``rank``'s progress file says its whole shard is done."""
+        with contextlib.suppress(Exception):
+            progress = read_json(progress_path(self.workdir, rank))
+            return progress["shard"] is not None and int(progress["done"]) >= int(progress["shard"])
+        return False
 
     async def _shutdown(self) -> None:
         for task in list(self.tasks):

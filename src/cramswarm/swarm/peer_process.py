@@ -19,10 +19,12 @@ later; on the stage it last served: a peer that moved and then died comes back o
 
 The launcher keeps a heartbeat record in the DHT (``membership.launcher_key``: ``starting``, ``training`` or
 ``done``, re-stored every 2 s with a 10 s expiration). A stage peer exits (code 0) once it reads ``done``, and
-(code ``LAUNCHER_GONE``) once the record has been missing for ``launcher_grace_s``; a peer that joins while the
-record says ``training`` downloads its stage's state before it serves. A peer started by a launcher on the same
-host (``CRAMSWARM_PARENT_PID``, the parent's pid) also SIGKILLs its own process group once that parent is gone,
-so a launcher or supervisor killed without clean-up leaves no peer or p2pd behind.
+(code ``LAUNCHER_GONE``) once the record has been missing for ``launcher_grace_s``, after the lowest uid at its
+stage's latest step wrote the stage's shard; a launcher started again within that time re-attaches and beats under
+the same run id (``launcher``), so the swarm trains on. A peer that joins while the record says ``training``
+downloads its stage's state before it serves. The launcher's processes do not watch it (``CRAMSWARM_PARENT_PID``
+empty); a task's peer does watch its task (the parent's pid): it SIGKILLs its own process group once the task is
+gone, so a task killed without clean-up leaves no peer or p2pd behind.
 """
 from __future__ import annotations
 
@@ -157,7 +159,9 @@ async def serve_stage(args: argparse.Namespace) -> None:
             continue
         break
     if launcher in done and launcher.exception() is not None:
-        print(f"[{peer.uid}] {launcher.exception()}; exiting", flush=True)
+        print(f"[{peer.uid}] {launcher.exception()}; writing the stage's shard if it is this peer's, then exiting",
+              flush=True)
+        await peer.leave_with_shard(timeout_s=30.0)
         code = LAUNCHER_GONE
     else:
         for task in done:

@@ -1,10 +1,13 @@
 """The OS processes of a hivemind swarm: each started as its own process-group leader
 (``start_new_session=True``) and killed as a group with ``os.killpg``, so no ``p2pd`` daemon or child outlives it.
-Used by the launcher (``launcher``)."""
+They do not watch the launcher's process: the swarm outlives it and leaves on its DHT heartbeat (``membership``).
+A launcher re-attaching to a live swarm adopts the processes an earlier launcher started (``Adopted``,
+``swarm_processes``). Used by the launcher (``launcher``)."""
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import subprocess
@@ -89,8 +92,8 @@ class ProcessGroups:
     def spawn(self, args: list[str], name: str, launcher: list[str] = PEER_MODULE,
               gpu: str | None = None) -> tuple[subprocess.Popen, Path]:
         log = self.workdir / f"{name}.log"
-        env = {**os.environ, "PYTHONPATH": self._pythonpath, "OMP_NUM_THREADS": "1",
-               "CRAMSWARM_PARENT_PID": str(os.getpid())}
+        # no parent watchdog (CRAMSWARM_PARENT_PID empty): the process outlives this one, leaving on its heartbeat
+        env = {**os.environ, "PYTHONPATH": self._pythonpath, "OMP_NUM_THREADS": "1", "CRAMSWARM_PARENT_PID": ""}
         if gpu is not None:  # one of this host's GPUs (local placement spreads its peers over them)
             env["CUDA_VISIBLE_DEVICES"] = gpu
         prefix: list[str] = []
@@ -117,6 +120,12 @@ class ProcessGroups:
         self.peers.append(peer)
         return peer
 
+    def adopt(self, proc: Adopted) -> None:
+        """Count a live process an earlier launcher started (``Adopted``) as one of this run's groups."""
+        _LIVE_GROUPS.add(proc.pid)
+        self.pgids.append(proc.pid)
+        self.procs.append(proc)
+
     def kill(self, proc: subprocess.Popen) -> None:
         """SIGKILL a process and its group (first its remote part where the placement has one: a job step)."""
         if hasattr(self.place, "kill"):
@@ -140,6 +149,58 @@ class ProcessGroups:
             time.sleep(0.05)
         if left:
             raise RuntimeError(f"processes {left} of this swarm survived SIGKILL of their process groups")
+
+
+class Adopted:
+    """A live process of the swarm that an earlier launcher started (so not this process's child), with
+    ``subprocess.Popen``'s ``pid``, ``poll``, ``wait`` and ``returncode``. Its exit code cannot be read: once it is
+    gone, ``poll`` gives 0 where ``ended_well()`` says its work was done, else ``-SIGKILL`` (restart it)."""
+
+    def __init__(self, pid: int, ended_well=lambda: False):
+        self.pid, self.returncode, self._ended_well = pid, None, ended_well
+        try:
+            self._proc = psutil.Process(pid)
+        except psutil.NoSuchProcess:
+            self._proc = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and not _running(self._proc):
+            self.returncode = 0 if self._ended_well() else -signal.SIGKILL
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+
+def _running(proc: psutil.Process | None) -> bool:
+    if proc is None:
+        return False
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def swarm_processes(markers: set[str]) -> dict[str, list[tuple[int, list[str]]]]:
+    """The live processes of a swarm on this host, by role (``bootstrap``, ``stage``, ``trainer``): (pid,
+    command line) of each process whose command line names one of ``markers`` (its run folder's config or
+    address file)."""
+    found: dict[str, list[tuple[int, list[str]]]] = {"bootstrap": [], "stage": [], "trainer": []}
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        with contextlib.suppress(psutil.Error):
+            cmdline = proc.info["cmdline"] or []
+            if not markers & set(cmdline) or proc.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            role = ("trainer" if "cramswarm.swarm.trainer" in cmdline else
+                    "bootstrap" if "bootstrap" in cmdline else "stage" if "stage" in cmdline else None)
+            if role is not None:
+                found[role].append((proc.pid, cmdline))
+    return found
 
 
 def leftover_processes(pgids: list[int]) -> list[int]:

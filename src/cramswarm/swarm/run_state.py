@@ -14,6 +14,11 @@ A launcher whose settings or data differ from ``resume.json``'s refuses, naming 
 The folder is kept when the run fails, and also when it succeeds: its caller removes it once the run's outputs are
 written (``train.swarm_pretrain``), so that a kill between the two resumes instead of starting from step 0.
 
+A launcher that finds the run's swarm still training in the folder (its launcher was killed, its processes were
+not: they train on for ``launcher_grace_s`` without a heartbeat) re-attaches instead (local placement): it takes the
+run's id and clock, joins its DHT, beats its heartbeat and adopts its processes (``launcher``); nothing is resumed
+and nothing trained again. The same settings and data are required as for a resume.
+
 The training clock (``progress.CLOCK_FILE``) holds the origin of training time and a seconds budget's deadline. Only
 training time counts: a resumed run's origin is its start less its earlier lives' training time (``TIME_FILE``).
 """
@@ -32,7 +37,8 @@ import psutil
 from cramswarm.io import read_json, write_json, write_text
 from cramswarm.swarm import data
 from cramswarm.swarm.membership import ADDR_FILE, CONFIG_FILE
-from cramswarm.swarm.progress import CLOCK_FILE
+from cramswarm.swarm.processes import swarm_processes
+from cramswarm.swarm.progress import CLOCK_FILE, read_clock
 from cramswarm.swarm.shards import load_shard, newest_shard
 from cramswarm.swarm.trainer import losses_path, progress_path, shard
 
@@ -112,9 +118,11 @@ class RunFolder:
 
     def _prepare(self) -> int:
         """Check the microbatch source; in a state folder holding an interrupted run, check that this run
-        is the same and set it up to resume from the shards. Returns the tokens per sequence."""
+        is the same and set it up to re-attach to its live swarm (``reattach``: its run id) or to resume from the
+        shards. Returns the tokens per sequence."""
         record_path = self.workdir / RESUME_FILE
-        if self.state_dir is not None:
+        self.reattach = self._live_swarm() if self.state_dir is not None else None
+        if self.state_dir is not None and self.reattach is None:
             self._wait_for_stale_processes()
         previous = read_json(record_path) if self.state_dir is not None and record_path.exists() else None
         fingerprint = self._fingerprint()
@@ -135,6 +143,9 @@ class RunFolder:
                                      f"microbatches differ from this run's ({'; '.join(diff) or 'same source'}; "
                                      f"SHA-1 {previous['data_sha1']} -> {digest}: other blocks or masking); remove "
                                      f"{self.workdir} to start from step 0")
+            if self.reattach is not None:  # the same life goes on under this launcher
+                self.run_id, self.run_ids = self.reattach, list(previous.get("lives", [self.reattach]))
+                return seq_len
             self._resume(previous.get("lives", []))
             # the run's lives: its shards and the peers of its earlier lives carry one of these ids
             self.run_ids = [*previous.get("lives", []), self.run_id]
@@ -190,15 +201,33 @@ class RunFolder:
         print(f"resuming the swarm run in {self.workdir}: stage shards at steps {self.stats['resumed']['shard_steps']}"
               f", trainers at microbatch {after} of their shards (they had done {before})", flush=True)
 
+    def _markers(self) -> set[str]:
+        """What the command line of every process of this folder's swarm names: its config or its address file."""
+        return {str(self.workdir / CONFIG_FILE), str(self.workdir / ADDR_FILE)}
+
     def _stale_processes(self) -> list[int]:
         """PIDs of live processes of an earlier launcher of this folder (their command line names its config or its
         DHT address file)."""
-        markers, found = {str(self.workdir / CONFIG_FILE), str(self.workdir / ADDR_FILE)}, []
+        markers, found = self._markers(), []
         for proc in psutil.process_iter(["cmdline", "status"]):
             with contextlib.suppress(psutil.Error):
                 if markers & set(proc.info["cmdline"] or []) and proc.info["status"] != psutil.STATUS_ZOMBIE:
                     found.append(proc.pid)
         return found
+
+    def _live_swarm(self) -> str | None:
+        """The run id of the swarm still training in this folder: the one its config names, once that run's
+        training clock was written, while a stage peer or trainer of it lives on this host (local placement only:
+        other placements' processes are elsewhere). None otherwise: nothing alive, or a swarm still starting (its
+        processes are waited for, then the run resumes)."""
+        if self.plan.placement != "local" or not (self.workdir / RESUME_FILE).exists():
+            return None
+        with contextlib.suppress(Exception):
+            run_id = read_json(self.workdir / CONFIG_FILE)["run_id"]
+            live = swarm_processes(self._markers())
+            if read_clock(self.workdir, run_id)["origin_wall"] is not None and (live["stage"] or live["trainer"]):
+                return run_id
+        return None
 
     def _wait_for_stale_processes(self) -> None:
         """The killed run's peers and trainers exit by themselves (their parent is gone, or its heartbeat): wait
