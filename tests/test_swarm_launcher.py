@@ -46,6 +46,7 @@ from cramswarm.swarm import run_state  # noqa: E402
 from cramswarm.swarm.routing import (
     RetryPolicy,  # noqa: E402
 )
+from cramswarm.swarm.shards import newest_shard  # noqa: E402
 from cramswarm.swarm.stages import STATE_BYTES_PER_PARAMETER, build_swarm_model, stage_state_bytes  # noqa: E402
 from cramswarm.swarm.train import UNBOUNDED  # noqa: E402
 from cramswarm.swarm.trainer import shard  # noqa: E402
@@ -303,7 +304,12 @@ def start_launcher_until_shards(tmp_path, total: int, state: Path, **kw) -> subp
 
 
 def trainers_done(state: Path) -> int:
-    return sum(json.loads((state / f"trainer{r}.json").read_text())["done"] for r in (0, 1))
+    """Microbatches the two trainers have done, by their progress files (0 for one not written yet)."""
+    done = 0
+    for rank in (0, 1):
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            done += json.loads((state / f"trainer{rank}.json").read_text())["done"]
+    return done
 
 
 def test_a_launcher_sigkilled_mid_run_leaves_the_swarm_training_and_a_rerun_reattaches_to_it(tmp_path):
@@ -380,6 +386,47 @@ def test_a_rerun_after_the_whole_swarm_is_sigkilled_resumes_from_the_stage_shard
     assert stats["assembled_from"] == ["shard", "shard"] and stats["shard_steps"] == stats["stage_steps"]
     # the state folder outlives the run: its caller (swarm_pretrain) removes it once its outputs are written
     assert (state / run_state.RESUME_FILE).exists()
+
+
+@pytest.mark.swarm
+def test_sigterm_stops_the_swarm_with_each_stages_shard_at_its_last_step_and_a_rerun_resumes_there(tmp_path):
+    """A deliberate stop (SIGTERM to the launcher, as ``scancel`` or Snakemake's own stop send it) during training:
+    the heartbeat says ``stopping``, each stage's lowest uid at its latest step writes the stage's shard (the
+    periodic shards are 600 s apart here: none before) and every process exits; the launcher exits as SIGTERM does,
+    and the same command again resumes from those shards."""
+    total, state = 400, tmp_path / "state"
+    code = ("import sys; sys.path.insert(0, {tests!r}); import swarm_helpers as t; from pathlib import Path; "
+            "t.ht.run_swarm(t.plan(decentralised=True, state_dir=Path({state!r}), checkpoint_every_s=600.0), "
+            "t.source(), {total}, progress=False)")
+    first = subprocess.Popen([sys.executable, "-c", code.format(tests=str(TESTS), state=str(state), total=total)],
+                             start_new_session=True, stdout=open(tmp_path / "launcher.log", "w"),
+                             stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while trainers_done(state) < 40:  # training (waited for)
+            assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "launcher.log").read_text()[-3000:]
+            time.sleep(0.5)
+        started = psutil.Process(first.pid).children(recursive=True)
+        first.send_signal(signal.SIGTERM)
+        code = first.wait(timeout=120)
+        gone, alive = psutil.wait_procs(started, timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(first.pid, signal.SIGKILL)
+    log = (tmp_path / "launcher.log").read_text()
+    assert code == 128 + signal.SIGTERM and "was stopped" in log, log[-3000:]
+    assert running(alive) == [], [safe_cmdline(p) for p in alive]
+    steps = {0: 0, 1: 0}
+    for path in state.glob("sync-*.jsonl"):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            steps[row["stage"]] = max(steps[row["stage"]], row["step"])
+    shards = {s: newest_shard(state / "shards", s) for s in (0, 1)}
+    assert all(shards[s] is not None and shards[s][0] == steps[s] >= 1 for s in (0, 1)), (shards, steps)
+    assert 0 < trainers_done(state) < total
+    result, stats = launch(total, state_dir=state, checkpoint_every_s=1.0)
+    assert stats["resumed"]["shard_steps"] == [steps[0], steps[1]], (stats["resumed"], steps)
+    assert stats["stepped_microbatches"] == [total, total], brief(stats)
 
 
 @pytest.mark.swarm

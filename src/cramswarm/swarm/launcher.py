@@ -39,7 +39,8 @@ downloads the stages' parameters from live replicas and assembles the result) an
 swarm trains on: the peers and trainers leave only once its heartbeat record has been missing ``launcher_grace_s``
 (the peers write their stages' shards first). A launcher started again on the same state folder within that time
 re-attaches (``_reattach``: the swarm's run id, clock and processes) and finishes the run; after it, it resumes from
-the shards. A deliberate stop (SIGTERM, Ctrl-C) ends every process at once.
+the shards. A deliberate stop (SIGTERM, Ctrl-C, ``scancel``) during training has the stages write their shards and
+every process exit (``_stop_swarm``); before training it ends every process at once.
 
 Checkpoint and resume (``run_state``): with ``state_dir`` the run's folder is that folder, not a temporary one, and
 a launcher that finds an interrupted run of the same settings and data there resumes it from the stages' shards.
@@ -106,6 +107,11 @@ from cramswarm.swarm.trainer import EXIT_NO_PEERS, progress_path
 
 TRAINER_MODULE = [sys.executable, "-m", "cramswarm.swarm.trainer"]
 KILLED_STEP = 128 + signal.SIGKILL  # srun's exit code for a task SIGKILLed (its step's, srun placement)
+STOP_WAIT_S = 60.0  # a deliberate stop waits this long for the stages' shards and the processes' exits
+
+
+class SwarmStopped(RuntimeError):
+    """The run was stopped deliberately (``Launcher._stop_swarm``); ``run`` exits as SIGTERM does."""
 
 
 def option(cmdline: list[str], name: str) -> str:
@@ -155,6 +161,7 @@ class Launcher(RunFolder, FaultInjection, RunResult):
         self.next_uid = 0
         self.moves_seen = self.moves_base = 0      # events of the peers' moves file read so far / before this life
         self.bootstrap = None
+        self.stop = asyncio.Event()                # set by SIGTERM / SIGINT during training (_stop_on_signals)
         self.reattach: str | None = None           # the run id of the live swarm this launcher takes over (run_state)
         self.tasks: set[asyncio.Task] = set()
         self.stats = {"peers_killed": 0, "rejoins": 0, "trainer_restarts": 0, "killed": [], "bootstrap_killed": 0}
@@ -356,6 +363,8 @@ class Launcher(RunFolder, FaultInjection, RunResult):
             while len(self.finished) < self.plan.trainers:
                 if self.failed.done():
                     self.failed.result()
+                if self.stop.is_set():
+                    await self._stop_swarm()
                 for rank, proc in list(self.trainers.items()):
                     if rank in self.finished or proc is None or (code := proc.poll()) is None:
                         continue
@@ -393,6 +402,7 @@ class Launcher(RunFolder, FaultInjection, RunResult):
                 self._spawn(self._kill_forever(self.plan.kill_every_s))
             for at_s, target in self.plan.faults:
                 self._spawn(self._fault(at_s, target))
+            self._stop_on_signals()
             await self._supervise()
             wall_s = self.wall_before + self.elapsed()
             for task in list(self.tasks):  # no more kills or restarts once the trainers are done
@@ -492,11 +502,38 @@ class Launcher(RunFolder, FaultInjection, RunResult):
             return progress["shard"] is not None and int(progress["done"]) >= int(progress["shard"])
         return False
 
+    def _stop_on_signals(self) -> None:
+        """From here on (training), SIGTERM and SIGINT (``scancel``, Ctrl-C) stop the swarm deliberately
+        (``_stop_swarm``) instead of ending this process at once; off the main thread there are no handlers."""
+        if threading.current_thread() is threading.main_thread():
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.stop.set)
+
+    async def _stop_swarm(self) -> None:
+        """A deliberate stop: the heartbeat says ``stopping``; each stage's lowest uid at its latest step writes the
+        stage's shard, then every peer and trainer exits (``membership.watch_launcher``). Waits ``STOP_WAIT_S`` at
+        most for them, then raises ``SwarmStopped`` (the shutdown kills what is left; ``run`` exits as SIGTERM would);
+        a rerun resumes from the shards."""
+        for task in list(self.tasks):
+            if task.get_coro().__name__ in ("_kill_forever", "_fault", "_restart_peer", "_restart_trainer"):
+                task.cancel()
+        print(f"stopping the swarm {self.run_id}: its stages write their shards", file=sys.stderr, flush=True)
+        self.phase = "stopping"
+        with contextlib.suppress(Exception):
+            await self._beat()
+        deadline = time.monotonic() + STOP_WAIT_S
+        while time.monotonic() < deadline and (any(p.alive for p in self.peers.values() if p.uid not in self.retired)
+                                               or any(t is not None and t.poll() is None
+                                                      for t in self.trainers.values())):
+            await asyncio.sleep(SUPERVISE_PERIOD_S)
+        raise SwarmStopped(f"the swarm {self.run_id} was stopped (SIGTERM or SIGINT)")
+
     async def _shutdown(self) -> None:
         for task in list(self.tasks):
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
-        if self.node is not None:
+        if self.node is not None and self.phase != "stopping":
             self.phase = "done"
             write_text(self.workdir / DONE_FILE, self.run_id + "\n")  # attach: a task whose peer died last exits 0
             with contextlib.suppress(Exception):
@@ -527,6 +564,9 @@ def run(plan, source, total_microbatches: int, progress: bool = True) -> TrainRe
     except NoPeersError:
         keep_logs = launcher.state_dir is not None  # a state folder is kept for a rerun to resume
         raise
+    except SwarmStopped as e:
+        print(e, file=sys.stderr, flush=True)
+        raise SystemExit(128 + signal.SIGTERM) from None
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

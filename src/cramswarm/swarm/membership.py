@@ -5,7 +5,7 @@ bootstrap writes its visible multiaddrs there and every later process appends it
 live entry lets a newcomer in. A process listens on ``cfg["host"]`` or on ``cfg["interface"]``'s IPv4 address
 (``listen_host``); a placement that gives a process a host of its own sets ``LISTEN_ENV`` / ``ANNOUNCE_ENV``.
 
-The keys: ``launcher_key`` (the launcher's heartbeat: ``starting``, ``training`` or ``done``), ``stage_key``
+The keys: ``launcher_key`` (the heartbeat: ``starting``, ``training``, ``stopping`` or ``done``), ``stage_key``
 (the declared peers of a stage, sub-key = peer uid, value = P2P peer id), ``progress_key`` (a stage's progress
 records, ``peer_sync``) and ``flush_key`` (step the last, partial batch). ``stage_namespace`` is a stage's P2P
 handler namespace and all-reduce prefix.
@@ -44,7 +44,8 @@ class RankTaken(RuntimeError):
 
 
 class LauncherGone(RuntimeError):
-    """The launcher's heartbeat record has been missing from the DHT for too long."""
+    """The launcher's heartbeat record has been missing from the DHT for too long, or says ``stopping`` (a
+    deliberate stop): the swarm writes its shards and exits."""
 
 
 def listen_host(cfg: dict) -> str:
@@ -137,7 +138,7 @@ async def join_dht(initial_peers: list[str] | None, *, client_mode: bool, host: 
 
 
 def launcher_key(run_id: str) -> str:
-    """DHT key of the launcher's heartbeat (value: ``starting``, ``training`` or ``done``)."""
+    """DHT key of the launcher's heartbeat (value: ``starting``, ``training``, ``stopping`` or ``done``)."""
     return f"{run_id}_launcher"
 
 
@@ -147,7 +148,8 @@ async def launcher_phase(node: DHTNode, run_id: str) -> str | None:
 
 
 async def watch_launcher(node: DHTNode, run_id: str, grace_s: float = LAUNCHER_GRACE_S) -> None:
-    """Return once the launcher says ``done``; raise ``LauncherGone`` once its record is missing ``grace_s``."""
+    """Return once the launcher says ``done``; raise ``LauncherGone`` once it says ``stopping`` or its record is
+    missing ``grace_s``."""
     last_seen = time.monotonic()
     while True:
         try:
@@ -156,6 +158,8 @@ async def watch_launcher(node: DHTNode, run_id: str, grace_s: float = LAUNCHER_G
             phase = None
         if phase == "done":
             return
+        if phase == "stopping":
+            raise LauncherGone(f"the launcher of swarm {run_id} stops it")
         if phase is not None:
             last_seen = time.monotonic()
         elif time.monotonic() - last_seen > grace_s:
