@@ -430,6 +430,46 @@ def test_sigterm_stops_the_swarm_with_each_stages_shard_at_its_last_step_and_a_r
 
 
 @pytest.mark.swarm
+def test_a_peer_started_mid_run_with_only_an_address_joins_the_stage_that_needs_it_and_serves(tmp_path):
+    """Stages of 2 and 1 peers; ``cramswarm swarm-join --peer <a line of the address file>`` with nothing else,
+    started as soon as that file exists: it finds the swarm's description in the DHT once training runs (the
+    launcher stores it from then on; the process's start-up overlaps the launcher's), takes the stage with the
+    fewest declared peers (rebalancing is off: no load records), downloads the stage's state, serves backward
+    calls, and leaves with the run (exit 0); the replicas, its own included, end equal (launch's checks)."""
+    total, state, log = 480, tmp_path / "state", tmp_path / "joiner.log"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS.parent / "src"),
+                                                                     os.environ.get("PYTHONPATH")]))}
+    joiner: list[subprocess.Popen] = []
+
+    def join_once_addressed() -> None:
+        deadline = time.monotonic() + 300
+        while not (state / "dht_addrs.txt").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        address = (state / "dht_addrs.txt").read_text().split()[-1]
+        command = [sys.executable, "-m", "cramswarm", "swarm-join", "--peer", address, "--wait-s", "300"]
+        joiner.append(subprocess.Popen(command, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                                       start_new_session=True))
+
+    thread = threading.Thread(target=join_once_addressed)
+    thread.start()
+    try:
+        result, stats = launch(total, peers_per_stage=[2, 1], state_dir=state)
+        thread.join()
+        code = joiner[0].wait(timeout=60)
+    finally:
+        thread.join()
+        for proc in joiner:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert code == 0 and "stage 1 (declared peers [2, 1]" in text and "the launcher is done" in text, text[-3000:]
+    uid = re.search(r"\[(s1q\d+)\] joined swarm", text).group(1)
+    assert stats["per_stage_peers"] == [2, 2], stats["replica_steps"]
+    assert any(uid in steps for steps in stats["replica_steps"].values()), stats["replica_steps"]
+    assert stats["peer_backward_samples"][uid] > 0, stats["peer_backward_samples"]
+
+
+@pytest.mark.swarm
 def test_a_rerun_on_a_finished_runs_state_folder_trains_nothing_and_gives_the_same_checkpoint(tmp_path):
     """A run killed after its training but before its caller removed the state folder, whose outputs are gone
     (Snakemake deletes a failed job's outputs): the rerun resumes from the final shards with nothing left to train."""

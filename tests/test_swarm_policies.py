@@ -33,6 +33,7 @@ from cramswarm.swarm.rebalancing import (
     PeerLoad,
     Rebalancer,
     _uid_hash,
+    choose_join_stage,
     choose_move,
 )
 from cramswarm.swarm.routing import (
@@ -688,3 +689,20 @@ def test_the_load_meter_counts_a_call_from_its_entry_to_an_exit_dated_ahead():
     assert second["queue"] == pytest.approx(0.4) and meter.queue == 0
     load = meter.load("p", now=30.0)
     assert load.uid == "p" and load.queue_len == 0.0 and load.samples_per_s is None
+
+
+def test_a_joining_peer_takes_the_most_loaded_stage_else_the_one_with_fewest_peers():
+    # no loads (rebalancing off, or a period not yet complete): fewest declared peers, the lowest stage on ties
+    assert choose_join_stage({0: 2, 1: 1, 2: 2}) == 1
+    assert choose_join_stage({0: 1, 1: 1, 2: 3}) == 0
+    # loads of every stage: the longest time to clear its queue at its peers' rate, whatever the peer counts
+    loads = {0: [PeerLoad("a", 1.0, 10.0)], 1: [PeerLoad("b", 4.0, 10.0), PeerLoad("c", 4.0, 10.0)],
+             2: [PeerLoad("d", 0.0, 10.0)]}
+    assert choose_join_stage({0: 1, 1: 2, 2: 1}, loads) == 1     # (8 + 1) / 20 beats (1 + 1) / 10
+    loads[0] = [PeerLoad("a", 9.0, 2.0)]
+    assert choose_join_stage({0: 1, 1: 2, 2: 1}, loads) == 0     # (9 + 1) / 2
+    # an unmeasured peer is charged its stage's (else the swarm's) mean rate; no measured peer: by peer counts
+    assert choose_join_stage({0: 1, 1: 1}, {0: [PeerLoad("a", 3.0, None)], 1: [PeerLoad("b", 0.0, 1.0)]}) == 0
+    assert choose_join_stage({0: 2, 1: 1}, {0: [PeerLoad("a", 3.0, None)], 1: [PeerLoad("b", 0.0, None)]}) == 1
+    # loads missing a stage are not a complete view
+    assert choose_join_stage({0: 2, 1: 1}, {0: [PeerLoad("a", 50.0, 1.0)]}) == 1

@@ -703,3 +703,14 @@ def test_a_kill_between_the_outputs_and_the_state_folders_removal_trains_nothing
     assert summary["steps"] == first["steps"] and (tmp / "c" / "summary.json").exists() and not state.exists()
 
 
+
+
+@pytest.mark.parametrize("address", ["/ip4/127.0.0.1/tcp/9/p2p/12D3KooWJWoaqZhDaoEFshF7Rh1bpY9ohihFhzcW6d69Lr2NASuq",
+                                     "not-an-address"])
+def test_a_peer_joining_through_a_dead_or_wrong_address_says_so_and_exits_2(address):
+    """``swarm-join`` with an address no swarm answers on: an error naming the address, exit code 2, no hang."""
+    done = subprocess.run([sys.executable, "-m", "cramswarm", "swarm-join", "--peer", address, "--wait-s", "5"],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+                              str(Path(__file__).resolve().parents[1] / "src"), os.environ.get("PYTHONPATH")]))})
+    assert done.returncode == 2 and f"cannot join through {address}" in done.stderr, (done.returncode, done.stderr)

@@ -1,4 +1,4 @@
-"""Commands of SWARM parallelism: swarm-pretrain, swarm-peer."""
+"""Commands of SWARM parallelism: swarm-pretrain, swarm-peer, swarm-join."""
 
 from __future__ import annotations
 
@@ -63,3 +63,18 @@ def swarm_peer(args) -> int:
     from cramswarm.swarm.peer_process import run_task
 
     return run_task(args.rendezvous, args.rank, args.max_restarts, args.wait_s)
+
+
+@command(
+    "swarm-join",
+    "join a running swarm-pretrain through any live process's address and serve the stage it needs most",
+    arg("--peer", required=True, help="multiaddr of any live process of the swarm (a line of its dht_addrs.txt)"),
+    arg("--speed", type=float, default=1.0, help="compute speed factor of this peer (1.0: full speed)"),
+    arg("--host", default="127.0.0.1", help="IPv4 address this peer listens on (0.0.0.0: every interface)"),
+    arg("--workdir", help="folder for this peer's logs and counters when this host lacks the run's folder"),
+    arg("--wait-s", type=float, default=60.0, help="seconds to reach the peer and find the swarm's description"),
+)
+def swarm_join(args) -> int:
+    from cramswarm.swarm.peer_process import run_join
+
+    return run_join(args.peer, args.speed, args.host, args.workdir, args.wait_s)

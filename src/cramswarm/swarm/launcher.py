@@ -80,6 +80,7 @@ from cramswarm.swarm.membership import (
     DECLARE_PERIOD_S,
     DONE_FILE,
     RECORD_TTL_S,
+    SWARM_KEY,
     join_dht,
     launcher_key,
     listen_host,
@@ -258,7 +259,12 @@ class Launcher(RunFolder, FaultInjection, RunResult):
         self.node = await join_dht(maddrs, client_mode=True, host=self.host, timeout_s=self.plan.join_timeout_s)
 
     async def _beat(self) -> None:
-        await self.node.store(launcher_key(self.run_id), self.phase, get_dht_time() + RECORD_TTL_S)
+        """The heartbeat; while the swarm trains, also its description (its config) for peers that join it
+        through any live address (``peer_process.serve_joined``)."""
+        expiration = get_dht_time() + RECORD_TTL_S
+        await self.node.store(launcher_key(self.run_id), self.phase, expiration)
+        if self.phase == "training":
+            await self.node.store(SWARM_KEY, json.loads(self.config.read_text()), expiration)
 
     async def _heartbeat_forever(self) -> None:
         while True:

@@ -28,6 +28,7 @@ RECORD_TTL_S = 10.0        # ... with this expiration; a dead peer's record disa
 LAUNCHER_GRACE_S = 30.0  # a stage peer exits once the launcher's heartbeat record is missing this long
 LAUNCHER_GONE = 3       # exit code of a stage peer whose launcher is gone (its supervisor does not restart it)
 ADDR_FILE, CONFIG_FILE = "dht_addrs.txt", "config.json"  # in a rendezvous folder, written in the order config, addrs
+SWARM_KEY = "cramswarm_swarm"  # DHT key of the running swarm's description (its config), read by a joining peer
 JOIN_THROUGH = 32          # a joining process tries this many of the address file's newest entries
 DONE_FILE = "done"         # in a rendezvous folder: the run id of a launcher that has finished
 # Set by a placement that puts a process on a host of its own (``cramswarm.testbed.swarm``): the multiaddrs its
@@ -165,6 +166,20 @@ async def watch_launcher(node: DHTNode, run_id: str, grace_s: float = LAUNCHER_G
         elif time.monotonic() - last_seen > grace_s:
             raise LauncherGone(f"the launcher of swarm {run_id} has not been seen for {grace_s:.0f} s")
         await asyncio.sleep(DECLARE_PERIOD_S)
+
+
+async def read_swarm(node: DHTNode, timeout_s: float) -> dict:
+    """The config of the swarm this node joined (``SWARM_KEY``: the launcher re-stores it with its heartbeat while
+    the swarm trains); ``BootstrapError`` if none is found within ``timeout_s`` (a DHT of no training swarm)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(Exception):
+            found = await node.get(SWARM_KEY, latest=True)
+            if found is not None and isinstance(found.value, dict) and isinstance(found.value.get("run_id"), str):
+                return found.value
+        if time.monotonic() > deadline:
+            raise BootstrapError(f"no training swarm found in this DHT within {timeout_s:.0f} s")
+        await asyncio.sleep(1.0)
 
 
 def stage_key(run_id: str, stage: int) -> str:

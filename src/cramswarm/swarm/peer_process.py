@@ -39,6 +39,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -62,13 +63,15 @@ from cramswarm.swarm.membership import (
     listen_host,
     progress_key,
     read_addr_file,
+    read_swarm,
+    stage_records,
     watch_launcher,
     write_addr_file,
 )
-from cramswarm.swarm.peer_rebalance import MOVES_FILE, moved_uid, stage_after_moves
+from cramswarm.swarm.peer_rebalance import MOVES_FILE, moved_uid, read_loads, stage_after_moves
 from cramswarm.swarm.peer_sync import SyncingStagePeer
 from cramswarm.swarm.progress import record_window_s
-from cramswarm.swarm.rebalancing import MoveEvent
+from cramswarm.swarm.rebalancing import MoveEvent, choose_join_stage
 
 
 async def move_peer(peer, to_stage: int, record: MoveEvent):
@@ -132,18 +135,50 @@ async def serve_stage(args: argparse.Namespace) -> None:
     cfg = json.loads(Path(args.config).read_text())
     bound_kernel_cache()
     torch.set_num_threads(1)
-    watchdog = asyncio.create_task(exit_with_parent())
-
     node = await join_swarm(args.addr_file, host=listen_host(cfg), timeout_s=cfg["join_timeout_s"], announce=True)
     peer = SyncingStagePeer(cfg, args.stage, args.uid, args.speed, node)
+    await serve(peer, cfg, args.load_state)
+
+
+async def serve_joined(initial_peer: str, speed: float, host: str, workdir: str | None, wait_s: float) -> None:
+    """Join a running swarm with nothing but ``initial_peer`` (a multiaddr of any live process of it), read its
+    config from the DHT (``membership.read_swarm``), take the stage it needs most (``rebalancing.choose_join_stage``
+    on the stages' load records, else on their declared peers), download that stage's state from a live replica
+    (or, with none and the run's shards on this host, its newest shard) and serve it until the launcher is done.
+    Its logs and counters go to the run's folder where this host has it, else to ``workdir`` (or a temporary
+    folder); it takes no part in writing shards unless it is its stage's lowest uid."""
+    bound_kernel_cache()
+    torch.set_num_threads(1)
+    node = await join_dht([initial_peer], client_mode=False, host=host, timeout_s=wait_s)
+    cfg = await read_swarm(node, wait_s)
+    if not Path(cfg["workdir"]).is_dir():  # another host's folder: this peer's files go elsewhere
+        cfg["workdir"] = cfg["shard_dir"] = workdir or tempfile.mkdtemp(prefix="cramswarm-joined-")
+    stages = int(cfg["stages"])
+    declared = await asyncio.gather(*(stage_records(node, cfg["run_id"], s) for s in range(stages)))
+    loads = None
+    if cfg.get("rebalance_period_s"):   # the peers publish their loads each period: the latest complete one
+        period = math.floor(get_dht_time() / float(cfg["rebalance_period_s"]))
+        loads = (await read_loads(node, cfg["run_id"], stages, period))[0]
+    stage = choose_join_stage({s: len(d) for s, d in enumerate(declared)}, loads)
+    uid = f"s{stage}q{os.getpid()}"   # after the launcher's s<stage>p<n> in uid order
+    print(f"[{uid}] joined swarm {cfg['run_id']} through {initial_peer}: stage {stage} (declared peers "
+          f"{[len(d) for d in declared]}, loads {'read' if loads else 'unknown'})", flush=True)
+    await serve(SyncingStagePeer(cfg, stage, uid, speed, node), cfg, load_state=True)
+
+
+async def serve(peer: SyncingStagePeer, cfg: dict, load_state: bool) -> None:
+    """Serve ``peer``'s stage (after a state download with ``load_state``, or when the launcher says training)
+    until the launcher is done (exit 0) or gone or stopping (``LAUNCHER_GONE``, after the stage's shard)."""
+    node, speed = peer.node, peer.speed
+    watchdog = asyncio.create_task(exit_with_parent())
     while True:
         peer.migrate_to = asyncio.get_running_loop().create_future()
         await peer.add_p2p_handlers(node.p2p, namespace=peer.namespace)
         with contextlib.suppress(Exception):  # joining a running swarm: take the stage's state first
-            args.load_state = args.load_state or await launcher_phase(node, peer.run_id) == "training"
-        if args.load_state:
+            load_state = load_state or await launcher_phase(node, peer.run_id) == "training"
+        if load_state:
             await peer.load_from_replica(cfg["give_up_after_s"])
-        print(f"[{peer.uid}] serving stage {peer.stage} (speed {args.speed}) as {node.p2p.peer_id}", flush=True)
+        print(f"[{peer.uid}] serving stage {peer.stage} (speed {speed}) as {node.p2p.peer_id}", flush=True)
         declare = asyncio.create_task(peer.declare_forever())
         background = peer.background_tasks()
         launcher = asyncio.create_task(watch_launcher(node, peer.run_id, cfg.get("launcher_grace_s",
@@ -155,7 +190,7 @@ async def serve_stage(args: argparse.Namespace) -> None:
                 task.cancel()
             await asyncio.gather(declare, launcher, *background, return_exceptions=True)
             peer = await move_peer(peer, *peer.migrate_to.result())
-            args.load_state = True
+            load_state = True
             continue
         break
     if launcher in done and launcher.exception() is not None:
@@ -169,6 +204,21 @@ async def serve_stage(args: argparse.Namespace) -> None:
         print(f"[{peer.uid}] the launcher is done; exiting", flush=True)
         code = 0
     leave_now(code)
+
+
+def run_join(initial_peer: str, speed: float = 1.0, host: str = "127.0.0.1", workdir: str | None = None,
+             wait_s: float = 60.0) -> int:
+    """``serve_joined`` as a process: exits 0 when the run is done, ``LAUNCHER_GONE`` when its launcher is gone or
+    stops it, 2 (saying why) when ``initial_peer`` is dead, no multiaddr, or no training swarm's."""
+    if not (speed > 0 and math.isfinite(speed)):
+        print(f"error: --speed must be positive, got {speed}", file=sys.stderr, flush=True)
+        return 2
+    try:
+        asyncio.run(serve_joined(initial_peer, speed, host, workdir, wait_s))
+    except BootstrapError as e:
+        print(f"error: cannot join through {initial_peer}: {e}", file=sys.stderr, flush=True)
+        leave_now(2)
+    return 0
 
 
 def rank_of(explicit: int | None) -> int:

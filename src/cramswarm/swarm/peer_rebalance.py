@@ -85,6 +85,26 @@ def last_move_key(run_id: str) -> str:
     return f"{run_id}_lastmove"
 
 
+async def read_loads(node, run_id: str, stages: int, period: int) -> tuple[dict[int, list[PeerLoad]] | None,
+                                                                         list[str], int]:
+    """(every stage's period-``period`` loads or None, the declared peers whose record is missing, the values that
+    are no ``LoadRecord``). The loads are None unless every declared peer published one. The stages' load and stage
+    records are read at once (one round trip over a slow link, not one per key)."""
+    found = await asyncio.gather(*(node.get(load_key(run_id, s), latest=True) for s in range(stages)))
+    declared = await asyncio.gather(*(stage_records(node, run_id, s) for s in range(stages)))
+    loads, malformed = {}, 0
+    for stage, load, peers in zip(range(stages), found, declared):
+        entries = load.value if load is not None and isinstance(load.value, dict) else {}
+        parsed = {uid: LoadRecord.from_value(e.value) for uid, e in entries.items()}
+        malformed += sum(r is None for r in parsed.values())
+        records = {uid: r for uid, r in parsed.items() if r is not None and r.period == period}
+        missing = sorted(set(peers) - set(records))
+        if missing:
+            return None, missing, malformed
+        loads[stage] = [r.peer_load(uid) for uid, r in sorted(records.items()) if uid in peers]
+    return loads, [], malformed
+
+
 def decide_delay_s(period_s: float) -> float:
     """How long after a period's end the peers read its records (and, once more, the claims)."""
     return min(0.3 * period_s, 2.0)
@@ -157,23 +177,10 @@ class PeerRebalancer:
                               expiration_time=(period + 2) * self.period_s)
 
     async def view(self, period: int) -> dict[int, list[PeerLoad]] | None:
-        """Every stage's period-``period`` loads; None unless every declared peer published one (a value that is no
-        ``LoadRecord`` counts as missing, and as malformed). The stages' load and stage records are read at once
-        (one round trip over a slow link, not one per key)."""
-        stages = range(self.peer.num_stages)
-        found = await asyncio.gather(*(self.node.get(load_key(self.run_id, s), latest=True) for s in stages))
-        declared = await asyncio.gather(*(stage_records(self.node, self.run_id, s) for s in stages))
-        loads, self.missing = {}, []
-        for stage, load, peers in zip(stages, found, declared):
-            entries = load.value if load is not None and isinstance(load.value, dict) else {}
-            parsed = {uid: LoadRecord.from_value(e.value) for uid, e in entries.items()}
-            self._malformed(sum(r is None for r in parsed.values()))
-            records = {uid: r for uid, r in parsed.items() if r is not None and r.period == period}
-            missing = sorted(set(peers) - set(records))
-            if missing:
-                self.missing = missing
-                return None
-            loads[stage] = [r.peer_load(uid) for uid, r in sorted(records.items()) if uid in peers]
+        """Every stage's period-``period`` loads; None unless every declared peer published one (``read_loads``; a
+        value that is no ``LoadRecord`` counts as missing, and as malformed)."""
+        loads, self.missing, malformed = await read_loads(self.node, self.run_id, self.peer.num_stages, period)
+        self._malformed(malformed)
         return loads
 
     async def quiet(self, period: int) -> bool:

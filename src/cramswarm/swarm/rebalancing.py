@@ -447,3 +447,15 @@ def choose_move(loads: dict[int, list[PeerLoad]], *, hysteresis: float = 1.5, mi
         return None
     return Move(mover.uid, donor, recipient)
 
+
+
+def choose_join_stage(declared: dict[int, int], loads: dict[int, list[PeerLoad]] | None = None) -> int:
+    """The stage a peer joining a running swarm serves (SWARM's newcomers go where the swarm needs them): the most
+    loaded by ``choose_move``'s measure (seconds to clear a stage's queue at its peers' rate) where ``loads`` covers
+    every stage and some peer is measured; else the stage with the fewest declared peers. Ties go to the lowest
+    stage. ``declared``: stage -> its declared peers (every stage of the swarm)."""
+    if loads is not None and set(loads) == set(declared) and (peer_rates := Rebalancer.rates(loads)) is not None:
+        load = {s: Rebalancer.stage_load(math.fsum(p.queue_len for p in peers), math.fsum(peer_rates[s]))
+                for s, peers in loads.items()}
+        return max(sorted(load), key=lambda s: (load[s], -s))
+    return min(sorted(declared), key=lambda s: (declared[s], s))
