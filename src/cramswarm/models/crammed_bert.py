@@ -216,7 +216,8 @@ class Attention(nn.Module):
             # Training under CPU autocast: PyTorch's CPU flash-attention backward is about twice as slow in bf16
             # as in fp32 (measured: 2 cores, batch 32 x 128, 12 heads of 64), while attention holds few FLOPs.
             # Running the attention kernel in fp32 is the same function at higher precision and ~10 % faster per
-            # training step at BERT-base shape (benchmarks/README.md). Inference keeps the faster bf16 forward.
+            # training step at BERT-base shape (docs/history/benchmarks.md, b5ef320). Inference keeps the faster
+            # bf16 forward.
             with torch.autocast("cpu", enabled=False):
                 y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, dropout_p=dropout_p)
             y = y.to(torch.get_autocast_dtype("cpu"))
