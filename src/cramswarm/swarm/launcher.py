@@ -476,8 +476,7 @@ class Launcher(RunFolder, FaultInjection, RunResult):
             self.trainers[rank] = Adopted(pid, ended_well=lambda rank=rank: self._shard_done(rank))
             self.groups.adopt(self.trainers[rank])
         self.moves_seen = len(self._move_events())   # the adopted peers' moves are known
-        self.next_uid = max([int(u.split("p")[-1]) for u in (p.stem for p in self.workdir.glob("s*p*.log"))
-                             if u.split("p")[-1].isdigit()], default=0)
+        self.next_uid = self._last_uid()
         speeds = self.plan.peer_speeds
         for stage, planned in enumerate(self.plan.peers_per_stage):
             for i in range(planned - sum(p.stage == stage for p in self.peers.values())):

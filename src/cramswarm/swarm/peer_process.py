@@ -70,7 +70,7 @@ from cramswarm.swarm.membership import (
 )
 from cramswarm.swarm.peer_rebalance import MOVES_FILE, moved_uid, read_loads, stage_after_moves
 from cramswarm.swarm.peer_sync import SyncingStagePeer
-from cramswarm.swarm.progress import record_window_s
+from cramswarm.swarm.progress import record_window_s, writes_shard
 from cramswarm.swarm.rebalancing import MoveEvent, choose_join_stage
 
 
@@ -196,7 +196,7 @@ async def serve(peer: SyncingStagePeer, cfg: dict, load_state: bool) -> None:
     if launcher in done and launcher.exception() is not None:
         print(f"[{peer.uid}] {launcher.exception()}; writing the stage's shard if it is this peer's, then exiting",
               flush=True)
-        await peer.leave_with_shard(timeout_s=30.0)
+        await leave_with_shard(peer, timeout_s=30.0)
         code = LAUNCHER_GONE
     else:
         for task in done:
@@ -219,6 +219,17 @@ def run_join(initial_peer: str, speed: float = 1.0, host: str = "127.0.0.1", wor
         print(f"error: cannot join through {initial_peer}: {e}", file=sys.stderr, flush=True)
         leave_now(2)
     return 0
+
+
+async def leave_with_shard(peer: SyncingStagePeer, timeout_s: float) -> None:
+    """Before ``peer`` exits because its launcher is gone or stops the swarm: the lowest uid at the stage's latest
+    step writes the stage's shard (``progress.writes_shard``), so a later launcher resumes from the swarm's last
+    state. Each DHT read and the write are bounded by ``timeout_s``."""
+    with contextlib.suppress(Exception):
+        records = await asyncio.wait_for(peer._read_records(), timeout_s)
+        if not peer.writing and writes_shard(peer.uid, peer.step, peer.shard_step, records, True, True):
+            peer.writing = True
+            await asyncio.wait_for(peer._write_shard(), timeout_s)
 
 
 def rank_of(explicit: int | None) -> int:

@@ -449,15 +449,6 @@ class SyncingStagePeer(StagePeer):
         return writes_shard(self.uid, self.step, self.shard_step, records,
                             time.monotonic() - self.last_write >= self.checkpoint_every_s, idle and self.flush_seen)
 
-    async def leave_with_shard(self, timeout_s: float) -> None:
-        """Before this peer exits because its launcher is gone (past ``launcher_grace_s``): the lowest uid at the
-        stage's latest step writes the stage's shard, so a later launcher resumes from the swarm's last state."""
-        with contextlib.suppress(Exception):
-            records = await asyncio.wait_for(self._read_records(), timeout_s)
-            if not self.writing and writes_shard(self.uid, self.step, self.shard_step, records, True, True):
-                self.writing = True
-                await asyncio.wait_for(self._write_shard(), timeout_s)
-
     async def _write_shard(self) -> None:
         try:
             def save() -> tuple[Path, int]:   # on the compute thread: the state of one moment, streamed to the file

@@ -190,8 +190,7 @@ class RunFolder:
         for path in self.workdir.glob(f"log-s{self.plan.stages - 1}[pr]*.jsonl"):  # steps the shard holds
             kept = [line for line in path.read_text().splitlines() if step_of(line) <= last_step]
             write_text(path, "".join(f"{line}\n" for line in kept))
-        used = [int(p.stem.split("p")[-1]) for p in self.workdir.glob("s*p*.log") if p.stem.split("p")[-1].isdigit()]
-        self.next_uid = max(used, default=0)  # fresh uids: the dead peers' logs and counters stay
+        self.next_uid = self._last_uid()  # fresh uids: the dead peers' logs and counters stay
         with contextlib.suppress(Exception):  # a run killed before its training started has none
             times = read_json(self.workdir / TIME_FILE)
             self.wall_before, self.first_start_wall = float(times["wall_s"]), float(times["start_wall"])
@@ -200,6 +199,11 @@ class RunFolder:
                                  "trainer_done_before": before, "trainer_done": after}
         print(f"resuming the swarm run in {self.workdir}: stage shards at steps {self.stats['resumed']['shard_steps']}"
               f", trainers at microbatch {after} of their shards (they had done {before})", flush=True)
+
+    def _last_uid(self) -> int:
+        """The highest peer number ``n`` of the ``s<stage>p<n>`` logs in the folder (0 for none)."""
+        used = [int(p.stem.split("p")[-1]) for p in self.workdir.glob("s*p*.log") if p.stem.split("p")[-1].isdigit()]
+        return max(used, default=0)
 
     def _markers(self) -> set[str]:
         """What the command line of every process of this folder's swarm names: its config or its address file."""
