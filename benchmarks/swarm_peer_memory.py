@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     from hivemind.utils.asyncio import as_aiter
 
     def serve() -> list:
-        blob, _ = peer._state_blob()
+        blob, _, _ = peer._state_blob()
         return list(hp.respond({"blob": hp.blob_tensor(blob)}, {}))
 
     def receive(messages: list) -> dict:

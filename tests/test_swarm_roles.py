@@ -714,3 +714,21 @@ def test_a_peer_joining_through_a_dead_or_wrong_address_says_so_and_exits_2(addr
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
                               str(Path(__file__).resolve().parents[1] / "src"), os.environ.get("PYTHONPATH")]))})
     assert done.returncode == 2 and f"cannot join through {address}" in done.stderr, (done.returncode, done.stderr)
+
+
+def test_a_joining_replica_downloads_from_the_newest_replica_first():
+    """As hivemind's ``load_state_from_peers``: the replica whose progress record is at the highest step is tried
+    first; ties (and replicas without a record, last) in random order."""
+    from cramswarm.swarm.peer_sync import SyncingStagePeer
+    from cramswarm.swarm.progress import ProgressRecord
+
+    peer = object.__new__(SyncingStagePeer)   # only the record reader is needed
+
+    async def records():
+        return {uid: ProgressRecord(step=step) for uid, step in (("s0p1", 3), ("s0p2", 5), ("s0p3", 3))}
+
+    peer._read_records = records
+    sources = [("s0p1", "a"), ("s0p2", "b"), ("s0p3", "c"), ("s0p9", "z")]
+    orders = {tuple(asyncio.run(peer._source_order(sources))) for _ in range(40)}
+    assert {order[0] for order in orders} == {("s0p2", "b")} and {order[-1] for order in orders} == {("s0p9", "z")}
+    assert len(orders) == 2   # s0p1 and s0p3 (both at step 3) in either order

@@ -55,6 +55,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
 from cramswarm.swarm.compression import decode, encode
+from cramswarm.swarm.wire import CHUNK_BYTES
 
 SCHEMES = ("none", "fp16", "8bit")
 BYTES_PER_VALUE = {"none": 4.0, "fp16": 2.0, "8bit": 1.0 + 4.0 / 4096}  # 8bit: code + its block's fp32 maximum
@@ -139,6 +140,12 @@ def averaging_timeout_s(params: int, group_size: int, scheme: str, link_mbit_s: 
 def state_timeout_s(params: int, link_mbit_s: float, floor_s: float) -> float:
     """How long a state download (weights + AdamW moments) of a stage of ``params`` parameters may take."""
     return floor_s + TIMEOUT_SLACK * transfer_s(STATE_BYTES_PER_PARAM * params, link_mbit_s)
+
+
+def state_chunk_timeout_s(link_mbit_s: float, floor_s: float) -> float:
+    """How long a state download waits for its next chunk (``wire.CHUNK_BYTES``), as hivemind's
+    ``load_state_from_peers`` bounds each part rather than the whole."""
+    return floor_s + TIMEOUT_SLACK * transfer_s(CHUNK_BYTES, link_mbit_s)
 
 
 def chunk_timeout_s(scheme: str, link_mbit_s: float, floor_s: float) -> float:

@@ -39,10 +39,10 @@ from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_dht_time
-from hivemind.utils.asyncio import achain, as_aiter
+from hivemind.utils.asyncio import achain, aiter_with_timeout, as_aiter
 
 from cramswarm.precision import autocast, resolve_precision
-from cramswarm.swarm.averaging import StageAllReduce, average, chunk_timeout_s, codec, state_timeout_s
+from cramswarm.swarm.averaging import StageAllReduce, average, chunk_timeout_s, codec, state_chunk_timeout_s
 from cramswarm.swarm.compression import decode, encode, payload_to, wire_scheme
 from cramswarm.swarm.membership import DECLARE_PERIOD_S, RECORD_TTL_S, stage_key, stage_namespace, stage_records
 from cramswarm.swarm.stages import SavedActivations, build_stage, rss_bytes
@@ -243,10 +243,14 @@ class StagePeer(ServicerBase):
             p.grad = g
         self.step += 1
         self.snapshot = self.averaged = None
+        return {"status": "ok", "step": self.step, "digest": self._digest()}
+
+    def _digest(self) -> str:
+        """SHA-1 of the stage's parameters, in order: replicas that applied the same bytes have the same one."""
         digest = hashlib.sha1()
         for p in self.params:
             digest.update(p.detach().cpu().contiguous().numpy())   # its buffer, not a copy
-        return {"status": "ok", "step": self.step, "digest": digest.hexdigest()}
+        return digest.hexdigest()
 
     def _state(self) -> dict:
         """What a replica hands a joining one (and a shard holds): parameters, optimizer state, step and
@@ -254,13 +258,10 @@ class StagePeer(ServicerBase):
         return {"module": self.module.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
                 **self._extra_state()}
 
-    def _state_blob(self) -> tuple[bytes, int]:
+    def _state_blob(self) -> tuple[bytes, int, str]:
         buffer = io.BytesIO()
         torch.save(self._state(), buffer)
-        return buffer.getvalue(), self.step
-
-    def _load_blob(self, blob: bytes) -> int:
-        return self._load_state(torch.load(io.BytesIO(blob), weights_only=True, map_location=self.device))
+        return buffer.getvalue(), self.step, self._digest()
 
     def _load_state_tensor(self, blob: torch.Tensor) -> int:
         """``_load_blob`` of a downloaded state (a uint8 tensor) without a bytes copy of it: ``torch.load`` reads the
@@ -302,8 +303,8 @@ class StagePeer(ServicerBase):
     async def rpc_state(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
                         context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         await unpack(requests)
-        blob, step = await self._run(self._state_blob)
-        meta = {"step": step, "uid": self.uid, "device": str(self.device)}
+        blob, step, digest = await self._run(self._state_blob)
+        meta = {"step": step, "uid": self.uid, "device": str(self.device), "digest": digest}
         for message in respond({"blob": blob_tensor(blob)}, meta):
             yield message
 
@@ -355,14 +356,24 @@ class StagePeer(ServicerBase):
             self.runners.pop(group_id, None)
 
     async def download_state(self, source: PeerID) -> int:
+        """Load ``source``'s state (parameters, optimizer state, step and ``_extra_state``) as hivemind's
+        ``load_state_from_peers`` does: streamed in chunks (``wire``), each awaited for at most one chunk's transfer
+        time plus the sync timeout (a stalled source fails fast, a large state is not cut off), and checked: the
+        loaded parameters' digest must equal the one the source sent (else ``ValueError``: try another source)."""
         stub = type(self).get_stub(self.node.p2p, source, namespace=self.namespace)
+        chunk_s = state_chunk_timeout_s(self.link_mbit_s, self.sync_timeout_s)
+        stream = await asyncio.wait_for(stub.rpc_state(request({}, {})), timeout=chunk_s)
+        tensors, meta = await unpack(aiter_with_timeout(stream, chunk_s))
+        step = await self._run(self._load_state_tensor, tensors.pop("blob"))
+        if (digest := await self._run(self._digest)) != meta["digest"]:
+            raise ValueError(f"the state loaded from {meta['uid']} has parameter digest {digest[:12]}, "
+                             f"not the {meta['digest'][:12]} it sent")
+        return step
 
-        async def fetch() -> dict[str, torch.Tensor]:
-            return (await unpack(await stub.rpc_state(request({}, {}))))[0]
-
-        tensors = await asyncio.wait_for(fetch(), timeout=state_timeout_s(self.num_params, self.link_mbit_s,
-                                                                           self.sync_timeout_s))
-        return await self._run(self._load_state_tensor, tensors.pop("blob"))
+    async def _source_order(self, sources: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """(uid, peer id) of the replicas to download from, in the order to try them: at random (``peer_sync``: the
+        newest step first)."""
+        return random.sample(sources, len(sources))
 
     async def load_from_replica(self, give_up_after_s: float, alone_after_s: float | None = None) -> bool:
         """Download parameters + optimizer state from a live replica of this stage before serving: True once loaded.
@@ -372,8 +383,7 @@ class StagePeer(ServicerBase):
         deadline = alone_since + give_up_after_s
         while True:
             records = await stage_records(self.node, self.run_id, self.stage)
-            sources = [(uid, peer) for uid, (peer, _) in records.items() if uid != self.uid]
-            random.shuffle(sources)
+            sources = await self._source_order([(uid, peer) for uid, (peer, _) in records.items() if uid != self.uid])
             if sources:
                 alone_since = time.monotonic()
             for uid, peer in sources:

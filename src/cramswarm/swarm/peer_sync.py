@@ -245,11 +245,14 @@ class SyncingStagePeer(StagePeer):
         self.ready = None
         self.digest = self._digest()
 
-    def _digest(self) -> str:
-        digest = hashlib.sha1()
-        for p in self.params:
-            digest.update(p.detach().cpu().contiguous().numpy())   # its buffer, not a copy
-        return digest.hexdigest()
+    async def _source_order(self, sources: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """The newest replica first (by the step of its progress record; ties at random), as hivemind's
+        ``load_state_from_peers`` takes the most advanced peer."""
+        shuffled = await super()._source_order(sources)
+        with contextlib.suppress(Exception):
+            steps = {uid: record.step for uid, record in (await self._read_records()).items()}
+            return sorted(shuffled, key=lambda source: -steps.get(source[0], -1))
+        return shuffled
 
     def _stepping(self) -> bool:
         """Whether this peer took its step's snapshot and has not applied the step yet."""
