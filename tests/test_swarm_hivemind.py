@@ -71,7 +71,7 @@ def test_unreachable_or_garbage_bootstrap_fails_fast_with_a_clear_error(tmp_path
     # a stage peer of the launcher's swarm pointed at an unreachable bootstrap exits with the same clear error
     addr_file.write_text(NOWHERE + "\n")
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({"join_timeout_s": 5.0, "host": "127.0.0.1", "peer_sync": True}))
+    config.write_text(json.dumps({"join_timeout_s": 5.0, "host": "127.0.0.1"}))
     proc = subprocess.run([sys.executable, "-m", "cramswarm.swarm.peer_process", "stage", "--config", str(config),
                            "--stage", "0", "--uid", "s0p1", "--addr-file", str(addr_file)],
                           capture_output=True, text=True, timeout=90, start_new_session=True)

@@ -179,7 +179,7 @@ class Launcher(RunFolder, FaultInjection, RunResult):
                "device": p.device, "stages": p.stages, "compression": p.compression, "sync_timeout_s": p.sync_timeout_s,
                "averaging_compression": p.averaging_compression, "link_mbit_s": p.link_mbit_s,
                "join_timeout_s": p.join_timeout_s, "give_up_after_s": p.retry.give_up_after_s, "host": p.host,
-               "interface": p.interface, "launcher_grace_s": p.launcher_grace_s, "peer_sync": True,
+               "interface": p.interface, "launcher_grace_s": p.launcher_grace_s,
                "seq_len": seq_len, "workdir": str(self.workdir), "retry": dataclasses.asdict(p.retry),
                "seed": p.seed, "shard_dir": str(self.shard_dir), "checkpoint_every_s": p.checkpoint_every_s,
                "rebalance_period_s": p.rebalance_period_s, "peer_memory_cap_mb": p.peer_memory_cap_mb,

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 
 ROUTINGS = ("weighted", "uniform", "fixed")
 BACKWARD_COMPUTE_FACTOR = 2.0  # emulated backward compute = 2 x forward (emulation.run, sim.run)
-BACKWARD_TASK_SIZE = 2.5  # the balancers' backward task-size multiplier (SWARM's default)
 RECORD_TTL_TIMEOUTS = 3.0  # directory records live this many forward timeouts; re-declared every timeout
 
 
