@@ -597,6 +597,34 @@ def test_the_end_of_a_run_asks_a_silent_stage_again_with_a_longer_wait(monkeypat
         asyncio.run(launcher._collect_states())
 
 
+def test_the_end_of_a_run_reads_a_stage_with_no_declared_replica_again_before_it_gives_up(monkeypatch):
+    """A replica whose re-declaration was slow on a loaded host lapses for a moment: an empty read of the stage's
+    records is read again (for up to two record lifetimes), not taken as a stage without replicas."""
+    launcher = launcher_mod.Launcher(plan(decentralised=True), source(), 8, progress=False)
+    reads = []
+
+    async def records(node, run_id, stage):
+        reads.append(stage)
+        return {"s0p1": ("peer", 1.0)} if len(reads) >= 3 else {}
+
+    async def no_wait(seconds):
+        return None
+
+    monkeypatch.setattr(run_result, "stage_records", records)
+    monkeypatch.setattr(run_result.asyncio, "sleep", no_wait)
+    assert asyncio.run(launcher._declared(0)) == {"s0p1": ("peer", 1.0)} and reads == [0, 0, 0]
+    reads.clear()
+    monkeypatch.setattr(run_result.time, "monotonic", iter(range(0, 10_000, 5)).__next__)  # 5 s per read
+
+    async def none_declared(node, run_id, stage):
+        reads.append(stage)
+        return {}
+
+    monkeypatch.setattr(run_result, "stage_records", none_declared)
+    assert asyncio.run(launcher._declared(0)) == {}   # gives up after 2 x RECORD_TTL_S (20 s): 4 reads
+    assert len(reads) == 2 * run_result.RECORD_TTL_S / 5, reads
+
+
 def test_the_hivemind_transport_gives_the_launcher_its_state_folder(monkeypatch, tmp_path):
     """The state folder swarm_pretrain hands the hivemind transport (launcher/ under the rule's --rendezvous folder)
     is the launcher's resumable state; without one, no state folder. Without a microbatch source the hivemind

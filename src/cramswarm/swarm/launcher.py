@@ -566,9 +566,6 @@ def run(plan, source, total_microbatches: int, progress: bool = True) -> TrainRe
         result = asyncio.run(launcher.main())
         keep_logs = False
         return result
-    except NoPeersError:
-        keep_logs = launcher.state_dir is not None  # a state folder is kept for a rerun to resume
-        raise
     except SwarmStopped as e:
         print(e, file=sys.stderr, flush=True)
         raise SystemExit(128 + signal.SIGTERM) from None

@@ -19,7 +19,7 @@ from hivemind.utils import get_dht_time
 from cramswarm.io import read_json
 from cramswarm.swarm import averaging, data
 from cramswarm.swarm.emulation_training import TrainResult
-from cramswarm.swarm.membership import flush_key, stage_records
+from cramswarm.swarm.membership import RECORD_TTL_S, flush_key, stage_records
 from cramswarm.swarm.peer_sync import SYNC_LOG
 from cramswarm.swarm.processes import SUPERVISE_PERIOD_S
 from cramswarm.swarm.progress import overshoot, progress_records, stage_stalls
@@ -90,10 +90,22 @@ class RunResult:
         self.stats["stepped_microbatches"] = [len(s.get("stepped_mbs", [])) if s else 0 for s in states]
         return [s["module"] if s else None for s in states], [f[0] if f else 0 for f in found]
 
+    async def _declared(self, stage: int) -> dict[str, tuple[str, float]]:
+        """The stage's declared replicas; an empty read is read again for up to two record lifetimes (a replica whose
+        re-declaration was slow on a loaded host lapses for a moment)."""
+        deadline = time.monotonic() + 2 * RECORD_TTL_S
+        while not (records := await stage_records(self.node, self.run_id, stage)) and time.monotonic() < deadline:
+            await asyncio.sleep(1.0)
+        if not records:
+            alive = {uid: peer.alive for uid, peer in self.peers.items() if peer.stage == stage}
+            print(f"[launcher] stage {stage}: no replica declared for {2 * RECORD_TTL_S:.0f} s (its peer processes, "
+                  f"alive or not: {alive})", flush=True)
+        return records
+
     async def _stage_replicas(self, stage: int, floor_s: float) -> list[tuple[str, int, dict]]:
         """(uid, step, module state) of every live replica of ``stage`` that sends its state within the timeout."""
         replicas = []
-        for uid, (peer, _) in (await stage_records(self.node, self.run_id, stage)).items():
+        for uid, (peer, _) in (await self._declared(stage)).items():
             stub = self._stage_stub(stage, peer)
             try:
                 tensors, meta = await asyncio.wait_for(
@@ -110,7 +122,8 @@ class RunResult:
     async def _collect_states(self) -> tuple[list[dict], dict[int, dict[str, int]], list[float]]:
         """Every stage's live replicas at the end. A stage none of whose replicas answered is asked again, up to
         ``COLLECT_ATTEMPTS`` times with twice the wait each time (a loaded host's only replica may miss the first
-        wait); each failure is printed."""
+        wait; a stage with no declared replica is read again for a while first, ``_declared``); each failure is
+        printed."""
         states, steps, spread = [], {}, []
         for stage in range(self.plan.stages):
             floor_s = 2 * self.plan.sync_timeout_s
