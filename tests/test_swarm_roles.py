@@ -744,6 +744,14 @@ def test_a_peer_joining_through_a_dead_or_wrong_address_says_so_and_exits_2(addr
     assert done.returncode == 2 and f"cannot join through {address}" in done.stderr, (done.returncode, done.stderr)
 
 
+def test_the_planned_peer_slots_give_each_peer_its_own_speed():
+    """The launcher's (stage, speed) slots: the i-th planned peer in stage order has ``peer_speeds[i mod len]``
+    (the start, the attach placement's rank table and a re-attach's missing peers all read them)."""
+    launcher = launcher_mod.Launcher(plan(decentralised=True, peers_per_stage=[2, 1], peer_speeds=[1.0, 0.5]),
+                                     source(), 8, progress=False)
+    assert launcher._slots() == [(0, 1.0), (0, 0.5), (1, 1.0)]
+
+
 def test_a_joining_replica_downloads_from_the_newest_replica_first():
     """As hivemind's ``load_state_from_peers``: the replica whose progress record is at the highest step is tried
     first; ties (and replicas without a record, last) in random order."""

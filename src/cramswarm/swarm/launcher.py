@@ -186,8 +186,7 @@ class Launcher(RunFolder, FaultInjection, RunResult):
                "data": self.source.spec(), "microbatches": self.total, "routing": p.routing,
                "peer_unit_time_s": p.peer_unit_time_s, "rejoin_after_s": p.rejoin_after_s,
                # attach: rank r's task serves (stage, speed) of the r-th peer in stage order (peer_process.run_task)
-               "placement_specs": [[s, p.peer_speeds[i % len(p.peer_speeds)]] for i, s in enumerate(
-                   s for s, n in enumerate(p.peers_per_stage) for _ in range(n))]}
+               "placement_specs": [list(slot) for slot in self._slots()]}
         path = self.workdir / CONFIG_FILE
         tmp = self.workdir / f".{CONFIG_FILE}.tmp"
         tmp.write_text(json.dumps(cfg))
@@ -195,6 +194,11 @@ class Launcher(RunFolder, FaultInjection, RunResult):
         return path
 
     # -- processes ------------------------------------------------------------------------------------------
+    def _slots(self) -> list[tuple[int, float]]:
+        """(stage, speed) of every planned peer, in stage order: the i-th has ``peer_speeds[i mod len]``."""
+        speeds, stages = self.plan.peer_speeds, self.plan.peers_per_stage
+        return [(s, speeds[i % len(speeds)]) for i, s in enumerate(s for s, n in enumerate(stages) for _ in range(n))]
+
     def _start_peer(self, stage: int, speed: float, load_state: bool) -> PeerProcess:
         self.next_uid += 1
         # local placement: peer i sees GPU i mod (this host's GPUs) alone; srun: the step's own (SLURM's --gpus-*)
@@ -434,9 +438,7 @@ class Launcher(RunFolder, FaultInjection, RunResult):
         if self.plan.placement == "attach":  # the user's swarm-peer tasks serve the stages
             await self._wait_attached()
         else:
-            speeds = self.plan.peer_speeds
-            specs = [s for s, n in enumerate(self.plan.peers_per_stage) for _ in range(n)]
-            peers = [self._start_peer(s, speeds[i % len(speeds)], load_state=False) for i, s in enumerate(specs)]
+            peers = [self._start_peer(s, speed, load_state=False) for s, speed in self._slots()]
             await self._wait_declared(peers)
         self.phase = "training"
         await self._beat()
@@ -477,10 +479,14 @@ class Launcher(RunFolder, FaultInjection, RunResult):
             self.groups.adopt(self.trainers[rank])
         self.moves_seen = len(self._move_events())   # the adopted peers' moves are known
         self.next_uid = self._last_uid()
-        speeds = self.plan.peer_speeds
-        for stage, planned in enumerate(self.plan.peers_per_stage):
-            for i in range(planned - sum(p.stage == stage for p in self.peers.values())):
-                self._start_peer(stage, speeds[i % len(speeds)], load_state=True)
+        for stage, planned in enumerate(self.plan.peers_per_stage):   # the missing slots, with their own speeds
+            free = [speed for s, speed in self._slots() if s == stage]
+            live = [p for p in self.peers.values() if p.stage == stage]
+            for peer in live:
+                if peer.speed in free:
+                    free.remove(peer.speed)
+            for speed in free[:max(planned - len(live), 0)]:
+                self._start_peer(stage, speed, load_state=True)
         for rank in range(self.plan.trainers):
             if rank not in self.trainers:
                 self.trainers[rank] = None
