@@ -174,9 +174,10 @@ def safe_cmdline(proc: psutil.Process) -> list[str]:
     return []
 
 
-def start_until_shards(command: list[str], log: Path, state: Path, within_s: float, env=None) -> subprocess.Popen:
+def start_until_shards(command: list[str], log: Path, state: Path, within_s: float, env=None,
+                       min_step: int = 3) -> subprocess.Popen:
     """Start ``command`` in its own process group (output to ``log``) and return once both stages of its launcher
-    (state folder ``state``) wrote a shard a few steps in; the command is killed if that fails."""
+    (state folder ``state``) wrote a shard at ``min_step`` or later; the command is killed if that fails."""
     first = subprocess.Popen(command, start_new_session=True, env=env, stdout=open(log, "w"),
                              stderr=subprocess.STDOUT)
     try:
@@ -184,7 +185,7 @@ def start_until_shards(command: list[str], log: Path, state: Path, within_s: flo
         while True:
             assert first.poll() is None, log.read_text()[-3000:]
             found = [newest_shard(state / "shards", s) for s in (0, 1)]
-            if all(f is not None and f[0] >= 3 for f in found):
+            if all(f is not None and f[0] >= min_step for f in found):
                 return first
             assert time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.5)

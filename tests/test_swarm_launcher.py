@@ -298,13 +298,14 @@ def test_peers_and_trainers_leave_after_their_grace_when_the_launcher_is_sigkill
 
 
 def start_launcher_until_shards(tmp_path, total: int, state: Path, **kw) -> subprocess.Popen:
-    """A launcher run (2 stages x 2 peers, 2 trainers) in its own process, returned once both stages wrote a shard."""
+    """A launcher run (2 stages x 2 peers, 2 trainers) in its own process, returned once both stages wrote a shard
+    (at any step: on a loaded host the steps come late, and waiting for a later one may outlast the training)."""
     code = ("import sys; sys.path.insert(0, {tests!r}); import swarm_helpers as t; from pathlib import Path; "
             "t.ht.run_swarm(t.plan(decentralised=True, state_dir=Path({state!r}), checkpoint_every_s=1.0, **{kw!r}), "
             "t.source(), {total}, progress=False)")
     return start_until_shards([sys.executable, "-c", code.format(tests=str(TESTS), state=str(state), total=total,
                                                                  kw=kw)],
-                              tmp_path / "launcher.log", state, within_s=300)
+                              tmp_path / "launcher.log", state, within_s=300, min_step=1)
 
 
 def trainers_done(state: Path) -> int:
@@ -374,7 +375,7 @@ def test_a_rerun_after_the_whole_swarm_is_sigkilled_resumes_from_the_stage_shard
     result, stats = launch(total, state_dir=state, checkpoint_every_s=1.0)
     resumed = stats["resumed"]
     # it resumed from the shards: the stages started at their shards' steps, the log goes on after them
-    assert all(step >= 3 for step in resumed["shard_steps"]), resumed
+    assert all(step >= 1 for step in resumed["shard_steps"]), resumed
     assert stats["first_logged_step"] == resumed["shard_steps"][1] + 1, (stats["first_logged_step"], resumed)
     assert all(done <= before for done, before in zip(resumed["trainer_done"], resumed["trainer_done_before"]))
     # its training time counts both lives (not the gap between them); the log's times run from the first start
