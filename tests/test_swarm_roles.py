@@ -53,7 +53,7 @@ from cramswarm.swarm.routing import (
 )
 from cramswarm.swarm.shards import ForeignShard, load_shard, newest_shard, shard_files, write_shard  # noqa: E402
 from cramswarm.swarm.train import UNBOUNDED  # noqa: E402
-from cramswarm.swarm.trainer import shard  # noqa: E402
+from cramswarm.swarm.work import WorkOrder  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
 
@@ -72,10 +72,7 @@ def test_each_peer_class_calls_its_own_handlers_whichever_built_its_stub_first()
     assert SyncingStagePeer._get_handle_name("ns", "rpc_state") == "ns::SyncingStagePeer.rpc_state"
 
 
-def test_shards_partition_the_microbatches_and_step_targets_follow_the_ramp():
-    total, trainers = 103, 4
-    owned = sorted(i for rank in range(trainers) for i in shard(total, rank, trainers))
-    assert owned == list(range(total))
+def test_step_targets_follow_the_ramp():
     recipe = plan().recipe | {"batch_ramp_fraction": 0.5, "budget": {"unit": "steps", "value": 10}}
     # steps budget: progress = steps / 10; the batch grows from 1 micro-batch to 4 over the first half
     assert step_target(recipe, 32, 0, 0) == (0.0, MICRO)
@@ -350,28 +347,29 @@ def test_a_peers_emulated_speed_scales_its_measured_compute_or_the_configured_fl
 
 def test_the_launcher_benchmark_counts_a_microbatch_taken_and_never_finished_as_lost(tmp_path):
     """The count of ``benchmarks/swarm_launcher.py`` and the study's testbed transport (``study_launcher``) for
-    seconds budgets (where requested = done by definition): a gap in a trainer's shard before its last finished
-    microbatch is lost; a record cut short by a kill is not a finish."""
+    seconds budgets (where requested = done by definition): a gap in a lease before its last finished microbatch
+    is lost, the untaken end of a lease is not; a record cut short by a kill is not a finish."""
     from cramswarm.swarm.trainer import losses_path
+    from cramswarm.swarm.work import LEASE_MICROBATCHES as L
     from cramswarm.swarm_study import study_launcher as bench
 
-    def write(rank: int, mbs: list[int], tail: str = "") -> None:
+    def write(name: str, mbs: list[int], tail: str = "") -> None:
         lines = "".join(json.dumps({"mb": mb, "loss": 1.0, "time": 0.0}) + "\n" for mb in mbs)
-        losses_path(tmp_path, rank).write_text(lines + tail)
+        losses_path(tmp_path, name).write_text(lines + tail)
 
-    write(0, [0, 3, 6, 9])   # trainer 0 of 3: its whole shard up to 9
-    write(1, [1, 7], tail='{"mb": 10, "lo')  # 4 never finished; 10's record was cut short
-    assert bench.lost_microbatches(tmp_path, 3) == (6, 1)  # trainer 2 has no file: it finished nothing
-    write(1, [1, 4, 7])
-    assert bench.lost_microbatches(tmp_path, 3) == (7, 0)
+    write("0", [0, 1, 2, 3, 2 * L])          # lease 0 whole; lease 2 begun at the deadline (its end untaken)
+    write("1", [L, L + 2], tail=f'{{"mb": {L + 3}, "lo')   # L + 1 never finished; L + 3's record was cut short
+    assert bench.lost_microbatches(tmp_path) == (7, 1)
+    write("j1", [L + 1])   # a trainer that adopted the lease finished it
+    assert bench.lost_microbatches(tmp_path) == (8, 0)
 
 
-def test_a_trainer_refuses_a_rank_outside_the_trainers(tmp_path):
+def test_a_trainer_refuses_a_negative_rank(tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps({}))
-    proc = subprocess.run([sys.executable, "-m", "cramswarm.swarm.trainer", "--config", str(config), "--rank", "2",
-                           "--trainers", "2"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "--rank 2 is outside 0 .. 1" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "cramswarm.swarm.trainer", "--config", str(config), "--rank", "-1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--rank -1 is negative" in proc.stderr
 
 
 def test_a_resumed_seconds_run_gets_the_budget_less_its_earlier_training_time(tmp_path):
@@ -481,28 +479,29 @@ def test_a_shard_written_from_the_state_itself_loads_as_the_serialised_one(tmp_p
     assert not list((tmp_path / "b").glob(".*"))  # no temporary file left
 
 
-def test_a_rerun_resumes_each_trainer_at_the_first_microbatch_not_every_stage_stepped(tmp_path):
+def test_a_rerun_owes_every_microbatch_not_stepped_by_every_stage_or_without_a_loss_record(tmp_path):
     total, state = 40, tmp_path / "state"
     first = _prepared(state, total)
     assert first.stats.get("resumed") is None and (state / "resume.json").exists()
-    # the killed run: stage 0 stepped microbatches 0..9 and 12, stage 1 0..13; trainer 0 owns the even ones
+    assert first.order == WorkOrder(total)   # a fresh run: every microbatch in order
+    # the killed run: stage 0 stepped microbatches 0..9 and 12, stage 1 0..13
     write_shard(state / "shards", 0, "s0p1", 4, _shard_blob(4, list(range(10)) + [12], first.run_id))
     write_shard(state / "shards", 1, "s1p3", 6, _shard_blob(6, list(range(14)), first.run_id))
     (state / "dht_addrs.txt").write_text("/ip4/127.0.0.1/tcp/1/p2p/dead\n")
     (state / "s1p4.log").write_text("")
     (state / "log-s1p3.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 9)))
-    # trainer 0 had reported 7 microbatches done (0 .. 12), the last loss record cut short; trainer 1 only 4
+    # the trainers' loss records: 0..12 but 5 (its record never written), 12's cut short by the kill
     (state / "trainer0.losses.jsonl").write_text("".join(json.dumps({"mb": i, "loss": 2.0}) + "\n"
                                                          for i in range(0, 12, 2)) + '{"mb": 12, "lo')
-    for rank, done in ((0, 7), (1, 4)):
-        (state / f"trainer{rank}.json").write_text(json.dumps({"rank": rank, "done": done}))
+    (state / "trainerj7.losses.jsonl").write_text("".join(json.dumps({"mb": i, "loss": 2.0}) + "\n"
+                                                          for i in (1, 3, 7, 9, 11)))
     again = _prepared(state, total)
     resumed = again.stats["resumed"]
-    assert resumed["shard_steps"] == [4, 6] and resumed["trainer_done_before"] == [7, 4]
-    # trainer 0 (0, 2, .., 10, 12): first not stepped by both stages is 10 (position 5); trainer 1 (1, 3, ..):
-    # 11 (position 5), but it had done only 4 (microbatch 9's loss was never recorded): it redoes 9
-    assert resumed["trainer_done"] == [5, 4]
-    assert [json.loads((state / f"trainer{r}.json").read_text())["done"] for r in (0, 1)] == [5, 4]
+    # finished (stepped everywhere, with a loss): 0..9 but 5; owed first: 5; then on from 10
+    assert resumed["shard_steps"] == [4, 6] and resumed["finished_before"] == 9, resumed
+    assert again.order == WorkOrder(total, (5,), 10) and resumed["owed_first"] == 1 and resumed["from_microbatch"] == 10
+    assert resumed["retrained"] == [2, 5]   # stage 0 steps 5 and 12 again, stage 1 5 and 10..13
+    assert json.loads(again._write_config(8).read_text())["order"] == {"holes": [5], "start": 10}  # for trainers
     assert (state / "trainer0.losses.jsonl").read_text().splitlines()[-1] == json.dumps({"mb": 10, "loss": 2.0})
     assert not (state / "dht_addrs.txt").exists()  # the dead swarm's addresses
     assert [json.loads(line)["step"] for line in (state / "log-s1p3.jsonl").read_text().splitlines()] == \

@@ -1,4 +1,4 @@
-"""Commands of SWARM parallelism: swarm-pretrain, swarm-peer, swarm-join."""
+"""Commands of SWARM parallelism: swarm-pretrain, swarm-peer, swarm-join, swarm-train."""
 
 from __future__ import annotations
 
@@ -78,3 +78,21 @@ def swarm_join(args) -> int:
     from cramswarm.swarm.peer_process import run_join
 
     return run_join(args.peer, args.speed, args.host, args.workdir, args.wait_s)
+
+
+@command(
+    "swarm-train",
+    "add a trainer to a running swarm-pretrain through any live process's address; it leaves on SIGTERM or Ctrl-C",
+    arg("--peer", required=True, help="multiaddr of any live process of the swarm (a line of its dht_addrs.txt)"),
+    arg("--name", help="this trainer's name in the claim records (default: j<host>-<pid>); a restart under the "
+                       "same name goes on with its lease"),
+    arg("--host", default="127.0.0.1", help="IPv4 address this trainer listens on (0.0.0.0: every interface)"),
+    arg("--workdir", help="folder for this trainer's losses and progress when this host lacks the run's folder"),
+    arg("--wait-s", type=float, default=60.0, help="seconds to reach the peer and find the swarm's description"),
+)
+def swarm_train(args) -> int:
+    from cramswarm.swarm.membership import leave_now
+    from cramswarm.swarm.trainer import run, train_joined
+
+    code = run(train_joined(args.peer, args.name, args.host, args.workdir, args.wait_s), args.name or "joined")
+    leave_now(code)

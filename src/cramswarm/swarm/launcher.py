@@ -14,11 +14,12 @@ own peer):
 * stage peers - ``peer_process stage`` with ``peer_sync.SyncingStagePeer``: they serve their stage, decide
   their stage's synchronous steps among themselves (``peer_sync``) and, with ``rebalance_period_s``, which of them
   moves to a starved stage; the mover moves itself, in its process (``peer_rebalance``);
-* trainers - ``python -m cramswarm.swarm.trainer``, one per ``trainers``, each owning a shard of the
-  microbatches (``trainer``), which it makes itself from the run's microbatch source (``data``: the packed
-  training blocks, masked per microbatch index); this process writes no microbatch. Training starts once every
-  trainer has joined the swarm: then this process writes the training clock (``progress.CLOCK_FILE``), which
-  the trainers wait for before their first microbatch.
+* trainers - ``python -m cramswarm.swarm.trainer``, one per ``trainers`` (more may be added by hand,
+  ``swarm-train``), each taking leases of the run's work order from the DHT (``work``, ``trainer``) and making
+  the microbatches itself from the run's microbatch source (``data``: the packed training blocks, masked per
+  microbatch index); this process writes no microbatch. Training starts once its trainers have joined the swarm:
+  then this process writes the training clock (``progress.CLOCK_FILE``), which the trainers wait for before their
+  first microbatch.
 
 Budgets: a token or step budget fixes the number of microbatches before the start. A seconds budget does not:
 the training clock (``progress.CLOCK_FILE``) holds the origin of training time and the deadline, the budget
@@ -27,20 +28,20 @@ and finish the one under way, and the end is that of a counted run (the last, pa
 shards). Only training time counts: a resumed seconds run gets the budget less its earlier lives' training time.
 
 What the launcher does, and what its death means: it keeps a heartbeat record in the DHT (the key the peers and
-trainers of the swarm watch, ``membership.launcher_key``); it restarts a trainer that died (same rank: it
-resumes its shard from its progress file) and a stage peer that died (a fresh uid for the same stage, which
-downloads the stage's state from a live replica before it serves), ``rejoin_after_s`` later; it runs the fault
-injection (``launcher_faults``: ``kill_every_s``, SIGKILL of a random stage peer, never the last replica at its
-stage's latest step; with the attach placement the peer's ``die`` RPC, and its task restarts it; ``faults``: SIGKILL
-of named processes at given times; ``gone<N>:stage<S>``: N peers of a stage, never replaced) - it only kills and
-restarts, it holds no training state; once every trainer reports its shard done it ends the run (``run_result``: it
-asks the peers for the last, partial global batch, ``membership.flush_key``, waits until every stage is idle,
-downloads the stages' parameters from live replicas and assembles the result) and stops everything. If it dies, the
-swarm trains on: the peers and trainers leave only once its heartbeat record has been missing ``launcher_grace_s``
-(the peers write their stages' shards first). A launcher started again on the same state folder within that time
-re-attaches (``_reattach``: the swarm's run id, clock and processes) and finishes the run; after it, it resumes from
-the shards. A deliberate stop (SIGTERM, Ctrl-C, ``scancel``) during training has the stages write their shards and
-every process exit (``_stop_swarm``); before training it ends every process at once.
+trainers of the swarm watch, ``membership.launcher_key``); it restarts a trainer of its own that died (same name: it
+goes on with its lease; one that left, ``EXIT_LEFT``, is not restarted) and a stage peer that died (a fresh uid for
+the same stage, which downloads the stage's state from a live replica before it serves), ``rejoin_after_s`` later;
+it runs the fault injection (``launcher_faults``: ``kill_every_s``, SIGKILL of a random stage peer, never the last
+replica at its stage's latest step; with the attach placement the peer's ``die`` RPC, and its task restarts it;
+``faults``: SIGKILL of named processes at given times; ``gone<N>:stage<S>``: N peers of a stage, never replaced) -
+it only kills and restarts, it holds no training state; once its trainers have exited with every lease finished it
+ends the run (``run_result``: it asks the peers for the last, partial global batch, ``membership.flush_key``, waits
+until every stage is idle, downloads the stages' parameters from live replicas and assembles the result) and stops
+everything. If it dies, the swarm trains on: the peers and trainers leave only once its heartbeat record has been
+missing ``launcher_grace_s`` (the peers write their stages' shards first). A launcher started again on the same
+state folder within that time re-attaches (``_reattach``: the swarm's run id, clock and processes) and finishes the
+run; after it, it resumes from the shards. A deliberate stop (SIGTERM, Ctrl-C, ``scancel``) during training has the
+stages write their shards and every process exit (``_stop_swarm``); before training it ends every process at once.
 
 Checkpoint and resume (``run_state``): with ``state_dir`` the run's folder is that folder, not a temporary one, and
 a launcher that finds an interrupted run of the same settings and data there resumes it from the stages' shards.
@@ -104,7 +105,8 @@ from cramswarm.swarm.rebalancing import MoveEvent
 from cramswarm.swarm.routing import NoPeersError
 from cramswarm.swarm.run_result import RunResult
 from cramswarm.swarm.run_state import TIME_FILE, RunFolder
-from cramswarm.swarm.trainer import EXIT_NO_PEERS, progress_path
+from cramswarm.swarm.trainer import EXIT_LEFT, EXIT_NO_PEERS, WorkClaims, progress_path
+from cramswarm.swarm.work import WorkOrder, all_done
 
 TRAINER_MODULE = [sys.executable, "-m", "cramswarm.swarm.trainer"]
 KILLED_STEP = 128 + signal.SIGKILL  # srun's exit code for a task SIGKILLed (its step's, srun placement)
@@ -158,7 +160,10 @@ class Launcher(RunFolder, FaultInjection, RunResult):
         self.peers: dict[str, PeerProcess] = {}   # uid -> process (live or dead, until restarted)
         self.retired: set[str] = set()            # peers killed on purpose or restarted
         self.trainers: dict[int, object] = {}     # rank -> Popen
-        self.finished: set[int] = set()
+        self.finished: set[int] = set()           # ranks that exited 0: every lease finished (or the deadline)
+        self.left: set[int] = set()               # ranks told to leave (EXIT_LEFT): not restarted
+        self.order = WorkOrder(total_microbatches)  # the leases' order (run_state: a resume's owed microbatches first)
+        self.description: dict | None = None      # the swarm's config as stored for joiners (_beat)
         self.next_uid = 0
         self.moves_seen = self.moves_base = 0      # events of the peers' moves file read so far / before this life
         self.bootstrap = None
@@ -183,7 +188,8 @@ class Launcher(RunFolder, FaultInjection, RunResult):
                "seq_len": seq_len, "workdir": str(self.workdir), "retry": dataclasses.asdict(p.retry),
                "seed": p.seed, "shard_dir": str(self.shard_dir), "checkpoint_every_s": p.checkpoint_every_s,
                "rebalance_period_s": p.rebalance_period_s, "peer_memory_cap_mb": p.peer_memory_cap_mb,
-               "data": self.source.spec(), "microbatches": self.total, "routing": p.routing,
+               "data": self.source.spec(), "microbatches": self.total, "order": self.order.spec(),
+               "routing": p.routing,
                "peer_unit_time_s": p.peer_unit_time_s, "rejoin_after_s": p.rejoin_after_s,
                # attach: rank r's task serves (stage, speed) of the r-th peer in stage order (peer_process.run_task)
                "placement_specs": [list(slot) for slot in self._slots()]}
@@ -209,8 +215,8 @@ class Launcher(RunFolder, FaultInjection, RunResult):
         return peer
 
     def _start_trainer(self, rank: int) -> None:
-        proc, _ = self.groups.spawn(["--config", str(self.config), "--rank", str(rank), "--trainers",
-                                     str(self.plan.trainers)], f"trainer{rank}", launcher=TRAINER_MODULE)
+        proc, _ = self.groups.spawn(["--config", str(self.config), "--rank", str(rank)], f"trainer{rank}",
+                                    launcher=TRAINER_MODULE)
         self.trainers[rank] = proc
 
     async def _wait_trainers_ready(self) -> None:
@@ -263,12 +269,14 @@ class Launcher(RunFolder, FaultInjection, RunResult):
         self.node = await join_dht(maddrs, client_mode=True, host=self.host, timeout_s=self.plan.join_timeout_s)
 
     async def _beat(self) -> None:
-        """The heartbeat; while the swarm trains, also its description (its config) for peers that join it
-        through any live address (``peer_process.serve_joined``)."""
+        """The heartbeat; while the swarm trains, also its description (its config and training clock) for peers
+        and trainers that join it through any live address (``peer_process.serve_joined``, ``trainer``)."""
         expiration = get_dht_time() + RECORD_TTL_S
         await self.node.store(launcher_key(self.run_id), self.phase, expiration)
         if self.phase == "training":
-            await self.node.store(SWARM_KEY, json.loads(self.config.read_text()), expiration)
+            self.description = self.description or json.loads(self.config.read_text())
+            clock = read_clock(self.workdir, self.run_id)
+            await self.node.store(SWARM_KEY, {**self.description, "clock": clock}, expiration)
 
     async def _heartbeat_forever(self) -> None:
         while True:
@@ -358,11 +366,26 @@ class Launcher(RunFolder, FaultInjection, RunResult):
         return time.perf_counter() - self.start
 
     def _done_microbatches(self) -> int:
+        """Microbatches the trainers have done (the progress files of every trainer in the folder, added ones too)."""
         done = 0
-        for rank in range(self.plan.trainers):
+        for path in self.workdir.glob("trainer*.json"):
             with contextlib.suppress(Exception):
-                done += read_json(progress_path(self.workdir, rank))["done"]
+                done += read_json(path)["done"]
         return done
+
+    async def _work_done(self) -> bool:
+        """Whether the claim records say every lease is finished (``work.all_done``)."""
+        with contextlib.suppress(Exception):
+            claims = await WorkClaims(self.node, self.run_id, "launcher", self.order).read()
+            return all_done(claims, positions=self.order.positions)
+        return False
+
+    async def _trainers_done(self) -> bool:
+        """Whether training is over: every trainer of this launcher has exited 0 (every lease finished, or the
+        deadline) or left, and, if all of them left, the trainers added by hand have finished the leases."""
+        if len(self.finished | self.left) < self.plan.trainers:
+            return False
+        return bool(self.finished) or await self._work_done()
 
     async def _supervise(self) -> None:
         """Until every trainer is done: restart dead trainers and peers, fail on a trainer's error."""
@@ -370,19 +393,21 @@ class Launcher(RunFolder, FaultInjection, RunResult):
                    unit="mb", disable=not self.progress,
                    mininterval=2.0)
         try:
-            while len(self.finished) < self.plan.trainers:
+            while not await self._trainers_done():
                 if self.failed.done():
                     self.failed.result()
                 if self.stop.is_set():
                     await self._stop_swarm()
                 for rank, proc in list(self.trainers.items()):
-                    if rank in self.finished or proc is None or (code := proc.poll()) is None:
+                    if rank in self.finished | self.left or proc is None or (code := proc.poll()) is None:
                         continue
                     self.groups.kill(proc)  # its p2pd
                     if code == 0:
                         self.finished.add(rank)
+                    elif code == EXIT_LEFT:   # told to leave: its lease goes to the others
+                        self.left.add(rank)
                     elif code < 0 or (code == KILLED_STEP and self.plan.placement == "srun"):
-                        # killed by a signal: restart with the same rank, it resumes its shard
+                        # killed by a signal: restart under the same rank, it goes on with its lease
                         self.trainers[rank] = None
                         self._spawn(self._restart_trainer(rank))
                     else:
@@ -457,6 +482,7 @@ class Launcher(RunFolder, FaultInjection, RunResult):
         (``processes.Adopted``: restarted like this launcher's own when they die), start a peer for each one a
         stage lacks, and go on with its training clock. Training time runs from the clock's origin."""
         self.config, self.addr_file = self.workdir / CONFIG_FILE, self.workdir / ADDR_FILE
+        self.order = WorkOrder.from_spec(self.total, read_json(self.config).get("order"))
         maddrs = await asyncio.to_thread(read_addr_file, self.addr_file, self.plan.join_timeout_s)
         self.node = await join_dht(maddrs, client_mode=True, host=self.host, timeout_s=self.plan.join_timeout_s)
         self.phase = "training"
@@ -475,7 +501,7 @@ class Launcher(RunFolder, FaultInjection, RunResult):
             self.peers[uid] = peer
         for pid, cmdline in live["trainer"]:
             rank = int(option(cmdline, "--rank"))
-            self.trainers[rank] = Adopted(pid, ended_well=lambda rank=rank: self._shard_done(rank))
+            self.trainers[rank] = Adopted(pid, ended_well=lambda rank=rank: self._trainer_finished(rank))
             self.groups.adopt(self.trainers[rank])
         self.moves_seen = len(self._move_events())   # the adopted peers' moves are known
         self.next_uid = self._last_uid()
@@ -490,7 +516,7 @@ class Launcher(RunFolder, FaultInjection, RunResult):
         for rank in range(self.plan.trainers):
             if rank not in self.trainers:
                 self.trainers[rank] = None
-                if self._shard_done(rank):
+                if self._trainer_finished(rank):
                     self.finished.add(rank)
                 else:
                     self._start_trainer(rank)
@@ -506,11 +532,11 @@ class Launcher(RunFolder, FaultInjection, RunResult):
         print(f"re-attached to the live swarm {self.run_id} in {self.workdir}: peers {sorted(self.peers)}, "
               f"trainers {self.stats['reattached']['trainers']}", flush=True)
 
-    def _shard_done(self, rank: int) -> bool:
-        """Whether trainer ``rank``'s progress file says its whole shard is done."""
+    def _trainer_finished(self, rank: int) -> bool:
+        """Whether trainer ``rank``'s progress file says it ended with nothing left to train."""
         with contextlib.suppress(Exception):
             progress = read_json(progress_path(self.workdir, rank))
-            return progress["shard"] is not None and int(progress["done"]) >= int(progress["shard"])
+            return progress.get("run_id") in self.run_ids and bool(progress.get("finished"))
         return False
 
     def _stop_on_signals(self) -> None:

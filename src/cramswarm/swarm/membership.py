@@ -7,8 +7,8 @@ live entry lets a newcomer in. A process listens on ``cfg["host"]`` or on ``cfg[
 
 The keys: ``launcher_key`` (the heartbeat: ``starting``, ``training``, ``stopping`` or ``done``), ``stage_key``
 (the declared peers of a stage, sub-key = peer uid, value = P2P peer id), ``progress_key`` (a stage's progress
-records, ``peer_sync``) and ``flush_key`` (step the last, partial batch). ``stage_namespace`` is a stage's P2P
-handler namespace and all-reduce prefix.
+records, ``peer_sync``), ``work_key`` (the trainers' claims, ``work``) and ``flush_key`` (step the last, partial
+batch). ``stage_namespace`` is a stage's P2P handler namespace and all-reduce prefix.
 """
 from __future__ import annotations
 
@@ -204,6 +204,11 @@ async def stage_records(node: DHTNode, run_id: str, stage: int) -> dict[str, tup
 def progress_key(run_id: str, stage: int) -> str:
     """DHT key of a stage's progress records (sub-key: peer uid)."""
     return f"{run_id}_progress{stage}"
+
+
+def work_key(run_id: str) -> str:
+    """DHT key of the trainers' claim records (sub-key: trainer name; ``work``)."""
+    return f"{run_id}_work"
 
 
 def flush_key(run_id: str) -> str:

@@ -24,9 +24,8 @@ from cramswarm.swarm.peer_sync import SYNC_LOG
 from cramswarm.swarm.processes import SUPERVISE_PERIOD_S
 from cramswarm.swarm.progress import overshoot, progress_records, stage_stalls
 from cramswarm.swarm.routing import NoPeersError
-from cramswarm.swarm.run_state import step_of
+from cramswarm.swarm.run_state import mb_of, step_of
 from cramswarm.swarm.shards import load_shard, newest_shard
-from cramswarm.swarm.trainer import losses_path, progress_path, shard
 from cramswarm.swarm.wire import request, unpack
 
 IDLE_READS = 3            # a stage is idle once this many reads in a row show no held samples and one step
@@ -164,9 +163,8 @@ class RunResult:
 
     def _loss_rows(self) -> Iterator[dict]:
         """The trainers' loss records (one per microbatch done; a line cut short by a kill is skipped)."""
-        for rank in range(self.plan.trainers):
-            path = losses_path(self.workdir, rank)
-            for line in path.read_text().splitlines() if path.exists() else []:
+        for path in sorted(self.workdir.glob("trainer*.losses.jsonl")):   # the launcher's trainers and added ones
+            for line in path.read_text().splitlines():
                 with contextlib.suppress(ValueError):
                     yield json.loads(line)
 
@@ -196,16 +194,22 @@ class RunResult:
         return moves
 
     def _trainer_stats(self) -> dict:
-        """The trainers' call counters (retries, timeouts, errors), summed; a restarted trainer and a resumed run
+        """The trainers' call and lease counters (retries, timeouts, errors; leases taken, adopted, yielded), summed
+        over every trainer of the folder, and the microbatches each one did; a restarted trainer and a resumed run
         count on from the earlier lives (stepped samples restored from a shard include their re-sent calls)."""
-        total: dict = {"retries": 0, "timeouts": 0, "errors": 0}
-        for rank in range(self.plan.trainers):
+        counted = ("retries", "timeouts", "errors", "leases", "adopted_leases", "yielded_leases")
+        total: dict = dict.fromkeys(counted, 0)
+        for path in sorted(self.workdir.glob("trainer*.json")):
             with contextlib.suppress(Exception):
-                stats = read_json(progress_path(self.workdir, rank))["stats"]
-                for key in total:
-                    total[key] += stats[key]
+                stats = read_json(path)["stats"]
+                for key in counted:
+                    total[key] += stats.get(key, 0)
                 if "last_error" in stats:
                     total["last_error"] = stats["last_error"]
+        # each trainer's loss records (a record cut short by a kill is no microbatch done)
+        total["trainer_microbatches"] = {path.name[len("trainer"):-len(".losses.jsonl")]: sum(
+            mb_of(line) is not None for line in path.read_text().splitlines())
+            for path in sorted(self.workdir.glob("trainer*.losses.jsonl"))}
         return total
 
     def _peer_counters(self) -> list[dict]:
@@ -234,7 +238,7 @@ class RunResult:
 
     def _result(self, stage_states, replica_steps, spread, wall_s) -> TrainResult:
         losses = self._trainer_losses()
-        done = self._done_microbatches()
+        done = len(losses)   # microbatches with a loss record: trained to the end (every life, every trainer)
         counters, rows = self._peer_counters(), self._sync_rows()
         micro = self.plan.recipe["micro_batch_sequences"]
         def stage_max(key: str) -> list[int]:   # stage state every replica holds (the most advanced one's)
@@ -263,8 +267,6 @@ class RunResult:
             transport="hivemind", placement=self.plan.placement, roles="launcher", microbatches_done=done,
             microbatches_requested=requested, lost_microbatches=requested - done,
             microbatches_with_loss=len(losses), trainer_losses=[losses[i] for i in sorted(losses)],
-            shard_sizes=[len(shard(self.total, r, self.plan.trainers)) if data.bounded(self.total) else None
-                         for r in range(self.plan.trainers)],
             steps=len(log), stage_steps=[max(steps.values()) for steps in replica_steps.values()],
             # at least once (peer_sync): a stage's stepped samples may pass the microbatches' by the duplicates;
             # lost are the microbatches of the run that the stage's final shard does not list as stepped

@@ -7,9 +7,10 @@ that folder, not a temporary one. The stage peers write their stages' shards to 
 shards. ``resume.json`` records what the run was started with (model, recipe, stages, trainers, compressions, seed,
 microbatches, the microbatch source's spec and a SHA-1 of its first and last microbatch). A launcher that finds it -
 the previous one was killed with everything it started - resumes: the stage peers load their stage's newest shard,
-and each trainer resumes its shard at its first microbatch that not every stage's shard has stepped, so no
-microbatch is lost; a stage whose shard is ahead steps those microbatches again (at least once, counted in
-``duplicate_microbatches``). Only shards of the run's own lives (``resume.json``'s ``lives``) are accepted.
+and the trainers' leases follow a work order that owes every microbatch not both stepped by every stage's shard
+and recorded with a loss, so no microbatch is lost; a stage whose shard is ahead steps those microbatches again
+(at least once, counted in ``duplicate_microbatches``). Only shards of the run's own lives (``resume.json``'s
+``lives``) are accepted.
 A launcher whose settings or data differ from ``resume.json``'s refuses, naming what differs (``ResumeMismatch``).
 The folder is kept when the run fails, and also when it succeeds: its caller removes it once the run's outputs are
 written (``train.swarm_pretrain``), so that a kill between the two resumes instead of starting from step 0.
@@ -40,7 +41,7 @@ from cramswarm.swarm.membership import ADDR_FILE, CONFIG_FILE
 from cramswarm.swarm.processes import swarm_processes
 from cramswarm.swarm.progress import CLOCK_FILE, read_clock
 from cramswarm.swarm.shards import load_shard, newest_shard
-from cramswarm.swarm.trainer import losses_path, progress_path, shard
+from cramswarm.swarm.work import WorkOrder
 
 RESUME_FILE = "resume.json"  # in a state folder: what the run was started with (a rerun resumes only the same)
 LOCK_FILE = "launcher.lock"
@@ -156,36 +157,24 @@ class RunFolder:
         return seq_len
 
     def _resume(self, previous_lives: list[str]) -> None:
-        """Set up the folder of an interrupted run: the trainers restart at the first microbatch of their shard
-        that not every stage's newest shard has stepped; the last stage's log keeps the shard's steps. A shard
-        that none of the run's earlier lives (``previous_lives``) wrote is refused (``shards.ForeignShard``)."""
+        """Set up the folder of an interrupted run: its trainers' leases follow a new work order
+        (``work.WorkOrder.after``) that owes every microbatch not both stepped by every stage's newest shard and
+        recorded with a loss, the gaps first; the last stage's log keeps the shard's steps. A shard that none of
+        the run's earlier lives (``previous_lives``) wrote is refused (``shards.ForeignShard``)."""
         (self.workdir / ADDR_FILE).unlink(missing_ok=True)  # the dead swarm's addresses
         (self.workdir / CLOCK_FILE).unlink(missing_ok=True)  # its clock: this life writes its own
         for tmp in [*self.workdir.glob(".*.tmp"), *self.shard_dir.glob(".*")]:  # writes cut short
             tmp.unlink(missing_ok=True)
         shards = [newest_shard(self.shard_dir, s) for s in range(self.plan.stages)]
         states = [load_shard(found[1], tuple(previous_lives)) if found else None for found in shards]
-        stepped = set.intersection(*[set(state.get("stepped_mbs", [])) if state else set() for state in states])
-        before, after = [], []
-        for rank in range(self.plan.trainers):
-            mine = shard(self.total, rank, self.plan.trainers)
-            counts = {"retries": 0, "timeouts": 0, "errors": 0}
-            try:
-                previous = read_json(progress_path(self.workdir, rank))
-                before.append(int(previous["done"]))
-                counts.update({k: int(previous.get("stats", {}).get(k, 0)) for k in counts})  # the run's, both lives
-            except Exception:  # no progress file yet: the trainer had not started
-                before.append(0)
-            # not past the trainer's own count either: a microbatch stepped everywhere may lack its loss record
-            done = min(next((j for j, i in enumerate(mine) if i not in stepped), len(mine)), before[-1])
-            losses = losses_path(self.workdir, rank)
-            if losses.exists():  # whole records only (a write cut short would run into the next one)
-                write_text(losses, "".join(f"{line}\n" for line in losses.read_text().splitlines()
-                                           if mb_of(line) is not None))
-            size = len(mine) if data.bounded(self.total) else None
-            write_json(progress_path(self.workdir, rank), {"rank": rank, "done": done, "shard": size,
-                                                            "stats": counts})
-            after.append(done)
+        per_stage = [set(state.get("stepped_mbs", [])) if state else set() for state in states]
+        recorded: set[int] = set()
+        for losses in self.workdir.glob("trainer*.losses.jsonl"):  # whole records only (a write cut short by a kill
+            lines = [line for line in losses.read_text().splitlines() if mb_of(line) is not None]  # is dropped)
+            write_text(losses, "".join(f"{line}\n" for line in lines))
+            recorded |= {mb_of(line) for line in lines}
+        finished = set.intersection(*per_stage) & recorded
+        self.order = WorkOrder.after(self.total, finished)
         last_step = shards[-1][0] if shards[-1] else 0
         for path in self.workdir.glob(f"log-s{self.plan.stages - 1}[pr]*.jsonl"):  # steps the shard holds
             kept = [line for line in path.read_text().splitlines() if step_of(line) <= last_step]
@@ -196,9 +185,13 @@ class RunFolder:
             self.wall_before, self.first_start_wall = float(times["wall_s"]), float(times["start_wall"])
         self.stats["resumed"] = {"wall_s_before": round(self.wall_before, 3),
                                  "shard_steps": [found[0] if found else 0 for found in shards],
-                                 "trainer_done_before": before, "trainer_done": after}
+                                 "finished_before": len(finished), "owed_first": len(self.order.holes),
+                                 "from_microbatch": self.order.start,
+                                 # per stage: microbatches its shard stepped that the order trains again
+                                 "retrained": [len(stepped - finished) for stepped in per_stage]}
         print(f"resuming the swarm run in {self.workdir}: stage shards at steps {self.stats['resumed']['shard_steps']}"
-              f", trainers at microbatch {after} of their shards (they had done {before})", flush=True)
+              f", {len(finished)} microbatches finished; the trainers take {len(self.order.holes)} owed ones, then "
+              f"go on from microbatch {self.order.start}", flush=True)
 
     def _last_uid(self) -> int:
         """The highest peer number ``n`` of the ``s<stage>p<n>`` logs in the folder (0 for none)."""

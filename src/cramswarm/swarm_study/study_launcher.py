@@ -57,27 +57,27 @@ def toy_recipe(micro: int, batch_micro: int, budget: dict) -> dict:
         batch_ramp_fraction=0.0, warmup_fraction=0.0, precision="bf16")
 
 
-def lost_microbatches(state_dir: Path, trainers: int) -> tuple[int, int]:
-    """(microbatches with a loss record, microbatches lost): per trainer, the indices of its shard before its last
-    finished one that have no loss record (a microbatch taken and never finished, or skipped)."""
-    from cramswarm.swarm.trainer import losses_path, shard
+def lost_microbatches(state_dir: Path) -> tuple[int, int]:
+    """(microbatches with a loss record, microbatches lost) of a fresh run: a trainer goes through its lease
+    (``work.LEASE_MICROBATCHES`` consecutive microbatches) in order, and whoever adopts the lease goes on where it
+    stopped, so a gap before a lease's last finished microbatch was taken and never finished; a lease's end left
+    untaken at the deadline is not lost. A record cut short by a kill is no finish."""
+    from cramswarm.swarm.work import LEASE_MICROBATCHES
 
-    finished, lost = 0, 0
-    for rank in range(trainers):
-        path = losses_path(state_dir, rank)
-        done = set()
-        for line in path.read_text().splitlines() if path.exists() else []:
+    done = set()
+    for path in Path(state_dir).glob("trainer*.losses.jsonl"):
+        for line in path.read_text().splitlines():
             try:
                 row = json.loads(line)
             except ValueError:
                 continue
             if "loss" in row:
                 done.add(int(row["mb"]))
-        finished += len(done)
-        if done:
-            mine = shard(max(done) + 1, rank, trainers)
-            lost += sum(i not in done for i in mine)
-    return finished, lost
+    last: dict[int, int] = {}
+    for mb in done:
+        last[mb // LEASE_MICROBATCHES] = max(last.get(mb // LEASE_MICROBATCHES, mb), mb)
+    lost = sum(i not in done for lease, end in last.items() for i in range(lease * LEASE_MICROBATCHES, end))
+    return len(done), lost
 
 
 def run_launcher(plan, source, total_microbatches: int, *, testbed: tuple[float | None, float] | None = None,
@@ -101,7 +101,7 @@ def run_launcher(plan, source, total_microbatches: int, *, testbed: tuple[float 
             bandwidth_mbit, latency_ms = testbed
             result = tbswarm.run(plan, source, total_microbatches, bandwidth_mbit=bandwidth_mbit,
                                  latency_ms=latency_ms, seed=plan.seed)
-        finished, lost = lost_microbatches(state_dir, plan.trainers)
+        finished, lost = lost_microbatches(state_dir)
     except BaseException:
         keep = True
         raise
