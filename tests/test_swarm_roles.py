@@ -744,11 +744,9 @@ def test_a_peer_joining_through_a_dead_or_wrong_address_says_so_and_exits_2(addr
 
 
 def test_the_planned_peer_slots_give_each_peer_its_own_speed():
-    """The launcher's (stage, speed) slots: the i-th planned peer in stage order has ``peer_speeds[i mod len]``
-    (the start, the attach placement's rank table and a re-attach's missing peers all read them)."""
-    launcher = launcher_mod.Launcher(plan(decentralised=True, peers_per_stage=[2, 1], peer_speeds=[1.0, 0.5]),
-                                     source(), 8, progress=False)
-    assert launcher._slots() == [(0, 1.0), (0, 0.5), (1, 1.0)]
+    """The plan's (stage, speed) slots: the i-th planned peer in stage order has ``peer_speeds[i mod len]`` (the
+    launcher's start, the attach placement's rank table and a re-attach's missing peers all read them)."""
+    assert plan(peers_per_stage=[2, 1], peer_speeds=[1.0, 0.5]).slots() == [(0, 1.0), (0, 0.5), (1, 1.0)]
 
 
 def test_a_joining_replica_downloads_from_the_newest_replica_first():

@@ -111,6 +111,12 @@ class SwarmPlan:
     def peers(self) -> int:
         return sum(self.peers_per_stage)
 
+    def slots(self) -> list[tuple[int, float]]:
+        """(stage, speed) of every planned peer, in stage order: the i-th has ``peer_speeds[i mod len]``."""
+        speeds = self.peer_speeds
+        return [(s, speeds[i % len(speeds)]) for i, s in enumerate(s for s, n in enumerate(self.peers_per_stage)
+                                                                    for _ in range(n))]
+
     def validate(self) -> None:
         if self.peer_unit_time_s is not None and not self.peer_unit_time_s > 0:
             raise ValueError(f"swarm peer_unit_time_s={self.peer_unit_time_s!r}: must be positive seconds or None")

@@ -192,7 +192,7 @@ class Launcher(RunFolder, FaultInjection, RunResult):
                "routing": p.routing,
                "peer_unit_time_s": p.peer_unit_time_s, "rejoin_after_s": p.rejoin_after_s,
                # attach: rank r's task serves (stage, speed) of the r-th peer in stage order (peer_process.run_task)
-               "placement_specs": [list(slot) for slot in self._slots()]}
+               "placement_specs": [list(slot) for slot in p.slots()]}
         path = self.workdir / CONFIG_FILE
         tmp = self.workdir / f".{CONFIG_FILE}.tmp"
         tmp.write_text(json.dumps(cfg))
@@ -200,11 +200,6 @@ class Launcher(RunFolder, FaultInjection, RunResult):
         return path
 
     # -- processes ------------------------------------------------------------------------------------------
-    def _slots(self) -> list[tuple[int, float]]:
-        """(stage, speed) of every planned peer, in stage order: the i-th has ``peer_speeds[i mod len]``."""
-        speeds, stages = self.plan.peer_speeds, self.plan.peers_per_stage
-        return [(s, speeds[i % len(speeds)]) for i, s in enumerate(s for s, n in enumerate(stages) for _ in range(n))]
-
     def _start_peer(self, stage: int, speed: float, load_state: bool) -> PeerProcess:
         self.next_uid += 1
         # local placement: peer i sees GPU i mod (this host's GPUs) alone; srun: the step's own (SLURM's --gpus-*)
@@ -365,14 +360,6 @@ class Launcher(RunFolder, FaultInjection, RunResult):
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
 
-    def _done_microbatches(self) -> int:
-        """Microbatches the trainers have done (the progress files of every trainer in the folder, added ones too)."""
-        done = 0
-        for path in self.workdir.glob("trainer*.json"):
-            with contextlib.suppress(Exception):
-                done += read_json(path)["done"]
-        return done
-
     async def _work_done(self) -> bool:
         """Whether the claim records say every lease is finished (``work.all_done``)."""
         with contextlib.suppress(Exception):
@@ -463,7 +450,7 @@ class Launcher(RunFolder, FaultInjection, RunResult):
         if self.plan.placement == "attach":  # the user's swarm-peer tasks serve the stages
             await self._wait_attached()
         else:
-            peers = [self._start_peer(s, speed, load_state=False) for s, speed in self._slots()]
+            peers = [self._start_peer(s, speed, load_state=False) for s, speed in self.plan.slots()]
             await self._wait_declared(peers)
         self.phase = "training"
         await self._beat()
@@ -506,7 +493,7 @@ class Launcher(RunFolder, FaultInjection, RunResult):
         self.moves_seen = len(self._move_events())   # the adopted peers' moves are known
         self.next_uid = self._last_uid()
         for stage, planned in enumerate(self.plan.peers_per_stage):   # the missing slots, with their own speeds
-            free = [speed for s, speed in self._slots() if s == stage]
+            free = [speed for s, speed in self.plan.slots() if s == stage]
             live = [p for p in self.peers.values() if p.stage == stage]
             for peer in live:
                 if peer.speed in free:
@@ -531,13 +518,6 @@ class Launcher(RunFolder, FaultInjection, RunResult):
                                     "training_s_before": round(self.wall_before, 3)}
         print(f"re-attached to the live swarm {self.run_id} in {self.workdir}: peers {sorted(self.peers)}, "
               f"trainers {self.stats['reattached']['trainers']}", flush=True)
-
-    def _trainer_finished(self, rank: int) -> bool:
-        """Whether trainer ``rank``'s progress file says it ended with nothing left to train."""
-        with contextlib.suppress(Exception):
-            progress = read_json(progress_path(self.workdir, rank))
-            return progress.get("run_id") in self.run_ids and bool(progress.get("finished"))
-        return False
 
     def _stop_on_signals(self) -> None:
         """From here on (training), SIGTERM and SIGINT (``scancel``, Ctrl-C) stop the swarm deliberately

@@ -193,6 +193,21 @@ class RunFolder:
               f", {len(finished)} microbatches finished; the trainers take {len(self.order.holes)} owed ones, then "
               f"go on from microbatch {self.order.start}", flush=True)
 
+    def _done_microbatches(self) -> int:
+        """Microbatches the trainers have done (the progress files of every trainer in the folder, added ones too)."""
+        done = 0
+        for path in self.workdir.glob("trainer*.json"):
+            with contextlib.suppress(Exception):
+                done += read_json(path)["done"]
+        return done
+
+    def _trainer_finished(self, rank: int) -> bool:
+        """Whether trainer ``rank``'s progress file says it ended with nothing left to train (this run's lives)."""
+        with contextlib.suppress(Exception):
+            progress = read_json(self.workdir / f"trainer{rank}.json")
+            return progress.get("run_id") in self.run_ids and bool(progress.get("finished"))
+        return False
+
     def _last_uid(self) -> int:
         """The highest peer number ``n`` of the ``s<stage>p<n>`` logs in the folder (0 for none)."""
         used = [int(p.stem.split("p")[-1]) for p in self.workdir.glob("s*p*.log") if p.stem.split("p")[-1].isdigit()]
