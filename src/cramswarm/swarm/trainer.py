@@ -352,7 +352,8 @@ async def train(cfg: dict, name: str, node=None) -> None:
                     with contextlib.suppress(Exception):
                         await claims.put(next=position + 1)
                     progress()
-            await claims.put(state="released")   # whoever looks for work next adopts the rest of the lease
+            with contextlib.suppress(Exception):   # whoever looks for work next adopts the rest of the lease
+                await claims.put(state="released")   # (not stored: once its claim is stale)
             return "left"
         finally:
             renew.cancel()
