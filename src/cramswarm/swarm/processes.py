@@ -187,19 +187,18 @@ def _running(proc: psutil.Process | None) -> bool:
 
 
 def swarm_processes(markers: set[str]) -> dict[str, list[tuple[int, list[str]]]]:
-    """The live processes of a swarm on this host, by role (``bootstrap``, ``stage``, ``trainer``): (pid,
-    command line) of each process whose command line names one of ``markers`` (its run folder's config or
-    address file)."""
-    found: dict[str, list[tuple[int, list[str]]]] = {"bootstrap": [], "stage": [], "trainer": []}
+    """The live processes of a swarm on this host, by role (``bootstrap``, ``stage``, ``trainer``, and ``other``
+    for any other process naming them): (pid, command line) of each process whose command line names one of
+    ``markers`` (its run folder's config or address file)."""
+    found: dict[str, list[tuple[int, list[str]]]] = {"bootstrap": [], "stage": [], "trainer": [], "other": []}
     for proc in psutil.process_iter(["cmdline", "status"]):
         with contextlib.suppress(psutil.Error):
             cmdline = proc.info["cmdline"] or []
             if not markers & set(cmdline) or proc.info["status"] == psutil.STATUS_ZOMBIE:
                 continue
             role = ("trainer" if "cramswarm.swarm.trainer" in cmdline else
-                    "bootstrap" if "bootstrap" in cmdline else "stage" if "stage" in cmdline else None)
-            if role is not None:
-                found[role].append((proc.pid, cmdline))
+                    "bootstrap" if "bootstrap" in cmdline else "stage" if "stage" in cmdline else "other")
+            found[role].append((proc.pid, cmdline))
     return found
 
 

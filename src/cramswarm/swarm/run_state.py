@@ -33,8 +33,6 @@ import os
 import shutil
 import time
 
-import psutil
-
 from cramswarm.io import read_json, write_json, write_text
 from cramswarm.swarm import data
 from cramswarm.swarm.membership import ADDR_FILE, CONFIG_FILE
@@ -219,13 +217,8 @@ class RunFolder:
 
     def _stale_processes(self) -> list[int]:
         """PIDs of live processes of an earlier launcher of this folder (their command line names its config or its
-        DHT address file)."""
-        markers, found = self._markers(), []
-        for proc in psutil.process_iter(["cmdline", "status"]):
-            with contextlib.suppress(psutil.Error):
-                if markers & set(proc.info["cmdline"] or []) and proc.info["status"] != psutil.STATUS_ZOMBIE:
-                    found.append(proc.pid)
-        return found
+        DHT address file), whatever their role."""
+        return [pid for role in swarm_processes(self._markers()).values() for pid, _ in role]
 
     def _live_swarm(self) -> str | None:
         """The run id of the swarm still training in this folder: the one its config names, once that run's

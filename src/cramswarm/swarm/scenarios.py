@@ -57,17 +57,8 @@ def poisson_failures(num_peers: int, duration_s: float, *, mean_interval_s: floa
                      seed: int = 0) -> list[FailureEvent]:
     """Preemptions as one Poisson process over the swarm (mean ``mean_interval_s`` between two), each hitting
     a uniformly random peer that is up at that moment; it rejoins after ``rejoin_after_s`` (None: never)."""
-    if mean_interval_s <= 0:
-        raise ValueError(f"mean_interval_s must be positive, got {mean_interval_s}")
     rng = random.Random(seed)
-
-    def arrivals() -> Iterator[float]:
-        t = rng.expovariate(1.0 / mean_interval_s)
-        while t < duration_s:
-            yield t
-            t += rng.expovariate(1.0 / mean_interval_s)
-
-    return kill_schedule(arrivals(), num_peers, rejoin_after_s, rng)
+    return kill_schedule(_poisson_times(duration_s, mean_interval_s, rng), num_peers, rejoin_after_s, rng)
 
 
 def _poisson_times(duration_s: float, mean_interval_s: float, rng: random.Random) -> Iterator[float]:
