@@ -71,7 +71,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from tqdm.auto import tqdm
 
-from cramswarm.io import read_json, write_text
+from cramswarm.io import read_json, write_json, write_text
 from cramswarm.swarm import data
 from cramswarm.swarm.emulation_training import TrainResult
 from cramswarm.swarm.launcher_faults import FaultInjection
@@ -193,11 +193,8 @@ class Launcher(RunFolder, FaultInjection, RunResult):
                "peer_unit_time_s": p.peer_unit_time_s, "rejoin_after_s": p.rejoin_after_s,
                # attach: rank r's task serves (stage, speed) of the r-th peer in stage order (peer_process.run_task)
                "placement_specs": [list(slot) for slot in p.slots()]}
-        path = self.workdir / CONFIG_FILE
-        tmp = self.workdir / f".{CONFIG_FILE}.tmp"
-        tmp.write_text(json.dumps(cfg))
-        os.replace(tmp, path)
-        return path
+        write_json(self.workdir / CONFIG_FILE, cfg)   # atomic: a process started meanwhile reads a whole one
+        return self.workdir / CONFIG_FILE
 
     # -- processes ------------------------------------------------------------------------------------------
     def _start_peer(self, stage: int, speed: float, load_state: bool) -> PeerProcess:

@@ -23,6 +23,8 @@ from pathlib import Path
 import psutil
 from hivemind.dht.node import DHTNode
 
+from cramswarm.io import write_text
+
 DECLARE_PERIOD_S = 2.0     # a peer re-declares its DHT record this often ...
 RECORD_TTL_S = 10.0        # ... with this expiration; a dead peer's record disappears within this time
 LAUNCHER_GRACE_S = 30.0  # a stage peer exits once the launcher's heartbeat record is missing this long
@@ -68,11 +70,8 @@ def listen_host(cfg: dict) -> str:
 # Bootstrap address file and DHT membership
 # --------------------------------------------------------------------------------------------------------------
 def write_addr_file(path: str | Path, maddrs: list[str]) -> None:
-    """Atomic write (temporary file + rename), so a reader never sees a half-written list."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text("".join(f"{m}\n" for m in maddrs))
-    os.replace(tmp, path)
+    """Atomic write (``io.write_text``: temporary file + rename), so a reader never sees a half-written list."""
+    write_text(path, "".join(f"{m}\n" for m in maddrs))
 
 
 def read_addr_file(path: str | Path, timeout_s: float) -> list[str]:
