@@ -6,14 +6,10 @@ peer). ``SCHEMES`` name the compression of the parts on the wire (``swarm.averag
 
 * ``none`` - fp32 as is (4 bytes per value);
 * ``fp16`` - hivemind's ``Float16Compression`` (2 bytes per value);
-* ``8bit`` - ``Blockwise8Bit``: blockwise absmax 8-bit (our ``compression`` module's ``blockwise8``, 1 byte per
-  value plus one fp32 maximum per 4,096 values) as a hivemind codec. hivemind's own 8-bit codecs do not serve:
-  ``BlockwiseQuantization`` needs bitsandbytes (not a dependency here); ``Uniform8BitQuantization`` (SWARM's
-  choice for large tensors) cannot decode with numpy >= 2.4 (``int()`` of a one-element array raises), encodes
-  with the deprecated ``torch.quantize_per_tensor``, and its one range of 6 standard deviations per part clips
-  the large values of a part that spans layers of different gradient scales (the all-reduce cuts one flat
-  vector of the stage's gradients into 512 KiB parts; ``tests/test_swarm_averaging.py`` has such a vector).
-  Per-block scales follow the layers.
+* ``8bit`` - ``Blockwise8Bit``: blockwise absmax 8-bit (the ``compression`` module's ``blockwise8``, 1 byte per
+  value plus one fp32 maximum per 4,096 values) as a hivemind codec. Its per-block scales follow the layers of a
+  512 KiB part that spans layers of different gradient scales, where one range per part would clip (hivemind's
+  ``Uniform8BitQuantization``; its ``BlockwiseQuantization`` needs bitsandbytes, not a dependency here).
 
 Replicas must take the same step, so they must all apply the same averaged values. hivemind's runner does not
 give them that: a reducer keeps its own share of the average uncompressed and sends the others a compressed

@@ -1,14 +1,10 @@
-"""Transport 2: the payload-free throughput emulation of a SWARM, ``run(setup)``, on the thread swarm
-(``thread_swarm``: stage peers and trainers as threads in one process, a directory standing in for the DHT).
+"""Transport 2: the payload-free throughput emulation of a SWARM, ``run(setup)``, on the threads of ``thread_swarm``.
 
 Compute is ``sleep(stage_time_s / speed)`` per forward call and ``BACKWARD_COMPUTE_FACTOR`` times that per backward
 call; the network costs ``activation_bytes * 8 / bandwidth + latency`` for the request and again for the reply of
-every call, slept by the trainer (links are not shared). Time is a *scaled wall clock* (``ScaledClock``): emulated
-seconds = wall seconds / ``time_scale``, so a 60 s setup runs in 3 s with ``time_scale=0.05``. The threads really
-run concurrently, so results carry thread-scheduling jitter: compare them with margins, not exactly (the
-discrete-event simulator ``sim`` is the exact, deterministic counterpart). Failure events kill and revive peers at
-their emulated times; rebalancing runs in its own thread. The training emulation on the same machinery, real stage
-modules and their state, is ``emulation_training.train``.
+every call, slept by the trainer (links are not shared). With ``time_scale=0.05`` a 60 s setup runs in 3 s; compare
+results with margins (thread-scheduling jitter; ``sim`` is the exact counterpart). Failure events kill and revive
+peers at their emulated times. The training emulation on the same machinery is ``emulation_training.train``.
 """
 
 from __future__ import annotations

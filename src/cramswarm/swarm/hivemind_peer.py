@@ -18,8 +18,7 @@ process. Its RPCs (``rpc_*``; ``peer_sync`` adds its own):
   peer SIGKILLs its own process group (itself and its p2pd) right after replying.
 
 The RPCs' payload tensors travel uncompressed at the hivemind level (``CompressionType.NONE``, ``wire``): the
-boundary compression is ours, applied before. The in-stage all-reduce uses hivemind's codecs (``averaging``; its
-8-bit one with a decoder that runs on numpy 2.4).
+boundary compression is ours, applied before. The in-stage all-reduce compresses with ``averaging``'s codecs.
 """
 from __future__ import annotations
 
@@ -51,10 +50,9 @@ from cramswarm.training import apply_gradients, make_optimizer, resolve_device
 
 # oneDNN primitives (CPU kernels built for one shape) a stage peer process caches; oneDNN's default is 1024. The
 # last stage decodes only the masked positions, a count that differs from microbatch to microbatch, so every new
-# count builds new decoder primitives; with the default cache they pile up (benchmarks/swarm_peer_memory.py on the
-# last stage of swarm_launcher.py's memory run: RSS still rising by about 16 MiB per backward call at the 24th).
-# 16 bounds that; the CPU per call stayed within the probe's noise. ONEDNN_PRIMITIVE_CACHE_CAPACITY in the
-# environment wins.
+# count builds new decoder primitives, and with the default cache the peer's RSS keeps growing
+# (benchmarks/swarm_peer_memory.py); 16 bounds it at no measurable CPU cost per call.
+# ONEDNN_PRIMITIVE_CACHE_CAPACITY in the environment wins.
 PEER_KERNEL_CACHE = 16
 KERNEL_CACHE_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
 _RUNTIME_RSS: list[int | None] = []
@@ -87,10 +85,9 @@ class StagePeer(ServicerBase):
     """
 
     def __init_subclass__(cls, **kwargs):
-        # hivemind 1.1.12 caches a servicer's RPC handlers and stub type on the class (ServicerBase._rpc_handlers,
-        # _stub_type) and returns early when the cache is set: a subclass created after its parent built them
-        # inherits the parent's, and its stubs then call the parent's handle names ("StagePeer.rpc_state"), which
-        # the subclass's servers (registered as "SyncingStagePeer.rpc_state") do not answer. Each class its own.
+        # hivemind caches a servicer's RPC handlers and stub type on the class (ServicerBase._rpc_handlers,
+        # _stub_type): a subclass would inherit its parent's, whose handle names ("StagePeer.rpc_state") its own
+        # servers do not answer. Each class builds its own.
         super().__init_subclass__(**kwargs)
         cls._rpc_handlers = None
         cls._stub_type = None

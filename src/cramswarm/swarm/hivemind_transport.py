@@ -1,27 +1,9 @@
 """Transport 1: SWARM on real hivemind processes (localhost, or any hosts that share a rendezvous folder).
 
-This module holds the plan of a hivemind swarm (``SwarmPlan``) and its entry points; the swarm itself runs under
-the launcher (``launcher``): ``run_swarm`` hands it a plan and a microbatch source (``data``), ``train`` (the
-swarm_pretrain rule's hivemind transport) builds both from the ``swarm:`` config section. There is no central
-process whose state training needs:
-
-* a bootstrap DHT node (``peer_process bootstrap``), needed only at the start: every later process joins through
-  the newest live entries of the run's address file;
-* stage peers (``peer_process stage``, ``peer_sync.SyncingStagePeer``), one OS process per replica, each
-  building and serving one stage; the peers of a stage track their progress toward the global batch in the DHT,
-  form their own all-reduce groups (compressed: ``averaging``), take the LR from the stage's own progress, write
-  their stage's shard for checkpoint and resume, and move themselves to the bottleneck stage (``peer_rebalance``);
-* trainer processes (``trainer``), each with its own data shard, per-stage balancers and retries (a failed call is
-  re-sent to another replica, a microbatch is never dropped).
-
-The launcher starts these (locally, as srun job steps: ``srun.SrunPlacement``, or only the bootstrap and the
-trainers when the user's ``swarm-peer`` tasks serve the stages: placement ``attach``), injects faults, restarts
-what died, and gathers the checkpoint from the stage shards; a rerun resumes from them. Peer speed is emulated by
-the peers themselves (``SwarmPlan.peer_unit_time_s``); ``cramswarm.swarm_study.study_launcher.run_setup``
-runs a ``setups.SwarmSetup`` this way and returns the throughput keys of ``emulation.run`` / ``sim.run``.
-
-Every process is its own process-group leader (``start_new_session=True``) and is killed as a group with
-``os.killpg``, so no ``p2pd`` daemon or child outlives a run.
+This module holds the plan of a hivemind swarm (``SwarmPlan``) and its entry points: ``run_swarm`` checks a plan and
+hands it with a microbatch source (``data``) to the launcher (``launcher``: its processes, their restarts, faults,
+checkpoint and resume); ``train`` (the swarm_pretrain rule's hivemind transport) builds both from the ``swarm:``
+config section.
 """
 
 from __future__ import annotations
@@ -81,8 +63,8 @@ class SwarmPlan:
     launcher_grace_s: float = 30.0  # attach/srun processes exit once the launcher's heartbeat is missing this long
     startup_timeout_s: float = 180.0
     join_timeout_s: float = 15.0
-    decentralised: bool = True      # run under the launcher (independent trainers, peer-driven steps): the only
-                                    # way left (the central coordinator is gone, issue 17); False is refused
+    decentralised: bool = True      # run under the launcher (independent trainers, peer-driven steps); False is
+                                    # refused
     faults: list[tuple[float, str]] = field(default_factory=list)  # launcher: SIGKILL (seconds into training,
                                     # "bootstrap" | "trainer<R>" | "peer" | "stage<S>"; "gone<N>:stage<S>": N peers
                                     # of stage S, never replaced) - the kill tests' and rebalancing_recovery's;
@@ -136,14 +118,9 @@ _own_daemons = own_daemons  # the tests' name for it
 
 
 def decentralised_supported(plan: SwarmPlan, total_microbatches: int) -> str | None:
-    """Why the launcher (independent trainer processes, steps decided by the stage peers) cannot run ``plan``, or
-    None. Every placement runs under it (srun: every process it starts is its own job step,
-    ``srun.SrunPlacement``; attach: the user's ``swarm-peer`` tasks serve the stages, the launcher starts the
-    bootstrap and the trainers; with ``kill_every_s`` it asks a peer to die by its ``die`` RPC and the peer's task
-    restarts it). Any budget and any amount of data run under it: its trainers read the training blocks and mask
-    their microbatches themselves (``data``), and with a seconds budget they stop at the launcher's deadline
-    (rebalancing is decided by the stage peers: ``peer_rebalance``). ``total_microbatches`` is kept for the
-    callers; no count is refused."""
+    """Why the launcher cannot run ``plan``, or None: only a stage without peers is refused (every placement,
+    budget and amount of data runs under it). ``total_microbatches`` is kept for the callers; no count is
+    refused."""
     if min(plan.peers_per_stage, default=0) < 1:
         return f"swarm.peers_per_stage={plan.peers_per_stage}: every stage needs a peer"
     return None
@@ -187,7 +164,7 @@ def train(*, arch: dict, vocab_size: int, recipe: dict, swarm: dict, batches, to
     the launcher's resumable state, where a rerun after the rule's process died resumes; None: no such state).
     The launcher's trainers make their own microbatches from ``source`` (the same microbatches as ``batches`` by
     index); ``batches`` is taken for ``emulation_training.train``'s signature and not read. Without a source it
-    refuses: the rule always gives one, and the coordinator that took ``batches`` is gone."""
+    refuses (the rule always gives one)."""
     if source is None:
         raise ValueError("the hivemind transport needs a microbatch source (cramswarm.swarm.data): its trainers make "
                          "their own microbatches; an iterator of batches cannot be handed to them")

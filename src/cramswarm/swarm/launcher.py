@@ -1,54 +1,24 @@
 """The launcher of a hivemind swarm: starts the processes, restarts the dead, gathers the result - no training.
 
-``hivemind_transport.run_swarm`` uses it for plans with ``decentralised`` set (``train`` sets it for every
-placement and any budget; see ``hivemind_transport.decentralised_supported``).
-Processes (each its own process-group leader, ``processes.ProcessGroups``; with the srun placement each also its
-own job step of the SLURM job, on any of its nodes: ``srun.SrunPlacement``; with the attach placement the stage
-peers are the user's ``swarm-peer`` tasks - ``peer_process.run_task``, rank r serving the r-th entry of the
-config's ``placement_specs`` - which the launcher waits for and neither restarts nor kills: each task restarts its
-own peer):
+``hivemind_transport.run_swarm`` runs every hivemind swarm through ``run``. Its processes, each its own process group
+(``processes.ProcessGroups``; srun placement: each its own job step, ``srun.SrunPlacement``; attach placement: the
+stage peers are the user's ``swarm-peer`` tasks, ``peer_process.run_task``, which the launcher waits for and neither
+restarts nor kills):
 
-* ``bootstrap`` - the process that starts the DHT (``peer_process bootstrap``) and writes the address file;
-  every later process - stage peer or trainer - joins through any live entry of that file and appends its own
-  addresses (``membership.join_swarm``), so the bootstrap may die without stopping newcomers or training;
-* stage peers - ``peer_process stage`` with ``peer_sync.SyncingStagePeer``: they serve their stage, decide
-  their stage's synchronous steps among themselves (``peer_sync``) and, with ``rebalance_period_s``, which of them
-  moves to a starved stage; the mover moves itself, in its process (``peer_rebalance``);
-* trainers - ``python -m cramswarm.swarm.trainer``, one per ``trainers`` (more may be added by hand,
-  ``swarm-train``), each taking leases of the run's work order from the DHT (``work``, ``trainer``) and making
-  the microbatches itself from the run's microbatch source (``data``: the packed training blocks, masked per
-  microbatch index); this process writes no microbatch. Training starts once its trainers have joined the swarm:
-  then this process writes the training clock (``progress.CLOCK_FILE``), which the trainers wait for before their
-  first microbatch.
+* the bootstrap (``peer_process bootstrap``): starts the DHT and writes the address file, which every later process
+  joins through and appends to (``membership.join_swarm``), so it may die;
+* stage peers (``peer_process stage``, ``peer_sync.SyncingStagePeer``): serve their stage, step it among themselves
+  (``peer_sync``) and move themselves to a starved stage (``peer_rebalance``);
+* trainers (``trainer``): take leases of the run's work from the DHT (``work``) and make their microbatches from the
+  run's microbatch source (``data``).
 
-Budgets: a token or step budget fixes the number of microbatches before the start. A seconds budget does not:
-the training clock (``progress.CLOCK_FILE``) holds the origin of training time and the deadline, the budget
-after the origin; the trainers take microbatches until the deadline
-and finish the one under way, and the end is that of a counted run (the last, partial global batch, the final
-shards). Only training time counts: a resumed seconds run gets the budget less its earlier lives' training time.
-
-What the launcher does, and what its death means: it keeps a heartbeat record in the DHT (the key the peers and
-trainers of the swarm watch, ``membership.launcher_key``); it restarts a trainer of its own that died (same name: it
-goes on with its lease; one that left, ``EXIT_LEFT``, is not restarted) and a stage peer that died (a fresh uid for
-the same stage, which downloads the stage's state from a live replica before it serves), ``rejoin_after_s`` later;
-it runs the fault injection (``launcher_faults``: ``kill_every_s``, SIGKILL of a random stage peer, never the last
-replica at its stage's latest step; with the attach placement the peer's ``die`` RPC, and its task restarts it;
-``faults``: SIGKILL of named processes at given times; ``gone<N>:stage<S>``: N peers of a stage, never replaced) -
-it only kills and restarts, it holds no training state; once its trainers have exited with every lease finished it
-ends the run (``run_result``: it asks the peers for the last, partial global batch, ``membership.flush_key``, waits
-until every stage is idle, downloads the stages' parameters from live replicas and assembles the result) and stops
-everything. If it dies, the swarm trains on: the peers and trainers leave only once its heartbeat record has been
-missing ``launcher_grace_s`` (the peers write their stages' shards first). A launcher started again on the same
-state folder within that time re-attaches (``_reattach``: the swarm's run id, clock and processes) and finishes the
-run; after it, it resumes from the shards. A deliberate stop (SIGTERM, Ctrl-C, ``scancel``) during training has the
-stages write their shards and every process exit (``_stop_swarm``); before training it ends every process at once.
-
-Checkpoint and resume (``run_state``): with ``state_dir`` the run's folder is that folder, not a temporary one, and
-a launcher that finds an interrupted run of the same settings and data there resumes it from the stages' shards.
-
-Rebalancing (``rebalance_period_s``) is the peers' own (``peer_rebalance``): the launcher decides and tells no move;
-it reads the peers' ``moves.jsonl`` to restart a moved peer, should it die, on its new stage, and for the result's
-``moves``.
+The launcher holds no training state: it keeps a heartbeat record in the DHT (``membership.launcher_key``), writes
+the training clock once its trainers have joined (``progress.CLOCK_FILE``), restarts a dead trainer of its own (not
+one that left, ``EXIT_LEFT``) and a dead stage peer (a fresh uid on the stage it last served, ``moves.jsonl``)
+``rejoin_after_s`` later, and stops every process at the end or on SIGTERM / Ctrl-C (``_stop_swarm``). If it dies,
+the swarm trains on until its heartbeat has been missing ``launcher_grace_s``. Its parts: ``run_state`` (the run
+folder, resume, re-attaching to a live swarm), ``launcher_faults`` (``kill_every_s``, ``faults``), ``run_result``
+(the last, partial global batch, the stages' states, the result).
 """
 
 from __future__ import annotations

@@ -251,9 +251,9 @@ def finished(rendezvous: Path, run_id: str) -> bool:
 def claim_rank(rendezvous: Path, rank: int) -> int:
     """Lock ``rank<R>.lock`` in the rendezvous folder for this task's life (returns the open descriptor; the lock
     goes with the process, however it ends). A second task of the same rank - a leftover task of an earlier run,
-    a job launched twice - would join as the same uid and corrupt its stage's averaging (a NaN loss, seen once),
-    so it gets ``RankTaken`` naming the holder. On a filesystem without ``flock`` (Lustre without ``-o flock``)
-    the check is skipped with a warning."""
+    a job launched twice - would join as the same uid and corrupt its stage's averaging, so it gets ``RankTaken``
+    naming the holder. On a filesystem without ``flock`` (Lustre without ``-o flock``) the check is skipped with a
+    warning."""
     path = rendezvous / f"rank{rank}.lock"
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:

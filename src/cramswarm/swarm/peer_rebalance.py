@@ -1,42 +1,14 @@
 """Rebalancing decided by the stage peers of the launcher's swarm (``launcher``): no process tells a peer to move.
 
-Every ``swarm.rebalance_period_s`` (T) each ``peer_sync.SyncingStagePeer`` closes its ``LoadMeter`` window and
-stores what it measured itself under its stage's load key (``load_key``; sub-key = its uid; a
-``rebalancing.LoadRecord`` with the period's index ``k = dht_time // T``, expiring two periods later): the
-time-averaged number of calls in its compute queue (waiting or computing: ``queue``) and the work units it served
-per second of its own compute time over the period (``rate``; forward 1, backward 2, the last stage's fused call 3
-per sample, as the trainers and the emulation count them; None until it has served ``SETTLED_UPDATES`` calls at its
-stage: a fresh peer's first calls pay a cold start). The caller-side latency, which includes queueing and the
-network, is not used.
-
-Publishing is a task of its own (a record every period, whatever the decisions cost). At ``k T + DECIDE_DELAY``
-every peer reads the period-``k`` records of every stage and evaluates the same pure function,
-``rebalancing.choose_move`` (load = (queue + 1) / summed rate; from the least to the most loaded stage when the
-ratio exceeds the hysteresis and the bottleneck's projected rate grows by more than ``min_gain``; the mover is the
-donor peer with the smallest SHA-1 of its uid). A view is used only when it is complete (every peer declared under a
-stage published a record for period ``k``; a value that is no record counts as missing; an incomplete one is read
-once more ``DECIDE_DELAY`` later, as a record may still be on its way), so the peers that decide all decide on the
-same records; the peer the move names acts, the others only watch. Before it acts it stores a claim for period ``k``
-and reads the claims (``rebalancing.ClaimRecord``) back ``DECIDE_DELAY`` later: if two peers read different views
-and both believed themselves the mover, only the claim with the smallest uid hash moves - at most one move per
-period. Nothing is decided while the last move (the ``last_move_key`` record, a ``rebalancing.LastMove``) is in
-transit (for at most 2 x ``give_up_after_s``: a mover that died on its way), nor on a period that ended before it
-arrived (``rebalancing.MoveGate``, the timing rule the emulation's and the simulator's ``Rebalancer`` apply too; by
-default no further cool-down: one move per period), nor once the launcher asked for the last batch. A dead peer's
-stage record lingers up to ``RECORD_TTL_S``, so no decision is taken in the periods right after a death.
-
-The mover (``PeerRebalancer.leave``): stops admitting calls (``peer.leaving``: new forward and backward calls are
-refused, the trainers re-send them to another replica and ban this peer until its record is gone), replaces its
-stage record with a tombstone (trainers drop it at their next read), lets the calls it admitted finish (and a step
-under way end), then hands the gradients it holds since its last step to a replica that stays (``hand_over``: the
-first by uid that accepts adds them to its own, as the emulation's mover does; ``handed_over_samples`` in its arrival
-event). Only if no replica takes them does it stay in its stage's synchronisation until they went into a step
-(bounded by ``drain_timeout_s``; what it still holds then is dropped and counted in ``lost_gradient_samples``).
-``move_peer`` then builds the new stage in the same process under a new uid (``moved_uid``), and
-``peer_process.serve_stage`` serves it: state download from a live replica of the new stage (the joining peers'
-path), declaration, synchronisation. Each move is appended to ``moves.jsonl`` in the run's folder
-(``rebalancing.MoveEvent`` lines: decided, arrived; ``read_move_events``); the launcher reads it for its result and
-to restart a dead peer on the stage it last served, and decides nothing.
+Every ``swarm.rebalance_period_s`` each ``peer_sync.SyncingStagePeer``'s ``PeerRebalancer`` publishes its own
+``rebalancing.LoadMeter`` window as a ``rebalancing.LoadRecord`` (``load_key``), reads every stage's records of the
+period ``decide_delay_s`` later and, on a complete view only (``read_loads``), evaluates ``rebalancing.choose_move``,
+so the peers decide on the same records. The peer the move names claims it (``claims_key``) and moves only if its
+claim wins: at most one move per period; ``rebalancing.MoveGate`` holds decisions back while the last move
+(``last_move_key``) is in transit. The mover refuses new calls, withdraws its stage record, lets its calls finish,
+hands its held gradients to a replica that stays (``hand_over``), and ``peer_process.move_peer`` rebuilds it on the
+new stage as ``moved_uid``. Each move is appended to ``MOVES_FILE`` (``read_move_events``); the launcher reads it and
+decides nothing. The rule and its numbers in full: docs/swarm-internals.md, "Rebalancing decided by the peers".
 """
 
 from __future__ import annotations
@@ -214,9 +186,8 @@ class PeerRebalancer:
     # -- the loop ---------------------------------------------------------------------------------------------
     async def publish_every_period(self) -> None:
         """At each period's start: close the meter's window and publish it. A task of its own, so a decision round
-        that overruns its period (slow DHT reads over a slow link, a busy host) never costs a period's record: with
-        one loop a late round made its peer skip a period and publish only every other one, out of step with the
-        others, and no view was complete again (a testbed run decided its first move at 64 s, not at 16 s)."""
+        that overruns its period (slow DHT reads over a slow link, a busy host) never costs a period's record (a
+        peer that skipped periods would leave every view incomplete)."""
         peer = self.peer
         while True:
             period = math.floor(get_dht_time() / self.period_s) + 1
@@ -255,7 +226,7 @@ class PeerRebalancer:
             publisher.cancel()
 
     async def next_move(self):
-        """Read and decide each period ``DECIDE_DELAY`` after it started, until this peer is the one to move and
+        """Read and decide each period ``decide_delay_s`` after it started, until this peer is the one to move and
         its claim won: returns (move, period), the move recorded as in transit under ``last_move_key``."""
         peer = self.peer
         while True:

@@ -34,8 +34,7 @@ from cramswarm.swarm.routing import RetryPolicy
 WORK_UNITS = {"forward": 1.0, "backward": 2.0, "last": 3.0}
 
 # LoadMeter reports a peer's rate to the rebalancer only after this many served calls: a fresh peer's first calls
-# pay a cold start (allocations, caches, a GPU's kernel selection); on the hivemind transport one moved peer's first
-# rate was a quarter of its peers' and the rebalancer moved it straight back.
+# pay a cold start (allocations, caches, a GPU's kernel selection), and a rate measured then would move it back.
 SETTLED_UPDATES = 10
 
 
@@ -321,11 +320,10 @@ class MoveGate:
     drains its old stage and downloads the new one's state), for at most ``transit_s`` (a mover that died on its
     way never arrives), nor on the loads of a period that ended before the mover arrived (period index <= the
     arrival's), nor in the ``cooldown_periods`` periods after that. With the default 0 a move that arrives within
-    its period allows the next decision one period later: one move per period, as the paper's rule has it
-    (SWARM, as our notes paraphrase it); the mover's first, partial window counts it at its stage's mean rate
-    (``Rebalancer.rates``). Deciding while a move is in transit would count the mover at no stage (it withdrew
-    from one, has not declared itself at the other): its new stage would still look starved and a second peer
-    would follow."""
+    its period allows the next decision one period later: one move per period, as SWARM's rule has it; the
+    mover's first, partial window counts it at its stage's mean rate (``Rebalancer.rates``). Deciding while a
+    move is in transit would count the mover at no stage (it withdrew from one, has not declared itself at the
+    other): its new stage would still look starved and a second peer would follow."""
 
     cooldown_periods: int = 0
     transit_s: float = TRANSIT_GIVE_UPS * RetryPolicy.give_up_after_s   # the launcher: its own give-up

@@ -78,12 +78,10 @@ class StageBalancer:
     The heap holds one ``[virtual_time, tiebreak, uid]`` entry per known peer. ``choose`` pops the smallest
     usable entry, charges it ``size / throughput`` (``size`` is the task size, x ``backward_multiplier`` for
     backward tasks) and pushes it back. A peer not measured yet is charged at the mean throughput of the stage's
-    measured peers (charged 1 s per sample beside peers that take milliseconds, a peer that just moved in would get
-    one call and then wait out the rest of a run). While no peer of the stage is measured, a call is charged 1 s per
-    sample (as SWARM's balancer charges an unmeasured peer); those charges are made again at the stage's first
-    measurement: the measured peer's calls at its rate, the others' at that rate as the stage's mean
-    (``_reprice``), so that the first peer a trainer chooses at the start of a run, charged seconds, does not wait
-    out most of a short run while the next ones are charged measured milliseconds.
+    measured peers. While no peer of the stage is measured, a call is charged 1 s per sample (as SWARM's balancer
+    charges an unmeasured peer); at the stage's first measurement those charges are made again (``_reprice``): the
+    measured peer's calls at its rate, the others' at that rate as the stage's mean. Either way no peer stays
+    charged seconds beside peers charged measured milliseconds, which would leave it idle for most of a run.
     """
 
     def __init__(self, stage: int, *, alpha: float = 0.1, backward_multiplier: float = 2.5,

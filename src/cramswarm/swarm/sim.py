@@ -16,15 +16,8 @@ The model is the emulation's, so the two transports can be compared run for run:
   the reply travels back (same size). The timeout (``RetryPolicy.timeout``) runs from the request's arrival to
   the end of its computation; a computation that would end later times out (the peer still spends the time on
   it). The balancer of the stage receives the whole call duration on success (task size 1, as the emulation).
-  ``run``'s ``round_trips_per_call`` and ``call_overhead_s`` delay every request's arrival by the round trips a
-  call costs beyond the first and a fixed time (measured on the testbed: ``cramswarm.testbed.callcost``), and
-  ``fused_last_stage`` makes the last stage's forward and backward one call, as the hivemind trainer does.
-* The in-stage step (off by default), double-buffered as ``peer_sync``'s: with ``run``'s ``step_microbatches`` a
-  stage's step starts once the backward calls its peers have computed toward it reach its target (its global
-  batch) and lasts ``step_s`` (the gather, the all-reduce and the optimizer step). No call is held: backward calls
-  computed meanwhile count toward the next step, which starts when this one ends if they reached its target by
-  then, with all of them (the overshoot). ``apply_s`` charges each of the stage's peers the optimizer step's
-  compute at the step's end.
+  A call's extra costs (``round_trips_per_call``, ``call_overhead_s``, ``fused_last_stage``) and the in-stage
+  step (``step_microbatches``, ``step_s``, ``apply_s``; off by default) are ``run``'s options.
 * The network (off by default: links are never shared, as in the emulation): with ``nic_mbit_s`` set (for the
   setup or per ``PeerSpec``) every byte a peer receives (requests) or sends (replies) goes through its NIC,
   shared equally by all its transfers in flight, in and out alike (processor sharing); a transfer's rate is
@@ -454,7 +447,8 @@ def run(setup: SwarmSetup, *, trainers_per_process: int = 1, rebalancer_options:
     ``trainers_per_process`` trainers share one set of balancers; ``rebalancer_options`` go to ``Rebalancer``
     (e.g. ``min_gain`` for large swarms).
 
-    What one call costs on the network beyond its transfers (defaults: the model above, as the emulation):
+    What one call costs on the network beyond its transfers (defaults: the module docstring's model, as the
+    emulation):
 
     * ``round_trips_per_call``: round trips of the link's latency per call (at least 1: the request's way and
       the reply's); each one beyond the first delays the request's arrival by ``2 x latency`` (a transport
