@@ -1,6 +1,6 @@
 """SWARM on the hivemind transport itself: the launcher's swarm of real processes (issue 17's benchmarks).
 
-Every run is ``hivemind_transport.run_swarm`` with ``decentralised`` (``launcher``): a bootstrap DHT process,
+Every run is ``hivemind_transport.run_swarm`` (``launcher``): a bootstrap DHT process,
 stage-peer processes that decide their steps among themselves, trainer processes with their own balancers, all on
 this host over loopback, training a tiny crammed BERT on the toy counting language for a seconds budget (the
 trainers take microbatches until the launcher's deadline). A peer's speed s is emulated by the peer itself

@@ -2,7 +2,7 @@
 
 Setup: 2 stages, 3 stage peers placed 2 + 1, speeds 0.25, 0.25 | 0.025 (the one-peer stage is the bottleneck), 3
 trainers, rebalancing every ``--period`` seconds. The hivemind run trains a tiny crammed BERT under the launcher
-(``hivemind_transport.run_swarm`` with ``decentralised``; ``peer_rebalance`` decides the move). The emulation
+(``hivemind_transport.run_swarm``, the launcher; ``peer_rebalance`` decides the move). The emulation
 (threads, ``emulation.run``) and the simulator (``sim.run``) run a ``setups.SwarmSetup`` of the same peers,
 trainers and period for as long as the hivemind run trained, with ``--stage-time`` seconds of emulated compute per
 forward call at speed 1 (default: calibrated so that the starved stage's capacity, one peer of speed 0.025 doing 3
@@ -72,7 +72,7 @@ def hivemind_run(microbatches: int, period_s: float) -> dict:
                                         peers_per_stage=PLACEMENT,
                                         peer_speeds=SPEEDS, trainers=TRAINERS, rebalance_period_s=period_s,
                                         retry=RetryPolicy(forward_timeout_s=5.0, give_up_after_s=30.0),
-                                        startup_timeout_s=120.0, decentralised=True)
+                                        startup_timeout_s=120.0)
     return hivemind_transport.run_swarm(plan, batches(), microbatches, progress=False).stats
 
 

@@ -50,7 +50,7 @@ def plan(**kw) -> ht.SwarmPlan:
 
 
 def own_p2p_daemons() -> list[int]:
-    return sorted(ht._own_daemons())
+    return sorted(ht.own_daemons())
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -123,7 +123,7 @@ def brief(stats: dict) -> dict:
 def launch(total: int, **kw):
     """One run under the launcher; checks what every run must show, returns (result, stats)."""
     daemons_before = own_p2p_daemons()
-    result = ht.run_swarm(plan(decentralised=True, **kw), source(), total, progress=False)
+    result = ht.run_swarm(plan(**kw), source(), total, progress=False)
     stats = result.stats
     assert stats["roles"] == "launcher"
     # every microbatch of every shard was trained once (re-sent on failures, resumed after a trainer restart)

@@ -141,7 +141,7 @@ def test_wiring_on_the_testbed_runs_real_processes_and_leaves_nothing(tmp_path, 
         return runs[-1][2]
 
     monkeypatch.setattr(study_launcher, "run_setup", recorded)
-    daemons = sorted(ht._own_daemons())
+    daemons = sorted(ht.own_daemons())
     study.wiring_throughput(tmp_path / "w.csv", speeds=(1.0, 0.25), stages=1, trainers=2, stage_time_s=0.05,
                             duration_s=6.0, forward_timeout_s=5.0, transports=("testbed",),
                             sweep_trainers_per_peer=(), testbed_link_mbit_s=100.0, testbed_latency_ms=20.0)
@@ -160,7 +160,7 @@ def test_wiring_on_the_testbed_runs_real_processes_and_leaves_nothing(tmp_path, 
         assert result["microbatches_done"] == len(result["timeline"]) and result["failures"] == []
         # nothing is left: no namespace of the run, no process of its groups, no p2pd of this process's
         assert result["leftover_processes"] == 0 and not run_namespaces(tb["run_id"])
-    assert sorted(ht._own_daemons()) == daemons
+    assert sorted(ht.own_daemons()) == daemons
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
     assert "csw-" not in links
 
@@ -182,7 +182,7 @@ def test_rebalancing_on_the_testbed_moves_a_peer_to_the_starved_stage(tmp_path, 
         return runs[-1][1]
 
     monkeypatch.setattr(study_launcher, "run_setup", recorded)
-    daemons = sorted(ht._own_daemons())
+    daemons = sorted(ht.own_daemons())
     duration = 60.0   # the move is decided 13-16 s in (a dead peer's record lingers 10 s), the mover arrives ~5 s later
     study.rebalancing_recovery(tmp_path / "r.csv", stages=2, peers_per_stage=3, starved_stage=1, killed=2,
                                kill_at_s=3.0, trainers=5, stage_time_s=0.3, periods_s=(None, 2.0),
@@ -210,6 +210,6 @@ def test_rebalancing_on_the_testbed_moves_a_peer_to_the_starved_stage(tmp_path, 
     assert rates[1] > rates[0], (rates, first)
     for _, result in runs:
         assert result["leftover_processes"] == 0 and not run_namespaces(result["testbed"]["run_id"])
-    assert sorted(ht._own_daemons()) == daemons
+    assert sorted(ht.own_daemons()) == daemons
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
     assert "csw-" not in links

@@ -122,7 +122,7 @@ def test_peers_started_as_separate_tasks_train_through_kills_and_exit_with_the_r
             # a global batch of 16 microbatches: the peers' own steps (a gather of ~1 s each on a loaded machine)
             # would otherwise take most of the run (120 steps of 4: 183 s of training at load 19, 60 s with 16)
             result = ht.run_swarm(plan(placement="attach", rendezvous=rendezvous, state_dir=rendezvous,
-                                       decentralised=True, interface="lo", peer_speeds=[0.5], kill_every_s=4.0,
+                                       interface="lo", peer_speeds=[0.5], kill_every_s=4.0,
                                        rejoin_after_s=0.2, recipe=plan().recipe | {"batch_sequences": 16 * MICRO}),
                                   source(), total, progress=False)
         finally:

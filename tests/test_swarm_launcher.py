@@ -122,7 +122,7 @@ def test_a_backward_call_resent_while_the_first_replica_computes_it_counts_at_le
     are counted (``duplicate_microbatches``) and the replicas stay equal."""
     daemons_before = own_p2p_daemons()
     total = 32
-    slow = plan(decentralised=True, peers_per_stage=[1, 2], peer_speeds=[1.0, 1.0, 0.1], peer_unit_time_s=0.05,
+    slow = plan(peers_per_stage=[1, 2], peer_speeds=[1.0, 1.0, 0.1], peer_unit_time_s=0.05,
                 recipe=recipe(micro_batch_sequences=MICRO, batch_sequences=8 * MICRO, lr=3e-3,
                               batch_ramp_fraction=0.0, budget={"unit": "steps", "value": 1000}),
                 retry=RetryPolicy(forward_timeout_s=0.5, give_up_after_s=120.0))
@@ -173,7 +173,7 @@ def test_a_seconds_budget_under_the_launcher_ends_at_its_deadline_and_loses_no_m
     budget_s = 20.0
     timed = plan().recipe | {"budget": {"unit": "seconds", "value": budget_s}}
     daemons_before = own_p2p_daemons()
-    result = ht.run_swarm(plan(decentralised=True, recipe=timed), source(), UNBOUNDED, progress=False)
+    result = ht.run_swarm(plan(recipe=timed), source(), UNBOUNDED, progress=False)
     stats = result.stats
     assert stats["roles"] == "launcher" and stats["deadline_s"] == budget_s, brief(stats)
     done = stats["microbatches_done"]
@@ -262,7 +262,7 @@ def test_peers_and_trainers_leave_after_their_grace_when_the_launcher_is_sigkill
     processes train on for ``launcher_grace_s`` (5 s here) without its heartbeat, then every one exits - nothing is
     left behind for good."""
     code = ("import sys; sys.path.insert(0, {tests!r}); import swarm_helpers as t; "
-            "t.ht.run_swarm(t.plan(decentralised=True, launcher_grace_s=5.0), t.source(), 2000, progress=False)")
+            "t.ht.run_swarm(t.plan(launcher_grace_s=5.0), t.source(), 2000, progress=False)")
     launcher = subprocess.Popen([sys.executable, "-c", code.format(tests=str(TESTS))], start_new_session=True,
                                 stdout=open(tmp_path / "launcher.log", "w"), stderr=subprocess.STDOUT)
     workdir = None
@@ -299,7 +299,7 @@ def start_launcher_until_shards(tmp_path, total: int, state: Path, **kw) -> subp
     """A launcher run (2 stages x 2 peers, 2 trainers) in its own process, returned once both stages wrote a shard
     (at any step: on a loaded host the steps come late, and waiting for a later one may outlast the training)."""
     code = ("import sys; sys.path.insert(0, {tests!r}); import swarm_helpers as t; from pathlib import Path; "
-            "t.ht.run_swarm(t.plan(decentralised=True, state_dir=Path({state!r}), checkpoint_every_s=1.0, **{kw!r}), "
+            "t.ht.run_swarm(t.plan(state_dir=Path({state!r}), checkpoint_every_s=1.0, **{kw!r}), "
             "t.source(), {total}, progress=False)")
     return start_until_shards([sys.executable, "-c", code.format(tests=str(TESTS), state=str(state), total=total,
                                                                  kw=kw)],
@@ -400,7 +400,7 @@ def test_sigterm_stops_the_swarm_with_each_stages_shard_at_its_last_step_and_a_r
     and the same command again resumes from those shards."""
     total, state = 400, tmp_path / "state"
     code = ("import sys; sys.path.insert(0, {tests!r}); import swarm_helpers as t; from pathlib import Path; "
-            "t.ht.run_swarm(t.plan(decentralised=True, state_dir=Path({state!r}), checkpoint_every_s=600.0), "
+            "t.ht.run_swarm(t.plan(state_dir=Path({state!r}), checkpoint_every_s=600.0), "
             "t.source(), {total}, progress=False)")
     first = subprocess.Popen([sys.executable, "-c", code.format(tests=str(TESTS), state=str(state), total=total)],
                              start_new_session=True, stdout=open(tmp_path / "launcher.log", "w"),

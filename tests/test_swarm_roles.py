@@ -399,32 +399,14 @@ def test_a_resumed_seconds_run_gets_the_budget_less_its_earlier_training_time(tm
     assert json.loads((tmp_path / "counted" / CLOCK_FILE).read_text())["deadline_wall"] is None
 
 
-def test_every_swarm_runs_under_the_launcher_and_a_plan_it_cannot_run_is_refused():
-    assert ht.decentralised_supported(plan(), 96) is None
-    # rebalancing runs under the launcher: the stage peers decide the moves (peer_rebalance)
-    assert ht.decentralised_supported(plan(rebalance_period_s=3.0), 96) is None
-    # a seconds budget (the trainers stop at the launcher's deadline) and any amount of data (the trainers read
-    # the blocks themselves: no microbatch file is written before the start)
-    seconds = plan().recipe | {"budget": {"unit": "seconds", "value": 60}}
-    assert ht.decentralised_supported(plan(recipe=seconds), 1 << 62) is None
-    assert ht.decentralised_supported(plan(), 10**9) is None
-    # srun: every process the launcher starts is its own job step (srun.SrunPlacement; tests/test_slurm.py);
-    # attach: the user's swarm-peer tasks serve the stages, but the launcher kills only what it started
-    assert ht.decentralised_supported(plan(placement="srun", rendezvous=Path("r")), 96) is None
-    assert ht.decentralised_supported(plan(placement="attach", rendezvous=Path("r")), 96) is None
-    # with kill_every_s the launcher asks an attached peer to die and its task restarts it
-    assert ht.decentralised_supported(plan(placement="attach", rendezvous=Path("r"), kill_every_s=4.0), 96) is None
-    reason = ht.decentralised_supported(plan(peers_per_stage=[1, 0]), 96)
-    assert reason and "peers_per_stage" in reason, reason
-    with pytest.raises(ValueError, match=r"the launcher cannot run this swarm: swarm.peers_per_stage=\[1, 0\]"):
+def test_a_swarm_plan_the_launcher_cannot_run_is_refused_naming_the_key():
+    with pytest.raises(ValueError, match=r"swarm.peers_per_stage=\[1, 0\]: every stage needs at least one peer"):
         ht.run_swarm(plan(peers_per_stage=[1, 0]), source(), 8, progress=False)
-    # the central coordinator is gone: a plan that asks for it is refused, naming the field
-    assert plan().decentralised
-    with pytest.raises(ValueError, match="SwarmPlan.decentralised=False asked for the central coordinator"):
-        ht.run_swarm(plan(decentralised=False), source(), 8, progress=False)
+    with pytest.raises(ValueError, match=r"invalid swarm plan: trainers=0"):
+        ht.run_swarm(plan(trainers=0), source(), 8, progress=False)
     # the launcher's trainers make their own microbatches: an iterator of them cannot be handed on
     with pytest.raises(TypeError, match="give it a microbatch source"):
-        ht.run_swarm(plan(decentralised=True), batches(), 8, progress=False)
+        ht.run_swarm(plan(), batches(), 8, progress=False)
 
 
 # -- checkpoint and resume from stage shards ------------------------------------------------------------------
@@ -438,7 +420,7 @@ def _shard_blob(step: int, stepped_mbs: list[int], run_id: str) -> bytes:
 def _prepared(state: Path, total: int, **kw) -> launcher_mod.Launcher:
     """A launcher that prepared its state folder (data, resume.json, resume set-up) and let go of its lock."""
     data = kw.pop("data", None) or source()
-    launcher = launcher_mod.Launcher(plan(decentralised=True, state_dir=state, **kw), data, total, progress=False)
+    launcher = launcher_mod.Launcher(plan(state_dir=state, **kw), data, total, progress=False)
     try:
         launcher._prepare()
     finally:
@@ -543,10 +525,10 @@ def test_a_rerun_with_other_settings_or_data_is_refused_naming_what_differs(tmp_
         _prepared(state, total, data=source(seed=1))
     _prepared(state, total, kill_every_s=9.0, link_mbit_s=10.0)  # operational settings may change
     # a second launcher on the same folder at once is refused
-    holder = launcher_mod.Launcher(plan(decentralised=True, state_dir=state), source(), total, progress=False)
+    holder = launcher_mod.Launcher(plan(state_dir=state), source(), total, progress=False)
     try:
         with pytest.raises(RuntimeError, match="another launcher is running"):
-            launcher_mod.Launcher(plan(decentralised=True, state_dir=state), source(), total, progress=False)
+            launcher_mod.Launcher(plan(state_dir=state), source(), total, progress=False)
     finally:
         os.close(holder.lock_fd)
 
@@ -562,7 +544,7 @@ def test_local_peers_are_spread_over_the_hosts_gpus_and_srun_peers_keep_slurms(t
                         PeerProcess(uid, 0, 1.0, None, tmp_path / "log"))
     for device, expected in (("auto", ["2", "5", "2"]), ("cpu", [None, None, None])):
         started.clear()
-        launcher = launcher_mod.Launcher(plan(decentralised=True, device=device), source(), 8, progress=False)
+        launcher = launcher_mod.Launcher(plan(device=device), source(), 8, progress=False)
         launcher.config, launcher.addr_file = tmp_path / "config.json", tmp_path / "addresses"  # run() writes them
         for stage in (0, 1, 0):
             launcher._start_peer(stage, 1.0, load_state=False)
@@ -575,7 +557,7 @@ def test_local_peers_are_spread_over_the_hosts_gpus_and_srun_peers_keep_slurms(t
 def test_the_end_of_a_run_asks_a_silent_stage_again_with_a_longer_wait(monkeypatch):
     """A stage whose only replica did not answer in time (a loaded host) is asked again, twice the wait each time,
     before the run fails with NoPeersError; a stage that answers is asked once."""
-    launcher = launcher_mod.Launcher(plan(decentralised=True), source(), 8, progress=False)
+    launcher = launcher_mod.Launcher(plan(), source(), 8, progress=False)
     asked: list[tuple[int, float]] = []
     silent = {0: 2, 1: 0}  # stage -> how many times it gives no state before it answers
 
@@ -599,7 +581,7 @@ def test_the_end_of_a_run_asks_a_silent_stage_again_with_a_longer_wait(monkeypat
 def test_the_end_of_a_run_reads_a_stage_with_no_declared_replica_again_before_it_gives_up(monkeypatch):
     """A replica whose re-declaration was slow on a loaded host lapses for a moment: an empty read of the stage's
     records is read again (for up to two record lifetimes), not taken as a stage without replicas."""
-    launcher = launcher_mod.Launcher(plan(decentralised=True), source(), 8, progress=False)
+    launcher = launcher_mod.Launcher(plan(), source(), 8, progress=False)
     reads = []
 
     async def records(node, run_id, stage):
@@ -645,8 +627,8 @@ def test_the_hivemind_transport_gives_the_launcher_its_state_folder(monkeypatch,
     ht.train(swarm=swarm | {"rebalance_period_s": 5.0}, **state, **common)  # the peers rebalance
     with pytest.raises(ValueError, match="the hivemind transport needs a microbatch source"):
         ht.train(swarm=swarm, **state, **(common | {"source": None}))
-    launched = (True, tmp_path / "launcher")
-    assert [(p.decentralised, p.state_dir) for p in seen] == [launched, (True, None), launched, launched, launched]
+    launched = tmp_path / "launcher"
+    assert [p.state_dir for p in seen] == [launched, None, launched, launched, launched]
     assert seen[0].checkpoint_every_s == 7.0
     # the launcher gets the source (its trainers make their microbatches), never the iterator
     assert [hasattr(data, "spec") for data in handed] == [True] * 5

@@ -86,7 +86,7 @@ def test_swarm_on_the_testbed_survives_a_silently_cut_stage_peer(can_build):
     # uniform routing: calls reach the cut peer whatever the trainers measured. With SWARM's weighted routing a
     # trainer charges its first call 1 s per sample (no peer measured yet) and may leave that peer alone for the
     # rest of this short run: CI once saw no call reach the cut peer (timeouts 0)
-    result = tbswarm.run(plan(decentralised=True, routing="uniform", faults=[(1.0, "connections"), (2.0, "cut:s0b")]),
+    result = tbswarm.run(plan(routing="uniform", faults=[(1.0, "connections"), (2.0, "cut:s0b")]),
                          source(), total, bandwidth_mbit=100.0, latency_ms=20.0)
     stats = result.stats
     tb = stats["testbed"]

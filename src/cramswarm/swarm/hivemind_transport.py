@@ -63,8 +63,6 @@ class SwarmPlan:
     launcher_grace_s: float = 30.0  # attach/srun processes exit once the launcher's heartbeat is missing this long
     startup_timeout_s: float = 180.0
     join_timeout_s: float = 15.0
-    decentralised: bool = True      # run under the launcher (independent trainers, peer-driven steps); False is
-                                    # refused
     faults: list[tuple[float, str]] = field(default_factory=list)  # launcher: SIGKILL (seconds into training,
                                     # "bootstrap" | "trainer<R>" | "peer" | "stage<S>"; "gone<N>:stage<S>": N peers
                                     # of stage S, never replaced) - the kill tests' and rebalancing_recovery's;
@@ -114,18 +112,6 @@ class SwarmPlan:
                              "but SLURM_JOB_ID is unset: run it through profiles/slurm (or placement: local / attach)")
 
 
-_own_daemons = own_daemons  # the tests' name for it
-
-
-def decentralised_supported(plan: SwarmPlan, total_microbatches: int) -> str | None:
-    """Why the launcher cannot run ``plan``, or None: only a stage without peers is refused (every placement,
-    budget and amount of data runs under it). ``total_microbatches`` is kept for the callers; no count is
-    refused."""
-    if min(plan.peers_per_stage, default=0) < 1:
-        return f"swarm.peers_per_stage={plan.peers_per_stage}: every stage needs a peer"
-    return None
-
-
 def run_swarm(plan: SwarmPlan, source, total_microbatches: int, progress: bool = True) -> TrainResult:
     """Run one hivemind swarm under the launcher; every process it started (and this process's p2pd) is gone when
     it returns. ``source``: the microbatch source (``data``) the launcher's trainers make their own microbatches
@@ -141,16 +127,10 @@ def run_swarm(plan: SwarmPlan, source, total_microbatches: int, progress: bool =
                          f"{', '.join(averaging.SCHEMES)}")
     if not plan.link_mbit_s > 0:
         raise ValueError(f"swarm.link_mbit_s={plan.link_mbit_s!r}: must be positive")
-    if plan.trainers < 1 or any(n < 0 for n in plan.peers_per_stage) or not plan.peer_speeds \
-            or any(not s > 0 for s in plan.peer_speeds):
-        raise ValueError(f"invalid swarm plan: trainers={plan.trainers}, peers_per_stage={plan.peers_per_stage}, "
-                         f"peer_speeds={plan.peer_speeds}")
-    if not plan.decentralised:
-        raise ValueError("SwarmPlan.decentralised=False asked for the central coordinator, which is gone (issue 17): "
-                         "every hivemind swarm runs under the launcher")
-    problem = decentralised_supported(plan, total_microbatches)
-    if problem:
-        raise ValueError(f"the launcher cannot run this swarm: {problem}")
+    if min(plan.peers_per_stage, default=0) < 1:
+        raise ValueError(f"swarm.peers_per_stage={plan.peers_per_stage}: every stage needs at least one peer")
+    if plan.trainers < 1 or not plan.peer_speeds or any(not s > 0 for s in plan.peer_speeds):
+        raise ValueError(f"invalid swarm plan: trainers={plan.trainers}, peer_speeds={plan.peer_speeds}")
     from cramswarm.swarm import launcher
 
     return launcher.run(plan, source, total_microbatches, progress)

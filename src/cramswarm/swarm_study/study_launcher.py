@@ -3,8 +3,8 @@ experiments (:mod:`cramswarm.swarm_study.study`) and the benchmarks ``benchmarks
 ``benchmarks/swarm_testbed.py`` (every process on a testbed host of its own).
 
 The swarm trains a tiny crammed BERT (:func:`toy_arch`, the default config's ``models.crammed.arch`` shrunk) on
-the toy counting language (``toy.CountingSource``) under the launcher (``hivemind_transport.run_swarm`` with
-``decentralised``: a bootstrap DHT process, stage-peer processes, trainer processes with their own balancers).
+the toy counting language (``toy.CountingSource``) under the launcher (``hivemind_transport.run_swarm``: a
+bootstrap DHT process, stage-peer processes, trainer processes with their own balancers).
 A peer's speed is emulated by the peer (``SwarmPlan.peer_unit_time_s``): a call computes at least the unit time x
 its work units (forward 1, backward 2, the last stage's fused call 3) / its speed, the rest slept, so the peers'
 speed ratios hold on a loaded host.
@@ -90,7 +90,7 @@ def run_launcher(plan, source, total_microbatches: int, *, testbed: tuple[float 
     from cramswarm.swarm import hivemind_transport as ht
 
     state_dir = Path(tempfile.mkdtemp(prefix=f"cramswarm-launcher-{name}-"))
-    plan = dataclasses.replace(plan, state_dir=state_dir, decentralised=True)
+    plan = dataclasses.replace(plan, state_dir=state_dir)
     started = time.perf_counter()
     try:
         if testbed is None:

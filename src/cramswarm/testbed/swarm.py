@@ -172,7 +172,7 @@ def run(plan, source, total_microbatches: int, *, bandwidth_mbit: float | None =
         hosts = HostPlacement(tb, plan.peers_per_stage, plan.trainers, proxy)
         control = tb.host(CONTROL)
         plan = dataclasses.replace(link_plan(plan, bandwidth_mbit, latency_ms, jitter_ms), hosts=hosts,
-                                   host=control.ip, interface=None, decentralised=True)
+                                   host=control.ip, interface=None)
         retry = plan.retry
         with entered(control.netns):
             result = ht.run_swarm(plan, source, total_microbatches, progress=progress)
