@@ -134,8 +134,8 @@ def test_swarm_on_the_testbed_survives_a_silently_cut_stage_peer(can_build):
 @pytest.mark.netns
 def test_a_swarm_that_fails_on_the_testbed_leaves_nothing_and_the_caller_in_its_own_namespace(can_build):
     before, own = set(namespaces()), os.readlink("/proc/thread-self/ns/net")
-    with pytest.raises(ValueError, match="the launcher cannot run this swarm"):  # raised inside the ctl namespace
-        # a stage without peers (the throughput emulation, the example here before, is gone with the coordinator)
+    with pytest.raises(ValueError, match=r"swarm.peers_per_stage=\[1, 0\]: every stage needs at least one peer"):
+        # a stage without peers, refused inside the ctl namespace
         tbswarm.run(plan(peers_per_stage=[1, 0]), source(), 8, bandwidth_mbit=100.0, latency_ms=20.0)
     assert os.readlink("/proc/thread-self/ns/net") == own
     assert set(namespaces()) == before
