@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 import shutil
 import tempfile
@@ -62,17 +61,11 @@ def lost_microbatches(state_dir: Path) -> tuple[int, int]:
     (``work.LEASE_MICROBATCHES`` consecutive microbatches) in order, and whoever adopts the lease goes on where it
     stopped, so a gap before a lease's last finished microbatch was taken and never finished; a lease's end left
     untaken at the deadline is not lost. A record cut short by a kill is no finish."""
+    from cramswarm.swarm.run_state import mb_of
     from cramswarm.swarm.work import LEASE_MICROBATCHES
 
-    done = set()
-    for path in Path(state_dir).glob("trainer*.losses.jsonl"):
-        for line in path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if "loss" in row:
-                done.add(int(row["mb"]))
+    done = {mb for path in Path(state_dir).glob("trainer*.losses.jsonl")
+            for mb in map(mb_of, path.read_text().splitlines()) if mb is not None}
     last: dict[int, int] = {}
     for mb in done:
         last[mb // LEASE_MICROBATCHES] = max(last.get(mb // LEASE_MICROBATCHES, mb), mb)
