@@ -495,16 +495,22 @@ class SyncingStagePeer(StagePeer):
         """The ready records at ``step`` once every record at it is ready, no peer is downloading the state of
         ``step`` to join it (``GatherView.complete``), none still shows the step before (a member of the last group
         applying it) and ``MIN_GATHER_S`` passed; or once ``record_window_s`` passed since a peer was last awaited.
-        A live peer unready at ``step`` or behind it is awaited for at most ``sync_timeout_s`` from the gather's
+        A live peer unready at ``step`` or behind it, or seen at ``step`` (when the step was triggered or in an earlier
+        read) but missing from this read, is awaited for at most ``sync_timeout_s`` from the gather's
         start, a joining one for at most ``state_timeout_s`` (its download's bound; counted in ``joining_wait_s``).
         None once a replica is past ``step`` (this peer then catches up)."""
         started = waiting_from = time.monotonic()
         joiner_bound = state_timeout_s(self.num_params, self.link_mbit_s, self.sync_timeout_s)
         joiner_seen: float | None = None
+        seen = {uid for uid in self.others if uid != self.uid}   # at this step when it was triggered
         while True:
             view = GatherView(await self._read_records(), step, self.uid)
             if view.passed:
                 return None
+            seen |= set(view.at_step) - {self.uid}
+            # a peer seen at this step whose record this read lacks (a lapsed or unpropagated record) is awaited
+            # like an unready one: one DHT read missing a live peer must not make a group of fewer
+            missing = sorted(seen - set(view.at_step) - set(view.behind) - set(view.joining))
             now = time.monotonic()
             joining = view.joining if now - started < joiner_bound else []
             if joining:
@@ -513,13 +519,13 @@ class SyncingStagePeer(StagePeer):
                 else:
                     self.counters["joining_wait_s"] += now - joiner_seen
                 joiner_seen = now
-            if joining or ((view.unready or view.behind) and now - started < self.sync_timeout_s):
+            if joining or ((view.unready or view.behind or missing) and now - started < self.sync_timeout_s):
                 waiting_from = now   # the window counts from the last moment a peer was awaited
             waited = now - waiting_from
             ready = view.ready
             if waited >= record_window_s(self.round_s) and self.uid not in ready:  # its own not read back yet
                 ready[self.uid] = self._record()
-            settled = view.complete() and not view.behind and now - started >= MIN_GATHER_S
+            settled = view.complete() and not view.behind and not missing and now - started >= MIN_GATHER_S
             if self.uid in ready and (settled or waited >= record_window_s(self.round_s)):
                 return ready
             await asyncio.sleep(0.02)
