@@ -19,17 +19,13 @@ member clips and steps: replicas stay bitwise equal. Backward calls are never he
 averages accumulate toward the next one (``StagePeer._apply`` keeps them), so a step's batch is its target plus
 what arrived meanwhile. The overshoot is logged per step (``SYNC_LOG``, ``progress.overshoot``).
 
-Accounting is at least once, as in SWARM: a re-sent backward call may count on two replicas, and a microbatch
-trained again after a resume counts again; both are counted (``duplicate_microbatches``: the repeats the stage
-stepped, part of its state like its stepped samples, so a shard's counts agree), not prevented. A peer
-that sees a replica ahead, or whose digest differs from the lowest uid's at its step, downloads that replica's
-state (``_catch_up``; its held gradients are lost and counted, as in SWARM). The lowest uid at the stage's latest
-step writes the stage's shard (``shards``) every ``checkpoint_every_s`` and once more after the flush, when idle.
-A peer leaving its stage (``peer_rebalance``) hands its held gradients to a replica that stays (``hand_over``).
-
-Per peer: counters in ``peer-<uid>.json`` (with ``stages.stage_memory``), one line per step in ``sync-<uid>.jsonl``
-(the phases' wall times ``close``, ``snapshot``, ``gathered``, ``reduced``, ``applied``, the target and the group's
-samples) and, on the last stage, the loss log ``log-<uid>.jsonl``.
+Accounting is at least once, as in SWARM: a re-sent backward call or a microbatch retrained after a resume counts
+again, counted (``duplicate_microbatches``, part of the state) rather than prevented. A peer that sees a replica
+ahead, or whose digest differs from the lowest uid's at its step, downloads that replica's state (``_catch_up``;
+its held gradients are lost and counted). The lowest uid at the stage's latest step writes the stage's shard
+every ``checkpoint_every_s`` and once after the flush. A leaving peer (``peer_rebalance``) hands its held
+gradients to a replica that stays. Per peer: counters in ``peer-<uid>.json``, one line per step in
+``sync-<uid>.jsonl`` (phase wall times, target, group samples), on the last stage the loss log ``log-<uid>.jsonl``.
 """
 
 from __future__ import annotations
@@ -495,10 +491,10 @@ class SyncingStagePeer(StagePeer):
         """The ready records at ``step`` once every record at it is ready, no peer is downloading the state of
         ``step`` to join it (``GatherView.complete``), none still shows the step before (a member of the last group
         applying it) and ``MIN_GATHER_S`` passed; or once ``record_window_s`` passed since a peer was last awaited.
-        A live peer unready at ``step`` or behind it, or seen at ``step`` (when the step was triggered or in an earlier
-        read) but missing from this read, is awaited for at most ``sync_timeout_s`` from the gather's
-        start, a joining one for at most ``state_timeout_s`` (its download's bound; counted in ``joining_wait_s``).
-        None once a replica is past ``step`` (this peer then catches up)."""
+        A live peer unready at ``step``, behind it, or seen at it (at the trigger or an earlier read) but missing from
+        this read is awaited for at most ``sync_timeout_s`` from the gather's start, a joining one for at most
+        ``state_timeout_s`` (its download's bound; counted in ``joining_wait_s``). None once a replica is past
+        ``step`` (this peer then catches up)."""
         started = waiting_from = time.monotonic()
         joiner_bound = state_timeout_s(self.num_params, self.link_mbit_s, self.sync_timeout_s)
         joiner_seen: float | None = None
@@ -508,8 +504,7 @@ class SyncingStagePeer(StagePeer):
             if view.passed:
                 return None
             seen |= set(view.at_step) - {self.uid}
-            # a peer seen at this step whose record this read lacks (a lapsed or unpropagated record) is awaited
-            # like an unready one: one DHT read missing a live peer must not make a group of fewer
+            # one DHT read that lacks a live peer's record (lapsed, unpropagated) must not make a smaller group
             missing = sorted(seen - set(view.at_step) - set(view.behind) - set(view.joining))
             now = time.monotonic()
             joining = view.joining if now - started < joiner_bound else []
