@@ -16,7 +16,7 @@ from typing import Any
 
 from cramswarm.swarm.rebalancing import Rebalancer
 from cramswarm.swarm.routing import NoPeersError, RetryPolicy
-from cramswarm.swarm.setups import BACKWARD_COMPUTE_FACTOR, FailureEvent, SwarmSetup
+from cramswarm.swarm.setups import BACKWARD_COMPUTE_FACTOR, SwarmSetup
 from cramswarm.swarm.thread_swarm import Peer, Request, Router, ScaledClock, StopRun, Swarm
 
 
@@ -115,7 +115,8 @@ def run(setup: SwarmSetup, *, clock: ScaledClock | None = None, time_scale: floa
     if setup.rebalance_period_s and setup.routing != "fixed":
         rebalancer = Rebalancer(setup.rebalance_period_s)
         threads.append(threading.Thread(target=swarm.rebalance_loop, args=(rebalancer, stages), daemon=True))
-    threads.append(threading.Thread(target=_inject_failures, args=(swarm, setup.failures, start), daemon=True))
+    faults = threading.Thread(target=swarm.fault_loop, args=(setup.failures,), kwargs={"start": start}, daemon=True)
+    threads.append(faults)
     wall_start = time.perf_counter()
     swarm.start()
     for thread in threads:
@@ -142,25 +143,3 @@ def run(setup: SwarmSetup, *, clock: ScaledClock | None = None, time_scale: floa
         "wall_s": round(time.perf_counter() - wall_start, 3),
         "time_scale": clock.time_scale,
     }
-
-
-def _inject_failures(swarm: Swarm, failures: list[FailureEvent], start: float) -> None:
-    """Apply kill and rejoin events at their emulated times."""
-    events: list[tuple[float, str, int]] = []
-    for event in failures:
-        events.append((event.at_s, "kill", event.peer))
-        if event.rejoin_after_s is not None:
-            events.append((event.at_s + event.rejoin_after_s, "rejoin", event.peer))
-    for at_s, action, index in sorted(events):
-        while not swarm.stop.is_set() and swarm.clock.now() - start < at_s:
-            swarm.stop.wait(min(0.05, swarm.clock.wall(at_s - (swarm.clock.now() - start))))
-        if swarm.stop.is_set():
-            return
-        peer = swarm.peers[index]
-        if action == "kill" and peer.alive:
-            with swarm.membership:
-                swarm.kill(peer)
-            swarm.count("peers_killed")
-        elif action == "rejoin" and peer.status == "down":
-            peer.revive()
-            swarm.count("rejoins")

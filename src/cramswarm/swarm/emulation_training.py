@@ -32,7 +32,6 @@ from tqdm.auto import tqdm
 
 from cramswarm.precision import autocast, resolve_precision
 from cramswarm.swarm.compression import COMPRESSIONS, decode, encode, payload_bytes, wire_scheme
-from cramswarm.swarm.fault_rules import kill_candidates
 from cramswarm.swarm.rebalancing import WORK_UNITS, Rebalancer
 from cramswarm.swarm.routing import NoPeersError, PathCall, RetryPolicy, drive_path, microbatch_path
 from cramswarm.swarm.setups import PeerSpec
@@ -369,37 +368,6 @@ def _peer_specs(swarm_cfg: dict, num_stages: int) -> list[PeerSpec]:
     ]
 
 
-def _fault_loop(swarm: _TrainingSwarm, kill_every_s: float, rejoin_after_s: float | None, seed: int) -> None:
-    """Every ``kill_every_s``: kill a random live peer whose stage keeps another live replica
-    (``fault_rules.kill_candidates``, as the launcher chooses)."""
-    rng = random.Random(seed)
-    rejoins: list[tuple[float, Peer]] = []
-    next_kill = swarm.clock.now() + kill_every_s
-    while not swarm.stop.wait(0.02):
-        now = swarm.clock.now()
-        for at, peer in [r for r in rejoins if r[0] <= now]:
-            rejoins.remove((at, peer))
-            peer.revive()
-            swarm.count("rejoins")
-        if now < next_kill:
-            continue
-        next_kill = now + kill_every_s
-        with swarm.membership:   # the launcher's rule (kill_candidates); the replicas here step together
-            steps: dict[int, dict[str, int]] = {}
-            for p in swarm.peers:   # the stages' live members (swarm.members' rule), in one pass
-                if p.alive and p.state.member:
-                    steps.setdefault(p.stage, {})[p.uid] = 0
-            live = {p.uid for p in swarm.peers if p.alive and p.pending_move is None}
-            candidates = [swarm.by_uid[uid] for uid in kill_candidates(steps, live)]
-            victim = rng.choice(candidates) if candidates else None
-            if victim is not None:
-                swarm.kill(victim)
-        if victim is not None:
-            swarm.count("peers_killed")
-            if rejoin_after_s is not None:
-                rejoins.append((now + rejoin_after_s, victim))
-
-
 def train(
     *,
     arch: dict,
@@ -465,13 +433,8 @@ def train(
     ]
     helpers = []
     if swarm.get("kill_every_s"):
-        helpers.append(
-            threading.Thread(
-                target=_fault_loop,
-                daemon=True,
-                args=(sw, swarm["kill_every_s"], swarm.get("rejoin_after_s"), swarm["seed"]),
-            )
-        )
+        faults = ([], swarm["kill_every_s"], swarm.get("rejoin_after_s"), swarm["seed"], sw.clock.now())
+        helpers.append(threading.Thread(target=sw.fault_loop, daemon=True, args=faults))
     if swarm.get("rebalance_period_s"):
         helpers.append(
             threading.Thread(

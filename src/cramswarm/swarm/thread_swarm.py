@@ -28,9 +28,10 @@ import threading
 import time
 from typing import Any, Callable
 
+from cramswarm.swarm.fault_rules import kill_candidates
 from cramswarm.swarm.rebalancing import LoadMeter, Move, Rebalancer
 from cramswarm.swarm.routing import RetryPolicy, StageBalancer, StageCall, UniformBalancer
-from cramswarm.swarm.setups import RECORD_TTL_TIMEOUTS, PeerSpec
+from cramswarm.swarm.setups import RECORD_TTL_TIMEOUTS, FailureEvent, PeerSpec
 
 
 class ScaledClock:
@@ -295,6 +296,48 @@ class Swarm(abc.ABC):
                 move = rebalancer.decide(loads, now)
                 if move is not None:
                     self.begin_move(move)
+
+    def fault_loop(self, schedule: list[FailureEvent], kill_every_s: float | None = None,
+                   rejoin_after_s: float | None = None, seed: int = 0, start: float = 0.0) -> None:
+        """The thread transport's fault driver (run as a thread): kills the ``schedule``'s peers at their times and,
+        every ``kill_every_s``, a random live peer whose stage keeps another (``fault_rules.kill_candidates``, the
+        launcher's rule), in emulated seconds since ``start``. A killed peer rejoins after its event's
+        ``rejoin_after_s`` (a random kill: ``rejoin_after_s``; None: never), loading its stage's state."""
+        rng = random.Random(seed)
+        kills: list[tuple[float, int | None, float | None]] = [(e.at_s, e.peer, e.rejoin_after_s) for e in schedule]
+        rejoins: list[tuple[float, Peer]] = []
+        next_random = kill_every_s if kill_every_s else math.inf
+        while not self.stop.is_set():
+            now = self.clock.now() - start
+            for at, peer in [r for r in rejoins if r[0] <= now]:
+                rejoins.remove((at, peer))
+                if peer.status == "down":
+                    peer.revive()
+                    self.count("rejoins")
+            if now >= next_random:
+                kills.append((now, None, rejoin_after_s))
+                next_random = now + kill_every_s
+            for event in sorted(k for k in kills if k[0] <= now):
+                kills.remove(event)
+                with self.membership:
+                    if event[1] is None:
+                        live = {p.uid for p in self.peers if p.alive and p.pending_move is None}
+                        steps = {s: {p.uid: 0 for p in self.peers if p.alive and p.stage == s} for s in
+                                 {p.stage for p in self.peers}}
+                        candidates = kill_candidates(steps, live)
+                        victim = self.by_uid[rng.choice(candidates)] if candidates else None
+                    else:
+                        victim = self.peers[event[1]] if self.peers[event[1]].alive else None
+                    if victim is not None:
+                        self.kill(victim)
+                if victim is not None:
+                    self.count("peers_killed")
+                    if event[2] is not None:
+                        rejoins.append((now + event[2], victim))
+            upcoming = min([k[0] for k in kills] + [r[0] for r in rejoins] + [next_random])
+            if upcoming == math.inf:
+                return
+            self.stop.wait(min(0.05, self.clock.wall(upcoming - (self.clock.now() - start))))
 
     def begin_move(self, move: Move) -> None:
         peer = self.by_uid[move.uid]
