@@ -165,7 +165,7 @@ def schema_swarm(**kw) -> dict:
 SWARM = dict(transport="emulation", stages=2, peers_per_stage=2, peer_speeds=[1.0], trainers=2,
              compression="blockwise8", averaging_compression="fp16", link_mbit_s=100.0, forward_timeout_s=30.0,
              kill_every_s=None, rejoin_after_s=5.0, rebalance_period_s=None, seed=0, placement="local",
-             host="127.0.0.1", interface=None, srun_args=[], startup_timeout_s=180.0)
+             host="127.0.0.1", interface=None, srun_args=[], startup_timeout_s=180.0, checkpoint_every_s=60.0)
 
 
 def safe_cmdline(proc: psutil.Process) -> list[str]:

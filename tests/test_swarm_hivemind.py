@@ -40,6 +40,7 @@ from cramswarm.swarm.launcher_faults import rank_of_uid  # noqa: E402
 from cramswarm.swarm.membership import BootstrapError, RankTaken, join_swarm, listen_host
 from cramswarm.swarm.peer_process import claim_rank  # noqa: E402
 from cramswarm.swarm.routing import RetryPolicy  # noqa: E402
+from cramswarm.swarm.settings import SwarmPlan  # noqa: E402
 from cramswarm.swarm.trainer import StageClient  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
@@ -242,9 +243,8 @@ def test_the_give_up_and_launcher_grace_are_settings():
     arch, recipe = cfg["models"]["swarm"]["arch"], model_recipe(cfg, "swarm")
     swarm = runtime_settings({k: v for k, v in cfg["swarm"].items() if k != "impl"}, cfg["swarm"]["impl"],
                              PretrainImpl.parse(cfg["pretrain"]["impl"]))
-    default = ht.plan_from_config(arch, 512, recipe, swarm)
+    default = SwarmPlan.from_config(arch, 512, recipe, swarm)
     assert (default.retry.give_up_after_s, default.launcher_grace_s) == (120.0, 30.0)
-    patient = ht.plan_from_config(arch, 512, recipe, {**swarm, "give_up_after_s": 900.0,
-                                                                "launcher_grace_s": 300.0})
+    patient = SwarmPlan.from_config(arch, 512, recipe, {**swarm, "give_up_after_s": 900.0, "launcher_grace_s": 300.0})
     assert (patient.retry.give_up_after_s, patient.launcher_grace_s) == (900.0, 300.0)
     assert patient.retry.forward_timeout_s == swarm["forward_timeout_s"]

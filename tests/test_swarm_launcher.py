@@ -683,9 +683,9 @@ def test_hivemind_swarm_pretraining_matches_single_process_within_the_emulations
     from cramswarm.pretrain import pretrain
     from cramswarm.swarm.train import swarm_pretrain
 
-    configured = ht.plan_from_config
-    monkeypatch.setattr(ht, "plan_from_config", lambda *a, **k: dataclasses.replace(configured(*a, **k),
-                                                                                     peer_unit_time_s=0.2))
+    launch = ht.run_swarm
+    monkeypatch.setattr(ht, "run_swarm", lambda plan, *a, **k: launch(dataclasses.replace(plan, peer_unit_time_s=0.2),
+                                                                      *a, **k))
     tmp, tok = tiny_run
     cfg = schema_swarm(**SWARM) | dict(transport="hivemind", trainers=3, forward_timeout_s=5.0, startup_timeout_s=120.0)
     rec = recipe(budget={"unit": "steps", "value": 30})

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import itertools
 import json
 import os
 import subprocess
@@ -51,6 +52,7 @@ from cramswarm.swarm.routing import (
     NoPeersError,  # noqa: E402
     RetryPolicy,  # noqa: E402
 )
+from cramswarm.swarm.settings import SwarmPlan  # noqa: E402
 from cramswarm.swarm.shards import ForeignShard, load_shard, newest_shard, shard_files, write_shard  # noqa: E402
 from cramswarm.swarm.train import UNBOUNDED  # noqa: E402
 from cramswarm.swarm.work import WorkOrder  # noqa: E402
@@ -402,7 +404,7 @@ def test_a_resumed_seconds_run_gets_the_budget_less_its_earlier_training_time(tm
 def test_a_swarm_plan_the_launcher_cannot_run_is_refused_naming_the_key():
     with pytest.raises(ValueError, match=r"swarm.peers_per_stage=\[1, 0\]: every stage needs at least one peer"):
         ht.run_swarm(plan(peers_per_stage=[1, 0]), source(), 8, progress=False)
-    with pytest.raises(ValueError, match=r"invalid swarm plan: trainers=0"):
+    with pytest.raises(ValueError, match=r"swarm.trainers=0: need at least one trainer"):
         ht.run_swarm(plan(trainers=0), source(), 8, progress=False)
     # the launcher's trainers make their own microbatches: an iterator of them cannot be handed on
     with pytest.raises(TypeError, match="give it a microbatch source"):
@@ -607,31 +609,23 @@ def test_the_end_of_a_run_reads_a_stage_with_no_declared_replica_again_before_it
 
 
 def test_the_hivemind_transport_gives_the_launcher_its_state_folder(monkeypatch, tmp_path):
-    """The state folder swarm_pretrain hands the hivemind transport (launcher/ under the rule's --rendezvous folder)
-    is the launcher's resumable state; without one, no state folder. Without a microbatch source the hivemind
-    transport refuses (the rule always gives one)."""
+    """The hivemind transport hands the launcher the plan with its resumable state folder (None: no such state) and
+    the microbatch source; without a source it refuses (the rule always gives one)."""
     from swarm_helpers import schema_swarm
 
     swarm = schema_swarm(transport="hivemind", checkpoint_every_s=7.0)
-    seen = []
-    handed = []
+    seen, handed = [], []
     monkeypatch.setattr(ht, "run_swarm", lambda p, data, *args, **kw: seen.append(p) or handed.append(data))
     base = plan()
-    common = dict(arch=base.arch, vocab_size=base.vocab_size, recipe=base.recipe, batches=batches(),
-                  total_microbatches=96, progress=False, source=source())
-    state = dict(rendezvous=tmp_path, state_dir=tmp_path / "launcher")
-    ht.train(swarm=swarm, **state, **common)
-    ht.train(swarm=swarm, **common)
-    ht.train(swarm=swarm | {"placement": "attach", "kill_every_s": 4.0}, **state, **common)  # launcher's
-    ht.train(swarm=swarm | {"placement": "srun"}, **state, **common)  # the launcher's, as job steps
-    ht.train(swarm=swarm | {"rebalance_period_s": 5.0}, **state, **common)  # the peers rebalance
+    configured = SwarmPlan.from_config(base.arch, base.vocab_size, base.recipe, swarm, tmp_path)
+    common = dict(total_microbatches=96, progress=False, source=source())
+    ht.train(configured, state_dir=tmp_path / "launcher", **common)
+    ht.train(configured, **common)
     with pytest.raises(ValueError, match="the hivemind transport needs a microbatch source"):
-        ht.train(swarm=swarm, **state, **(common | {"source": None}))
-    launched = tmp_path / "launcher"
-    assert [p.state_dir for p in seen] == [launched, None, launched, launched, launched]
-    assert seen[0].checkpoint_every_s == 7.0
-    # the launcher gets the source (its trainers make their microbatches), never the iterator
-    assert [hasattr(data, "spec") for data in handed] == [True] * 5
+        ht.train(configured, state_dir=tmp_path / "launcher", **(common | {"source": None}))
+    assert [p.state_dir for p in seen] == [tmp_path / "launcher", None]
+    assert seen[0].checkpoint_every_s == 7.0 and seen[0].rendezvous == tmp_path
+    assert [hasattr(data, "spec") for data in handed] == [True] * 2   # the source, never an iterator
 
 
 # -- the rule's outputs, then its state folder --------------------------------------------------------------------
@@ -652,14 +646,14 @@ def test_a_kill_between_the_outputs_and_the_state_folders_removal_trains_nothing
     rendezvous, state = tmp / "rendezvous", tmp / "rendezvous" / train_mod.STATE_SUBDIR
     found_state = []
 
-    def launcher_train(*, rendezvous, swarm, source, state_dir, **kw):
+    def launcher_train(plan, *, source, state_dir, **kw):
         """The launcher's part (the same training, on the emulation): it leaves its state folder to the caller."""
         folder = Path(state_dir)
-        assert folder == Path(rendezvous) / train_mod.STATE_SUBDIR
+        assert folder == Path(plan.rendezvous) / train_mod.STATE_SUBDIR
         found_state.append(sorted(p.name for p in folder.iterdir()) if folder.exists() else None)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / run_state.RESUME_FILE).write_text("{}")
-        result = emulation_training.train(swarm=swarm, **kw)
+        result = emulation_training.train(plan, batches=(source[i] for i in itertools.count()), **kw)
         result.stats["roles"] = "launcher"
         return result
 

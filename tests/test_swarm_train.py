@@ -28,6 +28,7 @@ from cramswarm.data import tokenizer as tokenization
 from cramswarm.models.crammed_bert import register
 from cramswarm.pretrain import HeldOut, pretrain
 from cramswarm.swarm.emulation_training import train
+from cramswarm.swarm.settings import SwarmPlan
 from cramswarm.swarm.stages import StageCountError, assemble_model, build_swarm_model, split_model
 from cramswarm.swarm.train import UNBOUNDED, planned_microbatches, swarm_pretrain
 from cramswarm.train_state import LOG_COLUMNS
@@ -211,7 +212,7 @@ def test_one_stage_swarm_follows_step_based_schedules_and_the_optimizer_as_pretr
 
 def emulated(swarm_cfg, total=80, **recipe_kw):
     rec = recipe(budget={"unit": "steps", "value": total // 2}) | recipe_kw
-    return train(arch=TINY, vocab_size=100, recipe=rec, swarm=SWARM | swarm_cfg, batches=random_batches(),
+    return train(SwarmPlan.from_config(TINY, 100, rec, SWARM | swarm_cfg), batches=random_batches(),
                  total_microbatches=total, progress=False)
 
 
@@ -256,13 +257,13 @@ def test_emulation_trains_with_narrowing_boundaries(compression):
 def test_budget_is_spent_as_pretraining_counts_it():
     rec = recipe(budget={"unit": "tokens", "value": 10_000})
     assert planned_microbatches(rec, 32) == 40  # ceil(10000 / (16 x 32)) = 20 steps of 2 microbatches
-    result = train(arch=TINY, vocab_size=100, recipe=rec, swarm=SWARM, batches=random_batches(),
-                   total_microbatches=40, progress=False)
+    result = train(SwarmPlan.from_config(TINY, 100, rec, SWARM), batches=random_batches(), total_microbatches=40,
+                   progress=False)
     assert (result.stats["steps"], result.stats["tokens"]) == (20, 20 * 16 * 32)
     assert [row["tokens"] for row in result.log][-1] == 20 * 16 * 32
     seconds = recipe(budget={"unit": "seconds", "value": 0.5})
     assert planned_microbatches(seconds, 32) == UNBOUNDED
-    result = train(arch=TINY, vocab_size=100, recipe=seconds, swarm=SWARM, batches=random_batches(),
+    result = train(SwarmPlan.from_config(TINY, 100, seconds, SWARM), batches=random_batches(),
                    total_microbatches=UNBOUNDED, progress=False)
     stats = result.stats
     assert stats["steps"] >= 1 and stats["microbatches_done"] == stats["microbatches_requested"] == 2 * stats["steps"]
@@ -274,10 +275,14 @@ def test_bad_swarm_settings_fail_before_training(tiny_run):
     args = (tmp_path / "blocks.npy", tok_path, tmp_path / "out")
     with pytest.raises(StageCountError, match="swarm.stages=3 does not divide the model's 2 layers"):
         swarm_pretrain(rec, TINY, SWARM | dict(stages=3), *args, progress=False, impl=impl())
-    with pytest.raises(ValueError, match="swarm.peers_per_stage=0: every stage needs at least one peer"):
+    with pytest.raises(ValueError, match=r"swarm.peers_per_stage=\[0, 0\]: every stage needs at least one peer"):
         swarm_pretrain(rec, TINY, SWARM | dict(peers_per_stage=0), *args, progress=False, impl=impl())
     with pytest.raises(ValueError, match="swarm.transport"):
         swarm_pretrain(rec, TINY, SWARM | dict(transport="pigeon"), *args, progress=False, impl=impl())
+    with pytest.raises(ValueError, match="swarm.impl.placement=attach runs peers as separate processes"):
+        swarm_pretrain(rec, TINY, SWARM | dict(placement="attach"), *args, progress=False, impl=impl())
+    with pytest.raises(ValueError, match="swarm.averaging_compression='zip'"):
+        swarm_pretrain(rec, TINY, SWARM | dict(averaging_compression="zip"), *args, progress=False, impl=impl())
     assert not (tmp_path / "out").exists()
 
 

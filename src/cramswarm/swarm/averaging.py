@@ -51,9 +51,10 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
 from cramswarm.swarm.compression import decode, encode
+from cramswarm.swarm.settings import AVERAGING_SCHEMES
 from cramswarm.swarm.wire import CHUNK_BYTES
 
-SCHEMES = ("none", "fp16", "8bit")
+SCHEMES = AVERAGING_SCHEMES
 BYTES_PER_VALUE = {"none": 4.0, "fp16": 2.0, "8bit": 1.0 + 4.0 / 4096}  # 8bit: code + its block's fp32 maximum
 PART_OVERHEAD_BYTES = {"none": 0, "fp16": 0, "8bit": 4}  # 8bit: a part's last, partial block has a maximum too
 STATE_BYTES_PER_PARAM = 12.0  # a state download: fp32 weights and AdamW's two fp32 moments

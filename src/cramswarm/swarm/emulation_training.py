@@ -31,9 +31,10 @@ import torch
 from tqdm.auto import tqdm
 
 from cramswarm.precision import autocast, resolve_precision
-from cramswarm.swarm.compression import COMPRESSIONS, decode, encode, payload_bytes, wire_scheme
+from cramswarm.swarm.compression import decode, encode, payload_bytes, wire_scheme
 from cramswarm.swarm.rebalancing import WORK_UNITS, Rebalancer
-from cramswarm.swarm.routing import NoPeersError, PathCall, RetryPolicy, drive_path, microbatch_path
+from cramswarm.swarm.routing import NoPeersError, PathCall, drive_path, microbatch_path
+from cramswarm.swarm.settings import SwarmPlan
 from cramswarm.swarm.setups import PeerSpec
 from cramswarm.swarm.stage_sync import StageSync
 from cramswarm.swarm.stages import build_swarm_model, split_model
@@ -138,14 +139,14 @@ class _TrainingSwarm(Swarm):
         clock: ScaledClock,
         stages: list[torch.nn.Module],
         recipe: dict,
-        swarm_cfg: dict,
+        plan: SwarmPlan,
         precision: str,
         dispatcher: Dispatcher,
     ):
-        super().__init__(specs, clock, swarm_cfg["forward_timeout_s"], 0.0)
+        super().__init__(specs, clock, plan.retry.forward_timeout_s, 0.0)
         self.recipe, self.scheme, self.precision, self.dispatcher = (
             recipe,
-            wire_scheme(swarm_cfg["compression"]),
+            wire_scheme(plan.compression),
             precision,
             dispatcher,
         )
@@ -355,51 +356,26 @@ class _TrainingSwarm(Swarm):
         return spread
 
 
-def _peer_specs(swarm_cfg: dict, num_stages: int) -> list[PeerSpec]:
-    per_stage, speeds = swarm_cfg["peers_per_stage"], list(swarm_cfg["peer_speeds"]) or [1.0]
-    if per_stage < 1:
-        raise ValueError(f"swarm.peers_per_stage={per_stage}: every stage needs at least one peer to serve it")
-    if any(s <= 0 for s in speeds):
-        raise ValueError(f"swarm.peer_speeds must be positive, got {speeds}")
-    return [
-        PeerSpec(stage, speeds[(stage * per_stage + r) % len(speeds)])
-        for stage in range(num_stages)
-        for r in range(per_stage)
-    ]
-
-
-def train(
-    *,
-    arch: dict,
-    vocab_size: int,
-    recipe: dict,
-    swarm: dict,
-    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
-    total_microbatches: int,
-    progress: bool = True,
-) -> TrainResult:
-    """Train crammed BERT with SWARM on peer and trainer threads (see the module docstring).
+def train(plan: SwarmPlan, *, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], total_microbatches: int,
+          progress: bool = True) -> TrainResult:
+    """Train crammed BERT with SWARM on peer and trainer threads (see the module docstring), with ``plan``'s model,
+    recipe, peers, speeds, trainers, compression, retry, faults, rebalancing and seed.
 
     ``batches`` yields already-masked (input_ids, labels) microbatches; at most ``total_microbatches`` are
     used (exactly that many for token or step budgets, which ``train.swarm_pretrain`` computes; a seconds budget
     stops at the first step boundary past the time). Compute runs on the CPU.
     """
-    if swarm["compression"] not in COMPRESSIONS:
-        raise ValueError(
-            f"swarm.compression must be one of {', '.join(COMPRESSIONS)}, got {swarm['compression']!r}"
-        )
-    model = build_swarm_model(arch, vocab_size, recipe["seed"], swarm["stages"], swarm["compression"])
-    stages = split_model(model, swarm["stages"])  # StageCountError before any thread starts
-    specs = _peer_specs(swarm, len(stages))
-    if swarm["trainers"] < 1:
-        raise ValueError(f"swarm.trainers={swarm['trainers']}: need at least one trainer")
+    plan.validate()
+    recipe = plan.recipe
+    model = build_swarm_model(plan.arch, plan.vocab_size, recipe["seed"], plan.stages, plan.compression)
+    stages = split_model(model, plan.stages)
+    specs = [PeerSpec(stage, speed) for stage, speed in plan.slots()]
     precision = resolve_precision(recipe["precision"], torch.device("cpu"))
     clock = ScaledClock(1.0)
     dispatcher = Dispatcher(batches, total_microbatches, recipe)
-    sw = _TrainingSwarm(specs, clock, stages, recipe, swarm, precision, dispatcher)
-    retry = RetryPolicy(forward_timeout_s=swarm["forward_timeout_s"],
-                        give_up_after_s=swarm.get("give_up_after_s", RetryPolicy.give_up_after_s))
-    rng = random.Random(swarm["seed"])
+    sw = _TrainingSwarm(specs, clock, stages, recipe, plan, precision, dispatcher)
+    retry = plan.retry
+    rng = random.Random(plan.seed)
     counts = {"done": 0, "lost": 0, "tokens": 0}
 
     def trainer(index: int, seed: float) -> None:
@@ -429,16 +405,16 @@ def train(
 
     trainers = [
         threading.Thread(target=trainer, args=(i, rng.random()), name=f"trainer{i}", daemon=True)
-        for i in range(swarm["trainers"])
+        for i in range(plan.trainers)
     ]
     helpers = []
-    if swarm.get("kill_every_s"):
-        faults = ([], swarm["kill_every_s"], swarm.get("rejoin_after_s"), swarm["seed"], sw.clock.now())
+    if plan.kill_every_s:
+        faults = ([], plan.kill_every_s, plan.rejoin_after_s, plan.seed, sw.clock.now())
         helpers.append(threading.Thread(target=sw.fault_loop, daemon=True, args=faults))
-    if swarm.get("rebalance_period_s"):
+    if plan.rebalance_period_s:
         helpers.append(
             threading.Thread(
-                target=sw.rebalance_loop, daemon=True, args=(Rebalancer(swarm["rebalance_period_s"]), len(stages))
+                target=sw.rebalance_loop, daemon=True, args=(Rebalancer(plan.rebalance_period_s), len(stages))
             )
         )
     bar = tqdm(
@@ -494,7 +470,7 @@ def train(
         "per_stage_peers": sw.stage_peers(),
         "replica_max_abs_diff": sw.replica_spread(),
         "boundary_bytes": sw.boundary_bytes,
-        "compression": swarm["compression"],
+        "compression": plan.compression,
         "precision": precision,
         "wall_s": round(time.perf_counter() - wall_start, 3),
     }

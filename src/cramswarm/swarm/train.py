@@ -8,7 +8,8 @@ masks drawn from a generator seeded with the seed and its index). The budget is 
 optimizer steps or seconds, checked before each step; a step has ``training.step_accumulation`` microbatches
 and the learning rate ``training.step_lr``: pretrain's rules, a ramp or schedule horizon in sequences included),
 so a token or step budget fixes the number of microbatches in advance. Training runs on a transport chosen by
-``swarm["transport"]``: ``emulation`` (threads in this process, ``cramswarm.swarm.emulation_training.train``) or
+``swarm["transport"]`` (the run's settings are one ``settings.SwarmPlan``, checked before any data is read):
+``emulation`` (threads in this process, ``cramswarm.swarm.emulation_training.train``) or
 ``hivemind`` (one process per peer, ``cramswarm.swarm.hivemind_transport.train``, imported only when asked for;
 its processes are started by this process's launcher - ``swarm["placement"]`` ``local``, or ``srun``: each as a
 job step of the SLURM job it runs in - or, with ``attach``, its peers by ``swarm-peer`` tasks that meet the
@@ -28,6 +29,7 @@ stage shards (``launcher``).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -46,7 +48,8 @@ from cramswarm.precision import choose_precision
 from cramswarm.pretrain import HeldOut, load_training_data
 from cramswarm.run_outputs import summary as run_summary
 from cramswarm.run_outputs import write_outputs
-from cramswarm.swarm.stages import assemble_model, build_swarm_model, check_stage_count, split_model
+from cramswarm.swarm.settings import SwarmPlan
+from cramswarm.swarm.stages import assemble_model, build_swarm_model, split_model
 from cramswarm.train_state import LOG_COLUMNS
 from cramswarm.training import (
     budget_progress,
@@ -54,8 +57,6 @@ from cramswarm.training import (
     step_accumulation,
 )
 
-TRANSPORTS = ("emulation", "hivemind")
-PLACEMENTS = ("local", "attach", "srun")  # hivemind_transport.PLACEMENTS (not imported: hivemind is optional)
 UNBOUNDED = 1 << 62  # microbatch bound for a seconds budget (time decides)
 STATE_SUBDIR = "launcher"  # under the rendezvous folder: the launcher's resumable state (hivemind_transport.train)
 OUTPUTS_FILE = "outputs.json"  # in the state folder: the outputs written from its finished run (name -> SHA-1)
@@ -86,26 +87,6 @@ def planned_microbatches(recipe: dict, block_tokens: int) -> int:
         size = step_accumulation(recipe, t, total * micro)
         total, tokens, steps = total + size, tokens + size * micro * block_tokens, steps + 1
     return total
-
-
-def validate(arch: dict, swarm: dict) -> None:
-    """Errors in the swarm settings, raised before any data is read or thread started."""
-    if swarm["transport"] not in TRANSPORTS:
-        raise ValueError(f"swarm.transport must be one of {', '.join(TRANSPORTS)}, got {swarm['transport']!r}")
-    check_stage_count(arch["layers"], swarm["stages"])
-    if swarm["peers_per_stage"] < 1:
-        raise ValueError(
-            f"swarm.peers_per_stage={swarm['peers_per_stage']}: every stage needs at least one peer to serve it"
-        )
-    if swarm["trainers"] < 1:
-        raise ValueError(f"swarm.trainers={swarm['trainers']}: need at least one trainer")
-    if swarm["placement"] not in PLACEMENTS:
-        raise ValueError(f"swarm.impl.placement must be one of {', '.join(PLACEMENTS)}, got {swarm['placement']!r}")
-    if swarm["placement"] != "local" and swarm["transport"] != "hivemind":
-        raise ValueError(
-            f"swarm.impl.placement={swarm['placement']} runs peers as separate processes: it needs "
-            f"swarm.transport: hivemind (got {swarm['transport']})"
-        )
 
 
 def _sha1(path: Path) -> str:
@@ -201,7 +182,8 @@ def swarm_pretrain(
     impl = impl or PretrainImpl()
     settings = _settings(recipe, arch, swarm, run)  # what the outputs were computed from
     swarm = runtime_settings(swarm, swarm_impl, impl)
-    validate(arch, swarm)
+    plan = SwarmPlan.from_config(arch, 0, recipe, swarm, rendezvous)   # vocab and budget filled in once known
+    plan.validate()
     out_dir = Path(out_dir)
     state_dir = Path(rendezvous) / STATE_SUBDIR if rendezvous is not None else None
     if state_dir is not None:
@@ -223,31 +205,23 @@ def swarm_pretrain(
         print(budgets.describe_counted(recipe["budget"]), flush=True)
     total = planned_microbatches(recipe, block_tokens)
 
-    extra = {}
-    if swarm["transport"] == "hivemind":
+    plan = dataclasses.replace(plan, vocab_size=vocab_size, recipe=recipe)
+    if plan.transport == "hivemind":
         from cramswarm.swarm.data import BlockSource
         from cramswarm.swarm.hivemind_transport import train as transport_train
 
         # the launcher's trainers make the same blocks' microbatches by index (masks seeded per microbatch)
-        extra.update(rendezvous=rendezvous, state_dir=state_dir,
-                     source=BlockSource.for_recipe(blocks_path, n_blocks, recipe, vocab_size))
+        extra = {"state_dir": state_dir, "source": BlockSource.for_recipe(blocks_path, n_blocks, recipe, vocab_size)}
     else:
         from cramswarm.swarm.emulation_training import train as transport_train
-    result = transport_train(
-        arch=arch,
-        vocab_size=vocab_size,
-        recipe=recipe,
-        swarm=swarm,
-        batches=microbatches(blocks, n_blocks, recipe, vocab_size),
-        total_microbatches=total,
-        progress=progress,
-        **extra,
-    )
+
+        extra = {"batches": microbatches(blocks, n_blocks, recipe, vocab_size)}
+    result = transport_train(plan, total_microbatches=total, progress=progress, **extra)
     stats = result.stats
 
     # the model the transport split (with a narrowing compression's boundary layers), without dropout
-    shape = build_swarm_model(arch, vocab_size, recipe["seed"], swarm["stages"], swarm["compression"])
-    stages = split_model(shape, swarm["stages"])
+    shape = build_swarm_model(arch, vocab_size, recipe["seed"], plan.stages, plan.compression)
+    stages = split_model(shape, plan.stages)
     for stage, state in zip(stages, result.stage_states):
         stage.load_state_dict(state)
     model = assemble_model(stages, shape.config)

@@ -140,7 +140,7 @@ def entered(netns: str):
 
 
 def link_plan(plan, bandwidth_mbit: float | None, latency_ms: float = 0.0, jitter_ms: float = 0.0):
-    """``plan`` (a ``hivemind_transport.SwarmPlan``) told the testbed's link: ``link_mbit_s`` is the shaped rate
+    """``plan`` (a ``settings.SwarmPlan``) told the testbed's link: ``link_mbit_s`` is the shaped rate
     (``bandwidth_mbit``; unshaped: the plan's own), so the averaging's, state downloads' and final steps' bounds
     grow with the link as they would on real hosts of that rate, and the calls' timeouts allow for the relay's
     round trip (``RetryPolicy.rtt_s``: a cut peer is noticed by them alone)."""
