@@ -4,7 +4,7 @@ Every run is ``hivemind_transport.run_swarm`` (``launcher``): a bootstrap DHT pr
 stage-peer processes that decide their steps among themselves, trainer processes with their own balancers, all on
 this host over loopback, training a tiny crammed BERT on the toy counting language for a seconds budget (the
 trainers take microbatches until the launcher's deadline). A peer's speed s is emulated by the peer itself
-(``hivemind_peer.StagePeer._emulate_speed``): a call takes compute / s, the rest slept on its compute thread, where
+(``replica.StageReplica.emulate_speed``): a call takes compute / s, the rest slept on its compute thread, where
 the compute is at least ``--unit-time`` (``SwarmPlan.peer_unit_time_s``) x the call's work units (a microbatch's
 forward 1, backward 2, the last stage's fused call 3). The model's real compute (milliseconds) fits under that
 floor, so call times, and the peers' speed ratios, do not move with the host's load: scaling the measured compute

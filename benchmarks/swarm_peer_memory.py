@@ -1,5 +1,5 @@
 """Where a swarm stage peer's memory goes, call by call: one process runs a stage peer's own compute methods
-(``StagePeer._backward``, ``_take_snapshot``, ``_apply``, ``_state_blob``) on the memory run's model of
+(``StagePeer._backward``, ``replica.take_snapshot``, ``_apply``, ``_state_blob``) on the memory run's model of
 ``swarm_launcher.py`` (4 stages, hidden 256, 8 layers, vocabulary 32768, microbatches of 8 x 64 tokens of the
 counting language), without DHT or network, and prints per phase the RSS before, the peak during it (``VmHWM``,
 reset before each phase through ``/proc/self/clear_refs``; Linux only) and the CPU time it took. A global batch of
@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         return out
 
     peer = phase("build + AdamW", lambda: hp.StagePeer(cfg, args.stage, "probe", 1.0, None))
-    print(f"stage {args.stage}: {peer.num_params:,} parameters ({4 * peer.num_params / MIB:.1f} MiB fp32)")
+    print(f"stage {args.stage}: {peer.replica.num_params:,} parameters "
+          f"({4 * peer.replica.num_params / MIB:.1f} MiB fp32)")
     source = CountingSource(micro, SEQ, 0)
 
     def request(i: int) -> tuple[dict, dict]:
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                 trim_cpu.append(time.process_time())
                 ctypes.CDLL("libc.so.6").malloc_trim(0)
                 trim_cpu[-1] = time.process_time() - trim_cpu[-1]
-        flat, _ = phase("snapshot", peer._take_snapshot, step)
+        flat, _ = phase("snapshot", peer.replica.take_snapshot, step)
         peer.averaged = (b"probe", flat)
         del flat
         phase("step (AdamW)", peer._apply, b"probe", 1e-3)
@@ -123,8 +124,9 @@ def main(argv: list[str] | None = None) -> int:
 
     tensors = phase("receive it", receive, phase("serve a download", serve))
     phase("load it", peer._load_state_tensor, tensors.pop("blob"))
-    print(f"activations: at most {peer.activation_bytes / MIB:.1f} MiB saved for backward by one call; median CPU "
-          f"of a backward call {statistics.median(times) * 1000:.1f} ms; final RSS {rss_bytes() / MIB:.1f} MiB")
+    print(f"activations: at most {peer.replica.activation_bytes / MIB:.1f} MiB saved for backward by one call; "
+          f"median CPU of a backward call {statistics.median(times) * 1000:.1f} ms; "
+          f"final RSS {rss_bytes() / MIB:.1f} MiB")
     if trim_cpu:
         print(f"malloc_trim: median CPU {statistics.median(trim_cpu) * 1000:.1f} ms per call")
     return 0

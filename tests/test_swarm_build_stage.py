@@ -220,17 +220,17 @@ def test_a_peers_gradient_snapshot_is_one_vector_divided_in_place_and_dropped_at
         tensors, meta = {"labels": torch.randint(5, VOCAB, (3, 8), generator=g)}, {}
         flatten_payload("x", encode(torch.randn(3, 8, ARCH["hidden_size"], generator=g), "none"), tensors, meta)
         peer._backward(tensors, meta)
-    sums = torch.cat([p.grad.reshape(-1).clone() for p in peer.params])
-    flat, samples = peer._take_snapshot(0)
+    sums = torch.cat([p.grad.reshape(-1).clone() for p in peer.replica.params])
+    flat, samples = peer.replica.take_snapshot(0)
     assert samples == 6 and torch.equal(flat, sums / 6)
-    assert all(p.grad is None for p in peer.params) and peer.local_samples == 0
-    again, _ = peer._take_snapshot(0)   # a reduce retry
+    assert all(p.grad is None for p in peer.replica.params) and peer.replica.local_samples == 0
+    again, _ = peer.replica.take_snapshot(0)   # a reduce retry
     assert again is flat
-    before = [p.detach().clone() for p in peer.params]
+    before = [p.detach().clone() for p in peer.replica.params]
     peer.averaged = (b"group", flat)
     assert peer._apply(b"group", 1e-3)["status"] == "ok"
-    assert peer.snapshot is None and peer.averaged is None
-    assert any(not torch.equal(a, p) for a, p in zip(before, peer.params))
+    assert peer.replica.snapshot is None and peer.averaged is None
+    assert any(not torch.equal(a, p) for a, p in zip(before, peer.replica.params))
 
 
 def test_a_stage_peer_bounds_the_onednn_primitive_cache_unless_the_environment_sets_it(monkeypatch):
@@ -276,19 +276,20 @@ def test_a_leaving_peer_hands_its_held_gradients_to_a_replica_that_stays(tmp_pat
     backward(mover, 1, 10)
     backward(mover, 2, 11)
     backward(heir, 3, 12)
-    expected = [a.grad + b.grad for a, b in zip(mover.params, heir.params)]
+    expected = [a.grad + b.grad for a, b in zip(mover.replica.params, heir.replica.params)]
     loss = mover.local_loss + heir.local_loss
     tensors, meta = mover._take_held()
     assert meta["samples"] == 6 and meta["mbs"] == [10, 11] and meta["step"] == 0
-    assert mover.local_samples == 0 and not mover.local_mbs and all(p.grad is None for p in mover.params)
+    assert mover.replica.local_samples == 0 and not mover.local_mbs
+    assert all(p.grad is None for p in mover.replica.params)
     assert heir._add_held(tensors, meta) == {"status": "ok"}
-    assert heir.local_samples == 9 and sorted(heir.local_mbs) == [10, 11, 12]
+    assert heir.replica.local_samples == 9 and sorted(heir.local_mbs) == [10, 11, 12]
     assert heir.local_loss == pytest.approx(loss)
-    assert all(torch.allclose(p.grad, e) for p, e in zip(heir.params, expected))
+    assert all(torch.allclose(p.grad, e) for p, e in zip(heir.replica.params, expected))
 
     assert heir._add_held(tensors, meta) == {"status": "ok"}   # the same microbatches once more: at least once
-    assert heir.local_samples == 15
-    heir.step = 1
+    assert heir.replica.local_samples == 15
+    heir.replica.step = 1
     assert heir._add_held(tensors, meta | {"mbs": [20]})["status"] == "refused"   # computed at another step
 
 
@@ -318,11 +319,12 @@ def test_calls_computed_while_a_peer_steps_count_toward_its_next_step(tmp_path):
     for seed, mb in ((2, 11), (3, 12)):
         _backward_call(reference, seed, mb)
     assert peer._held_samples() == 6 and peer.local_loss == pytest.approx(reference.local_loss)
-    assert all(torch.allclose(p.grad, r.grad, atol=1e-6) for p, r in zip(peer.params, reference.params))
+    assert all(torch.allclose(p.grad, r.grad, atol=1e-6)
+               for p, r in zip(peer.replica.params, reference.replica.params))
     peer._take_snapshot(1)
     _backward_call(peer, 4, 13)
     peer._drop_snapshot()                      # a step that stepped nothing: later calls stay accumulated
-    assert sorted(peer.local_mbs) == [13] and peer.local_samples == 3 and not peer._stepping()
+    assert sorted(peer.local_mbs) == [13] and peer.replica.local_samples == 3 and not peer._stepping()
 
 
 def test_a_resent_or_repeated_microbatch_counts_again_and_is_counted(tmp_path):
@@ -333,11 +335,12 @@ def test_a_resent_or_repeated_microbatch_counts_again_and_is_counted(tmp_path):
     peer = _syncing_peer(tmp_path, "s1p1")
     _backward_call(peer, 1, 10)
     _backward_call(peer, 2, 11, resent=True)
-    assert peer.local_samples == 6 and sorted(peer.local_mbs) == [10, 11] and peer.counters["resent_samples"] == 3
+    assert peer.replica.local_samples == 6 and sorted(peer.local_mbs) == [10, 11]
+    assert peer.counters["resent_samples"] == 3
     _backward_call(peer, 2, 11)
-    assert peer.local_samples == 9 and sorted(peer.local_mbs) == [10, 11, 11]
+    assert peer.replica.local_samples == 9 and sorted(peer.local_mbs) == [10, 11, 11]
     peer._load_state(peer._state())
-    assert peer._held_samples() == 0 and not peer.local_mbs and all(p.grad is None for p in peer.params)
+    assert peer._held_samples() == 0 and not peer.local_mbs and all(p.grad is None for p in peer.replica.params)
 
 
 def test_a_peer_taking_the_state_one_step_ahead_keeps_the_gradients_it_holds_toward_that_step(tmp_path):
@@ -348,13 +351,13 @@ def test_a_peer_taking_the_state_one_step_ahead_keeps_the_gradients_it_holds_tow
     _backward_call(peer, 1, 10)
     peer._take_snapshot(0)                     # the step's snapshot (applied by the group without this peer)
     _backward_call(peer, 2, 11)                # toward the next step
-    held = [p.grad.clone() for p in peer.params]
-    source.step = 1
+    held = [p.grad.clone() for p in peer.replica.params]
+    source.replica.step = 1
     assert peer._load_state(source._state()) == 1
-    assert peer.local_samples == 3 and sorted(peer.local_mbs) == [11] and not peer._stepping()
-    assert all(torch.equal(p.grad, h) for p, h in zip(peer.params, held))
+    assert peer.replica.local_samples == 3 and sorted(peer.local_mbs) == [11] and not peer._stepping()
+    assert all(torch.equal(p.grad, h) for p, h in zip(peer.replica.params, held))
     assert peer.counters["stale_gradient_samples"] == 3 and peer.counters["lost_gradient_samples"] == 3
-    source.step = 4
+    source.replica.step = 4
     assert peer._load_state(source._state()) == 4
-    assert peer._held_samples() == 0 and not peer.local_mbs and all(p.grad is None for p in peer.params)
+    assert peer._held_samples() == 0 and not peer.local_mbs and all(p.grad is None for p in peer.replica.params)
     assert peer.counters["lost_gradient_samples"] == 6

@@ -321,14 +321,14 @@ def test_the_runs_routing_reaches_every_trainers_balancers_and_unknown_routings_
 
 
 def test_a_peers_emulated_speed_scales_its_measured_compute_or_the_configured_floor(monkeypatch):
-    """``StagePeer._emulate_speed``: a call of speed s takes compute / s (the rest slept on the compute thread); with
-    ``peer_unit_time_s`` the compute counts as at least work units x that, so a loaded host's slower real compute
+    """``StageReplica.emulate_speed`` (a stage peer's, on its compute thread): a call of speed s takes compute / s;
+    with ``peer_unit_time_s`` the compute counts as at least work units x that, so a loaded host's slower real compute
     does not change the call's time while it fits under the floor."""
-    from cramswarm.swarm import hivemind_peer
+    from cramswarm.swarm import replica
 
     slept = []
-    monkeypatch.setattr(hivemind_peer.time, "sleep", slept.append)
-    peer = hivemind_peer.StagePeer.__new__(hivemind_peer.StagePeer)
+    monkeypatch.setattr(replica.time, "sleep", slept.append)
+    peer = replica.StageReplica.__new__(replica.StageReplica)
     for speed, floor, measured, units, expected in [
         (1.0, None, 0.01, 1.0, 0.0),     # full speed, no floor: no sleep
         (0.5, None, 0.01, 3.0, 0.01),    # half speed: as long again as it measured
@@ -341,7 +341,7 @@ def test_a_peers_emulated_speed_scales_its_measured_compute_or_the_configured_fl
     ]:
         peer.speed, peer.unit_time_s = speed, floor
         slept.clear()
-        peer._emulate_speed(measured, units)
+        peer.emulate_speed(measured, units)
         assert slept == [pytest.approx(expected)], (speed, floor, measured, units)
     with pytest.raises(ValueError, match="peer_unit_time_s=0.0"):
         plan(peer_unit_time_s=0.0).validate()

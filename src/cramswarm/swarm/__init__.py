@@ -5,6 +5,7 @@ each module does, by transport: docs/swarm.md, "Design". In short:
 
 * pure policies (time passed in, no I/O): ``routing``, ``rebalancing``, ``fault_rules``, ``stage_sync``, ``work``;
 * shared by the transports: ``compression``, ``stages``, ``setups``, ``train`` and ``commands`` (the commands);
+  ``replica`` (a stage's compute, gradients and step) by the two training transports;
 * transport 1, real hivemind processes: ``hivemind_transport`` (the plan, ``run_swarm``, ``train``), ``launcher``
   (+ ``run_state``, ``run_result``, ``launcher_faults``, ``processes``, ``srun``), ``trainer`` (+ ``data``), the
   stage peer ``hivemind_peer`` / ``peer_sync`` (+ ``progress``, ``shards``, ``averaging``) / ``peer_rebalance`` /

@@ -1,20 +1,20 @@
 """Transport 2's training: crammed BERT trained by the emulation's threads (``thread_swarm``'s peers, directory,
 clock and routers), one process.
 
-Real training of crammed BERT split into stages (``stages.split_model``): each peer holds a replica
-of its stage's module and optimizer state; activations and gradients cross stage boundaries encoded with
-``compression.encode``/``decode`` (a narrowing ``swarm.compression``, bottleneck/maxout, puts a trained layer at each
-boundary, ``stages.build_swarm_model``, and the narrowed tensor travels in fp32); backward goes to any replica of the
-stage and recomputes the stage forward (as in SWARM's code). Each stage accumulates gradients across its replicas
-until the recipe's global batch (``StageSync``), then takes one synchronous step: the gradient average weighted by
-local samples, the same clipping and the same optimizer step (the recipe's, ``training.apply_gradients``) on every
-live replica, so replicas stay bitwise equal. Stages step independently (bounded staleness across stages,
-inherent to SWARM). Gradient clipping is therefore per stage, not over the whole model as in single-process
-pretraining. A stage processes each microbatch's gradient once (a resent request is recognised by its microbatch
-id). A killed peer's unaveraged gradients are lost, as in SWARM (counted in ``lost_gradient_samples``);
-the fault injector never kills the last live replica of a stage (its state would be gone); a rejoining peer downloads
-parameters and optimizer state from a live replica. Emulated speed: a peer of speed s sleeps
-``t_compute * (1/s - 1)`` after each computation.
+Real training of crammed BERT split into stages (``stages.split_model``): each peer holds a replica of its stage
+(``replica.StageReplica``: module, the recipe's optimizer, the forward and backward compute); activations and
+gradients cross stage boundaries encoded with ``compression.encode``/``decode`` (a narrowing ``swarm.compression``,
+bottleneck/maxout, puts a trained layer at each boundary, ``stages.build_swarm_model``, and the narrowed tensor
+travels in fp32); backward goes to any replica of the stage and recomputes the stage forward (as in SWARM's code).
+Each stage accumulates gradients across its replicas until the recipe's global batch (``StageSync``), then takes one
+synchronous step: the gradient average weighted by local samples, the same clipping and the same optimizer step (the
+recipe's, ``StageReplica.apply``) on every live replica, so replicas stay bitwise equal. Stages step independently
+(bounded staleness across stages, inherent to SWARM). Gradient clipping is therefore per stage, not over the whole
+model as in single-process pretraining. A stage processes each microbatch's gradient once (a resent request is
+recognised by its microbatch id). A killed peer's unaveraged gradients are lost, as in SWARM (counted in
+``lost_gradient_samples``); the fault injector never kills the last live replica of a stage (its state would be
+gone); a rejoining peer downloads parameters and optimizer state from a live replica. Emulated speed
+(``StageReplica.emulate_speed``, no floor): a peer of speed s < 1 sleeps ``t_compute * (1/s - 1)`` after each call.
 """
 
 from __future__ import annotations
@@ -30,22 +30,17 @@ from typing import Any, Iterator
 import torch
 from tqdm.auto import tqdm
 
-from cramswarm.precision import autocast, resolve_precision
+from cramswarm.precision import resolve_precision
 from cramswarm.swarm.compression import decode, encode, payload_bytes, wire_scheme
 from cramswarm.swarm.rebalancing import WORK_UNITS, Rebalancer
+from cramswarm.swarm.replica import StageReplica
 from cramswarm.swarm.routing import NoPeersError, PathCall, drive_path, microbatch_path
 from cramswarm.swarm.settings import SwarmPlan
 from cramswarm.swarm.setups import PeerSpec
 from cramswarm.swarm.stage_sync import StageSync
 from cramswarm.swarm.stages import build_swarm_model, split_model
 from cramswarm.swarm.thread_swarm import Dropped, Peer, Request, Router, ScaledClock, StopRun, Swarm
-from cramswarm.training import (
-    apply_gradients,
-    budget_progress,
-    make_optimizer,
-    step_accumulation,
-    step_lr,
-)
+from cramswarm.training import budget_progress, step_accumulation, step_lr
 
 
 @dataclass
@@ -56,24 +51,15 @@ class TrainResult:
 
 
 class _Replica:
-    """One peer's copy of its stage: module, optimizer state (the recipe's, ``training.make_optimizer``) and its
-    unaveraged gradient sums."""
+    """One peer's ``StageReplica``, the gradient sums of the microbatches it counted (flat, ``take_grads``' layout),
+    and the lock its compute and its stage's steps take."""
 
-    def __init__(self, module: torch.nn.Module, recipe: dict, optimizer_state: dict | None = None):
-        self.module = module
-        self.params = [p for p in module.parameters() if p.requires_grad]
-        self.optimizer = make_optimizer(module, recipe)
-        if optimizer_state is not None:
-            self.optimizer.load_state_dict(copy.deepcopy(optimizer_state))
-        self.buffers = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
-        self.mbs: set[int] = set()  # microbatches whose gradients sit in ``buffers``
+    def __init__(self, replica: StageReplica):
+        self.replica = replica
+        self.sums = torch.zeros(replica.num_params)
+        self.mbs: set[int] = set()  # microbatches whose gradients sit in ``sums``
         self.member = True  # takes part in its stage's synchronous steps
         self.lock = threading.Lock()
-
-    @classmethod
-    def copy_of(cls, source: "_Replica", recipe: dict) -> "_Replica":
-        """State download: parameters and optimizer statistics of a live replica."""
-        return cls(copy.deepcopy(source.module), recipe, source.optimizer.state_dict())
 
 
 class _StageState:
@@ -133,36 +119,22 @@ class Dispatcher:
 class _TrainingSwarm(Swarm):
     """Peers that really compute their stage (see the module docstring for the synchronisation rules)."""
 
-    def __init__(
-        self,
-        specs: list[PeerSpec],
-        clock: ScaledClock,
-        stages: list[torch.nn.Module],
-        recipe: dict,
-        plan: SwarmPlan,
-        precision: str,
-        dispatcher: Dispatcher,
-    ):
+    def __init__(self, specs: list[PeerSpec], clock: ScaledClock, stages: list[torch.nn.Module], recipe: dict,
+                 plan: SwarmPlan, precision: str, dispatcher: Dispatcher):
         super().__init__(specs, clock, plan.retry.forward_timeout_s, 0.0)
-        self.recipe, self.scheme, self.precision, self.dispatcher = (
-            recipe,
-            wire_scheme(plan.compression),
-            precision,
-            dispatcher,
-        )
+        self.recipe, self.scheme, self.dispatcher = recipe, wire_scheme(plan.compression), dispatcher
         self.num_stages = len(stages)
         self.stage_state = [_StageState() for _ in stages]
         self.log: list[dict] = []
         self.boundary_bytes = 0
         self.flushed_steps = 0
         for peer in self.peers:
-            peer.state = _Replica(copy.deepcopy(stages[peer.stage]), recipe)
+            peer.state = _Replica(StageReplica(copy.deepcopy(stages[peer.stage]), recipe, precision,
+                                               torch.device("cpu"), peer.stage == self.num_stages - 1, peer.speed))
 
     # -- compute ---------------------------------------------------------------------------------------
     def _input(self, stage: int, data: Any) -> torch.Tensor:
-        if stage == 0:
-            return data
-        return decode(data).detach().requires_grad_(True)
+        return data if stage == 0 else decode(data)
 
     def _encode(self, t: torch.Tensor) -> dict:
         payload = encode(t.detach(), self.scheme)
@@ -175,65 +147,41 @@ class _TrainingSwarm(Swarm):
 
     def serve(self, peer: Peer, request: Request, incarnation: int) -> Any:
         rep: _Replica = peer.state
-        stage, cpu = request.stage, torch.device("cpu")
         start = time.perf_counter()
-        grads: list[torch.Tensor | None] = []
-        loss_value = None
         if request.kind == "forward":
-            x = self._input(stage, request.data)
-            with rep.lock, torch.no_grad(), autocast(self.precision, cpu):
-                out = rep.module(x)
-            result: Any = self._encode(out)
-        else:
-            if request.kind == "last":
-                data, labels = request.data
-            else:
-                data, grad_payload = request.data
-            x = self._input(stage, data)
-            wrt = rep.params + ([x] if stage > 0 else [])
+            x = self._input(request.stage, request.data)
             with rep.lock:
-                with autocast(self.precision, cpu):
-                    out = rep.module(x, labels) if request.kind == "last" else rep.module(x)
-                if request.kind == "last":
-                    grads = list(torch.autograd.grad(out, wrt, allow_unused=True))
-                    loss_value = float(out.detach())
-                else:
-                    grad_out = decode(grad_payload).to(out.dtype)
-                    grads = list(torch.autograd.grad(out, wrt, grad_outputs=grad_out, allow_unused=True))
-            grad_x = grads.pop() if stage > 0 else None
-            encoded = self._encode(grad_x) if grad_x is not None else None
-            result = (loss_value, encoded) if request.kind == "last" else encoded
-        if peer.speed != 1.0:  # emulated speed: a peer of speed s takes 1/s times as long
-            time.sleep((time.perf_counter() - start) * (1.0 / peer.speed - 1.0))
+                out = rep.replica.forward(x)
+            result: Any = self._encode(out)
+        else:   # the last stage's data: (inputs, labels); the others': (inputs, the output gradient's payload)
+            data, target = request.data
+            x = self._input(request.stage, data)
+            with rep.lock:
+                grad, loss = rep.replica.backward(x, target if request.kind == "last" else decode(target))
+            result = self._encode(grad) if grad is not None else None
+            if request.kind == "last":
+                result = (loss, result)
+        rep.replica.emulate_speed(time.perf_counter() - start, self.work_units(request))
         if request.kind != "forward":
-            self._accumulate(peer, incarnation, stage, request.mb, grads, loss_value, int(x.shape[0]))
+            self._accumulate(peer, incarnation, request.stage, request.mb, loss, int(x.shape[0]))
         elif not peer.alive or peer.incarnation != incarnation:
             raise Dropped
         return result
 
     # -- in-stage synchronisation ----------------------------------------------------------------------
-    def _accumulate(
-        self,
-        peer: Peer,
-        incarnation: int,
-        stage: int,
-        mb: int,
-        grads: list[torch.Tensor | None],
-        loss: float | None,
-        samples: int,
-    ) -> None:
+    def _accumulate(self, peer: Peer, incarnation: int, stage: int, mb: int, loss: float | None, samples: int) -> None:
+        """Count the gradients the backward call left in ``peer``'s replica once per microbatch and stage."""
         st = self.stage_state[stage]
         with st.lock:
+            rep: _Replica = peer.state
+            grads, _ = rep.replica.take_grads()
             if not peer.alive or peer.incarnation != incarnation:
                 raise Dropped
             if mb in st.seen:  # a resent request already counted on another replica
                 return
-            rep: _Replica = peer.state
             st.seen.add(mb)
             rep.mbs.add(mb)
-            for buf, grad in zip(rep.buffers, grads):
-                if grad is not None:
-                    buf.add_(grad.float(), alpha=samples)
+            rep.sums.add_(grads)
             if loss is not None:
                 st.losses.append(loss)
             if not st.target_set:
@@ -252,22 +200,17 @@ class _TrainingSwarm(Swarm):
         members = self.members(stage)
         by_uid = {p.uid: p.state for p in members}
         # weighted average of the replicas' local mean gradients (weights = local samples / total)
-        averaged = [torch.zeros_like(buf) for buf in members[0].state.buffers]
+        averaged = torch.zeros_like(members[0].state.sums)
         for uid, weight in weights.items():
-            local = weight * total
-            for avg, buf in zip(averaged, by_uid[uid].buffers):
-                avg.add_(buf, alpha=weight / local)
+            averaged.add_(by_uid[uid].sums, alpha=weight / (weight * total))
         plan = self.dispatcher.plan
         t, size = plan[min(st.step, len(plan) - 1)]
         lr, multiplier = step_lr(recipe, t, sum(n for _, n in plan[: st.step]) * recipe["micro_batch_sequences"])
         for peer in members:
             rep: _Replica = peer.state
             with rep.lock:   # its own copy of the average: clipping changes the gradients in place
-                apply_gradients(rep.params, rep.optimizer, [avg.clone() for avg in averaged], lr,
-                                recipe["grad_clip_norm"])
-                rep.optimizer.zero_grad(set_to_none=True)
-                for buf in rep.buffers:
-                    buf.zero_()
+                rep.replica.apply(averaged.clone(), lr)
+                rep.sums.zero_()
                 rep.mbs.clear()
         st.step += 1
         st.sync.reset()
@@ -309,8 +252,7 @@ class _TrainingSwarm(Swarm):
             st.sync.remove(peer.uid)
             st.seen -= rep.mbs  # their gradients are gone: a resent request may count them again
             rep.mbs.clear()
-            for buf in rep.buffers:
-                buf.zero_()
+            rep.sums.zero_()
 
     def _source(self, stage: int, exclude: Peer) -> Peer:
         sources = [p for p in self.members(stage) if p is not exclude and p.alive]
@@ -321,22 +263,21 @@ class _TrainingSwarm(Swarm):
     def join_state(self, peer: Peer) -> None:  # noqa: B027 (a no-op by default, not abstract)
         st = self.stage_state[peer.stage]
         with st.lock:
-            peer.state = _Replica.copy_of(self._source(peer.stage, peer).state, self.recipe)
+            peer.state = _Replica(self._source(peer.stage, peer).state.replica.clone(peer.speed))
 
     def move_state(self, peer: Peer, from_stage: int, to_stage: int) -> None:  # noqa: B027 (a no-op by default)
         st = self.stage_state[from_stage]
         with st.lock:  # hand the unaveraged gradients to a replica that stays
             rep: _Replica = peer.state
             heir = self._source(from_stage, peer)
-            for mine, theirs in zip(rep.buffers, heir.state.buffers):
-                theirs.add_(mine)
+            heir.state.sums.add_(rep.sums)
             heir.state.mbs |= rep.mbs
             samples = st.sync.remove(peer.uid)
             if samples:
                 st.sync.add(heir.uid, samples)
             rep.member = False
         with self.stage_state[to_stage].lock:  # joins the new stage's steps from here on
-            peer.state = _Replica.copy_of(self._source(to_stage, peer).state, self.recipe)
+            peer.state = _Replica(self._source(to_stage, peer).state.replica.clone(peer.speed))
             peer.stage = to_stage
 
     def lost_gradients(self, requested: int) -> list[int]:
@@ -346,13 +287,9 @@ class _TrainingSwarm(Swarm):
         """Per stage: the largest absolute parameter difference between live replicas (0.0 = equal)."""
         spread = []
         for stage in range(self.num_stages):
-            members = [p for p in self.members(stage) if p.alive]
-            ref = members[0].state.module.state_dict()
-            worst = 0.0
-            for peer in members[1:]:
-                for name, value in peer.state.module.state_dict().items():
-                    worst = max(worst, float((value.float() - ref[name].float()).abs().max()))
-            spread.append(worst)
+            flat = [torch.cat([p.detach().float().reshape(-1) for p in peer.state.replica.module.state_dict().values()])
+                    for peer in self.members(stage) if peer.alive]
+            spread.append(max((float((f - flat[0]).abs().max()) for f in flat[1:]), default=0.0))
         return spread
 
 
@@ -452,7 +389,7 @@ def train(plan: SwarmPlan, *, batches: Iterator[tuple[torch.Tensor, torch.Tensor
     for thread in helpers:
         thread.join(timeout=5.0)
     stage_states = [
-        {k: v.detach().clone() for k, v in sw.members(s)[0].state.module.state_dict().items()}
+        {k: v.detach().clone() for k, v in sw.members(s)[0].state.replica.module.state_dict().items()}
         for s in range(len(stages))
     ]
     stats = {

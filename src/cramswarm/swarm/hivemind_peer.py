@@ -1,14 +1,12 @@
 """Transport 1 (real hivemind): one replica of one pipeline stage, served over hivemind P2P streams.
 
-``StagePeer`` holds a stage (``stages.build_stage`` of the crammed-BERT MLM), the recipe's optimizer and the
-accumulated gradients; ``peer_sync.SyncingStagePeer`` adds the in-stage steps and ``peer_process`` runs it as a
-process. Its RPCs (``rpc_*``; ``peer_sync`` adds its own):
+``StagePeer`` serves a ``replica.StageReplica`` of a stage (``stages.build_stage`` of the crammed-BERT MLM: the
+module, the recipe's optimizer, the accumulated gradients and their compute); ``peer_sync.SyncingStagePeer`` adds
+the in-stage steps and ``peer_process`` runs it as a process. Its RPCs (``rpc_*``; ``peer_sync`` adds its own):
 
-* ``forward``  - stage output for the inputs (no grad), compressed with ``compression.encode``;
-* ``backward`` - re-runs the stage forward on the saved inputs (so any replica can take it, as in SWARM),
-  backpropagates the output gradient (the last stage: the loss x samples; forward and backward of the last
-  stage are one call, since its output gradient is the constant 1), accumulates parameter gradients and the
-  local sample count, returns the compressed input gradient (and the loss);
+* ``forward``  - the replica's output for the inputs, compressed with ``compression.encode``;
+* ``backward`` - the replica's backward (the last stage's forward and backward are one call: its output gradient is
+  the constant 1), counted in its local samples; the compressed input gradient (and the loss) go back;
 * ``state`` - parameters + optimizer state + step count of a replica (a joining or lagging peer downloads them
   from a live replica before it serves);
 * ``aggregate_part`` - hivemind's all-reduce traffic, dispatched to the running ``AllReduceRunner`` (the
@@ -23,7 +21,6 @@ boundary compression is ours, applied before. The in-stage all-reduce compresses
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import io
 import os
 import random
@@ -40,13 +37,14 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import achain, aiter_with_timeout, as_aiter
 
-from cramswarm.precision import autocast, resolve_precision
+from cramswarm.precision import resolve_precision
 from cramswarm.swarm.averaging import StageAllReduce, average, chunk_timeout_s, codec, state_chunk_timeout_s
 from cramswarm.swarm.compression import decode, encode, payload_to, wire_scheme
 from cramswarm.swarm.membership import DECLARE_PERIOD_S, RECORD_TTL_S, stage_key, stage_namespace, stage_records
-from cramswarm.swarm.stages import SavedActivations, build_stage, rss_bytes
+from cramswarm.swarm.replica import StageReplica
+from cramswarm.swarm.stages import build_stage, rss_bytes
 from cramswarm.swarm.wire import BufferReader, blob_tensor, flatten_payload, request, respond, restore_payload, unpack
-from cramswarm.training import apply_gradients, make_optimizer, resolve_device
+from cramswarm.training import resolve_device
 
 # oneDNN primitives (CPU kernels built for one shape) a stage peer process caches; oneDNN's default is 1024. The
 # last stage decodes only the masked positions, a count that differs from microbatch to microbatch, so every new
@@ -78,7 +76,7 @@ def runtime_rss_bytes() -> int | None:
 # Stage peer
 # --------------------------------------------------------------------------------------------------------------
 class StagePeer(ServicerBase):
-    """One replica of one pipeline stage: model slice, the recipe's optimizer, accumulated gradients, RPC handlers.
+    """One replica of one pipeline stage (``replica``: model slice, optimizer, accumulated gradients) and its RPCs.
 
     All torch work runs on one compute thread (requests queue there, like a device), the RPC handlers and the
     all-reduce on the asyncio loop. The launcher and the trainers reach a peer through ``get_stub``.
@@ -99,39 +97,35 @@ class StagePeer(ServicerBase):
         self.run_id, self.num_stages = cfg["run_id"], cfg["stages"]
         self.namespace = stage_namespace(self.run_id, stage)
         self.device = resolve_device(cfg.get("device", "auto"))  # auto: the GPU this process sees (srun --gpus-*)
-        self.precision = resolve_precision(recipe["precision"], self.device)
-        if self.precision == "fp16":
+        precision = resolve_precision(recipe["precision"], self.device)
+        if precision == "fp16":
             raise ValueError("swarm peers train in bf16 or fp32: fp16 would need loss scaling across stages "
                              "(set the model's recipe precision to bf16 or fp32)")
         # only this stage's parameters, with the whole model's initial values (the same on every replica)
-        self.module = build_stage(cfg["arch"], cfg["vocab_size"], recipe["seed"], stage, self.num_stages,
-                                  cfg["compression"], cfg.get("peer_memory_cap_mb")).to(self.device)
-        self.module.train()
-        self.params = [p for p in self.module.parameters() if p.requires_grad]
-        self.optimizer = make_optimizer(self.module, recipe)   # the recipe's: AdamW, or Adam with L2 (BERT's)
-        self.grad_clip = recipe["grad_clip_norm"]
+        module = build_stage(cfg["arch"], cfg["vocab_size"], recipe["seed"], stage, self.num_stages,
+                             cfg["compression"], cfg.get("peer_memory_cap_mb")).to(self.device)
+        self.replica = StageReplica(module, recipe, precision, self.device, self.is_last, speed,
+                                    cfg.get("peer_unit_time_s"))
         # what the boundary tensors travel in: a narrowing compression's narrowed tensor goes as is (fp32)
         self.scheme = wire_scheme(cfg["compression"])
         self.averaging_scheme, self.link_mbit_s = cfg["averaging_compression"], cfg["link_mbit_s"]
-        self.num_params = sum(p.numel() for p in self.params)
         self.sync_timeout_s = cfg["sync_timeout_s"]
-        self.unit_time_s = cfg.get("peer_unit_time_s")  # emulated compute floor per work unit at speed 1 (or None)
         self.compute = ThreadPoolExecutor(1, thread_name_prefix=f"stage{stage}-compute")
         # a job that must not wait for the compute queue (_run_next: a step's snapshot) runs on a thread of its own;
         # the lock keeps it and the compute jobs from touching the stage's state at once
         self.state_lock, self.next_waiting = threading.Lock(), False
         self.next_thread = ThreadPoolExecutor(1, thread_name_prefix=f"stage{stage}-next")
-        self.step = 0
-        self.local_samples = 0
-        self.snapshot: tuple[int, torch.Tensor, int] | None = None  # (step, flat fp32 gradient sums, samples)
         self.averaged: tuple[bytes, torch.Tensor] | None = None     # (group id, flat averaged gradient)
         self.runners: dict[bytes, asyncio.Future] = {}
-        self.activation_bytes = 0   # the most bytes one backward call's forward saved for backward (SavedActivations)
         self.leaving = False   # moving to another stage (peer_rebalance): new calls are refused
 
     @property
     def is_last(self) -> bool:
         return self.stage == self.num_stages - 1
+
+    @property
+    def step(self) -> int:   # the in-stage steps its replica applied (or downloaded)
+        return self.replica.step
 
     async def _run(self, fn, *args):
         """``fn(*args)`` on the compute thread, after the jobs queued there."""
@@ -157,16 +151,6 @@ class StagePeer(ServicerBase):
             return fn(*args)
 
     # -- compute (on the compute thread) ------------------------------------------------------------------
-    def _emulate_speed(self, seconds: float, units: float) -> None:
-        """A peer of speed s takes compute / s for a call (emulated by sleeping on the compute thread). The compute
-        is what the call measured (``seconds``), or with ``peer_unit_time_s`` (``SwarmPlan.peer_unit_time_s``) at
-        least ``units`` x that (a microbatch's forward 1, backward 2, the last stage's fused call 3: the work
-        units of ``rebalancing.WORK_UNITS``): then a call's time stays ``units x peer_unit_time_s / s`` on a loaded
-        host, as long as the real compute fits under it, and peers' speeds keep their ratios whatever else runs.
-        A peer of speed >= 1 without the floor does not sleep."""
-        floor = units * self.unit_time_s if self.unit_time_s else 0.0
-        time.sleep(max(0.0, max(seconds, floor) / self.speed - seconds))
-
     def _input(self, tensors: dict[str, torch.Tensor], meta: dict) -> torch.Tensor:
         if self.stage == 0:
             return tensors["input_ids"].to(self.device)
@@ -175,90 +159,45 @@ class StagePeer(ServicerBase):
 
     def _forward(self, tensors: dict[str, torch.Tensor], meta: dict) -> tuple[dict, dict]:
         start = time.perf_counter()
-        with torch.no_grad(), autocast(self.precision, self.device):
-            out = self.module(self._input(tensors, meta))
+        out = self.replica.forward(self._input(tensors, meta))
         result, out_meta = {}, {}
         # encoded where it was computed: only the payload crosses to host memory (an 8-bit payload is a quarter of
         # the fp32 activation; on a GPU the codec's passes over the tensor take no CPU time)
         flatten_payload("y", payload_to(encode(out.float(), self.scheme), "cpu"), result, out_meta)
-        self._emulate_speed(time.perf_counter() - start, 1.0)
+        self.replica.emulate_speed(time.perf_counter() - start, 1.0)
         return result, out_meta
 
     def _backward(self, tensors: dict[str, torch.Tensor], meta: dict) -> tuple[dict, dict]:
         start = time.perf_counter()
         x = self._input(tensors, meta)
+        target = (tensors["labels"].to(self.device) if self.is_last
+                  else decode(payload_to(restore_payload("g", tensors, meta), self.device)))
+        grad, loss = self.replica.backward(x, target)
         samples = int(x.shape[0])
-        if x.is_floating_point():
-            x = x.detach().requires_grad_()
-        out_meta: dict = {"samples": samples}
-        with torch.enable_grad():
-            with SavedActivations(self.params) as saved, autocast(self.precision, self.device):
-                out = self.module(x, tensors["labels"].to(self.device)) if self.is_last else self.module(x)
-            self.activation_bytes = max(self.activation_bytes, saved.bytes)
-            if self.is_last:
-                (out.float() * samples).backward()  # sample-weighted, so replicas' sums average correctly
-                out_meta["loss"] = float(out.item())
-            else:
-                grad = decode(payload_to(restore_payload("g", tensors, meta), self.device))
-                out.backward(grad.to(out.dtype))
+        out_meta: dict = {"samples": samples} if loss is None else {"samples": samples, "loss": loss}
         result: dict = {}
-        if x.is_floating_point():
-            flatten_payload("g", payload_to(encode(x.grad.float(), self.scheme), "cpu"), result, out_meta)
-        self._emulate_speed(time.perf_counter() - start, 3.0 if self.is_last else 2.0)
-        self.local_samples += samples   # held once the call's (emulated) compute ends, not during its sleep
+        if grad is not None:
+            flatten_payload("g", payload_to(encode(grad.float(), self.scheme), "cpu"), result, out_meta)
+        self.replica.emulate_speed(time.perf_counter() - start, 3.0 if self.is_last else 2.0)
+        self.replica.local_samples += samples   # held once the call's (emulated) compute ends, not during its sleep
         return result, out_meta
-
-    def _flat_grads(self) -> torch.Tensor:
-        """The accumulated gradients as one flat fp32 vector on the host (zeros for a parameter without one)."""
-        return torch.cat([p.grad.detach().float().reshape(-1).cpu() if p.grad is not None
-                          else torch.zeros(p.numel()) for p in self.params])
-
-    def _take_snapshot(self, step: int) -> tuple[torch.Tensor, int]:
-        """Move the accumulated gradients out of ``.grad`` into one flat fp32 vector divided by the local sample
-        count (once per step; kept across reduce retries) and return it. Divided in place and returned as is: the
-        all-reduce only reads it (its result is a new tensor), and the step that consumes it (``_apply``: for a
-        group of one, the average is this vector) drops the snapshot, so no second copy of the gradients exists."""
-        if self.snapshot is None or self.snapshot[0] != step:
-            flat = self._flat_grads()
-            for p in self.params:
-                p.grad = None
-            if self.local_samples:
-                flat.div_(self.local_samples)
-            self.snapshot = (step, flat, self.local_samples)
-            self.local_samples = 0
-        _, flat, samples = self.snapshot
-        return flat, samples
 
     def _apply(self, group_id: bytes, lr: float) -> dict:
         if self.averaged is None or self.averaged[0] != group_id:
             return {"status": "failed", "error": "no averaged gradients held for this group"}
-        leftover = [p.grad for p in self.params]  # backward calls that arrived after the snapshot
-        self.snapshot = None   # the gradients are averaged: not needed again (a group of one averages in place)
-        apply_gradients(self.params, self.optimizer, torch.split(self.averaged[1], [p.numel() for p in self.params]),
-                        lr, self.grad_clip)
-        for p, g in zip(self.params, leftover):
-            p.grad = g
-        self.step += 1
-        self.snapshot = self.averaged = None
-        return {"status": "ok", "step": self.step, "digest": self._digest()}
-
-    def _digest(self) -> str:
-        """SHA-1 of the stage's parameters, in order: replicas that applied the same bytes have the same one."""
-        digest = hashlib.sha1()
-        for p in self.params:
-            digest.update(p.detach().cpu().contiguous().numpy())   # its buffer, not a copy
-        return digest.hexdigest()
+        self.replica.apply(self.averaged[1], lr)
+        self.averaged = None
+        return {"status": "ok", "step": self.step, "digest": self.replica.digest()}
 
     def _state(self) -> dict:
         """What a replica hands a joining one (and a shard holds): parameters, optimizer state, step and
         ``_extra_state``; the tensors are the live ones (serialise it on the compute thread)."""
-        return {"module": self.module.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
-                **self._extra_state()}
+        return {**self.replica.state(), **self._extra_state()}
 
     def _state_blob(self) -> tuple[bytes, int, str]:
         buffer = io.BytesIO()
         torch.save(self._state(), buffer)
-        return buffer.getvalue(), self.step, self._digest()
+        return buffer.getvalue(), self.step, self.replica.digest()
 
     def _load_state_tensor(self, blob: torch.Tensor) -> int:
         """``_load_blob`` of a downloaded state (a uint8 tensor) without a bytes copy of it: ``torch.load`` reads the
@@ -266,12 +205,8 @@ class StagePeer(ServicerBase):
         return self._load_state(torch.load(BufferReader(blob.numpy()), weights_only=True, map_location=self.device))
 
     def _load_state(self, state: dict) -> int:
-        self.module.load_state_dict(state["module"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        for p in self.params:
-            p.grad = None
-        self.step, self.local_samples = state["step"], 0
-        self.snapshot = self.averaged = None
+        self.replica.load_state(state)
+        self.averaged = None
         self._load_extra_state(state)
         return self.step
 
@@ -362,7 +297,7 @@ class StagePeer(ServicerBase):
         stream = await asyncio.wait_for(stub.rpc_state(request({}, {})), timeout=chunk_s)
         tensors, meta = await unpack(aiter_with_timeout(stream, chunk_s))
         step = await self._run(self._load_state_tensor, tensors.pop("blob"))
-        if (digest := await self._run(self._digest)) != meta["digest"]:
+        if (digest := await self._run(self.replica.digest)) != meta["digest"]:
             raise ValueError(f"the state loaded from {meta['uid']} has parameter digest {digest[:12]}, "
                              f"not the {meta['digest'][:12]} it sent")
         return step

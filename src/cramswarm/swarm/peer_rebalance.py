@@ -295,7 +295,7 @@ async def hand_over(peer, timeout_s: float) -> int:
     with ``peer`` (restored, if still at the same step)."""
     records = await stage_records(peer.node, peer.run_id, peer.stage)
     heirs = sorted(uid for uid in records if uid != peer.uid)
-    if not heirs or peer.local_samples == 0 or peer.busy():   # checked after the last await before the take
+    if not heirs or peer.replica.local_samples == 0 or peer.busy():   # checked after the last await before the take
         return 0
     tensors, meta = await peer._run(peer._take_held)
     for uid in heirs:

@@ -16,7 +16,7 @@ joiner at most its download's bound). The group is deterministic (ordered by uid
 counts and training times), the gradients are all-reduced with ``averaging.StageAllReduce`` (compressed by
 ``swarm.averaging_compression``, weighted by samples, the same decompressed average on every member) and each
 member clips and steps: replicas stay bitwise equal. Backward calls are never held: those that arrive while a step
-averages accumulate toward the next one (``StagePeer._apply`` keeps them), so a step's batch is its target plus
+averages accumulate toward the next one (``StageReplica.apply`` keeps them), so a step's batch is its target plus
 what arrived meanwhile. The overshoot is logged per step (``SYNC_LOG``, ``progress.overshoot``).
 
 Accounting is at least once, as in SWARM: a re-sent backward call or a microbatch retrained after a resume counts
@@ -162,11 +162,12 @@ class SyncingStagePeer(StagePeer):
         return result, out_meta
 
     def _take_snapshot(self, step: int) -> tuple[torch.Tensor, int]:
-        if self.snapshot is None or self.snapshot[0] != step:
+        """``StageReplica.take_snapshot``; the loss sum, microbatches and time of the calls in it move along."""
+        if self.replica.snapshot is None or self.replica.snapshot[0] != step:
             self.snapshot_loss, self.local_loss = self.local_loss, 0.0
             self.snapshot_mbs, self.local_mbs = self.local_mbs, []
             self.snapshot_backward, self.last_backward = self.last_backward, None
-        return super()._take_snapshot(step)
+        return self.replica.take_snapshot(step)
 
     def _apply_counted(self, group_id: bytes, lr: float, samples: int, listed: list[int]) -> dict:
         """``_apply`` and, in the same compute-thread call, the stage's stepped samples and microbatches, so that a
@@ -183,41 +184,31 @@ class SyncingStagePeer(StagePeer):
     def _take_held(self) -> tuple[dict, dict]:
         """The gradients accumulated since the last snapshot, moved out of this peer: one flat fp32 vector of their
         sum, with its step, samples, loss sum and microbatches."""
-        tensors = {"grad": self._flat_grads()}
-        meta = {"step": self.step, "samples": self.local_samples, "loss": self.local_loss,
-                "mbs": sorted(self.local_mbs)}
-        for p in self.params:
-            p.grad = None
-        self.local_samples, self.local_loss, self.local_mbs = 0, 0.0, []
-        return tensors, meta
+        flat, samples = self.replica.take_grads()
+        meta = {"step": self.step, "samples": samples, "loss": self.local_loss, "mbs": sorted(self.local_mbs)}
+        self.local_loss, self.local_mbs = 0.0, []
+        return {"grad": flat}, meta
 
     def _add_held(self, tensors: dict, meta: dict) -> dict:
         """Add gradients another replica of this stage held (``_take_held``) to this peer's own, toward its next
         step; refused if they were computed at another step."""
         if int(meta["step"]) != self.step:
             return {"status": "refused", "reason": f"at step {self.step}, not {meta['step']}"}
-        self._add_flat(tensors["grad"])
-        self.local_samples += int(meta["samples"])
+        self.replica.add_grads(tensors["grad"], int(meta["samples"]))
         self.local_loss += float(meta["loss"])
         self.local_mbs.extend(int(i) for i in meta["mbs"])
         return {"status": "ok"}
 
     def _drop_snapshot(self) -> None:
         """End a step that stepped nothing."""
-        self.snapshot = None
-
-    def _add_flat(self, flat: torch.Tensor) -> None:
-        """Add gradient sums held as one flat fp32 vector (``_flat_grads``' layout) to the accumulated ones."""
-        for p, g in zip(self.params, torch.split(flat, [p.numel() for p in self.params])):
-            g = g.to(p.device, p.dtype).view_as(p)
-            p.grad = g if p.grad is None else p.grad.add_(g)
+        self.replica.snapshot = None
 
     def _load_state(self, state: dict) -> int:
         """``StagePeer._load_state``; the gradients this peer held are dropped (``lost_gradient_samples``), as in
         SWARM, except those it accumulated toward the step it loads (a state one step ahead: its group stepped
         while its own all-reduce failed), which it keeps, computed at the parameters before that step
         (``stale_gradient_samples``), like hivemind's delayed updates."""
-        kept = self._take_held() if int(state["step"]) == self.step + 1 and self.local_samples else None
+        kept = self._take_held() if int(state["step"]) == self.step + 1 and self.replica.local_samples else None
         lost = self._held_samples()
         step = super()._load_state(state)
         self.counters["lost_gradient_samples"] += lost
@@ -239,7 +230,7 @@ class SyncingStagePeer(StagePeer):
         self.local_mbs, self.snapshot_mbs = [], []
         self.local_loss = self.snapshot_loss = 0.0
         self.ready = None
-        self.digest = self._digest()
+        self.digest = self.replica.digest()
 
     async def _source_order(self, sources: list[tuple[str, str]]) -> list[tuple[str, str]]:
         """The newest replica first (by the step of its progress record; ties at random), as hivemind's
@@ -252,11 +243,11 @@ class SyncingStagePeer(StagePeer):
 
     def _stepping(self) -> bool:
         """Whether this peer took its step's snapshot and has not applied the step yet."""
-        return self.snapshot is not None and self.snapshot[0] == self.step
+        return self.replica.snapshot is not None and self.replica.snapshot[0] == self.step
 
     def _held_samples(self) -> int:
         """Samples whose gradients this peer holds toward its current step (snapshot and since)."""
-        return self.local_samples + (self.snapshot[2] if self._stepping() else 0)
+        return self.replica.local_samples + (self.replica.snapshot[2] if self._stepping() else 0)
 
     def busy(self) -> bool:
         """Calls waiting or computing, or a step under way (a leaving peer hands over its gradients only when not)."""
@@ -364,9 +355,9 @@ class SyncingStagePeer(StagePeer):
     def _write_counters(self) -> None:
         write_json(self.workdir / f"peer-{self.uid}.json",
                    {**self.counters, "step": self.step, "stepped_samples": self.stepped_samples,
-                    "duplicate_microbatches": self.stepped_repeats,
-                    "stepped_microbatches": len(self.stepped_mbs), **stage_memory(self.module, self.optimizer),
-                    "runtime_rss_bytes": self.runtime_rss_bytes, "activation_bytes": self.activation_bytes})
+                    "duplicate_microbatches": self.stepped_repeats, "stepped_microbatches": len(self.stepped_mbs),
+                    **stage_memory(self.replica.module, self.replica.optimizer),
+                    "runtime_rss_bytes": self.runtime_rss_bytes, "activation_bytes": self.replica.activation_bytes})
 
     def background_tasks(self) -> list[asyncio.Task]:
         tasks = [asyncio.create_task(self.sync_forever()), asyncio.create_task(self.publish_forever())]
@@ -397,7 +388,7 @@ class SyncingStagePeer(StagePeer):
             await asyncio.sleep(PROGRESS_PERIOD_S)
 
     async def sync_forever(self) -> None:
-        self.digest = await self._run(self._digest)
+        self.digest = await self._run(self.replica.digest)
         while True:
             try:
                 await self._round()
@@ -496,7 +487,7 @@ class SyncingStagePeer(StagePeer):
         ``state_timeout_s`` (its download's bound; counted in ``joining_wait_s``). None once a replica is past
         ``step`` (this peer then catches up)."""
         started = waiting_from = time.monotonic()
-        joiner_bound = state_timeout_s(self.num_params, self.link_mbit_s, self.sync_timeout_s)
+        joiner_bound = state_timeout_s(self.replica.num_params, self.link_mbit_s, self.sync_timeout_s)
         joiner_seen: float | None = None
         seen = {uid for uid in self.others if uid != self.uid}   # at this step when it was triggered
         while True:
@@ -548,7 +539,7 @@ class SyncingStagePeer(StagePeer):
                 f"{uid}:{group[uid].snap}:{group[uid].at}" for uid in uids]).encode()).digest()
             peers = [PeerID.from_base58(group[uid].peer) for uid in uids]
             traffic: dict = {}
-            bound = averaging_timeout_s(self.num_params, len(peers), self.averaging_scheme, self.link_mbit_s,
+            bound = averaging_timeout_s(self.replica.num_params, len(peers), self.averaging_scheme, self.link_mbit_s,
                                         2 * self.sync_timeout_s)
             try:
                 # a member without samples weighs 1e-6, not 0: a reducer that (a sender having died) finalises with
@@ -588,7 +579,7 @@ class SyncingStagePeer(StagePeer):
             if len(uids) > 1:
                 self.counters["averaging_bytes_sent"] += traffic.get("bytes_sent", 0)
                 self.counters["averaging_values_sent"] += traffic.get("values_sent", 0)
-                self.counters["averaging_param_steps"] += self.num_params
+                self.counters["averaging_param_steps"] += self.replica.num_params
             if self.is_last:
                 loss = sum(group[uid].loss for uid in uids) / total
                 row = {"step": step + 1, "progress": t, "loss": loss, "lr": lr, "lr_multiplier": multiplier,

@@ -244,7 +244,7 @@ def build_stage(arch: dict, vocab_size: int, seed: int, stage: int, num_stages: 
 STATE_BYTES_PER_PARAMETER = 16   # what a training peer holds per fp32 parameter: weight, gradient, AdamW's 2 moments
 # What a stage peer holds per fp32 parameter at its peak, its in-stage step: the weight (4) and AdamW's two moments
 # (8), and either the gradients (4) and the flat gradient vector gathered from them for the all-reduce (4; then
-# divided in place, ``StagePeer._take_snapshot``), or that vector (or, in a group of several, the average that
+# divided in place, ``StageReplica.take_snapshot``), or that vector (or, in a group of several, the average that
 # replaces it; 4) and AdamW's temporary (its foreach step allocates the square root of the second moment; 4).
 # Serving a state download (``StagePeer._state_blob``) also holds the serialised weights and moments (12 more).
 PEAK_BYTES_PER_PARAMETER = 20
