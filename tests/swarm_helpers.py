@@ -112,7 +112,7 @@ def wait_all(tasks, logs, timeout_s=60):
 KEYS = ("stepped_samples", "stepped_microbatches", "resumed",
         "stage_steps", "retries", "timeouts", "errors", "last_error", "trainer_restarts",
         "killed", "peers_killed", "rejoins", "resyncs", "digest_mismatches", "lost_gradient_samples", "replica_steps",
-        "duplicate_microbatches", "step_overshoot")
+        "duplicate_microbatches", "step_overshoot", "trainer_microbatches")
 
 
 def brief(stats: dict) -> dict:
