@@ -119,9 +119,10 @@ class Dispatcher:
 class _TrainingSwarm(Swarm):
     """Peers that really compute their stage (see the module docstring for the synchronisation rules)."""
 
-    def __init__(self, specs: list[PeerSpec], clock: ScaledClock, stages: list[torch.nn.Module], recipe: dict,
-                 plan: SwarmPlan, precision: str, dispatcher: Dispatcher):
+    def __init__(self, specs: list[PeerSpec], clock: ScaledClock, stages: list[torch.nn.Module], plan: SwarmPlan,
+                 precision: str, dispatcher: Dispatcher):
         super().__init__(specs, clock, plan.retry.forward_timeout_s, 0.0)
+        recipe = plan.recipe
         self.recipe, self.scheme, self.dispatcher = recipe, wire_scheme(plan.compression), dispatcher
         self.num_stages = len(stages)
         self.stage_state = [_StageState() for _ in stages]
@@ -310,7 +311,7 @@ def train(plan: SwarmPlan, *, batches: Iterator[tuple[torch.Tensor, torch.Tensor
     precision = resolve_precision(recipe["precision"], torch.device("cpu"))
     clock = ScaledClock(1.0)
     dispatcher = Dispatcher(batches, total_microbatches, recipe)
-    sw = _TrainingSwarm(specs, clock, stages, recipe, plan, precision, dispatcher)
+    sw = _TrainingSwarm(specs, clock, stages, plan, precision, dispatcher)
     retry = plan.retry
     rng = random.Random(plan.seed)
     counts = {"done": 0, "lost": 0, "tokens": 0}
