@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import statistics
 import sys
 import time
@@ -53,13 +54,17 @@ def main(argv: list[str] | None = None) -> int:
     from cramswarm.swarm import peer_sync  # noqa: F401  (a launched peer imports it too)
     from cramswarm.swarm.compression import encode
     from cramswarm.swarm.data import CountingSource
+    from cramswarm.swarm.settings import ProcessConfig, SwarmPlan
 
     hp.bound_kernel_cache()
     torch.set_num_threads(1)
     stages, micro, width = 4, 8, 256
-    cfg = {"recipe": recipe(20, micro, args.batch) | {"precision": args.precision}, "run_id": "probe",
-           "stages": stages, "arch": arch(width, 2 * stages), "vocab_size": 32768, "compression": "none",
-           "averaging_compression": "none", "link_mbit_s": None, "sync_timeout_s": 30.0}
+    swarm = SwarmPlan(arch=arch(width, 2 * stages), vocab_size=32768, peers_per_stage=[1] * stages,
+                      recipe=recipe(20, micro, args.batch) | {"precision": args.precision}, compression="none",
+                      averaging_compression="none")
+    cfg = dataclasses.replace(ProcessConfig.of_plan(swarm, run_id="probe", run_ids=["probe"], seq_len=SEQ,
+                                                    workdir=".", shard_dir=".", data={}, microbatches=0, order=None),
+                              link_mbit_s=None)
     print(f"RSS {rss_bytes() / MIB:.1f} MiB after the imports; oneDNN cache "
           f"{hp.os.environ[hp.KERNEL_CACHE_ENV]}; MALLOC_MMAP_THRESHOLD_ "
           f"{hp.os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset')}")

@@ -5,6 +5,7 @@ the checks every such run must pass)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import subprocess
@@ -19,6 +20,7 @@ from cramswarm.swarm import hivemind_transport as ht
 from cramswarm.swarm.data import CountingSource, counting_microbatches
 from cramswarm.swarm.peer_sync import newest_shard
 from cramswarm.swarm.routing import RetryPolicy
+from cramswarm.swarm.settings import ProcessConfig
 
 TINY = ARCH | dict(layers=2, hidden_size=64, heads=2, intermediate_size=128, max_positions=32)
 
@@ -47,6 +49,14 @@ def plan(**kw) -> ht.SwarmPlan:
                               budget={"unit": "steps", "value": 1000}),
                 retry=RetryPolicy(forward_timeout_s=5.0, give_up_after_s=30.0), startup_timeout_s=120.0)
     return ht.SwarmPlan(**(base | kw))
+
+
+def process_config(swarm_plan: ht.SwarmPlan | None = None, workdir: str | Path = ".", **fields) -> ProcessConfig:
+    """What the launcher hands its processes for ``swarm_plan`` (default ``plan()``; run ``t``, files in
+    ``workdir``), with ``fields`` replaced."""
+    cfg = ProcessConfig.of_plan(swarm_plan or plan(), run_id="t", run_ids=["t"], seq_len=SEQ, workdir=workdir,
+                                shard_dir=Path(workdir) / "shards", data=source().spec(), microbatches=0, order=None)
+    return dataclasses.replace(cfg, **fields)
 
 
 def own_p2p_daemons() -> list[int]:

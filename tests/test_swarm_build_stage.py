@@ -198,13 +198,15 @@ def test_last_stage_with_static_sparse_prediction_decodes_the_models_fixed_count
 
 
 def _peer(stage: int, stages: int = 2):
+    from swarm_helpers import plan, process_config
+
     from cramswarm.swarm.hivemind_peer import StagePeer
 
     recipe = {"device": "cpu", "precision": "fp32", "seed": 0, "weight_decay": 0.01, "lr": 1e-3,
               "betas": [0.9, 0.98], "eps": 1e-12, "grad_clip_norm": 0.5}
-    cfg = {"recipe": recipe, "run_id": "t", "stages": stages, "arch": ARCH | {"layers": 2}, "vocab_size": VOCAB,
-           "compression": "none", "averaging_compression": "none", "link_mbit_s": None, "sync_timeout_s": 5.0}
-    return StagePeer(cfg, stage, "u", 1.0, node=None)
+    swarm = plan(arch=ARCH | {"layers": 2}, vocab_size=VOCAB, recipe=recipe, peers_per_stage=[1] * stages,
+                 compression="none", averaging_compression="none")
+    return StagePeer(process_config(swarm, link_mbit_s=None, sync_timeout_s=5.0), stage, "u", 1.0, node=None)
 
 
 def test_a_peers_gradient_snapshot_is_one_vector_divided_in_place_and_dropped_at_the_step():
@@ -247,13 +249,14 @@ def test_a_stage_peer_bounds_the_onednn_primitive_cache_unless_the_environment_s
 
 
 def _syncing_peer(tmp_path, uid: str):
+    import dataclasses
     from types import SimpleNamespace
 
     from cramswarm.swarm.peer_sync import SyncingStagePeer
 
     peer = _peer(1)
     node = SimpleNamespace(p2p=SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: uid)))
-    cfg = peer.cfg | {"seq_len": 8, "workdir": str(tmp_path)}
+    cfg = dataclasses.replace(peer.cfg, seq_len=8, workdir=str(tmp_path), shard_dir=str(tmp_path / "shards"))
     return SyncingStagePeer(cfg, 1, uid, 1.0, node)
 
 

@@ -29,6 +29,7 @@ from swarm_helpers import (
     job_tasks,
     own_p2p_daemons,
     plan,
+    process_config,
     processes_left,  # noqa: E402
     source,
     start_tasks,
@@ -40,7 +41,7 @@ from cramswarm.swarm.launcher_faults import rank_of_uid  # noqa: E402
 from cramswarm.swarm.membership import BootstrapError, RankTaken, join_swarm, listen_host
 from cramswarm.swarm.peer_process import claim_rank  # noqa: E402
 from cramswarm.swarm.routing import RetryPolicy  # noqa: E402
-from cramswarm.swarm.settings import SwarmPlan  # noqa: E402
+from cramswarm.swarm.settings import ProcessConfig, SwarmPlan  # noqa: E402
 from cramswarm.swarm.trainer import StageClient  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
@@ -72,7 +73,7 @@ def test_unreachable_or_garbage_bootstrap_fails_fast_with_a_clear_error(tmp_path
     # a stage peer of the launcher's swarm pointed at an unreachable bootstrap exits with the same clear error
     addr_file.write_text(NOWHERE + "\n")
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({"join_timeout_s": 5.0, "host": "127.0.0.1"}))
+    config.write_text(json.dumps(process_config(join_timeout_s=5.0).to_dict()))
     proc = subprocess.run([sys.executable, "-m", "cramswarm.swarm.peer_process", "stage", "--config", str(config),
                            "--stage", "0", "--uid", "s0p1", "--addr-file", str(addr_file)],
                           capture_output=True, text=True, timeout=90, start_new_session=True)
@@ -199,17 +200,17 @@ def test_task_ranks_map_to_stages_and_bad_placements_fail_with_the_key(tmp_path,
     assert [rank_of_uid(u) for u in ("s0r3.0", "s12r10.7", "s0p1")] == [3, 10, None]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 5")  # local placement spreads peers over these (SLURM's list)
     assert ht.visible_gpus() == ["2", "5"]
-    assert listen_host({"interface": "lo"}) == "127.0.0.1" and listen_host({"host": "0.0.0.0"}) == "0.0.0.0"
+    assert listen_host(None, "lo") == "127.0.0.1" and listen_host("0.0.0.0", None) == "0.0.0.0"
     with pytest.raises(BootstrapError, match="swarm.impl.interface='no-such-if0': no such network interface"):
-        listen_host({"interface": "no-such-if0"})
+        listen_host("127.0.0.1", "no-such-if0")
     with pytest.raises(ValueError, match="swarm.impl.placement=attach needs a rendezvous folder"):
         ht.run_swarm(plan(placement="attach"), source(), 4, progress=False)
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     with pytest.raises(ValueError, match="swarm.impl.placement=srun .* SLURM_JOB_ID is unset"):
         ht.run_swarm(plan(placement="srun", rendezvous=tmp_path), source(), 4, progress=False)
     # a task whose rank is beyond the swarm's peers says so and exits at once
-    (tmp_path / "config.json").write_text(json.dumps({"placement_specs": [[0, 1.0], [1, 1.0]], "run_id": "x",
-                                                      "rejoin_after_s": 0}))
+    (tmp_path / "config.json").write_text(json.dumps(process_config(plan(peers_per_stage=[1, 1]), run_id="x",
+                                                                 rejoin_after_s=0).to_dict()))
     (tmp_path / "dht_addrs.txt").write_text(NOWHERE + "\n")
     proc = subprocess.run([sys.executable, "-m", "cramswarm", "swarm-peer", "--rendezvous", str(tmp_path)],
                           capture_output=True, text=True, timeout=60, env={**os.environ, "SLURM_PROCID": "2"})
@@ -217,8 +218,8 @@ def test_task_ranks_map_to_stages_and_bad_placements_fail_with_the_key(tmp_path,
 
 
 def test_a_second_task_with_a_taken_rank_exits_naming_the_holder(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"placement_specs": [[0, 1.0], [1, 1.0]], "run_id": "x",
-                                                      "rejoin_after_s": 0}))
+    (tmp_path / "config.json").write_text(json.dumps(process_config(plan(peers_per_stage=[1, 1]), run_id="x",
+                                                                 rejoin_after_s=0).to_dict()))
     (tmp_path / "dht_addrs.txt").write_text(NOWHERE + "\n")
     held = claim_rank(tmp_path, 1)  # a live task of rank 1 (this process)
     with pytest.raises(RankTaken, match=f"rank 1 is already taken by a running task \\(host .* pid {os.getpid()};"):
@@ -248,3 +249,28 @@ def test_the_give_up_and_launcher_grace_are_settings():
     patient = SwarmPlan.from_config(arch, 512, recipe, {**swarm, "give_up_after_s": 900.0, "launcher_grace_s": 300.0})
     assert (patient.retry.give_up_after_s, patient.launcher_grace_s) == (900.0, 300.0)
     assert patient.retry.forward_timeout_s == swarm["forward_timeout_s"]
+    handed = process_config(patient)
+    assert (handed.retry.give_up_after_s, handed.launcher_grace_s) == (900.0, 300.0)
+
+
+def test_every_process_reads_the_plan_typed_and_refuses_a_config_of_another_version(tmp_path):
+    """The launcher's ``config.json`` round-trips into the same ``ProcessConfig``; one with a key missing or
+    unknown is refused naming the keys, by a stage process too (exit 2 before it joins anything)."""
+    cfg = process_config(plan(peers_per_stage=[1, 2], peer_speeds=[1.0, 0.5]), tmp_path, link_mbit_s=None)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg.to_dict()))
+    back = ProcessConfig.read(path)
+    assert back == cfg and isinstance(back.retry, RetryPolicy)
+    assert back.placement_specs == [[0, 1.0], [1, 0.5], [1, 1.0]]
+    assert cfg.elsewhere(str(tmp_path / "b")).shard_dir == str(tmp_path / "b")
+    values = cfg.to_dict()
+    del values["seq_len"]
+    values["stage_count"] = 3
+    with pytest.raises(ValueError, match="lacks seq_len; has unknown keys stage_count"):
+        ProcessConfig.from_dict(values)
+    path.write_text(json.dumps(values))
+    (tmp_path / "dht_addrs.txt").write_text(NOWHERE + "\n")
+    proc = subprocess.run([sys.executable, "-m", "cramswarm.swarm.peer_process", "stage", "--config", str(path),
+                           "--stage", "0", "--uid", "s0p1", "--addr-file", str(tmp_path / "dht_addrs.txt")],
+                          capture_output=True, text=True, timeout=120, start_new_session=True)
+    assert proc.returncode == 2 and "lacks seq_len; has unknown keys stage_count" in proc.stderr, proc.stderr[-2000:]

@@ -17,7 +17,7 @@ from cramswarm.swarm.rebalancing import LoadMeter, _uid_hash
 pytest.importorskip("hivemind", reason="hivemind is not installed: the peers' rebalancing is untested")
 
 from hivemind.utils import ValueWithExpiration, get_dht_time  # noqa: E402
-from swarm_helpers import MICRO, brief, launch  # noqa: E402
+from swarm_helpers import MICRO, brief, launch, process_config  # noqa: E402
 
 from cramswarm.swarm.membership import stage_key  # noqa: E402
 from cramswarm.swarm.peer_rebalance import (  # noqa: E402
@@ -151,7 +151,7 @@ class FakePeer:
 
     def __init__(self, node, uid: str, stage: int, tmp_path):
         self.node, self.uid, self.stage, self.run_id, self.num_stages = node, uid, stage, "run", 2
-        self.cfg, self.sync_timeout_s, self.workdir = {"give_up_after_s": 30.0}, 5.0, tmp_path
+        self.cfg, self.sync_timeout_s, self.workdir = process_config(workdir=tmp_path), 5.0, tmp_path
         self.counters = {"lost_gradient_samples": 0}
         self.leaving, self.ready = False, None
 

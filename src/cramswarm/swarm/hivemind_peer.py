@@ -42,6 +42,7 @@ from cramswarm.swarm.averaging import StageAllReduce, average, chunk_timeout_s, 
 from cramswarm.swarm.compression import decode, encode, payload_to, wire_scheme
 from cramswarm.swarm.membership import DECLARE_PERIOD_S, RECORD_TTL_S, stage_key, stage_namespace, stage_records
 from cramswarm.swarm.replica import StageReplica
+from cramswarm.swarm.settings import ProcessConfig
 from cramswarm.swarm.stages import build_stage, rss_bytes
 from cramswarm.swarm.wire import BufferReader, blob_tensor, flatten_payload, request, respond, restore_payload, unpack
 from cramswarm.training import resolve_device
@@ -90,26 +91,26 @@ class StagePeer(ServicerBase):
         cls._rpc_handlers = None
         cls._stub_type = None
 
-    def __init__(self, cfg: dict, stage: int, uid: str, speed: float, node: DHTNode):
+    def __init__(self, cfg: ProcessConfig, stage: int, uid: str, speed: float, node: DHTNode):
         self.runtime_rss_bytes = runtime_rss_bytes()   # before anything of the stage is allocated
-        recipe = cfg["recipe"]
+        recipe = cfg.recipe
         self.cfg, self.stage, self.uid, self.speed, self.node = cfg, stage, uid, speed, node
-        self.run_id, self.num_stages = cfg["run_id"], cfg["stages"]
+        self.run_id, self.num_stages = cfg.run_id, cfg.stages
         self.namespace = stage_namespace(self.run_id, stage)
-        self.device = resolve_device(cfg.get("device", "auto"))  # auto: the GPU this process sees (srun --gpus-*)
+        self.device = resolve_device(cfg.device)  # auto: the GPU this process sees (srun --gpus-*)
         precision = resolve_precision(recipe["precision"], self.device)
         if precision == "fp16":
             raise ValueError("swarm peers train in bf16 or fp32: fp16 would need loss scaling across stages "
                              "(set the model's recipe precision to bf16 or fp32)")
         # only this stage's parameters, with the whole model's initial values (the same on every replica)
-        module = build_stage(cfg["arch"], cfg["vocab_size"], recipe["seed"], stage, self.num_stages,
-                             cfg["compression"], cfg.get("peer_memory_cap_mb")).to(self.device)
+        module = build_stage(cfg.arch, cfg.vocab_size, recipe["seed"], stage, self.num_stages,
+                             cfg.compression, cfg.peer_memory_cap_mb).to(self.device)
         self.replica = StageReplica(module, recipe, precision, self.device, self.is_last, speed,
-                                    cfg.get("peer_unit_time_s"))
+                                    cfg.peer_unit_time_s)
         # what the boundary tensors travel in: a narrowing compression's narrowed tensor goes as is (fp32)
-        self.scheme = wire_scheme(cfg["compression"])
-        self.averaging_scheme, self.link_mbit_s = cfg["averaging_compression"], cfg["link_mbit_s"]
-        self.sync_timeout_s = cfg["sync_timeout_s"]
+        self.scheme = wire_scheme(cfg.compression)
+        self.averaging_scheme, self.link_mbit_s = cfg.averaging_compression, cfg.link_mbit_s
+        self.sync_timeout_s = cfg.sync_timeout_s
         self.compute = ThreadPoolExecutor(1, thread_name_prefix=f"stage{stage}-compute")
         # a job that must not wait for the compute queue (_run_next: a step's snapshot) runs on a thread of its own;
         # the lock keeps it and the compute jobs from touching the stage's state at once

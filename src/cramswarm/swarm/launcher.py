@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import os
 import random
@@ -75,6 +74,7 @@ from cramswarm.swarm.rebalancing import MoveEvent
 from cramswarm.swarm.routing import NoPeersError
 from cramswarm.swarm.run_result import RunResult
 from cramswarm.swarm.run_state import TIME_FILE, RunFolder
+from cramswarm.swarm.settings import ProcessConfig
 from cramswarm.swarm.trainer import EXIT_LEFT, EXIT_NO_PEERS, WorkClaims, progress_path
 from cramswarm.swarm.work import WorkOrder, all_done
 
@@ -123,7 +123,7 @@ class Launcher(RunFolder, FaultInjection, RunResult):
 
             self.place = SrunPlacement(self.run_id, plan.srun_args)
         self.groups = ProcessGroups(self.workdir, place=self.place)
-        self.host = listen_host({"host": plan.host, "interface": plan.interface})
+        self.host = listen_host(plan.host, plan.interface)
         self.node = None
         self.phase = "starting"
         self.stage_params = stage_parameter_counts(plan.arch, plan.vocab_size, plan.stages, plan.compression)
@@ -148,22 +148,10 @@ class Launcher(RunFolder, FaultInjection, RunResult):
 
     # -- config ---------------------------------------------------------------------------------------------
     def _write_config(self, seq_len: int) -> Path:
-        p = self.plan
-        cfg = {"run_id": self.run_id, "run_ids": self.run_ids, "arch": p.arch, "vocab_size": p.vocab_size,
-               "recipe": p.recipe,
-               "device": p.device, "stages": p.stages, "compression": p.compression, "sync_timeout_s": p.sync_timeout_s,
-               "averaging_compression": p.averaging_compression, "link_mbit_s": p.link_mbit_s,
-               "join_timeout_s": p.join_timeout_s, "give_up_after_s": p.retry.give_up_after_s, "host": p.host,
-               "interface": p.interface, "launcher_grace_s": p.launcher_grace_s,
-               "seq_len": seq_len, "workdir": str(self.workdir), "retry": dataclasses.asdict(p.retry),
-               "seed": p.seed, "shard_dir": str(self.shard_dir), "checkpoint_every_s": p.checkpoint_every_s,
-               "rebalance_period_s": p.rebalance_period_s, "peer_memory_cap_mb": p.peer_memory_cap_mb,
-               "data": self.source.spec(), "microbatches": self.total, "order": self.order.spec(),
-               "routing": p.routing,
-               "peer_unit_time_s": p.peer_unit_time_s, "rejoin_after_s": p.rejoin_after_s,
-               # attach: rank r's task serves (stage, speed) of the r-th peer in stage order (peer_process.run_task)
-               "placement_specs": [list(slot) for slot in p.slots()]}
-        write_json(self.workdir / CONFIG_FILE, cfg)   # atomic: a process started meanwhile reads a whole one
+        cfg = ProcessConfig.of_plan(self.plan, run_id=self.run_id, run_ids=self.run_ids, seq_len=seq_len,
+                                    workdir=self.workdir, shard_dir=self.shard_dir, data=self.source.spec(),
+                                    microbatches=self.total, order=self.order.spec())
+        write_json(self.workdir / CONFIG_FILE, cfg.to_dict())   # atomic: a process started meanwhile reads a whole one
         return self.workdir / CONFIG_FILE
 
     # -- processes ------------------------------------------------------------------------------------------

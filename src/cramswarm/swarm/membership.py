@@ -2,7 +2,7 @@
 
 Every process of a hivemind swarm joins the DHT through the rendezvous folder's address file (``ADDR_FILE``): the
 bootstrap writes its visible multiaddrs there and every later process appends its own (``join_swarm``), so any
-live entry lets a newcomer in. A process listens on ``cfg["host"]`` or on ``cfg["interface"]``'s IPv4 address
+live entry lets a newcomer in. A process listens on the swarm's ``host`` or on its ``interface``'s IPv4 address
 (``listen_host``); a placement that gives a process a host of its own sets ``LISTEN_ENV`` / ``ANNOUNCE_ENV``.
 
 The keys: ``launcher_key`` (the heartbeat: ``starting``, ``training``, ``stopping`` or ``done``), ``stage_key``
@@ -24,6 +24,7 @@ import psutil
 from hivemind.dht.node import DHTNode
 
 from cramswarm.io import write_text
+from cramswarm.swarm.settings import ProcessConfig
 
 DECLARE_PERIOD_S = 2.0     # a peer re-declares its DHT record this often ...
 RECORD_TTL_S = 10.0        # ... with this expiration; a dead peer's record disappears within this time
@@ -51,11 +52,11 @@ class LauncherGone(RuntimeError):
     deliberate stop): the swarm writes its shards and exits."""
 
 
-def listen_host(cfg: dict) -> str:
-    """The IPv4 address this process listens on: that of ``cfg["interface"]`` on this host, else ``cfg["host"]``."""
-    name = cfg.get("interface")
+def listen_host(host: str | None, interface: str | None) -> str:
+    """The IPv4 address this process listens on: that of ``interface`` on this host, else ``host``."""
+    name = interface
     if not name:
-        return cfg.get("host") or "127.0.0.1"
+        return host or "127.0.0.1"
     interfaces = psutil.net_if_addrs()
     if name not in interfaces:
         raise BootstrapError(f"swarm.impl.interface={name!r}: no such network interface on {socket.gethostname()} "
@@ -167,15 +168,20 @@ async def watch_launcher(node: DHTNode, run_id: str, grace_s: float = LAUNCHER_G
         await asyncio.sleep(DECLARE_PERIOD_S)
 
 
-async def read_swarm(node: DHTNode, timeout_s: float) -> dict:
-    """The config of the swarm this node joined (``SWARM_KEY``: the launcher re-stores it with its heartbeat while
-    the swarm trains); ``BootstrapError`` if none is found within ``timeout_s`` (a DHT of no training swarm)."""
+async def read_swarm(node: DHTNode, timeout_s: float) -> ProcessConfig:
+    """The config of the swarm this node joined, with its training clock (``SWARM_KEY``: the launcher re-stores it
+    with its heartbeat while the swarm trains); ``BootstrapError`` if none is found within ``timeout_s`` (a DHT of
+    no training swarm) or it is not this version's (``ProcessConfig.from_dict`` says which keys differ)."""
     deadline = time.monotonic() + timeout_s
     while True:
+        found = None
         with contextlib.suppress(Exception):
             found = await node.get(SWARM_KEY, latest=True)
-            if found is not None and isinstance(found.value, dict) and isinstance(found.value.get("run_id"), str):
-                return found.value
+        if found is not None and isinstance(found.value, dict) and isinstance(found.value.get("run_id"), str):
+            try:
+                return ProcessConfig.from_dict(found.value)
+            except (TypeError, ValueError) as e:
+                raise BootstrapError(f"swarm {found.value['run_id']}: {e}") from None
         if time.monotonic() > deadline:
             raise BootstrapError(f"no training swarm found in this DHT within {timeout_s:.0f} s")
         await asyncio.sleep(1.0)

@@ -32,7 +32,6 @@ import argparse
 import asyncio
 import contextlib
 import fcntl
-import json
 import math
 import os
 import signal
@@ -72,6 +71,7 @@ from cramswarm.swarm.peer_rebalance import MOVES_FILE, moved_uid, read_loads, st
 from cramswarm.swarm.peer_sync import SyncingStagePeer
 from cramswarm.swarm.progress import record_window_s, writes_shard
 from cramswarm.swarm.rebalancing import MoveEvent, choose_join_stage
+from cramswarm.swarm.settings import ProcessConfig
 
 
 async def move_peer(peer, to_stage: int, record: MoveEvent):
@@ -132,10 +132,14 @@ async def serve_bootstrap(addr_file: str, host: str, run_id: str | None = None,
 async def serve_stage(args: argparse.Namespace) -> None:
     """Serve one stage until the launcher is done (exit code 0) or gone (``LAUNCHER_GONE``); a peer that moves
     itself to another stage (``peer_rebalance``) serves that one in the same process."""
-    cfg = json.loads(Path(args.config).read_text())
+    try:
+        cfg = ProcessConfig.read(args.config)
+    except (OSError, TypeError, ValueError) as e:  # unreadable, or another version's
+        raise BootstrapError(f"cannot read the swarm's config {args.config}: {e}") from None
     bound_kernel_cache()
     torch.set_num_threads(1)
-    node = await join_swarm(args.addr_file, host=listen_host(cfg), timeout_s=cfg["join_timeout_s"], announce=True)
+    node = await join_swarm(args.addr_file, host=listen_host(cfg.host, cfg.interface), timeout_s=cfg.join_timeout_s,
+                            announce=True)
     peer = SyncingStagePeer(cfg, args.stage, args.uid, args.speed, node)
     await serve(peer, cfg, args.load_state)
 
@@ -151,22 +155,21 @@ async def serve_joined(initial_peer: str, speed: float, host: str, workdir: str 
     torch.set_num_threads(1)
     node = await join_dht([initial_peer], client_mode=False, host=host, timeout_s=wait_s)
     cfg = await read_swarm(node, wait_s)
-    if not Path(cfg["workdir"]).is_dir():  # another host's folder: this peer's files go elsewhere
-        cfg["workdir"] = cfg["shard_dir"] = workdir or tempfile.mkdtemp(prefix="cramswarm-joined-")
-    stages = int(cfg["stages"])
-    declared = await asyncio.gather(*(stage_records(node, cfg["run_id"], s) for s in range(stages)))
+    if not Path(cfg.workdir).is_dir():  # another host's folder: this peer's files go elsewhere
+        cfg = cfg.elsewhere(workdir or tempfile.mkdtemp(prefix="cramswarm-joined-"))
+    declared = await asyncio.gather(*(stage_records(node, cfg.run_id, s) for s in range(cfg.stages)))
     loads = None
-    if cfg.get("rebalance_period_s"):   # the peers publish their loads each period: the latest complete one
-        period = math.floor(get_dht_time() / float(cfg["rebalance_period_s"]))
-        loads = (await read_loads(node, cfg["run_id"], stages, period))[0]
+    if cfg.rebalance_period_s:   # the peers publish their loads each period: the latest complete one
+        period = math.floor(get_dht_time() / cfg.rebalance_period_s)
+        loads = (await read_loads(node, cfg.run_id, cfg.stages, period))[0]
     stage = choose_join_stage({s: len(d) for s, d in enumerate(declared)}, loads)
     uid = f"s{stage}q{os.getpid()}"   # after the launcher's s<stage>p<n> in uid order
-    print(f"[{uid}] joined swarm {cfg['run_id']} through {initial_peer}: stage {stage} (declared peers "
+    print(f"[{uid}] joined swarm {cfg.run_id} through {initial_peer}: stage {stage} (declared peers "
           f"{[len(d) for d in declared]}, loads {'read' if loads else 'unknown'})", flush=True)
     await serve(SyncingStagePeer(cfg, stage, uid, speed, node), cfg, load_state=True)
 
 
-async def serve(peer: SyncingStagePeer, cfg: dict, load_state: bool) -> None:
+async def serve(peer: SyncingStagePeer, cfg: ProcessConfig, load_state: bool) -> None:
     """Serve ``peer``'s stage (after a state download with ``load_state``, or when the launcher says training)
     until the launcher is done (exit 0) or gone or stopping (``LAUNCHER_GONE``, after the stage's shard)."""
     node, speed = peer.node, peer.speed
@@ -177,12 +180,11 @@ async def serve(peer: SyncingStagePeer, cfg: dict, load_state: bool) -> None:
         with contextlib.suppress(Exception):  # joining a running swarm: take the stage's state first
             load_state = load_state or await launcher_phase(node, peer.run_id) == "training"
         if load_state:
-            await peer.load_from_replica(cfg["give_up_after_s"])
+            await peer.load_from_replica(cfg.retry.give_up_after_s)
         print(f"[{peer.uid}] serving stage {peer.stage} (speed {speed}) as {node.p2p.peer_id}", flush=True)
         declare = asyncio.create_task(peer.declare_forever())
         background = peer.background_tasks()
-        launcher = asyncio.create_task(watch_launcher(node, peer.run_id, cfg.get("launcher_grace_s",
-                                                                                        LAUNCHER_GRACE_S)))
+        launcher = asyncio.create_task(watch_launcher(node, peer.run_id, cfg.launcher_grace_s))
         done, _ = await asyncio.wait([declare, watchdog, launcher, peer.migrate_to, *background],
                                      return_when=asyncio.FIRST_COMPLETED)
         if peer.migrate_to in done:  # it moves itself (peer_rebalance): (to stage, its move record)
@@ -270,14 +272,15 @@ def claim_rank(rendezvous: Path, rank: int) -> int:
     return fd
 
 
-def read_rendezvous(rendezvous: Path, timeout_s: float) -> dict:
-    """The launcher's config.json, once its address file is there too (the config is written first)."""
+def read_rendezvous(rendezvous: Path, timeout_s: float) -> ProcessConfig:
+    """The launcher's config.json, once its address file is there too (the config is written first); one of
+    another version counts as unreadable."""
     deadline = time.monotonic() + timeout_s
     while True:
         read_addr_file(rendezvous / ADDR_FILE, max(deadline - time.monotonic(), 0.0))
         try:
-            return json.loads((rendezvous / CONFIG_FILE).read_text())
-        except (OSError, ValueError):  # cleared or rewritten by a launcher starting right now
+            return ProcessConfig.read(rendezvous / CONFIG_FILE)
+        except (OSError, TypeError, ValueError):  # cleared or rewritten by a launcher starting right now
             if time.monotonic() > deadline:
                 raise BootstrapError(f"no readable {CONFIG_FILE} in the rendezvous folder {rendezvous}") from None
             time.sleep(0.5)
@@ -305,7 +308,7 @@ def run_task(rendezvous: str | Path, rank: int | None, max_restarts: int = 100, 
     except BootstrapError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
-    specs = cfg["placement_specs"]  # [stage, speed] per rank
+    specs = cfg.placement_specs  # [stage, speed] per rank
     if not 0 <= rank < len(specs):
         print(f"error: rank {rank} is outside the swarm's {len(specs)} peers (swarm.stages x swarm.peers_per_stage)",
               file=sys.stderr, flush=True)
@@ -327,7 +330,7 @@ def run_task(rendezvous: str | Path, rank: int | None, max_restarts: int = 100, 
         code = child.wait()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(child.pid, signal.SIGKILL)  # its p2pd
-        if code == 0 or finished(rendezvous, cfg["run_id"]):  # the run is over (this peer may have died last)
+        if code == 0 or finished(rendezvous, cfg.run_id):  # the run is over (this peer may have died last)
             return 0
         if code == LAUNCHER_GONE:
             return code
@@ -338,17 +341,17 @@ def run_task(rendezvous: str | Path, rank: int | None, max_restarts: int = 100, 
                 return 2
             time.sleep(1.0)
             cfg = read_rendezvous(rendezvous, max(deadline - time.monotonic(), 0.0))
-            stage, speed = cfg["placement_specs"][rank]
+            stage, speed = cfg.placement_specs[rank]
             continue
         if restarts == max_restarts:
             print(f"[rank {rank}] gave up after {max_restarts} restarts", file=sys.stderr, flush=True)
             return 1
         served, restarts, incarnation = True, restarts + 1, incarnation + 1
         # a peer that moved itself to another stage (peer_rebalance) comes back on the stage it last served
-        _, stage = stage_after_moves(Path(cfg["workdir"]) / MOVES_FILE, uid, stage)
+        _, stage = stage_after_moves(Path(cfg.workdir) / MOVES_FILE, uid, stage)
         print(f"[rank {rank}] peer {uid} ended with code {code}; restarting on stage {stage} in "
-              f"{cfg['rejoin_after_s']} s", flush=True)
-        time.sleep(cfg["rejoin_after_s"])
+              f"{cfg.rejoin_after_s or 0} s", flush=True)
+        time.sleep(cfg.rejoin_after_s or 0.0)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -380,7 +383,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--speed must be positive, got {args.speed}")
     try:
         if args.role == "bootstrap":
-            asyncio.run(serve_bootstrap(args.addr_file, listen_host({"host": args.host, "interface": args.interface}),
+            asyncio.run(serve_bootstrap(args.addr_file, listen_host(args.host, args.interface),
                                         args.run_id, args.grace_s))
         asyncio.run(serve_stage(args))
     except BootstrapError as e:

@@ -132,7 +132,7 @@ class PeerRebalancer:
         self.delay_s = decide_delay_s(period_s)
         self.drain_timeout_s = drain_timeout_s if drain_timeout_s is not None else 4 * peer.sync_timeout_s
         # the timing rule of every driver; a move record older than transit_s no longer holds decisions
-        self.gate = MoveGate(cooldown_periods, TRANSIT_GIVE_UPS * peer.cfg["give_up_after_s"])
+        self.gate = MoveGate(cooldown_periods, TRANSIT_GIVE_UPS * peer.cfg.retry.give_up_after_s)
         self.run_id, self.node = peer.run_id, peer.node
 
     # -- records ----------------------------------------------------------------------------------------------

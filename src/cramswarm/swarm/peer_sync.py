@@ -64,6 +64,7 @@ from cramswarm.swarm.progress import (
     writes_shard,
 )
 from cramswarm.swarm.rebalancing import LoadMeter
+from cramswarm.swarm.settings import ProcessConfig
 from cramswarm.swarm.shards import load_shard, newest_shard, write_shard
 from cramswarm.swarm.stages import stage_memory
 from cramswarm.swarm.wire import respond, unpack
@@ -80,11 +81,11 @@ COUNTERS_PERIOD_S = 2.0   # a peer rewrites its counters file at least this ofte
 class SyncingStagePeer(StagePeer):
     """A ``StagePeer`` that steps with its stage's other peers by itself (see the module docstring)."""
 
-    def __init__(self, cfg: dict, stage: int, uid: str, speed: float, node):
+    def __init__(self, cfg: ProcessConfig, stage: int, uid: str, speed: float, node):
         super().__init__(cfg, stage, uid, speed, node)
         self.meter = LoadMeter(time.monotonic())  # its own queue and service rate (peer_rebalance)
-        self.seq_len = cfg["seq_len"]
-        self.workdir = Path(cfg["workdir"])
+        self.seq_len = cfg.seq_len
+        self.workdir = Path(cfg.workdir)
         self.peer_id = node.p2p.peer_id.to_base58()
         self.stepped_samples = 0
         self.stepped_repeats = 0   # microbatches the stage stepped again (at least once)
@@ -113,13 +114,13 @@ class SyncingStagePeer(StagePeer):
         self.stepped_mbs: set[int] = set()   # microbatches the stage stepped (a resume restarts the trainers there)
         self.local_mbs: list[int] = []       # ... accumulated here since the snapshot
         self.snapshot_mbs: list[int] = []    # ... in the snapshot
-        self.shard_dir = Path(cfg.get("shard_dir") or self.workdir / "shards")
-        self.checkpoint_every_s = float(cfg.get("checkpoint_every_s", 60.0))
+        self.shard_dir = Path(cfg.shard_dir)
+        self.checkpoint_every_s = cfg.checkpoint_every_s
         self.shard_step, self.last_write, self.writing = 0, time.monotonic(), False
         self.flush_seen, self.flush_checked = False, 0.0
         newest = newest_shard(self.shard_dir, stage)
         if newest is not None:  # a resumed run (or a restart): start from the stage's last shard
-            self._load_state(load_shard(newest[1], tuple(cfg.get("run_ids") or [self.run_id]), self.device))
+            self._load_state(load_shard(newest[1], tuple(cfg.run_ids), self.device))
             self.shard_step = self.counters["loaded_shard_step"] = self.step
             print(f"[{uid}] loaded stage {stage} shard {newest[1].name} (step {self.step})", flush=True)
 
@@ -261,7 +262,7 @@ class SyncingStagePeer(StagePeer):
 
     def _target(self) -> int:
         """The target batch of this peer's step (``progress.step_target``)."""
-        return step_target(self.cfg["recipe"], self.seq_len, self.stepped_samples, self.step, self._elapsed())[1]
+        return step_target(self.cfg.recipe, self.seq_len, self.stepped_samples, self.step, self._elapsed())[1]
 
     def _estimate(self) -> float:
         """The stage's collective samples toward this peer's step now (``progress.collective_samples`` of the other
@@ -361,8 +362,8 @@ class SyncingStagePeer(StagePeer):
 
     def background_tasks(self) -> list[asyncio.Task]:
         tasks = [asyncio.create_task(self.sync_forever()), asyncio.create_task(self.publish_forever())]
-        if self.cfg.get("rebalance_period_s"):  # this peer decides moves with its stage's and the others' peers
-            tasks.append(asyncio.create_task(PeerRebalancer(self, self.cfg["rebalance_period_s"]).run()))
+        if self.cfg.rebalance_period_s:  # this peer decides moves with its stage's and the others' peers
+            tasks.append(asyncio.create_task(PeerRebalancer(self, self.cfg.rebalance_period_s).run()))
         return tasks
 
     async def publish_forever(self) -> None:
@@ -556,8 +557,8 @@ class SyncingStagePeer(StagePeer):
             phases["reduced"] = time.time()
             flat = None   # the snapshot goes with the step (_apply); a group of more than one holds the average
             elapsed = max(group[uid].at for uid in uids)  # the group's training time, for a seconds budget
-            t, target = step_target(self.cfg["recipe"], self.seq_len, self.stepped_samples, step, elapsed)
-            lr, multiplier = step_lr(self.cfg["recipe"], t, self.stepped_samples)
+            t, target = step_target(self.cfg.recipe, self.seq_len, self.stepped_samples, step, elapsed)
+            lr, multiplier = step_lr(self.cfg.recipe, t, self.stepped_samples)
             self.averaged = (group_id, averaged)
             # at least once: a microbatch twice in the group's snapshots (one member's or two), or stepped
             # before, counts again (every member reads the same records: the replicas' counts stay equal)

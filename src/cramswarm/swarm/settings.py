@@ -1,11 +1,14 @@
 """The settings of one SWARM training run (``SwarmPlan``): built once from the ``swarm:`` config section
 (``SwarmPlan.from_config``), checked once (``SwarmPlan.validate``, errors name the config key) and handed typed to
-either transport: the threads of ``emulation_training`` or the hivemind processes of ``hivemind_transport``.
-Importing it imports no hivemind.
+either transport: the threads of ``emulation_training`` or the hivemind processes of ``hivemind_transport``, whose
+launcher hands each process its part as a ``ProcessConfig`` (the run's ``config.json``, and the swarm's
+description in the DHT for processes that join). Importing it imports no hivemind.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,3 +140,84 @@ class SwarmPlan:
         if self.placement == "srun" and "SLURM_JOB_ID" not in os.environ:
             raise ValueError("swarm.impl.placement=srun starts the peers as a job step of the SLURM job it runs in, "
                              "but SLURM_JOB_ID is unset: run it through profiles/slurm (or placement: local / attach)")
+
+
+@dataclass(frozen=True)
+class ProcessConfig:
+    """What every process of a hivemind swarm is handed (a stage peer, a trainer, a peer task, a joiner): the
+    plan's settings the processes use, the run's identity (``run_id``; ``run_ids``: its lives, a resumed run's
+    earlier ones first) and folders, the microbatch source and lease order of the trainers, and the training
+    clock (``clock``, only in the DHT description a joiner reads). Built by the launcher from the plan
+    (``of_plan``), written as the run's ``config.json`` (``to_dict``) and read back typed (``from_dict``,
+    ``read``): a key missing or unknown raises ``ValueError`` naming it."""
+
+    run_id: str
+    run_ids: list[str]
+    arch: dict
+    vocab_size: int
+    recipe: dict
+    device: str
+    stages: int
+    compression: str
+    averaging_compression: str
+    link_mbit_s: float | None
+    sync_timeout_s: float
+    join_timeout_s: float
+    retry: RetryPolicy
+    host: str
+    interface: str | None
+    launcher_grace_s: float
+    seed: int
+    checkpoint_every_s: float
+    rebalance_period_s: float | None
+    peer_memory_cap_mb: float | None
+    routing: str
+    peer_unit_time_s: float | None
+    rejoin_after_s: float | None
+    placement_specs: list[list]     # [stage, speed] per rank of an attached swarm (SwarmPlan.slots)
+    seq_len: int                    # tokens per sequence of the run's microbatches
+    workdir: str                    # the run's folder (this host's view; a joiner on another host gets its own)
+    shard_dir: str
+    data: dict                      # the trainers' microbatch source (``data.from_spec``)
+    microbatches: int               # the run's microbatches (``work.WorkOrder``)
+    order: dict | None              # the leases' order (``WorkOrder.spec``; a resume's owed microbatches first)
+    clock: dict | None = None       # the training clock (joiners: the launcher's DHT description)
+
+    @classmethod
+    def of_plan(cls, plan: SwarmPlan, *, run_id: str, run_ids: list[str], seq_len: int, workdir: str | Path,
+                shard_dir: str | Path, data: dict, microbatches: int, order: dict | None) -> ProcessConfig:
+        """The processes' part of ``plan`` for one life ``run_id`` of the run."""
+        return cls(run_id=run_id, run_ids=list(run_ids), arch=plan.arch, vocab_size=plan.vocab_size,
+                   recipe=plan.recipe, device=plan.device, stages=plan.stages, compression=plan.compression,
+                   averaging_compression=plan.averaging_compression, link_mbit_s=plan.link_mbit_s,
+                   sync_timeout_s=plan.sync_timeout_s, join_timeout_s=plan.join_timeout_s, retry=plan.retry,
+                   host=plan.host, interface=plan.interface, launcher_grace_s=plan.launcher_grace_s, seed=plan.seed,
+                   checkpoint_every_s=plan.checkpoint_every_s, rebalance_period_s=plan.rebalance_period_s,
+                   peer_memory_cap_mb=plan.peer_memory_cap_mb, routing=plan.routing,
+                   peer_unit_time_s=plan.peer_unit_time_s, rejoin_after_s=plan.rejoin_after_s,
+                   placement_specs=[list(slot) for slot in plan.slots()], seq_len=seq_len, workdir=str(workdir),
+                   shard_dir=str(shard_dir), data=data, microbatches=microbatches, order=order)
+
+    def to_dict(self) -> dict:
+        """JSON-ready: ``retry`` as its fields."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> ProcessConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = sorted(names - set(values) - {"clock"})
+        unknown = sorted(set(values) - names)
+        if missing or unknown:
+            raise ValueError(f"a swarm process config {'lacks ' + ', '.join(missing) if missing else ''}"
+                             f"{'; ' if missing and unknown else ''}"
+                             f"{'has unknown keys ' + ', '.join(unknown) if unknown else ''} (written by another "
+                             "version of cramswarm?)")
+        return cls(**{**values, "retry": RetryPolicy(**values["retry"])})
+
+    @classmethod
+    def read(cls, path: str | Path) -> ProcessConfig:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def elsewhere(self, workdir: str) -> ProcessConfig:
+        """This config for a process on a host without the run's folder: its files (and shards) go to ``workdir``."""
+        return dataclasses.replace(self, workdir=workdir, shard_dir=workdir)

@@ -59,7 +59,6 @@ from cramswarm.io import read_json, write_json
 from cramswarm.swarm.data import from_spec
 from cramswarm.swarm.membership import (
     ADDR_FILE,
-    LAUNCHER_GRACE_S,
     BootstrapError,
     LauncherGone,
     join_dht,
@@ -85,6 +84,7 @@ from cramswarm.swarm.routing import (
     make_balancer,
     microbatch_path,
 )
+from cramswarm.swarm.settings import ProcessConfig
 from cramswarm.swarm.wire import request, unpack
 from cramswarm.swarm.work import (
     CLAIM_STALE_S,
@@ -290,28 +290,28 @@ class StageClient:
         return await drive_path_async(microbatch_path(self.stages, ({"input_ids": input_ids}, {})), send)
 
 
-async def train(cfg: dict, name: str, node=None) -> None:
+async def train(cfg: ProcessConfig, name: str, node=None) -> None:
     """Train leases of the run's work order as trainer ``name`` until every lease is finished or the deadline
     passed (see the module docstring); ``node``: a DHT node already joined (a trainer added by hand)."""
-    workdir = Path(cfg["workdir"])
+    workdir = Path(cfg.workdir)
     torch.set_num_threads(1)
-    source = from_spec(cfg["data"])
-    order = WorkOrder.from_spec(int(cfg["microbatches"]), cfg.get("order"))
+    source = from_spec(cfg.data)
+    order = WorkOrder.from_spec(cfg.microbatches, cfg.order)
     state_file = progress_path(workdir, name)
     previous = read_json(state_file) if state_file.exists() else {}
-    done = int(previous.get("done", 0)) if previous.get("run_id") in cfg.get("run_ids", [cfg["run_id"]]) else 0
+    done = int(previous.get("done", 0)) if previous.get("run_id") in cfg.run_ids else 0
     watchdog = asyncio.create_task(exit_with_parent())
     if node is None:
-        node = await join_swarm(workdir / ADDR_FILE, host=listen_host(cfg), timeout_s=cfg["join_timeout_s"],
-                                announce=True)
-    launcher = asyncio.create_task(watch_launcher(node, cfg["run_id"], cfg.get("launcher_grace_s", LAUNCHER_GRACE_S)))
-    seed = cfg["seed"] + 7919 * (int(name) if name.isdigit() else 1000 + os.getpid())
-    client = StageClient(node, cfg["run_id"], cfg["stages"], RetryPolicy(**cfg["retry"]), seed,
-                         cfg.get("routing", "weighted"))
+        node = await join_swarm(workdir / ADDR_FILE, host=listen_host(cfg.host, cfg.interface),
+                                timeout_s=cfg.join_timeout_s, announce=True)
+    launcher = asyncio.create_task(watch_launcher(node, cfg.run_id, cfg.launcher_grace_s))
+    seed = cfg.seed + 7919 * (int(name) if name.isdigit() else 1000 + os.getpid())
+    client = StageClient(node, cfg.run_id, cfg.stages, cfg.retry, seed,
+                         cfg.routing)
     for key, count in previous.get("stats", {}).items():  # a restarted trainer counts on from its earlier lives
         if key in client.stats and key != "last_error":
             client.stats[key] += int(count)
-    claims = WorkClaims(node, cfg["run_id"], name, order)
+    claims = WorkClaims(node, cfg.run_id, name, order)
     refresher = asyncio.create_task(client.refresh_forever())
     leave = asyncio.Event()
     with contextlib.suppress(ValueError, RuntimeError):  # off the main thread: no handlers (a test's in-process run)
@@ -319,13 +319,13 @@ async def train(cfg: dict, name: str, node=None) -> None:
             asyncio.get_running_loop().add_signal_handler(sig, leave.set)
 
     def progress(**extra) -> None:
-        write_json(state_file, {"name": name, "run_id": cfg["run_id"], "done": done, "lease": claims.claim.lease,
+        write_json(state_file, {"name": name, "run_id": cfg.run_id, "done": done, "lease": claims.claim.lease,
                                 "stats": {**client.stats, **claims.stats}, **extra})
 
     async def work() -> str:
         nonlocal done
         progress()  # joined: the launcher starts the training clock once its trainers are here
-        while (clock := read_clock(workdir, cfg["run_id"]))["origin_wall"] is None:
+        while (clock := read_clock(workdir, cfg.run_id))["origin_wall"] is None:
             await asyncio.sleep(0.1)
         deadline = clock["deadline_wall"]
         renew = asyncio.create_task(claims.renew_forever())
@@ -382,12 +382,12 @@ async def train_joined(initial_peer: str, name: str | None, host: str, workdir: 
     temporary folder), with the training clock from the description."""
     node = await join_dht([initial_peer], client_mode=False, host=host, timeout_s=wait_s)
     cfg = await read_swarm(node, wait_s)
-    if not Path(cfg["workdir"]).is_dir():  # another host's folder: this trainer's files go elsewhere
-        cfg["workdir"] = workdir or tempfile.mkdtemp(prefix="cramswarm-trainer-")
-        Path(cfg["workdir"]).mkdir(parents=True, exist_ok=True)
-        write_json(Path(cfg["workdir"]) / CLOCK_FILE, cfg["clock"])
+    if not Path(cfg.workdir).is_dir():  # another host's folder: this trainer's files go elsewhere
+        cfg = cfg.elsewhere(workdir or tempfile.mkdtemp(prefix="cramswarm-trainer-"))
+        Path(cfg.workdir).mkdir(parents=True, exist_ok=True)
+        write_json(Path(cfg.workdir) / CLOCK_FILE, cfg.clock)
     name = name or f"j{socket.gethostname()}-{os.getpid()}"
-    print(f"[trainer {name}] joined swarm {cfg['run_id']} through {initial_peer}", flush=True)
+    print(f"[trainer {name}] joined swarm {cfg.run_id} through {initial_peer}", flush=True)
     return await train(cfg, name, node=node)
 
 
@@ -422,7 +422,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.rank < 0:
         parser.error(f"--rank {args.rank} is negative")
-    cfg = json.loads(Path(args.config).read_text())
+    try:
+        cfg = ProcessConfig.read(args.config)
+    except (OSError, TypeError, ValueError) as e:  # unreadable, or another version's
+        parser.error(f"cannot read the swarm's config {args.config}: {e}")
     leave_now(run(train(cfg, str(args.rank)), str(args.rank)))
 
 
