@@ -111,6 +111,50 @@ def test_the_gone_fault_kills_all_but_the_stages_last_current_replica():
     assert fault_rules.gone_victims({"s1p4": 0}, 1) == [] and fault_rules.gone_victims({}, 2) == []
 
 
+def test_joins_become_join_faults_and_the_joined_peers_join_events():
+    from cramswarm.swarm import fault_rules
+    from cramswarm.swarm.setups import FailureEvent, JoinEvent, PeerSpec, SwarmSetup
+
+    peers = [PeerSpec(stage=s) for s in range(3) for _ in range(3)]
+    setup = SwarmSetup(peers=peers, trainers=4, stage_time_s=1.0,
+                       failures=[FailureEvent(at_s=40.0, peer=3), FailureEvent(at_s=40.0, peer=4)],
+                       joins=[JoinEvent(at_s=80.0, stage="most_loaded"),
+                              JoinEvent(at_s=100.0, speed=0.5, stage="most_loaded")])
+    assert study_launcher.join_faults(setup) == [(80.0, "join"), (100.0, "join:0.5")]
+    assert sorted(study_launcher.gone_faults(setup) + study_launcher.join_faults(setup))[0] == (40.0, "gone2:stage1")
+    with pytest.raises(ValueError, match="most loaded stage itself"):
+        study_launcher.join_faults(SwarmSetup(peers=peers, trainers=4, stage_time_s=1.0, joins=[JoinEvent(80.0)]))
+    for target, speed in (("join", 1.0), ("join:0.5", 0.5), ("join:2", 2.0)):
+        assert fault_rules.parse_join(target) == speed
+    for other in ("joined", "join:", "join:x", "rejoin", "gone2:stage1", "cut:j0"):
+        assert fault_rules.parse_join(other) is None, other
+    with pytest.raises(ValueError, match="must be positive"):
+        fault_rules.parse_join("join:0")
+    # the joiners declared themselves at 84.5 s and 103 s: join events then, of their speeds, on the most loaded stage
+    joined = [{"uid": "s2q77", "stage": 2, "speed": 0.5, "t_s": 100.0, "declared_s": 103.0},
+              {"uid": "s1q51", "stage": 1, "speed": 1.0, "t_s": 80.0, "declared_s": 84.5}]
+    assert study_launcher.joined_as_joins(joined) == [JoinEvent(84.5, 1.0, "most_loaded"),
+                                                      JoinEvent(103.0, 0.5, "most_loaded")]
+    # kills for good on the setup's peers of the killed peers' own stages
+    killed = [{"uid": "s1p4", "stage": 1, "t_s": 40.0, "replaced": False},
+              {"uid": "s1p5", "stage": 1, "t_s": 40.0, "replaced": False},
+              {"uid": "s1q51", "stage": 1, "t_s": 90.0, "replaced": False},
+              {"uid": "s1p6", "stage": 1, "t_s": 95.0, "replaced": False}]
+    events = study_launcher.killed_as_failures(killed, 9, 5.0, [p.stage for p in peers])
+    assert [(e.at_s, e.peer) for e in events] == [(40.0, 3), (40.0, 4), (90.0, 5), (95.0, 0)]
+
+
+def test_a_joining_peer_enters_through_a_declared_peer_or_the_live_bootstrap():
+    from cramswarm.swarm import fault_rules
+
+    maddrs = ["/ip4/10.77.1.1/tcp/4100/p2p/Qboot", "/ip4/10.77.1.2/tcp/4100/p2p/Qa",
+              "/ip4/10.77.1.3/tcp/4100/p2p/Qb", "/ip4/10.77.1.4/tcp/4100/p2p/Qgone"]
+    assert fault_rules.join_entry(maddrs, {"Qa", "Qb"}, True) == maddrs[2]   # the newest live one
+    assert fault_rules.join_entry(maddrs, {"Qa"}, False) == maddrs[1]
+    assert fault_rules.join_entry(maddrs, set(), True) == maddrs[0]
+    assert fault_rules.join_entry(maddrs, {"Qx"}, False) is None and fault_rules.join_entry([], set(), True) is None
+
+
 def test_runtime_bound_counts_testbed_runs_in_real_seconds():
     emulated = {"duration_s": 40.0, "time_scale": 0.1}
     assert runtime.transports_runtime_s("wiring", emulated) == pytest.approx(2 * 3 * 4.0)  # the default transports

@@ -476,6 +476,20 @@ def test_a_peer_started_mid_run_with_only_an_address_joins_the_stage_that_needs_
     assert stats["peer_backward_samples"][uid] > 0, stats["peer_backward_samples"]
 
 
+@pytest.mark.swarm
+def test_a_join_fault_starts_a_peer_that_joins_the_stage_that_needs_it_and_goes_with_the_run():
+    """Stages of 2 and 1 peers; the launcher's ``join`` fault at 1 s starts ``swarm-join`` through a live entry of
+    the address file: the new peer takes stage 1 (the fewest declared peers), serves backward calls, is counted in
+    ``stats["joined"]`` and is one of the run's process groups (launch: none outlives the run)."""
+    _, stats = launch(320, peers_per_stage=[2, 1], faults=[(1.0, "join")])
+    assert [(j["stage"], j["speed"]) for j in stats["joined"]] == [(1, 1.0)], stats["joined"]
+    joined = stats["joined"][0]
+    assert joined["uid"].startswith("s1q") and 1.0 <= joined["t_s"] <= joined["declared_s"], joined
+    assert stats["per_stage_peers"] == [2, 2], stats["replica_steps"]
+    assert stats["peer_backward_samples"][joined["uid"]] > 0, stats["peer_backward_samples"]
+    assert "join_failures" not in stats or not stats["join_failures"], stats["join_failures"]
+
+
 def loss_records(losses: Path) -> list[int]:
     """The microbatches of a trainer's whole loss records, in order."""
     found = []

@@ -55,6 +55,25 @@ def test_each_process_gets_its_own_host_and_port():
         tbswarm.run(plan(), source(), 8, latency_ms=20.0, relay=False)
 
 
+def test_each_joining_peer_gets_a_spare_host_of_its_own():
+    faults = [(40.0, "gone2:stage1"), (80.0, "join"), (100.0, "join:0.5"), (120.0, "cut:s0a")]
+    assert tbswarm.joins_of(faults) == 2
+    names = tbswarm.host_names([2, 2], 1, tbswarm.joins_of(faults))
+    assert names == ["ctl", "s0a", "s0b", "s1a", "s1b", "t0", "j0", "j1"]
+
+    class FakeTestbed:
+        cut_hosts: set = set()
+
+        def host(self, name):
+            i = names.index(name)
+            return netns.Host(name, i, f"csw-x-{name}", f"10.77.0.{i + 1}", f"10.77.1.{i + 1}", f"p{i}")
+
+    place = tbswarm.HostPlacement(FakeTestbed(), [2, 2], 1, joiners=2)
+    assert [place.host_of(n) for n in ("join0", "join1", "s1p5")] == ["j0", "j1", "s1a"]
+    prefix, env = place("join1")
+    assert prefix == ["ip", "netns", "exec", "csw-x-j1"] and env["CRAMSWARM_P2P_LISTEN"] == "/ip4/10.77.0.8/tcp/4100"
+
+
 
 def test_the_plan_learns_the_shaped_link_and_the_relays_round_trip():
     from cramswarm.swarm import averaging

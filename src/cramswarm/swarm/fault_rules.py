@@ -4,6 +4,8 @@
   stage's last up-to-date copy.
 * ``parse_gone`` / ``gone_victims`` - the launcher's ``gone<N>:stage<S>`` fault target: N peers of a stage killed
   for good, never the last one at the stage's latest step.
+* ``parse_join`` / ``join_entry`` - the launcher's ``join`` fault target: a new peer that joins the running swarm
+  through one live entry of its address file and picks its stage itself.
 """
 
 from __future__ import annotations
@@ -51,3 +53,29 @@ def gone_victims(steps: dict[str, int], count: int) -> list[str]:
     keep = min(u for u, step in steps.items() if step == latest)
     others = sorted((u for u in steps if u != keep), key=lambda u: (steps[u], u))
     return others[:count]
+
+
+JOIN_TARGET = re.compile(r"join(?::(\d+(?:\.\d*)?|\.\d+))?")
+
+
+def parse_join(target: str) -> float | None:
+    """The speed of a ``join`` (speed 1) or ``join:<speed>`` fault target (speed > 0), None for any other target."""
+    match = JOIN_TARGET.fullmatch(target)
+    if match is None:
+        return None
+    speed = float(match.group(1)) if match.group(1) is not None else 1.0
+    if not speed > 0:
+        raise ValueError(f"fault target {target!r}: a joining peer's speed must be positive")
+    return speed
+
+
+def join_entry(maddrs: list[str], live_ids: Container[str], bootstrap_alive: bool) -> str | None:
+    """The address file's entry (``maddrs``, in file order: the bootstrap's first, then each process's as it
+    joined) a ``join`` fault gives its new peer: the newest whose ``/p2p/<id>`` is one of ``live_ids`` (the P2P
+    ids of the stages' declared peers), else the bootstrap's first entry while it is alive, else None (no entry
+    is known to be live)."""
+    for maddr in reversed(maddrs):
+        _, _, peer_id = maddr.rpartition("/p2p/")
+        if peer_id and peer_id in live_ids:
+            return maddr
+    return maddrs[0] if maddrs and bootstrap_alive else None

@@ -140,7 +140,8 @@ class Launcher(RunFolder, FaultInjection, RunResult):
         self.stop = asyncio.Event()                # set by SIGTERM / SIGINT during training (_stop_on_signals)
         self.reattach: str | None = None           # the run id of the live swarm this launcher takes over (run_state)
         self.tasks: set[asyncio.Task] = set()
-        self.stats = {"peers_killed": 0, "rejoins": 0, "trainer_restarts": 0, "killed": [], "bootstrap_killed": 0}
+        self.stats = {"peers_killed": 0, "rejoins": 0, "trainer_restarts": 0, "killed": [], "bootstrap_killed": 0,
+                      "joins_started": 0, "joined": []}
         self.start = time.perf_counter()
         self.start_wall = time.time()
         self.wall_before, self.first_start_wall = 0.0, None  # training time of earlier lives (a resumed run)

@@ -56,6 +56,7 @@ class SwarmPlan:
     faults: list[tuple[float, str]] = field(default_factory=list)  # launcher: SIGKILL (seconds into training,
                                     # "bootstrap" | "trainer<R>" | "peer" | "stage<S>"; "gone<N>:stage<S>": N peers
                                     # of stage S, never replaced) - the kill tests' and rebalancing_recovery's;
+                                    # "join" | "join:<speed>": a new peer joins by swarm-join, picking its stage;
                                     # other targets go to ``hosts.fault`` (e.g. "cut:<host>": a testbed link cut)
     state_dir: Path | None = None   # launcher: resumable run folder (stage shards, trainer progress); None: the
                                     # rendezvous folder, else a temporary one

@@ -1,6 +1,6 @@
 """Runs of the launcher's swarm of real processes at toy size: the ``testbed`` transport of the swarm_study
-experiments (:mod:`cramswarm.swarm_study.study`) and the benchmarks ``benchmarks/swarm_launcher.py`` (loopback) and
-``benchmarks/swarm_testbed.py`` (every process on a testbed host of its own).
+experiments (:mod:`cramswarm.swarm_study.study`) and the benchmarks ``benchmarks/swarm_launcher.py`` (loopback),
+``benchmarks/swarm_testbed.py`` and ``benchmarks/swarm_churn.py`` (every process on a testbed host of its own).
 
 The swarm trains a tiny crammed BERT (:func:`toy_arch`, the default config's ``models.crammed.arch`` shrunk) on
 the toy counting language (``toy.CountingSource``) under the launcher (``hivemind_transport.run_swarm``: a
@@ -113,11 +113,14 @@ def rate_in(done_times: list[float], start_s: float, end_s: float) -> float:
     return sum(start_s <= t <= end_s for t in done_times) / (end_s - start_s)
 
 
-def killed_as_failures(killed: list[dict], num_peers: int, rejoin_after_s: float) -> list:
-    """The launcher's kills (``stats["killed"]``: uid and seconds into training) as ``FailureEvent`` s on
+def killed_as_failures(killed: list[dict], num_peers: int, rejoin_after_s: float,
+                       stages: list[int] | None = None) -> list:
+    """The launcher's kills (``stats["killed"]``: uid, stage and seconds into training) as ``FailureEvent`` s on
     ``num_peers`` slots, each back ``rejoin_after_s`` later (when the launcher starts its replacement, which then
     loads the stage's state) or never (a kill marked ``"replaced": False``, a ``gone<N>:stage<S>`` fault): every
-    kill takes a slot that is up, so ``study.peers_up`` counts the peers up."""
+    kill takes a slot that is up, so ``study.peers_up`` counts the peers up. With ``stages`` (the slots' stages,
+    the setup's ``peers`` in order) a kill takes an up slot of its own stage where one is up, so the simulator
+    given these events starves the stage the launcher starved."""
     from cramswarm.swarm.setups import FailureEvent
 
     down_until, events = [float("-inf")] * num_peers, []
@@ -126,7 +129,9 @@ def killed_as_failures(killed: list[dict], num_peers: int, rejoin_after_s: float
             continue
         at = float(kill["t_s"])
         back = rejoin_after_s if kill.get("replaced", True) else None
-        slot = next(i for i, until in enumerate(down_until) if until <= at)
+        up = [i for i, until in enumerate(down_until) if until <= at]
+        same = [i for i in up if stages is not None and stages[i] == kill.get("stage")]
+        slot = (same or up)[0]
         down_until[slot] = float("inf") if back is None else at + back
         events.append(FailureEvent(at_s=at, peer=slot, rejoin_after_s=back))
     return events
@@ -146,8 +151,32 @@ def gone_faults(setup) -> list[tuple[float, str]]:
     return [(at, f"gone{n}:stage{stage}") for (at, stage), n in sorted(counts.items())]
 
 
+def join_faults(setup) -> list[tuple[float, str]]:
+    """``setup.joins`` as the launcher's faults: a ``join`` (speed 1) or ``join:<speed>`` at each join's time. The
+    joining peer picks its stage itself (``peer_process.serve_joined``: the most loaded one), so only joins with
+    ``stage="most_loaded"`` run on the testbed."""
+    faults = []
+    for join in setup.joins:
+        if join.stage != "most_loaded":
+            raise ValueError(f"{join}: a peer joining on the testbed picks the most loaded stage itself "
+                             "(JoinEvent.stage 'most_loaded')")
+        faults.append((float(join.at_s), "join" if join.speed == 1.0 else f"join:{join.speed!r}"))
+    return faults
+
+
+def joined_as_joins(joined: list[dict]) -> list:
+    """The launcher's joins (``stats["joined"]``) as ``JoinEvent`` s for the simulator: each at the second its
+    peer declared itself (it has downloaded its stage's state and serves), of its speed, on the most loaded
+    stage (the rule the joining peer picked its stage by)."""
+    from cramswarm.swarm.setups import JoinEvent
+
+    return [JoinEvent(at_s=float(j["declared_s"]), speed=float(j["speed"]), stage="most_loaded")
+            for j in sorted(joined, key=lambda j: j["declared_s"])]
+
+
 def run_setup(setup, *, link_mbit_s: float | None, latency_ms: float, kill_every_s: float | None = None,
-              rejoin_after_s: float = 5.0, hidden: int = HIDDEN, micro: int = MICRO) -> dict:
+              rejoin_after_s: float = 5.0, hidden: int = HIDDEN, micro: int = MICRO,
+              step_microbatches: int | None = None) -> dict:
     """Run an emulation ``SwarmSetup`` as the launcher's swarm with every process on a testbed host of its own:
     its peers (stage, speed) as stage peers, ``setup.trainers`` trainer processes routing by ``setup.routing``
     (weighted or uniform: the launcher has no fixed chains), ``setup.stage_time_s`` as the peers' unit time (a
@@ -157,29 +186,35 @@ def run_setup(setup, *, link_mbit_s: float | None, latency_ms: float, kill_every
     relay. Kills come from the launcher: ``kill_every_s`` (a random live peer of a stage with two or more SIGKILLed
     every that many seconds, a fresh one started ``rejoin_after_s`` later) and ``setup.failures``, which may only
     hold peers that die for good (``rejoin_after_s`` None; :func:`gone_faults`: the launcher SIGKILLs that many
-    peers of their stage at that second of training and replaces none). ``setup.rebalance_period_s`` is the peers'
-    own rebalancing period (``peer_rebalance``; None: off); ``setup.state_download_s`` is not used (a moving peer
-    downloads the stage's state for real).
+    peers of their stage at that second of training and replaces none). ``setup.joins`` (``stage="most_loaded"``
+    only, :func:`join_faults`) are new peers of their speed that join at that second of training through the
+    swarm's address file (``swarm-join``), each on a spare testbed host, on the stage they pick themselves.
+    ``setup.rebalance_period_s`` is the peers' own rebalancing period (``peer_rebalance``; None: off);
+    ``setup.state_download_s`` is not used (a moving or joining peer downloads the stage's state for real).
+    ``step_microbatches``: the global batch in microbatches, so each stage steps in-stage every that many
+    (None: ``NO_STEP_BATCH``, a stage steps once, at the end).
 
     Returns what ``emulation.run`` returns for the study (``throughput_mb_s``: microbatches finished within
     ``duration_s`` per second; ``timeline``; ``microbatches_done``; ``retries``; ``lost_microbatches``: taken and
     never finished, from the trainers' loss records; ``moves``: the peers' moves, ``t_s`` seconds into training)
-    and ``failures`` (the kills as ``FailureEvent`` s, see :func:`killed_as_failures`), ``leftover_processes``,
-    ``timeouts``, ``wall_s``, ``load_avg``, ``testbed``."""
+    and ``failures`` (the kills as ``FailureEvent`` s on the setup's peers, of the killed peers' stages, see
+    :func:`killed_as_failures`), ``joins`` (the joins that happened as ``JoinEvent`` s, :func:`joined_as_joins`),
+    ``joined`` and ``join_failures`` (the launcher's records), ``step_overshoot`` and ``step_stalls`` (the peers'
+    step lines: ``progress.overshoot`` and ``progress.stage_stalls``), ``stage_steps``, ``per_stage_peers`` (live
+    replicas at the end), ``leftover_processes``, ``timeouts``, ``wall_s``, ``load_avg``, ``testbed``."""
     from cramswarm.swarm import hivemind_transport as ht
     from cramswarm.swarm.data import BOUNDED, CountingSource
     from cramswarm.swarm.routing import ROUTINGS, RetryPolicy
 
     if setup.routing not in ROUTINGS:
         raise ValueError(f"routing {setup.routing!r}: the launcher routes {' or '.join(ROUTINGS)} only")
-    if setup.joins:
-        raise ValueError("the testbed transport takes no joins")
-    faults = gone_faults(setup)
+    faults = sorted(gone_faults(setup) + join_faults(setup))
     stages = max(p.stage for p in setup.peers) + 1
     peers = sorted(setup.peers, key=lambda p: p.stage)   # the launcher gives peer i speed peer_speeds[i]
     plan = ht.SwarmPlan(
         arch=toy_arch(hidden, max(2, stages)), vocab_size=VOCAB, device="cpu",
-        recipe=toy_recipe(micro, NO_STEP_BATCH, {"unit": "seconds", "value": float(setup.duration_s)}),
+        recipe=toy_recipe(micro, step_microbatches or NO_STEP_BATCH,
+                          {"unit": "seconds", "value": float(setup.duration_s)}),
         peers_per_stage=[sum(p.stage == s for p in peers) for s in range(stages)],
         peer_speeds=[p.speed for p in peers], trainers=setup.trainers, routing=setup.routing,
         peer_unit_time_s=setup.stage_time_s, kill_every_s=kill_every_s, rejoin_after_s=rejoin_after_s,
@@ -194,6 +229,11 @@ def run_setup(setup, *, link_mbit_s: float | None, latency_ms: float, kill_every
     return {"throughput_mb_s": rate_in(times, 0.0, setup.duration_s), "microbatches_done": len(times),
             "timeline": [(t, i + 1) for i, t in enumerate(times)], "retries": stats["retries"],
             "timeouts": stats["timeouts"], "lost_microbatches": lost, "moves": stats["moves"],
-            "failures": killed_as_failures(stats["killed"], len(peers), rejoin_after_s),
+            "failures": killed_as_failures(stats["killed"], len(peers), rejoin_after_s,
+                                           [p.stage for p in setup.peers]),
+            "joins": joined_as_joins(stats["joined"]), "joined": stats["joined"],
+            "join_failures": stats.get("join_failures", []), "step_overshoot": stats["step_overshoot"],
+            "step_stalls": stats["step_stalls"], "stage_steps": stats["stage_steps"],
+            "per_stage_peers": stats["per_stage_peers"],
             "leftover_processes": len(ht.leftover_processes(stats["process_groups"])),
             "wall_s": wall, "load_avg": [load, os.getloadavg()[0]], "testbed": stats["testbed"]}

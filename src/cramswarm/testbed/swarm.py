@@ -1,7 +1,8 @@
 """The launcher's hivemind swarm on the testbed: every process on an emulated host of its own.
 
 :func:`run` builds a testbed with one host per process - ``ctl`` (the launcher and the bootstrap DHT node), one
-host per stage peer (``s<stage><letter>``: ``s0a``, ``s0b``, ``s1a``, ...) and one per trainer (``t<rank>``) -,
+host per stage peer (``s<stage><letter>``: ``s0a``, ``s0b``, ``s1a``, ...), one per trainer (``t<rank>``) and one per
+``join`` fault of the plan (``j<n>``: the n-th joining peer, ``join<n>``) -,
 shapes every host's link to ``bandwidth_mbit``, starts the testbed's relay when a latency or jitter is set, and
 runs ``hivemind_transport.run_swarm`` with a :class:`HostPlacement`:
 
@@ -15,12 +16,12 @@ runs ``hivemind_transport.run_swarm`` with a :class:`HostPlacement`:
   thread enters that namespace for the run (``entered``) and returns to its own after it.
 
 A restarted process goes to the same host (a trainer) or to its stage's hosts in turn, those with a cut link
-last (a stage peer), on the host's next port (``PORTS_PER_HOST`` per host, reused in turn). ``faults`` targets
-(seconds after the first finished microbatch) ``cut:<host>`` / ``restore:<host>`` cut a host's link (packets
-silently dropped at the switch, no reset) or restore it; ``connections`` records every host's established TCP
-connections (``HostPlacement.snapshots``). The plan learns the link (:func:`link_plan`): ``link_mbit_s`` is the
-shaped rate, and the trainers' call timeouts allow for the relay's round trip (``RetryPolicy.rtt_s``): a cut peer
-is noticed by them alone.
+last (a stage peer), and a joining peer to its spare host, each on the host's next port (``PORTS_PER_HOST`` per
+host, reused in turn). ``faults`` targets (seconds after the first finished microbatch) ``cut:<host>`` /
+``restore:<host>`` cut a host's link (packets silently dropped at the switch, no reset) or restore it;
+``connections`` records every host's established TCP connections (``HostPlacement.snapshots``). The plan learns
+the link (:func:`link_plan`): ``link_mbit_s`` is the shaped rate, and the trainers' call timeouts allow for the
+relay's round trip (``RetryPolicy.rtt_s``): a cut peer is noticed by them alone.
 Leaving :func:`run` - normally or by an exception - kills every process and deletes every namespace and link.
 """
 
@@ -36,6 +37,7 @@ import subprocess
 import time
 from collections import Counter
 
+from cramswarm.swarm.fault_rules import parse_join
 from cramswarm.swarm.membership import ANNOUNCE_ENV, LISTEN_ENV
 from cramswarm.testbed import relay as relays
 from cramswarm.testbed.netns import SUBNET, Testbed
@@ -46,20 +48,26 @@ PORTS_PER_HOST = 8    # ports per host (the relay routes each), taken in turn by
 CLONE_NEWNET = 0x40000000
 
 
-def host_names(peers_per_stage: list[int], trainers: int) -> list[str]:
-    """The testbed's hosts for a swarm: ``ctl``, then each stage's peers, then the trainers."""
+def host_names(peers_per_stage: list[int], trainers: int, joiners: int = 0) -> list[str]:
+    """The testbed's hosts for a swarm: ``ctl``, then each stage's peers, then the trainers, then ``joiners`` spare
+    hosts for the peers that join during the run (``j0``, ``j1``, ...)."""
     if any(n > 26 for n in peers_per_stage) or len(peers_per_stage) > 99 or trainers > 999:
         raise ValueError(f"at most 99 stages of 26 peers and 999 trainers on a testbed: {peers_per_stage}, {trainers}")
     stages = [f"s{s}{chr(ord('a') + j)}" for s, n in enumerate(peers_per_stage) for j in range(n)]
-    return [CONTROL, *stages, *(f"t{r}" for r in range(trainers))]
+    return [CONTROL, *stages, *(f"t{r}" for r in range(trainers)), *(f"j{n}" for n in range(joiners))]
+
+
+def joins_of(faults: list[tuple[float, str]]) -> int:
+    """How many peers a plan's ``faults`` have join (``join`` / ``join:<speed>`` targets)."""
+    return sum(parse_join(target) is not None for _, target in faults)
 
 
 class HostPlacement:
     """``ProcessGroups.place`` for the testbed: the command prefix and listen/announce addresses of each process."""
 
-    def __init__(self, testbed: Testbed, peers_per_stage: list[int], trainers: int, relay=None):
+    def __init__(self, testbed: Testbed, peers_per_stage: list[int], trainers: int, relay=None, joiners: int = 0):
         self.testbed, self.relay, self.trainers = testbed, relay, trainers
-        names = host_names(peers_per_stage, trainers)
+        names = host_names(peers_per_stage, trainers, joiners)
         self.stage_hosts = [[n for n in names if re.fullmatch(rf"s{s}[a-z]", n)] for s in range(len(peers_per_stage))]
         self.started: Counter = Counter()  # stage -> peers started on it
         self.ports: Counter = Counter()    # host -> processes started on it
@@ -71,6 +79,8 @@ class HostPlacement:
             return CONTROL
         if m := re.fullmatch(r"trainer(\d+)", name):
             return f"t{m[1]}"
+        if m := re.fullmatch(r"join(\d+)", name):   # the n-th joining peer: the spare host j<n>
+            return f"j{m[1]}"
         if m := re.fullmatch(r"s(\d+)p\d+", name):
             hosts = [h for h in self.stage_hosts[int(m[1])] if h not in self.testbed.cut_hosts]
             hosts = hosts or self.stage_hosts[int(m[1])]  # its stage's hosts, in turn; cut hosts only if all are
@@ -164,12 +174,13 @@ def run(plan, source, total_microbatches: int, *, bandwidth_mbit: float | None =
 
     if relay is False and (latency_ms or jitter_ms):
         raise ValueError(f"latency_ms={latency_ms}, jitter_ms={jitter_ms}: a delay needs the relay (relay=False)")
-    with Testbed(host_names(plan.peers_per_stage, plan.trainers), bandwidth_mbit=bandwidth_mbit) as tb:
+    joiners = joins_of(plan.faults)
+    with Testbed(host_names(plan.peers_per_stage, plan.trainers, joiners), bandwidth_mbit=bandwidth_mbit) as tb:
         proxy = None
         if relay or latency_ms or jitter_ms:
             routes = [(h.name, PORT_BASE + i) for h in tb.hosts for i in range(PORTS_PER_HOST)]
             proxy = relays.start(tb, tcp=routes, latency_ms=latency_ms, jitter_ms=jitter_ms, seed=seed)
-        hosts = HostPlacement(tb, plan.peers_per_stage, plan.trainers, proxy)
+        hosts = HostPlacement(tb, plan.peers_per_stage, plan.trainers, proxy, joiners)
         control = tb.host(CONTROL)
         plan = dataclasses.replace(link_plan(plan, bandwidth_mbit, latency_ms, jitter_ms), hosts=hosts,
                                    host=control.ip, interface=None)
