@@ -266,7 +266,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--peers", type=int, default=3, help="peers per stage at the start")
-    parser.add_argument("--trainers", type=int, default=12)
+    parser.add_argument("--trainers", type=int, default=6, help="trainer processes (12 and more saturate "
+                        "2 cores with the peers: the testbed then measures the CPU's share, see above)")
     parser.add_argument("--link", type=float, default=100.0, help="every host's link, Mbit/s")
     parser.add_argument("--latency", type=float, default=20.0, help="the relay's one-way delay, ms")
     parser.add_argument("--duration", type=float, default=180.0, help="seconds of training per run")
