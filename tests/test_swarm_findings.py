@@ -103,3 +103,29 @@ def test_compression_rows_compare_schemes_over_several_seeds_only(tmp_path):
     found = swarm_findings.compression(tmp_path)
     assert len(found) == 1
     assert "fp16 1.25x" in found[0].ours and "2 Mbit/s" in found[0].setup
+
+
+def test_churn_rows_give_the_simulators_ratio_after_the_warmup_per_model(tmp_path):
+    """The churn benchmark's ratio is simulated over measured microbatches per second from the warm-up to the end;
+    a file without the simulation (the run stopped after the testbed) is left out."""
+    folder = tmp_path / "swarm_churn"
+    folder.mkdir()
+    args = {"stages": 3, "peers": 3, "trainers": 6, "link": 100.0, "latency": 20.0, "batch": 24, "rebalance": 10.0,
+            "killed": 2, "starved": 1, "kill_at": 40.0, "join_at": [80.0, 100.0], "warmup": 10.0, "duration": 30.0}
+
+    def timeline(times):
+        return [[t, i + 1] for i, t in enumerate(times)]
+
+    real = {"timeline": timeline([5, 12, 14, 20, 25]), "joined": [{}, {}], "moves": [{}], "lost_microbatches": 0,
+            "step_overshoot": {"0": {"mean": 0.9, "max": 1.1, "steps": 3}, "1": {"mean": 1.05, "max": 1.2, "steps": 2}}}
+    sim = {"compute": {run: {"timeline": timeline([1, 11, 15, 29, 30, 31])} for run in ("calibration", "churn")},
+           "calls": {run: {"timeline": timeline([11, 15, 21, 22, 29])} for run in ("calibration", "churn")}}
+    (folder / "a.json").write_text(json.dumps({"args": args, "testbed": {"calibration": real, "churn": real},
+                                               "sim": sim}))
+    (folder / "b.json").write_text(json.dumps({"args": args, "testbed": {"calibration": real, "churn": real}}))
+    (finding,) = swarm_findings.churn(tmp_path)
+    assert finding.files == (folder / "a.json",)
+    # measured: 12, 14, 20, 25 in [10, 30] -> 4; compute: 11, 15, 29, 30 -> 4 (1.00); calls: all 5 (1.25)
+    assert finding.ours.startswith("simulated / measured throughput under churn 1.00, 1.25 (1 of 2 within 15%")
+    assert "2 of 2 joiners served, 1 move, 0 microbatches lost" in finding.ours
+    assert "mean 0.90-1.05, max 1.20 per stage" in finding.ours and "rates after 10 s" in finding.setup

@@ -1,11 +1,11 @@
 """SWARM's findings as our runs measured them, beside the paper's: the ``swarm-findings`` block of docs/swarm.md.
 
 Each finding is read from a committed results file under ``results/readme/`` (the testbed's ``swarm_study`` runs,
-the square-cube runs, the compression-over-a-slow-link benchmark, the simulator-vs-testbed benchmark and the GPU
-run), so the table is rewritten by ``python -m cramswarm docs`` whenever a run is committed again and can never
-carry a number typed by hand. The paper's column comes from the claims table (``claims.CLAIMS``), the one place
-where the papers' numbers are written down with their confidence tag. A finding whose file is not committed says
-which command writes it.
+the square-cube runs, the compression-over-a-slow-link benchmark, the simulator-vs-testbed benchmarks with and
+without churn, and the GPU run), so the table is rewritten by ``python -m cramswarm docs`` whenever a run is
+committed again and can never carry a number typed by hand. The paper's column comes from the claims table
+(``claims.CLAIMS``), the one place where the papers' numbers are written down with their confidence tag. A
+finding whose file is not committed says which command writes it.
 """
 
 from __future__ import annotations
@@ -235,6 +235,51 @@ def simulator(results: Path) -> Finding | None:
                    "the paper validates no simulator against real runs (our check)", tuple(used))
 
 
+def _rate(timeline: list, start_s: float, end_s: float) -> float:
+    """Microbatches per second finished in ``[start_s, end_s]`` of a timeline of (seconds, total) points."""
+    return sum(start_s <= t <= end_s for t, total in timeline if total > 0) / (end_s - start_s)
+
+
+def churn(results: Path) -> list[Finding]:
+    """One row per ``benchmarks/swarm_churn.py --json`` run under ``swarm_churn/``: the simulator's throughput over
+    the testbed's for the churn run (and the calibration run it was fitted on), per calibration model, after the
+    warm-up; joins, moves and losses on the testbed; its steps' batch over target. A file holding the testbed's
+    measurements only (the run stopped before simulating) is left out."""
+    found = []
+    for path in sorted((results / "swarm_churn").glob("*.json")):
+        record = json.loads(path.read_text())
+        if "sim" not in record:
+            continue
+        args, tb, sim = record["args"], record["testbed"], record["sim"]
+        start, end = float(args["warmup"]), float(args["duration"])
+        models = [m for m in ("compute", "calls") if m in sim]
+        if not models:
+            continue
+        churned, calibrated = ([_rate(sim[m][run]["timeline"], start, end) / _rate(tb[run]["timeline"], start, end)
+                                for m in models] for run in ("churn", "calibration"))
+        within = sum(abs(r - 1) <= SIM_TOLERANCE for r in churned)
+        run = tb["churn"]
+        overshoot = [v for v in run["step_overshoot"].values() if v]
+        steps = (f"; its steps' batch / target on the testbed mean {min(v['mean'] for v in overshoot):.2f}-"
+                 f"{max(v['mean'] for v in overshoot):.2f}, max {max(v['max'] for v in overshoot):.2f} per stage"
+                 if overshoot else "")
+        setup = (f"launcher swarm on the testbed, {args['stages']} stages x {args['peers']} peers, "
+                 f"{args['trainers']} trainers, {args['link']:g} Mbit/s, {args['latency']:g} ms one way, a step "
+                 f"every {args['batch']} microbatches, rebalancing every {args['rebalance']:g} s; {args['killed']} "
+                 f"peers of stage {args['starved']} leave for good at {args['kill_at']:g} s, "
+                 f"{len(args['join_at'])} join by swarm-join; the simulator, calibrated on a run without churn "
+                 f"({' and '.join(models)} models), replays the schedule that happened; {end:g} s, rates after "
+                 f"{start:g} s; one run")
+        ours = (f"simulated / measured throughput under churn {', '.join(f'{r:.2f}' for r in churned)} "
+                f"({within} of {len(churned)} within {SIM_TOLERANCE:.0%}; calibration run "
+                f"{', '.join(f'{r:.2f}' for r in calibrated)}); {len(run['joined'])} of {len(args['join_at'])} "
+                f"joiners served, {len(run['moves'])} move{'' if len(run['moves']) == 1 else 's'}, "
+                f"{run['lost_microbatches']} microbatches lost{steps}")
+        found.append(Finding("The simulator predicts the testbed's throughput while peers leave and join", setup,
+                             ours, "the paper validates no simulator against real runs (our check)", (path,)))
+    return found
+
+
 def gpu(results: Path) -> Finding | None:
     path = results / "swarm_gpu_launcher" / "summaries.json"   # the launcher's swarm (no coordinator)
     if not path.is_file():
@@ -255,7 +300,7 @@ FINDINGS: tuple[Callable[[Path], Finding | list[Finding] | None], ...] = (
     wiring, lambda r: wiring(r, "swarm_study_testbed_16cores"), failures, rebalancing, sim_scale,
     lambda r: square_cube(r, "square_cube_testbed.csv", "CPU, real calls on the testbed"),
     lambda r: square_cube(r, "square_cube_gpu.csv", "GPU, ideal links"),
-    compression, simulator, gpu,
+    compression, simulator, churn, gpu,
 )
 
 
