@@ -99,8 +99,7 @@ def testbed_run(args, churn: bool) -> dict:
 def boundary_bytes(args) -> int:
     """Bytes of one microbatch's stage-boundary payload as the swarm sends it (the plan's compression)."""
     hidden = torch.randn(study_launcher.MICRO, study_launcher.SEQ_TOKENS, study_launcher.HIDDEN)
-    codec = SwarmPlan.__dataclass_fields__["compression"].default
-    return compression.payload_bytes(compression.encode(hidden, codec))
+    return compression.payload_bytes(compression.encode(hidden, SwarmPlan.compression))  # run_setup's default
 
 
 def move_seconds(moves: list[dict]) -> float:

@@ -208,11 +208,10 @@ class ProcessConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         missing = sorted(names - set(values) - {"clock"})
         unknown = sorted(set(values) - names)
-        if missing or unknown:
-            raise ValueError(f"a swarm process config {'lacks ' + ', '.join(missing) if missing else ''}"
-                             f"{'; ' if missing and unknown else ''}"
-                             f"{'has unknown keys ' + ', '.join(unknown) if unknown else ''} (written by another "
-                             "version of cramswarm?)")
+        problems = ([f"lacks {', '.join(missing)}"] if missing else []) + (
+            [f"has unknown keys {', '.join(unknown)}"] if unknown else [])
+        if problems:
+            raise ValueError(f"a swarm process config {'; '.join(problems)} (written by another version of cramswarm?)")
         return cls(**{**values, "retry": RetryPolicy(**values["retry"])})
 
     @classmethod
