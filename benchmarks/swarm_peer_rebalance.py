@@ -37,7 +37,8 @@ import time
 from pathlib import Path
 
 from cramswarm.config import load_config, model_recipe
-from cramswarm.swarm import emulation, hivemind_transport, sim
+from cramswarm.swarm import hivemind_transport
+from cramswarm.swarm_sim import emulation, sim
 from cramswarm.swarm.data import CountingSource
 from cramswarm.swarm.routing import RetryPolicy
 from cramswarm.swarm.setups import PeerSpec, SwarmSetup

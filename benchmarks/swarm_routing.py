@@ -7,7 +7,7 @@ emulation, measured side by side in one run.
 2. Failures: three stages x three peers of speed 1, twelve trainers, one random live peer killed every emulated
    minute and restarted 30 s later; throughput as a fraction of the same routing's failure-free run, for the
    swarm (weighted routing) and for fixed GPipe-style chains under the same kill schedule. Target: swarm >= 70 %.
-3. Simulator vs emulation: the discrete-event simulator (``cramswarm.swarm.sim``) and the emulation on the same
+3. Simulator vs emulation: the discrete-event simulator (``cramswarm.swarm_sim.sim``) and the emulation on the same
    setups (the routing setups above, plus two stages of heterogeneous peers). Target: within 15 %.
 
 The emulation runs on a scaled wall clock (``--time-scale``: emulated seconds x scale = wall seconds), so its
@@ -30,8 +30,8 @@ from pathlib import Path
 # Benchmark this checkout's code, whichever checkout the editable install points at.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from cramswarm.swarm import emulation, sim  # noqa: E402
-from cramswarm.swarm.optimum import optimal_throughput  # noqa: E402
+from cramswarm.swarm_sim import emulation, sim  # noqa: E402
+from cramswarm.swarm_sim.optimum import optimal_throughput  # noqa: E402
 from cramswarm.swarm.setups import PeerSpec, SwarmSetup  # noqa: E402
 from cramswarm.swarm_study.study import heterogeneous_stages, periodic_kills  # noqa: E402
 

@@ -5,7 +5,7 @@ Threads carry scheduling jitter, so the assertions compare behaviour with genero
 
 import pytest
 
-from cramswarm.swarm.emulation import run
+from cramswarm.swarm_sim.emulation import run
 from cramswarm.swarm.setups import FailureEvent, PeerSpec, SwarmSetup
 from cramswarm.swarm.thread_swarm import ScaledClock
 
@@ -81,7 +81,7 @@ def test_rebalancing_moves_peers_to_the_bottleneck():
 def test_the_emulation_and_the_simulator_move_the_same_peer_on_the_same_signal():
     """Both drive ``Rebalancer`` with each peer's own ``LoadMeter`` window (the launcher's peers publish the same):
     on one starved setup they move the same peer between the same stages, and agree on the throughput."""
-    from cramswarm.swarm import sim
+    from cramswarm.swarm_sim import sim
 
     setup = SwarmSetup(peers=[PeerSpec(0)] * 4 + [PeerSpec(1)], trainers=8, stage_time_s=1.0,
                        forward_timeout_s=30.0, duration_s=400.0, rebalance_period_s=40.0)

@@ -1,12 +1,12 @@
-"""The discrete-event SWARM simulator (cramswarm.swarm.sim): routing shares, failures, rebalancing, scale, and
+"""The discrete-event SWARM simulator (cramswarm.swarm_sim.sim): routing shares, failures, rebalancing, scale, and
 agreement with the thread emulation on the same setup."""
 
 import dataclasses
 
 import pytest
 
-from cramswarm.swarm import emulation, scenarios, sim
-from cramswarm.swarm.optimum import optimal_throughput, optimum_over_time
+from cramswarm.swarm_sim import emulation, scenarios, sim
+from cramswarm.swarm_sim.optimum import optimal_throughput, optimum_over_time
 from cramswarm.swarm.setups import BACKWARD_COMPUTE_FACTOR, FailureEvent, JoinEvent, PeerSpec, SwarmSetup
 
 SPEEDS = (1.0, 0.5, 0.25)

@@ -287,5 +287,5 @@ def test_bad_swarm_settings_fail_before_training(tiny_run):
 
 
 def test_importing_swarm_training_does_not_import_hivemind():
-    code = "import sys, cramswarm.swarm.train, cramswarm.swarm.emulation; assert 'hivemind' not in sys.modules"
+    code = "import sys, cramswarm.swarm.train, cramswarm.swarm_sim.emulation; assert 'hivemind' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -10,10 +10,10 @@ each module does, by transport: docs/swarm.md, "Design". In short:
   (+ ``run_state``, ``run_result``, ``launcher_faults``, ``processes``, ``srun``), ``trainer`` (+ ``data``), the
   stage peer ``hivemind_peer`` / ``peer_sync`` (+ ``progress``, ``shards``, ``averaging``) / ``peer_rebalance`` /
   ``peer_process``, and beneath them ``membership`` and ``wire``;
-* transport 2, threads of one process: ``thread_swarm``, ``emulation`` (throughput), ``emulation_training``;
-* transport 3, discrete events: ``sim`` (+ ``sim_state``, ``sim_network``, ``sim_lifecycle``), ``scenarios``,
-  ``optimum``.
+* transport 2, threads of one process: ``thread_swarm``, ``emulation_training``.
 
-The SWARM paper's experiments (rule ``swarm_study``) are ``cramswarm.swarm_study``, above this package: nothing
-here imports them or the network testbed (``lint-imports``).
+The throughput models that run the same policies without training (the discrete-event simulator, the thread
+emulation of throughput, scenarios and the optimum) are ``cramswarm.swarm_sim``, and the SWARM paper's experiments
+(rule ``swarm_study``) ``cramswarm.swarm_study``, both above this package: nothing here imports them or the network
+testbed (``lint-imports``).
 """

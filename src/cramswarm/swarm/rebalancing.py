@@ -2,7 +2,7 @@
 in as ``now``).
 
 Every transport (the launcher's stage peers, ``peer_rebalance``; the emulation's rebalancing thread; the
-discrete-event ``sim``) measures with the same meter and decides with the same rule:
+discrete-event ``swarm_sim.sim``) measures with the same meter and decides with the same rule:
 
 * ``LoadMeter`` - what a stage peer measures of itself (period-averaged queue, service rate in ``WORK_UNITS`` per
   second of its own compute): the one signal of the launcher's peers, the emulation's peer threads and the

@@ -1,7 +1,7 @@
 """A trainer's routing over a stage's replicas, as pure objects: no I/O, no clocks, no threads of their own (time
 is passed in as ``now``).
 
-Every transport (the launcher's trainer processes, the emulation's trainer threads, the discrete-event ``sim``)
+Every transport (the launcher's trainer processes, the emulation's trainer threads, the discrete-event ``swarm_sim.sim``)
 drives these same objects, so routing and retries behave identically everywhere.
 
 * ``StageBalancer`` - stochastic wiring for one pipeline stage: an interleaved weighted round-robin over the

@@ -1,5 +1,5 @@
-"""The setup of a throughput run of SWARM, the one input of the thread emulation (``emulation.run``) and the
-discrete-event simulator (``sim.run``): its peers (``PeerSpec``), failure and join events (``FailureEvent``,
+"""The setup of a throughput run of SWARM, the one input of the thread emulation (``swarm_sim.emulation.run``) and the
+discrete-event simulator (``swarm_sim.sim.run``): its peers (``PeerSpec``), failure and join events (``FailureEvent``,
 ``JoinEvent``), the whole run (``SwarmSetup``), and the constants of the cost model both transports share.
 """
 

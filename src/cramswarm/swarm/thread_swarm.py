@@ -1,5 +1,5 @@
 """A SWARM in one process - stage peers and trainers are real threads: the machinery the throughput emulation
-(``emulation.run``) and the training emulation (``emulation_training.train``) run on.
+(``swarm_sim.emulation.run``) and the training emulation (``emulation_training.train``) run on.
 
 Every peer (``Peer``) is a thread serving a request queue for the stage it currently holds, with the swarm's
 ``serve`` (``Swarm``: the transport's hook); every trainer is a thread that sends its calls through a ``Router``,

@@ -52,9 +52,9 @@ def run(setup: SwarmSetup, *, clock: ScaledClock | None = None, time_scale: floa
     setup.validate()
     if setup.nic_mbit_s is not None or any(p.nic_mbit_s is not None or p.latency_s is not None for p in setup.peers):
         raise ValueError("shared NICs (nic_mbit_s) and per-peer latencies are modelled by the simulator only "
-                         "(cramswarm.swarm.sim); the emulation's links are never shared")
+                         "(cramswarm.swarm_sim.sim); the emulation's links are never shared")
     if setup.joins or any(event.peer >= len(setup.peers) for event in setup.failures):
-        raise ValueError("new peers joining (joins) are modelled by the simulator only (cramswarm.swarm.sim)")
+        raise ValueError("new peers joining (joins) are modelled by the simulator only (cramswarm.swarm_sim.sim)")
     clock = clock or ScaledClock(time_scale)
     swarm = _EmulatedSwarm(setup, clock)
     stages = setup.num_stages

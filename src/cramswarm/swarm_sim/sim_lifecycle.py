@@ -8,7 +8,7 @@ from collections import deque
 
 from cramswarm.swarm.rebalancing import LoadMeter
 from cramswarm.swarm.setups import FailureEvent, JoinEvent, PeerSpec
-from cramswarm.swarm.sim_state import ERROR, READY, REBALANCE, REJOIN, TIMEOUT, SimCall, SimPeer
+from cramswarm.swarm_sim.sim_state import ERROR, READY, REBALANCE, REJOIN, TIMEOUT, SimCall, SimPeer
 
 
 class PeerLifecycle:

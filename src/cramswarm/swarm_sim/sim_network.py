@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import heapq
 
-from cramswarm.swarm.sim_state import ARRIVE, NIC, REPLY, Nic, SimCall, SimPeer
+from cramswarm.swarm_sim.sim_state import ARRIVE, NIC, REPLY, Nic, SimCall, SimPeer
 
 
 class NicNetwork:

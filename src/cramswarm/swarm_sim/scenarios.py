@@ -9,7 +9,7 @@ import math
 import random
 from collections.abc import Iterable, Iterator
 
-from cramswarm.swarm.optimum import greedy_assignment
+from cramswarm.swarm_sim.optimum import greedy_assignment
 from cramswarm.swarm.setups import JOIN_STAGES, FailureEvent, JoinEvent, PeerSpec, SwarmSetup
 
 

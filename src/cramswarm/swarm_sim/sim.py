@@ -1,6 +1,6 @@
 """Transport 3: a discrete-event simulator of a SWARM swarm (virtual time, one heapq event loop, no threads).
 
-It runs the same ``SwarmSetup`` as the thread emulation (``cramswarm.swarm.emulation.run``) and returns the same
+It runs the same ``SwarmSetup`` as the thread emulation (``cramswarm.swarm_sim.emulation.run``) and returns the same
 result keys, driving the same policy objects (``StageBalancer`` / ``UniformBalancer``, ``RetryPolicy``,
 ``Rebalancer``, ``LoadMeter``) with the simulated clock passed in as ``now``. Nothing sleeps, so it is
 exact and deterministic for a seed, and reaches swarms of hundreds to thousands of peers and millions of events
@@ -68,9 +68,9 @@ from collections.abc import Sequence
 from cramswarm.swarm.rebalancing import Rebalancer
 from cramswarm.swarm.routing import NoPeersError, RetryPolicy, StageBalancer, UniformBalancer
 from cramswarm.swarm.setups import BACKWARD_COMPUTE_FACTOR, RECORD_TTL_TIMEOUTS, PeerSpec, SwarmSetup
-from cramswarm.swarm.sim_lifecycle import PeerLifecycle
-from cramswarm.swarm.sim_network import NicNetwork
-from cramswarm.swarm.sim_state import (
+from cramswarm.swarm_sim.sim_lifecycle import PeerLifecycle
+from cramswarm.swarm_sim.sim_network import NicNetwork
+from cramswarm.swarm_sim.sim_state import (
     ARRIVE,
     COMPUTED,
     ERROR,
