@@ -60,9 +60,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from swarm_testbed import step_stalls  # noqa: E402
 
 from cramswarm.swarm import compression  # noqa: E402
-from cramswarm.swarm_sim import sim  # noqa: E402
 from cramswarm.swarm.settings import SwarmPlan  # noqa: E402
 from cramswarm.swarm.setups import FailureEvent, JoinEvent, PeerSpec, SwarmSetup  # noqa: E402
+from cramswarm.swarm_sim import sim  # noqa: E402
 from cramswarm.swarm_study import study_launcher  # noqa: E402
 from cramswarm.testbed import Unavailable, unavailable_reason  # noqa: E402
 

@@ -38,10 +38,10 @@ from pathlib import Path
 
 from cramswarm.config import load_config, model_recipe
 from cramswarm.swarm import hivemind_transport
-from cramswarm.swarm_sim import emulation, sim
 from cramswarm.swarm.data import CountingSource
 from cramswarm.swarm.routing import RetryPolicy
 from cramswarm.swarm.setups import PeerSpec, SwarmSetup
+from cramswarm.swarm_sim import emulation, sim
 
 REPO = Path(__file__).resolve().parents[1]
 SPEEDS, PLACEMENT, TRAINERS = [0.25, 0.25, 0.025], [2, 1], 3

@@ -30,9 +30,9 @@ from pathlib import Path
 # Benchmark this checkout's code, whichever checkout the editable install points at.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from cramswarm.swarm.setups import PeerSpec, SwarmSetup  # noqa: E402
 from cramswarm.swarm_sim import emulation, sim  # noqa: E402
 from cramswarm.swarm_sim.optimum import optimal_throughput  # noqa: E402
-from cramswarm.swarm.setups import PeerSpec, SwarmSetup  # noqa: E402
 from cramswarm.swarm_study.study import heterogeneous_stages, periodic_kills  # noqa: E402
 
 SPEEDS = (1.0, 0.5, 0.25)

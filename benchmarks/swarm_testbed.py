@@ -66,10 +66,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from cramswarm.swarm import compression, hivemind_transport  # noqa: E402
-from cramswarm.swarm_sim import sim  # noqa: E402
 from cramswarm.swarm.data import CountingSource  # noqa: E402
 from cramswarm.swarm.routing import RetryPolicy  # noqa: E402
 from cramswarm.swarm.setups import BACKWARD_COMPUTE_FACTOR, PeerSpec, SwarmSetup  # noqa: E402
+from cramswarm.swarm_sim import sim  # noqa: E402
 from cramswarm.swarm_study.study_launcher import VOCAB, toy_arch, toy_recipe  # noqa: E402
 from cramswarm.testbed import Unavailable, callcost, unavailable_reason  # noqa: E402
 from cramswarm.testbed import swarm as tbswarm  # noqa: E402

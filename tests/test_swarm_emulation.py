@@ -5,9 +5,9 @@ Threads carry scheduling jitter, so the assertions compare behaviour with genero
 
 import pytest
 
-from cramswarm.swarm_sim.emulation import run
 from cramswarm.swarm.setups import FailureEvent, PeerSpec, SwarmSetup
 from cramswarm.swarm.thread_swarm import ScaledClock
+from cramswarm.swarm_sim.emulation import run
 
 SCALE = 0.01   # 1 emulated second = 10 ms of wall clock
 

@@ -5,9 +5,9 @@ import dataclasses
 
 import pytest
 
+from cramswarm.swarm.setups import BACKWARD_COMPUTE_FACTOR, FailureEvent, JoinEvent, PeerSpec, SwarmSetup
 from cramswarm.swarm_sim import emulation, scenarios, sim
 from cramswarm.swarm_sim.optimum import optimal_throughput, optimum_over_time
-from cramswarm.swarm.setups import BACKWARD_COMPUTE_FACTOR, FailureEvent, JoinEvent, PeerSpec, SwarmSetup
 
 SPEEDS = (1.0, 0.5, 0.25)
 

@@ -1,8 +1,8 @@
 """A trainer's routing over a stage's replicas, as pure objects: no I/O, no clocks, no threads of their own (time
 is passed in as ``now``).
 
-Every transport (the launcher's trainer processes, the emulation's trainer threads, the discrete-event ``swarm_sim.sim``)
-drives these same objects, so routing and retries behave identically everywhere.
+Every transport (the launcher's trainer processes, the emulation's trainer threads, the discrete-event simulator
+``swarm_sim.sim``) drives these same objects, so routing and retries behave identically everywhere.
 
 * ``StageBalancer`` - stochastic wiring for one pipeline stage: an interleaved weighted round-robin over the
   stage's peers keyed by *virtual finish time* (each peer's key grows by task size / measured throughput, the

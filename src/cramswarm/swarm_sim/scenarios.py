@@ -9,8 +9,8 @@ import math
 import random
 from collections.abc import Iterable, Iterator
 
-from cramswarm.swarm_sim.optimum import greedy_assignment
 from cramswarm.swarm.setups import JOIN_STAGES, FailureEvent, JoinEvent, PeerSpec, SwarmSetup
+from cramswarm.swarm_sim.optimum import greedy_assignment
 
 
 def heterogeneous_setup(num_peers: int, num_stages: int, *, speed_range: tuple[float, float] = (0.5, 1.0),

@@ -41,9 +41,9 @@ import numpy as np
 import pandas as pd
 import torch
 
+from cramswarm.swarm.setups import BACKWARD_COMPUTE_FACTOR, FailureEvent, PeerSpec, SwarmSetup
 from cramswarm.swarm_sim import emulation, scenarios, sim
 from cramswarm.swarm_sim.optimum import optimal_throughput, optimum_over_time
-from cramswarm.swarm.setups import BACKWARD_COMPUTE_FACTOR, FailureEvent, PeerSpec, SwarmSetup
 from cramswarm.swarm_study.common import torch_threads, write_csv
 from cramswarm.swarm_study.compression_loss import COMPRESSION_CONFIGS, compression_loss  # noqa: F401 (M5)
 from cramswarm.swarm_study.runtime import TRANSPORTS  # the default transports of wiring_throughput, ...
