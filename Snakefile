@@ -1,6 +1,7 @@
 # cramswarm: reproduce Cramming (arXiv 2212.14034) and SWARM parallelism (arXiv 2301.11913) end to end.
-# corpus -> filters -> tokenizers (one per vocab size) -> packed and ordered blocks -> MLM pretraining -> GLUE fine-tuning
-# per (model, task, seed) -> tables and figures. `snakemake --list-rules` describes every rule; docs/ the layout.
+# corpus -> filters -> tokenizers (one per vocab size) -> packed and ordered blocks -> MLM pretraining -> GLUE
+# fine-tuning per (model, task, seed) -> tables and figures. `snakemake --list-rules` describes every rule;
+# docs/ the layout.
 from snakemake.utils import min_version
 
 min_version("9.20")  # runtime units fixed in 9.20 (snakemake#4053)
