@@ -608,6 +608,20 @@ def test_the_end_of_a_run_reads_a_stage_with_no_declared_replica_again_before_it
     assert len(reads) == 2 * run_result.RECORD_TTL_S / 5, reads
 
 
+def test_the_end_of_a_run_names_the_stage_whose_last_shard_is_missing(monkeypatch, tmp_path):
+    """A stage whose replicas reached a step no shard holds within the wait fails the run with a message naming the
+    stage and its newest shard file."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the launcher's run folder
+    launcher = launcher_mod.Launcher(plan(), source(), 8, progress=False)
+    launcher.shard_dir.mkdir()
+    write_shard(launcher.shard_dir, 0, "s0p1", 3, {"module": {"w": torch.zeros(1)}, "run_id": launcher.run_id})
+    write_shard(launcher.shard_dir, 1, "s1p2", 4, {"module": {"w": torch.zeros(1)}, "run_id": launcher.run_id})
+    monkeypatch.setattr(run_result.time, "monotonic", iter(range(0, 10_000_000, 10_000)).__next__)  # past the bound
+    lacking = r"stages \[0\] wrote no shard of their last step .*stage0\.step0+3\.s0p1\.pt"
+    with pytest.raises(RuntimeError, match=lacking):
+        asyncio.run(launcher._final_shards({0: {"s0p1": 5}, 1: {"s1p2": 4}}))
+
+
 def test_the_hivemind_transport_gives_the_launcher_its_state_folder(monkeypatch, tmp_path):
     """The hivemind transport hands the launcher the plan with its resumable state folder (None: no such state) and
     the microbatch source; without a source it refuses (the rule always gives one)."""

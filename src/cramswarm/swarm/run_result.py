@@ -83,7 +83,7 @@ class RunResult:
                 break
             if time.monotonic() > deadline:
                 raise RuntimeError(f"stages {lacking} wrote no shard of their last step within {bound:.0f} s "
-                                   f"(newest: {[f[2].name if f else None for f in found]}; logs in {self.workdir})")
+                                   f"(newest: {[f[1].name if f else None for f in found]}; logs in {self.workdir})")
             await asyncio.sleep(SUPERVISE_PERIOD_S)
         states = [load_shard(f[1], tuple(self.run_ids)) if f else None for f in found]
         self.stats["stepped_microbatches"] = [len(s.get("stepped_mbs", [])) if s else 0 for s in states]
