@@ -1,12 +1,13 @@
 """Transport 1 (real hivemind): one replica of one pipeline stage, served over hivemind P2P streams.
 
-``StagePeer`` serves a ``replica.StageReplica`` of a stage (``stages.build_stage`` of the crammed-BERT MLM: the
-module, the recipe's optimizer, the accumulated gradients and their compute); ``peer_sync.SyncingStagePeer`` adds
-the in-stage steps and ``peer_process`` runs it as a process. Its RPCs (``rpc_*``; ``peer_sync`` adds its own):
+``StagePeer`` holds a ``replica.StageReplica`` of a stage (``stages.build_stage`` of the crammed-BERT MLM: the
+module, the recipe's optimizer, the accumulated gradients) and its compute: ``_forward``, the replica's output for
+the inputs, compressed with ``compression.encode``, and ``_backward``, the replica's backward (the last stage's
+forward and backward are one computation: its output gradient is the constant 1), counted in its local samples,
+returning the compressed input gradient (and the loss). ``peer_sync.SyncingStagePeer`` serves that compute (its
+``forward`` and ``backward`` RPCs) and adds the in-stage steps; ``peer_process`` runs it as a process. The RPCs
+every peer has (``rpc_*``):
 
-* ``forward``  - the replica's output for the inputs, compressed with ``compression.encode``;
-* ``backward`` - the replica's backward (the last stage's forward and backward are one call: its output gradient is
-  the constant 1), counted in its local samples; the compressed input gradient (and the loss) go back;
 * ``state`` - parameters + optimizer state + step count of a replica (a joining or lagging peer downloads them
   from a live replica before it serves);
 * ``aggregate_part`` - hivemind's all-reduce traffic, dispatched to the running ``AllReduceRunner`` (the
@@ -23,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import io
 import os
-import random
 import signal
 import threading
 import time
@@ -40,7 +40,7 @@ from hivemind.utils.asyncio import achain, aiter_with_timeout, as_aiter
 from cramswarm.precision import resolve_precision
 from cramswarm.swarm.averaging import StageAllReduce, average, chunk_timeout_s, codec, state_chunk_timeout_s
 from cramswarm.swarm.compression import decode, encode, payload_to, wire_scheme
-from cramswarm.swarm.membership import DECLARE_PERIOD_S, RECORD_TTL_S, stage_key, stage_namespace, stage_records
+from cramswarm.swarm.membership import DECLARE_PERIOD_S, RECORD_TTL_S, stage_key, stage_namespace
 from cramswarm.swarm.replica import StageReplica
 from cramswarm.swarm.settings import ProcessConfig
 from cramswarm.swarm.stages import build_stage, rss_bytes
@@ -191,9 +191,9 @@ class StagePeer(ServicerBase):
         return {"status": "ok", "step": self.step, "digest": self.replica.digest()}
 
     def _state(self) -> dict:
-        """What a replica hands a joining one (and a shard holds): parameters, optimizer state, step and
-        ``_extra_state``; the tensors are the live ones (serialise it on the compute thread)."""
-        return {**self.replica.state(), **self._extra_state()}
+        """What a replica hands a joining one (and a shard holds): parameters, optimizer state and step (``peer_sync``
+        adds its stepped samples); the tensors are the live ones (serialise it on the compute thread)."""
+        return self.replica.state()
 
     def _state_blob(self) -> tuple[bytes, int, str]:
         buffer = io.BytesIO()
@@ -208,31 +208,9 @@ class StagePeer(ServicerBase):
     def _load_state(self, state: dict) -> int:
         self.replica.load_state(state)
         self.averaged = None
-        self._load_extra_state(state)
         return self.step
 
-    def _extra_state(self) -> dict:
-        """More entries of the state a replica hands a joining one (``peer_sync`` adds its stepped samples)."""
-        return {}
-
-    def _load_extra_state(self, state: dict) -> None:
-        pass
-
     # -- RPC handlers -------------------------------------------------------------------------------------
-    async def rpc_forward(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
-                          context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        tensors, meta = await unpack(requests)
-        result, out_meta = await self._run(self._forward, tensors, meta)
-        for message in respond(result, out_meta):
-            yield message
-
-    async def rpc_backward(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
-                           context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        tensors, meta = await unpack(requests)
-        result, out_meta = await self._run(self._backward, tensors, meta)
-        for message in respond(result, out_meta):
-            yield message
-
     async def rpc_state(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
                         context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         await unpack(requests)
@@ -289,10 +267,10 @@ class StagePeer(ServicerBase):
             self.runners.pop(group_id, None)
 
     async def download_state(self, source: PeerID) -> int:
-        """Load ``source``'s state (parameters, optimizer state, step and ``_extra_state``) as hivemind's
-        ``load_state_from_peers`` does: streamed in chunks (``wire``), each awaited for at most one chunk's transfer
-        time plus the sync timeout (a stalled source fails fast, a large state is not cut off), and checked: the
-        loaded parameters' digest must equal the one the source sent (else ``ValueError``: try another source)."""
+        """Load ``source``'s state (``_state``) as hivemind's ``load_state_from_peers`` does: streamed in chunks
+        (``wire``), each awaited for at most one chunk's transfer time plus the sync timeout (a stalled source fails
+        fast, a large state is not cut off), and checked: the loaded parameters' digest must equal the one the source
+        sent (else ``ValueError``: try another source)."""
         stub = type(self).get_stub(self.node.p2p, source, namespace=self.namespace)
         chunk_s = state_chunk_timeout_s(self.link_mbit_s, self.sync_timeout_s)
         stream = await asyncio.wait_for(stub.rpc_state(request({}, {})), timeout=chunk_s)
@@ -302,40 +280,6 @@ class StagePeer(ServicerBase):
             raise ValueError(f"the state loaded from {meta['uid']} has parameter digest {digest[:12]}, "
                              f"not the {meta['digest'][:12]} it sent")
         return step
-
-    async def _source_order(self, sources: list[tuple[str, str]]) -> list[tuple[str, str]]:
-        """(uid, peer id) of the replicas to download from, in the order to try them: at random (``peer_sync``: the
-        newest step first)."""
-        return random.sample(sources, len(sources))
-
-    async def load_from_replica(self, give_up_after_s: float, alone_after_s: float | None = None) -> bool:
-        """Download parameters + optimizer state from a live replica of this stage before serving: True once loaded.
-        With ``alone_after_s``, False once no other replica has been declared for that long (the caller serves the
-        state it has); a RuntimeError once ``give_up_after_s`` passed without a download."""
-        alone_since = time.monotonic()  # the last time another replica was declared
-        deadline = alone_since + give_up_after_s
-        while True:
-            records = await stage_records(self.node, self.run_id, self.stage)
-            sources = await self._source_order([(uid, peer) for uid, (peer, _) in records.items() if uid != self.uid])
-            if sources:
-                alone_since = time.monotonic()
-            for uid, peer in sources:
-                try:
-                    step = await self.download_state(PeerID.from_base58(peer))
-                    print(f"[{self.uid}] loaded stage {self.stage} state at step {step} from {uid}", flush=True)
-                    return True
-                except Exception as e:
-                    print(f"[{self.uid}] state download from {uid} failed: {e!r}", flush=True)
-            if alone_after_s is not None and time.monotonic() - alone_since > alone_after_s:
-                return False
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"stage {self.stage}: no live replica to load the state from "
-                                   f"within {give_up_after_s:.0f} s")
-            await asyncio.sleep(0.5)
-
-    def background_tasks(self) -> list[asyncio.Task]:
-        """Tasks the peer runs while it serves (``peer_sync``: its in-stage synchronisation loop)."""
-        return []
 
     async def declare_forever(self) -> None:
         """This peer's stage record, every ``DECLARE_PERIOD_S``; paused while it is ``leaving`` its stage (its record

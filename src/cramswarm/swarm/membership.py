@@ -17,13 +17,13 @@ import contextlib
 import os
 import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import psutil
 from hivemind.dht.node import DHTNode
 
-from cramswarm.io import write_text
 from cramswarm.swarm.settings import ProcessConfig
 
 DECLARE_PERIOD_S = 2.0     # a peer re-declares its DHT record this often ...
@@ -70,11 +70,6 @@ def listen_host(host: str | None, interface: str | None) -> str:
 # --------------------------------------------------------------------------------------------------------------
 # Bootstrap address file and DHT membership
 # --------------------------------------------------------------------------------------------------------------
-def write_addr_file(path: str | Path, maddrs: list[str]) -> None:
-    """Atomic write (``io.write_text``: temporary file + rename), so a reader never sees a half-written list."""
-    write_text(path, "".join(f"{m}\n" for m in maddrs))
-
-
 def read_addr_file(path: str | Path, timeout_s: float) -> list[str]:
     """Multiaddrs from the address file, waiting up to ``timeout_s`` for it to appear."""
     path = Path(path)
@@ -90,28 +85,34 @@ def read_addr_file(path: str | Path, timeout_s: float) -> list[str]:
     return maddrs
 
 
-def append_addr_file(path: str | Path, maddrs: list[str]) -> None:
-    """Add this process's multiaddrs to the address file (one ``write`` of whole lines with ``O_APPEND``, so
-    concurrent writers never interleave within a line): any live process listed there lets newcomers in."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, "".join(f"{m}\n" for m in maddrs).encode())
-    finally:
-        os.close(fd)
-
-
-async def join_swarm(addr_file: str | Path, *, host: str, timeout_s: float, announce: bool,
-                     recent: int = JOIN_THROUGH) -> DHTNode:
-    """A full DHT node joined through the ``recent`` newest entries of the address file (dead entries are
-    skipped: joining needs one live one); with ``announce`` its own multiaddrs are appended, so that no single
-    process - the one that started the DHT included - is needed for later joins."""
+async def join_swarm(addr_file: str | Path, *, host: str, timeout_s: float, announce: bool) -> DHTNode:
+    """A full DHT node joined through the ``JOIN_THROUGH`` newest entries of the address file (dead entries are
+    skipped: joining needs one live one); with ``announce`` its own multiaddrs are appended (one ``write`` of whole
+    lines with ``O_APPEND``, so concurrent writers never interleave within a line), so that no single process - the
+    one that started the DHT included - is needed for later joins."""
     maddrs = await asyncio.to_thread(read_addr_file, addr_file, timeout_s)
-    newest = list(dict.fromkeys(reversed(maddrs)))[:recent]
+    newest = list(dict.fromkeys(reversed(maddrs)))[:JOIN_THROUGH]
     node = await join_dht(newest, client_mode=False, host=host, timeout_s=timeout_s)
     if announce:
         visible = sorted((str(m) for m in await node.p2p.get_visible_maddrs()), key=lambda m: m.startswith("/ip4/127."))
-        append_addr_file(addr_file, visible)
+        fd = os.open(addr_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, "".join(f"{m}\n" for m in visible).encode())
+        finally:
+            os.close(fd)
     return node
+
+
+async def join_through(initial_peer: str, *, host: str, wait_s: float, workdir: str | None,
+                       prefix: str) -> tuple[DHTNode, ProcessConfig, bool]:
+    """A full DHT node joined through ``initial_peer`` (a multiaddr of any live process of a running swarm), the
+    swarm's config (``read_swarm``) and whether it was moved: where this host lacks the run's folder, the process's
+    files go to ``workdir`` (or a new temporary folder named ``prefix...``: ``ProcessConfig.elsewhere``)."""
+    node = await join_dht([initial_peer], client_mode=False, host=host, timeout_s=wait_s)
+    cfg = await read_swarm(node, wait_s)
+    if Path(cfg.workdir).is_dir():
+        return node, cfg, False
+    return node, cfg.elsewhere(workdir or tempfile.mkdtemp(prefix=prefix)), True
 
 
 async def join_dht(initial_peers: list[str] | None, *, client_mode: bool, host: str = "127.0.0.1",

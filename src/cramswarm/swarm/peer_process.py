@@ -3,19 +3,20 @@
 Run as a module, one OS process per role (the launcher, ``launcher``, starts each one as its own process-group
 leader, so killing the group also kills the peer's ``p2pd`` daemon)::
 
-    python -m cramswarm.swarm.peer_process bootstrap --addr-file F [--host 127.0.0.1]
+    python -m cramswarm.swarm.peer_process bootstrap --addr-file F --run-id ID [--host 127.0.0.1]
     python -m cramswarm.swarm.peer_process stage --config C --stage S --uid U --addr-file F [--speed X] [--load-state]
-    python -m cramswarm.swarm.peer_process task --rendezvous DIR [--rank R]      (= python -m cramswarm swarm-peer)
 
-``bootstrap`` starts a DHT node and writes its visible multiaddrs to the address file (``membership``).
-``stage`` serves one pipeline stage as a ``peer_sync.SyncingStagePeer`` and declares itself under the stage's
-DHT key; it steps with its stage's other peers by itself (``peer_sync``) and may move itself to another stage
-(``peer_rebalance`` decides, ``move_peer`` moves it), in the same process. ``task`` is one peer of a swarm whose
-launcher did not start it (placements ``attach`` and ``srun``): it reads the launcher's rendezvous folder
-(``config.json``, then the address file ``dht_addrs.txt``), takes the stage and speed of its rank (``--rank``, else
-``SLURM_PROCID``: the tasks of one ``srun`` job step; ``claim_rank`` locks it, so a rank runs once) and runs
-``stage`` as a child process group, which it restarts with a state download when it dies (``rejoin_after_s``
-later; on the stage it last served: a peer that moved and then died comes back on its new stage).
+``bootstrap`` starts a DHT node, writes its visible multiaddrs to the address file (``membership``) and leaves once
+the launcher of ``--run-id`` says ``done`` or its heartbeat has been missing ``--grace-s``. ``stage`` serves one
+pipeline stage as a ``peer_sync.SyncingStagePeer`` and declares itself under the stage's DHT key; it steps with its
+stage's other peers by itself (``peer_sync``) and may move itself to another stage (``peer_rebalance`` decides,
+``move_peer`` moves it), in the same process. A task (``run_task``: ``python -m cramswarm swarm-peer --rendezvous
+DIR [--rank R]``) is one peer of a swarm whose launcher did not start it (placements ``attach`` and ``srun``): it
+reads the launcher's rendezvous folder (``config.json``, then the address file ``dht_addrs.txt``), takes the stage
+and speed of its rank (``--rank``, else ``SLURM_PROCID``: the tasks of one ``srun`` job step; ``claim_rank`` locks
+it, so a rank runs once) and runs ``stage`` as a child process group, which it restarts with a state download when
+it dies (``rejoin_after_s`` later; on the stage it last served: a peer that moved and then died comes back on its
+new stage).
 
 The launcher keeps a heartbeat record in the DHT (``membership.launcher_key``: ``starting``, ``training`` or
 ``done``, re-stored every 2 s with a 10 s expiration). A stage peer exits (code 0) once it reads ``done``, and
@@ -38,13 +39,13 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 from hivemind.utils import get_dht_time
 
+from cramswarm.io import write_text
 from cramswarm.swarm.hivemind_peer import bound_kernel_cache
 from cramswarm.swarm.membership import (
     ADDR_FILE,
@@ -57,15 +58,14 @@ from cramswarm.swarm.membership import (
     RankTaken,
     join_dht,
     join_swarm,
+    join_through,
     launcher_phase,
     leave_now,
     listen_host,
     progress_key,
     read_addr_file,
-    read_swarm,
     stage_records,
     watch_launcher,
-    write_addr_file,
 )
 from cramswarm.swarm.peer_rebalance import MOVES_FILE, moved_uid, read_loads, stage_after_moves
 from cramswarm.swarm.peer_sync import SyncingStagePeer
@@ -99,9 +99,9 @@ async def move_peer(peer, to_stage: int, record: MoveEvent):
 # Entry points
 # --------------------------------------------------------------------------------------------------------------
 async def exit_with_parent() -> None:
-    """Kill this process's whole group (itself and its p2pd) once the launcher that started it is gone. Without
-    ``CRAMSWARM_PARENT_PID`` (unset or empty: a process whose parent is not its starter, e.g. an srun job
-    step's task) it waits forever; such a process leaves on the launcher's DHT heartbeat instead."""
+    """Kill this process's whole group (itself and its p2pd) once the process that started it is gone (a stage peer
+    of ``run_task``: ``CRAMSWARM_PARENT_PID`` is its task's pid). Without it (unset or empty: every process the
+    launcher starts) it waits forever; such a process leaves on the launcher's DHT heartbeat instead."""
     parent = int(os.environ.get("CRAMSWARM_PARENT_PID") or "0")
     if not parent:
         await asyncio.Event().wait()
@@ -111,21 +111,16 @@ async def exit_with_parent() -> None:
             os.killpg(os.getpgid(0), signal.SIGKILL)
 
 
-async def serve_bootstrap(addr_file: str, host: str, run_id: str | None = None,
-                          grace_s: float = LAUNCHER_GRACE_S) -> None:
-    """The DHT's first node; it writes the address file. With ``run_id`` it also leaves once the launcher of that
-    run says ``done`` or its heartbeat has been missing ``grace_s`` (the srun placement: no parent to watch)."""
+async def serve_bootstrap(addr_file: str, host: str, run_id: str, grace_s: float = LAUNCHER_GRACE_S) -> None:
+    """The DHT's first node; it writes the address file (atomically: ``io.write_text``, so a reader never sees a
+    half-written list) and leaves once the launcher of ``run_id`` says ``done`` or its heartbeat has been missing
+    ``grace_s``."""
     node = await join_dht(None, client_mode=False, host=host)
     maddrs = sorted((str(m) for m in await node.p2p.get_visible_maddrs()), key=lambda m: m.startswith("/ip4/127."))
-    write_addr_file(addr_file, maddrs)
+    write_text(addr_file, "".join(f"{m}\n" for m in maddrs))
     print(f"bootstrap DHT at {maddrs}", flush=True)
-    watches = [asyncio.create_task(exit_with_parent())]
-    if run_id is not None:
-        watches.append(asyncio.create_task(watch_launcher(node, run_id, grace_s)))
-    done, _ = await asyncio.wait(watches, return_when=asyncio.FIRST_COMPLETED)
-    for task in done:
-        with contextlib.suppress(LauncherGone):
-            task.result()
+    with contextlib.suppress(LauncherGone):
+        await watch_launcher(node, run_id, grace_s)
     leave_now(0)
 
 
@@ -153,10 +148,8 @@ async def serve_joined(initial_peer: str, speed: float, host: str, workdir: str 
     folder); it takes no part in writing shards unless it is its stage's lowest uid."""
     bound_kernel_cache()
     torch.set_num_threads(1)
-    node = await join_dht([initial_peer], client_mode=False, host=host, timeout_s=wait_s)
-    cfg = await read_swarm(node, wait_s)
-    if not Path(cfg.workdir).is_dir():  # another host's folder: this peer's files go elsewhere
-        cfg = cfg.elsewhere(workdir or tempfile.mkdtemp(prefix="cramswarm-joined-"))
+    node, cfg, _ = await join_through(initial_peer, host=host, wait_s=wait_s, workdir=workdir,
+                                      prefix="cramswarm-joined-")
     declared = await asyncio.gather(*(stage_records(node, cfg.run_id, s) for s in range(cfg.stages)))
     loads = None
     if cfg.rebalance_period_s:   # the peers publish their loads each period: the latest complete one
@@ -361,9 +354,9 @@ def main(argv: list[str] | None = None) -> None:
     boot.add_argument("--addr-file", required=True)
     boot.add_argument("--host", default="127.0.0.1", help="IPv4 address to listen on (0.0.0.0: all interfaces)")
     boot.add_argument("--interface", help="listen on this network interface's IPv4 address (looked up here)")
-    boot.add_argument("--run-id", help="leave once this run's launcher says done or its heartbeat is missing")
-    boot.add_argument("--grace-s", type=float, default=LAUNCHER_GRACE_S,
-                      help="seconds the heartbeat may be missing (with --run-id)")
+    boot.add_argument("--run-id", required=True,
+                      help="leave once this run's launcher says done or its heartbeat is missing")
+    boot.add_argument("--grace-s", type=float, default=LAUNCHER_GRACE_S, help="seconds the heartbeat may be missing")
     stage = roles.add_parser("stage", help="serve one pipeline stage")
     stage.add_argument("--config", required=True)
     stage.add_argument("--stage", type=int, required=True)
@@ -371,14 +364,7 @@ def main(argv: list[str] | None = None) -> None:
     stage.add_argument("--addr-file", required=True)
     stage.add_argument("--speed", type=float, default=1.0)
     stage.add_argument("--load-state", action="store_true")
-    task = roles.add_parser("task", help="one peer of a swarm started outside its launcher (rank -> stage)")
-    task.add_argument("--rendezvous", required=True, help="the launcher's rendezvous folder (shared filesystem)")
-    task.add_argument("--rank", type=int, help="this peer's rank (default: SLURM_PROCID)")
-    task.add_argument("--max-restarts", type=int, default=100, help="restarts of a dying peer before giving up")
-    task.add_argument("--wait-s", type=float, default=600.0, help="seconds to wait for the launcher's rendezvous")
     args = parser.parse_args(argv)
-    if args.role == "task":
-        sys.exit(run_task(args.rendezvous, args.rank, args.max_restarts, args.wait_s))
     if args.role == "stage" and not (args.speed > 0 and math.isfinite(args.speed)):
         parser.error(f"--speed must be positive, got {args.speed}")
     try:

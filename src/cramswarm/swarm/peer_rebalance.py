@@ -124,13 +124,10 @@ def call_units(method: str, samples: int, last_stage: bool) -> float:
 class PeerRebalancer:
     """One stage peer's rebalancing loop (a background task of ``SyncingStagePeer``; see the module docstring)."""
 
-    def __init__(self, peer, period_s: float, *, hysteresis: float = 1.5, min_gain: float = 0.05,
-                 cooldown_periods: int = MoveGate.cooldown_periods, drain_timeout_s: float | None = None):
+    def __init__(self, peer, period_s: float, *, cooldown_periods: int = MoveGate.cooldown_periods):
         self.peer, self.period_s = peer, period_s
         self.missing: list[str] = []   # the uids the last incomplete view lacked a record of
-        self.hysteresis, self.min_gain = hysteresis, min_gain
         self.delay_s = decide_delay_s(period_s)
-        self.drain_timeout_s = drain_timeout_s if drain_timeout_s is not None else 4 * peer.sync_timeout_s
         # the timing rule of every driver; a move record older than transit_s no longer holds decisions
         self.gate = MoveGate(cooldown_periods, TRANSIT_GIVE_UPS * peer.cfg.retry.give_up_after_s)
         self.run_id, self.node = peer.run_id, peer.node
@@ -261,7 +258,7 @@ class PeerRebalancer:
                     missing[uid] = missing.get(uid, 0) + 1
                 return None
             counters["late_views"] = counters.get("late_views", 0) + 1
-        return choose_move(loads, hysteresis=self.hysteresis, min_gain=self.min_gain)
+        return choose_move(loads)
 
     async def leave(self) -> tuple[float, int, int]:
         """Stop serving this stage: refuse new calls, withdraw the stage record, let the admitted calls finish, hand
@@ -274,7 +271,7 @@ class PeerRebalancer:
                                   expiration_time=get_dht_time() + RECORD_TTL_S + 1.0)
         except Exception as e:
             print(f"[{peer.uid}] could not withdraw its stage record: {e!r}", flush=True)
-        deadline = started + self.drain_timeout_s
+        deadline = started + 4 * peer.sync_timeout_s
 
         while time.monotonic() < deadline and peer.busy():   # calls waiting or computing, or a step under way
             await asyncio.sleep(0.05)

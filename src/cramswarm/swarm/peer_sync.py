@@ -48,7 +48,7 @@ from hivemind.utils import get_dht_time
 from cramswarm.io import write_json
 from cramswarm.swarm.averaging import averaging_timeout_s, state_timeout_s
 from cramswarm.swarm.hivemind_peer import StagePeer
-from cramswarm.swarm.membership import flush_key, progress_key
+from cramswarm.swarm.membership import flush_key, progress_key, stage_records
 from cramswarm.swarm.peer_rebalance import PeerRebalancer, call_units
 from cramswarm.swarm.progress import (
     MIN_GATHER_S,
@@ -79,7 +79,8 @@ COUNTERS_PERIOD_S = 2.0   # a peer rewrites its counters file at least this ofte
 
 
 class SyncingStagePeer(StagePeer):
-    """A ``StagePeer`` that steps with its stage's other peers by itself (see the module docstring)."""
+    """A ``StagePeer`` that serves its stage's forward and backward calls and steps with its stage's other peers by
+    itself (see the module docstring)."""
 
     def __init__(self, cfg: ProcessConfig, stage: int, uid: str, speed: float, node):
         super().__init__(cfg, stage, uid, speed, node)
@@ -124,19 +125,36 @@ class SyncingStagePeer(StagePeer):
             self.shard_step = self.counters["loaded_shard_step"] = self.step
             print(f"[{uid}] loaded stage {stage} shard {newest[1].name} (step {self.step})", flush=True)
 
-    async def load_from_replica(self, give_up_after_s: float, alone_after_s: float | None = None) -> bool:
-        """A live replica's state, as every joining peer takes it; a peer that loaded its stage's shard serves from
-        that shard once no other replica of the stage has been declared for ``ALONE_AFTER_S`` (the stage's last
-        replicas died: the run goes on from the shard, losing at most one shard period of this stage's steps)."""
+    async def load_from_replica(self, give_up_after_s: float) -> bool:
+        """Download parameters + optimizer state from a live replica of this stage before serving (``_source_order``),
+        as every joining peer does: True once loaded, a RuntimeError once ``give_up_after_s`` passed without a
+        download. A peer that loaded its stage's shard serves from that shard (False) once no other replica of the
+        stage has been declared for ``ALONE_AFTER_S`` (the stage's last replicas died: the run goes on from the
+        shard, losing at most one shard period of this stage's steps)."""
         shard_step = self.counters["loaded_shard_step"]
-        if shard_step is None:
-            return await super().load_from_replica(give_up_after_s)
-        if await super().load_from_replica(give_up_after_s, alone_after_s=ALONE_AFTER_S):
-            return True
-        self.counters["served_from_shard_alone"] = shard_step
-        print(f"[{self.uid}] no live replica of stage {self.stage} for {ALONE_AFTER_S:.0f} s: serving from its shard "
-              f"at step {shard_step}", flush=True)
-        return False
+        alone_since = time.monotonic()  # the last time another replica was declared
+        deadline = alone_since + give_up_after_s
+        while True:
+            records = await stage_records(self.node, self.run_id, self.stage)
+            sources = await self._source_order([(uid, peer) for uid, (peer, _) in records.items() if uid != self.uid])
+            if sources:
+                alone_since = time.monotonic()
+            for uid, peer in sources:
+                try:
+                    step = await self.download_state(PeerID.from_base58(peer))
+                    print(f"[{self.uid}] loaded stage {self.stage} state at step {step} from {uid}", flush=True)
+                    return True
+                except Exception as e:
+                    print(f"[{self.uid}] state download from {uid} failed: {e!r}", flush=True)
+            if shard_step is not None and time.monotonic() - alone_since > ALONE_AFTER_S:
+                self.counters["served_from_shard_alone"] = shard_step
+                print(f"[{self.uid}] no live replica of stage {self.stage} for {ALONE_AFTER_S:.0f} s: serving from "
+                      f"its shard at step {shard_step}", flush=True)
+                return False
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"stage {self.stage}: no live replica to load the state from "
+                                   f"within {give_up_after_s:.0f} s")
+            await asyncio.sleep(0.5)
 
     # -- compute thread ---------------------------------------------------------------------------------------
     def _forward(self, tensors: dict[str, torch.Tensor], meta: dict) -> tuple[dict, dict]:
@@ -204,6 +222,11 @@ class SyncingStagePeer(StagePeer):
         """End a step that stepped nothing."""
         self.replica.snapshot = None
 
+    def _state(self) -> dict:
+        """``StagePeer._state`` with the stage's stepped samples and microbatches, and the run's id."""
+        return super()._state() | {"stepped_samples": self.stepped_samples, "stepped_mbs": sorted(self.stepped_mbs),
+                                   "stepped_repeats": self.stepped_repeats, "run_id": self.run_id}
+
     def _load_state(self, state: dict) -> int:
         """``StagePeer._load_state``; the gradients this peer held are dropped (``lost_gradient_samples``), as in
         SWARM, except those it accumulated toward the step it loads (a state one step ahead: its group stepped
@@ -212,19 +235,6 @@ class SyncingStagePeer(StagePeer):
         kept = self._take_held() if int(state["step"]) == self.step + 1 and self.replica.local_samples else None
         lost = self._held_samples()
         step = super()._load_state(state)
-        self.counters["lost_gradient_samples"] += lost
-        if kept is not None:
-            tensors, meta = kept
-            self._add_held(tensors, meta | {"step": step})
-            self.counters["stale_gradient_samples"] += int(meta["samples"])
-        return step
-
-    def _extra_state(self) -> dict:
-        return {"stepped_samples": self.stepped_samples, "stepped_mbs": sorted(self.stepped_mbs),
-                "stepped_repeats": self.stepped_repeats,
-                "run_id": self.run_id}
-
-    def _load_extra_state(self, state: dict) -> None:
         self.stepped_samples = int(state.get("stepped_samples", 0))
         self.stepped_repeats = int(state.get("stepped_repeats", 0))
         self.stepped_mbs = {int(i) for i in state.get("stepped_mbs", [])}
@@ -232,11 +242,18 @@ class SyncingStagePeer(StagePeer):
         self.local_loss = self.snapshot_loss = 0.0
         self.ready = None
         self.digest = self.replica.digest()
+        self.counters["lost_gradient_samples"] += lost
+        if kept is not None:
+            tensors, meta = kept
+            self._add_held(tensors, meta | {"step": step})
+            self.counters["stale_gradient_samples"] += int(meta["samples"])
+        return step
 
     async def _source_order(self, sources: list[tuple[str, str]]) -> list[tuple[str, str]]:
-        """The newest replica first (by the step of its progress record; ties at random), as hivemind's
+        """(uid, peer id) of the replicas to download from, in the order to try them: the newest first (by the step
+        of its progress record; ties, and replicas without a record, at random), as hivemind's
         ``load_state_from_peers`` takes the most advanced peer."""
-        shuffled = await super()._source_order(sources)
+        shuffled = random.sample(sources, len(sources))
         with contextlib.suppress(Exception):
             steps = {uid: record.step for uid, record in (await self._read_records()).items()}
             return sorted(shuffled, key=lambda source: -steps.get(source[0], -1))
@@ -297,7 +314,7 @@ class SyncingStagePeer(StagePeer):
 
     async def rpc_backward(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
                            context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        """``StagePeer``'s backward, never held for the stage's step; a peer leaving its stage refuses the call.
+        """``StagePeer._backward``, never held for the stage's step; a peer leaving its stage refuses the call.
         Once the stage's estimated count reaches the batch the synchronisation loop is woken."""
         tensors, meta = await unpack(requests)
         self._refuse_if_leaving()
@@ -361,6 +378,8 @@ class SyncingStagePeer(StagePeer):
                     "runtime_rss_bytes": self.runtime_rss_bytes, "activation_bytes": self.replica.activation_bytes})
 
     def background_tasks(self) -> list[asyncio.Task]:
+        """Tasks the peer runs while it serves: its in-stage synchronisation loop, its record and, with
+        ``rebalance_period_s``, its ``PeerRebalancer``."""
         tasks = [asyncio.create_task(self.sync_forever()), asyncio.create_task(self.publish_forever())]
         if self.cfg.rebalance_period_s:  # this peer decides moves with its stage's and the others' peers
             tasks.append(asyncio.create_task(PeerRebalancer(self, self.cfg.rebalance_period_s).run()))

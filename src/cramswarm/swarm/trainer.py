@@ -47,7 +47,6 @@ import random
 import signal
 import socket
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -61,17 +60,15 @@ from cramswarm.swarm.membership import (
     ADDR_FILE,
     BootstrapError,
     LauncherGone,
-    join_dht,
     join_swarm,
+    join_through,
     leave_now,
     listen_host,
-    read_swarm,
     stage_namespace,
     stage_records,
     watch_launcher,
     work_key,
 )
-from cramswarm.swarm.peer_process import exit_with_parent
 from cramswarm.swarm.peer_sync import SyncingStagePeer
 from cramswarm.swarm.progress import CLOCK_FILE, read_clock
 from cramswarm.swarm.rebalancing import WORK_UNITS
@@ -87,8 +84,6 @@ from cramswarm.swarm.routing import (
 from cramswarm.swarm.settings import ProcessConfig
 from cramswarm.swarm.wire import request, unpack
 from cramswarm.swarm.work import (
-    CLAIM_STALE_S,
-    LEASE_MICROBATCHES,
     RENEW_PERIOD_S,
     WAIT,
     Claim,
@@ -116,10 +111,8 @@ def losses_path(workdir: Path, name: str | int) -> Path:
 class WorkClaims:
     """This trainer's claim in the DHT and the leases it takes (the rules: ``work``)."""
 
-    def __init__(self, node, run_id: str, name: str, order: WorkOrder, lease_size: int = LEASE_MICROBATCHES,
-                 stale_s: float = CLAIM_STALE_S):
+    def __init__(self, node, run_id: str, name: str, order: WorkOrder):
         self.node, self.key, self.name, self.order = node, work_key(run_id), name, order
-        self.lease_size, self.stale_s = lease_size, stale_s
         self.claim = Claim()
         self.stats = {"leases": 0, "adopted_leases": 0, "yielded_leases": 0}
 
@@ -149,8 +142,7 @@ class WorkClaims:
                 continue
             if self.name in claims:   # a restarted trainer goes on from its earlier life's record
                 self.claim = dataclasses.replace(claims[self.name], top=max(claims[self.name].top, self.claim.top))
-            work = next_work(claims, self.name, get_dht_time(), positions=self.order.positions,
-                             lease_size=self.lease_size, stale_s=self.stale_s)
+            work = next_work(claims, self.name, get_dht_time(), positions=self.order.positions)
             if work is None:
                 return None
             if work == WAIT:
@@ -175,7 +167,7 @@ class WorkClaims:
     async def yields(self) -> bool:
         """Whether another trainer took this lease too and keeps it (``work.yields_to``): then this one is idle."""
         with contextlib.suppress(Exception):
-            if yields_to(await self.read(), self.name, get_dht_time(), self.stale_s) is not None:
+            if yields_to(await self.read(), self.name, get_dht_time()) is not None:
                 await self.put(lease=-1, next=0, end=0, state="idle")
                 self.stats["yielded_leases"] += 1
                 return True
@@ -300,7 +292,6 @@ async def train(cfg: ProcessConfig, name: str, node=None) -> None:
     state_file = progress_path(workdir, name)
     previous = read_json(state_file) if state_file.exists() else {}
     done = int(previous.get("done", 0)) if previous.get("run_id") in cfg.run_ids else 0
-    watchdog = asyncio.create_task(exit_with_parent())
     if node is None:
         node = await join_swarm(workdir / ADDR_FILE, host=listen_host(cfg.host, cfg.interface),
                                 timeout_s=cfg.join_timeout_s, announce=True)
@@ -359,12 +350,11 @@ async def train(cfg: ProcessConfig, name: str, node=None) -> None:
             renew.cancel()
 
     job = asyncio.create_task(work())
-    finished, _ = await asyncio.wait([job, watchdog, launcher], return_when=asyncio.FIRST_COMPLETED)
+    finished, _ = await asyncio.wait([job, launcher], return_when=asyncio.FIRST_COMPLETED)
     refresher.cancel()
     if job not in finished:
         job.cancel()
-        for task in finished:
-            task.result()  # LauncherGone raises here
+        launcher.result()  # LauncherGone raises here
         raise LauncherGone("the launcher is done before this trainer's work")
     try:
         ending = job.result()
@@ -380,11 +370,9 @@ async def train_joined(initial_peer: str, name: str | None, host: str, workdir: 
     it): it reads the swarm's description from the DHT (``membership.read_swarm``) and trains leases like the
     launcher's trainers. Its files go to the run's folder where this host has it, else to ``workdir`` (or a
     temporary folder), with the training clock from the description."""
-    node = await join_dht([initial_peer], client_mode=False, host=host, timeout_s=wait_s)
-    cfg = await read_swarm(node, wait_s)
-    if not Path(cfg.workdir).is_dir():  # another host's folder: this trainer's files go elsewhere
-        cfg = cfg.elsewhere(workdir or tempfile.mkdtemp(prefix="cramswarm-trainer-"))
-        Path(cfg.workdir).mkdir(parents=True, exist_ok=True)
+    node, cfg, moved = await join_through(initial_peer, host=host, wait_s=wait_s, workdir=workdir,
+                                          prefix="cramswarm-trainer-")
+    if moved:   # another host's folder: this trainer's files, and the training clock, go elsewhere
         write_json(Path(cfg.workdir) / CLOCK_FILE, cfg.clock)
     name = name or f"j{socket.gethostname()}-{os.getpid()}"
     print(f"[trainer {name}] joined swarm {cfg.run_id} through {initial_peer}", flush=True)

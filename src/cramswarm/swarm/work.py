@@ -115,13 +115,8 @@ class Work:
 WAIT = "wait"   # next_work: nothing to take now, another trainer's lease is unfinished
 
 
-def lease_span(lease: int, lease_size: int, positions: int) -> tuple[int, int]:
-    start = lease * lease_size
-    return start, min(start + lease_size, positions)
-
-
 def next_work(claims: dict[str, Claim], me: str, now: float, *, positions: int,
-              lease_size: int = LEASE_MICROBATCHES, stale_s: float = CLAIM_STALE_S) -> Work | str | None:
+              stale_s: float = CLAIM_STALE_S) -> Work | str | None:
     """What trainer ``me`` trains next (a ``Work``), ``WAIT``, or None once every lease is finished."""
     mine = claims.get(me)
     if mine is not None and mine.state == "working" and mine.unfinished:
@@ -134,9 +129,9 @@ def next_work(claims: dict[str, Claim], me: str, now: float, *, positions: int,
         lease, _, name = orphans[0]
         return Work(lease, others[name].next, others[name].end, adopted_from=name)
     frontier = max((c.top for c in claims.values()), default=-1) + 1
-    start, end = lease_span(frontier, lease_size, positions)
+    start = frontier * LEASE_MICROBATCHES
     if start < positions:
-        return Work(frontier, start, end)
+        return Work(frontier, start, min(start + LEASE_MICROBATCHES, positions))
     return WAIT if held else None
 
 
@@ -151,7 +146,7 @@ def yields_to(claims: dict[str, Claim], me: str, now: float, stale_s: float = CL
     return rivals[0] if rivals else None
 
 
-def all_done(claims: dict[str, Claim], *, positions: int, lease_size: int = LEASE_MICROBATCHES) -> bool:
+def all_done(claims: dict[str, Claim], *, positions: int) -> bool:
     """Whether every lease of the order was taken and none is unfinished."""
     frontier = max((c.top for c in claims.values()), default=-1) + 1
-    return frontier * lease_size >= positions and not any(c.unfinished for c in claims.values())
+    return frontier * LEASE_MICROBATCHES >= positions and not any(c.unfinished for c in claims.values())
