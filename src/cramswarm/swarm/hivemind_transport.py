@@ -11,8 +11,7 @@ import dataclasses
 from pathlib import Path
 
 from cramswarm.swarm.emulation_training import TrainResult
-from cramswarm.swarm.processes import (  # noqa: F401 (leftover_processes, _LIVE_GROUPS, visible_gpus: the tests' names)
-    _LIVE_GROUPS,
+from cramswarm.swarm.processes import (  # noqa: F401 (leftover_processes, own_daemons, visible_gpus: the tests' names)
     leftover_processes,
     own_daemons,
     visible_gpus,

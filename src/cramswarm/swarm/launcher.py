@@ -216,6 +216,10 @@ class Launcher(RunFolder, FaultInjection, RunResult):
                 raise RuntimeError(f"the bootstrap DHT did not write {self.addr_file}:\n"
                                    f"{log.read_text(errors='replace')}")
             await asyncio.sleep(0.2)
+        await self._join()
+
+    async def _join(self) -> None:
+        """Join the swarm's DHT as a client (``node``) through the bootstrap's addresses (``addr_file``)."""
         maddrs = await asyncio.to_thread(read_addr_file, self.addr_file, self.plan.join_timeout_s)
         self.node = await join_dht(maddrs, client_mode=True, host=self.host, timeout_s=self.plan.join_timeout_s)
 
@@ -426,8 +430,7 @@ class Launcher(RunFolder, FaultInjection, RunResult):
         stage lacks, and go on with its training clock. Training time runs from the clock's origin."""
         self.config, self.addr_file = self.workdir / CONFIG_FILE, self.workdir / ADDR_FILE
         self.order = WorkOrder.from_spec(self.total, read_json(self.config).get("order"))
-        maddrs = await asyncio.to_thread(read_addr_file, self.addr_file, self.plan.join_timeout_s)
-        self.node = await join_dht(maddrs, client_mode=True, host=self.host, timeout_s=self.plan.join_timeout_s)
+        await self._join()
         self.phase = "training"
         await self._beat()
         self._spawn(self._heartbeat_forever())

@@ -83,7 +83,6 @@ class ProcessGroups:
         # place(name) -> (command prefix, extra environment) of the process called ``name`` (e.g.
         # ``cramswarm.testbed.swarm.HostPlacement``: run it in a testbed host's namespace); None: here, as is
         self.place = place
-        self.peers: list[PeerProcess] = []
         self.pgids: list[int] = []  # every group ever started (for the leftover check)
         self.procs: list[subprocess.Popen] = []
         self._pythonpath = os.pathsep.join(
@@ -106,22 +105,18 @@ class ProcessGroups:
                                     start_new_session=True)
         if hasattr(self.place, "started_process"):  # e.g. srun.SrunPlacement: which job step the client runs
             self.place.started_process(proc)
-        _LIVE_GROUPS.add(proc.pid)
-        self.pgids.append(proc.pid)
-        self.procs.append(proc)
+        self.adopt(proc)
         return proc, log
 
     def start_peer(self, uid: str, stage: int, speed: float, config: Path, addr_file: Path,
                    load_state: bool, gpu: str | None = None) -> PeerProcess:
         args = ["stage", "--config", str(config), "--stage", str(stage), "--uid", uid, "--addr-file",
                 str(addr_file), "--speed", repr(speed)] + (["--load-state"] if load_state else [])
-        proc, log = self.spawn(args, uid, gpu=gpu)
-        peer = PeerProcess(uid, stage, speed, proc, log)
-        self.peers.append(peer)
-        return peer
+        return PeerProcess(uid, stage, speed, *self.spawn(args, uid, gpu=gpu))
 
-    def adopt(self, proc: Adopted) -> None:
-        """Count a live process an earlier launcher started (``Adopted``) as one of this run's groups."""
+    def adopt(self, proc: subprocess.Popen | Adopted) -> None:
+        """Count a live process as one of this run's groups: one ``spawn`` started, or one an earlier launcher
+        started (``Adopted``)."""
         _LIVE_GROUPS.add(proc.pid)
         self.pgids.append(proc.pid)
         self.procs.append(proc)
@@ -153,8 +148,9 @@ class ProcessGroups:
 
 class Adopted:
     """A live process of the swarm that an earlier launcher started (so not this process's child), with
-    ``subprocess.Popen``'s ``pid``, ``poll``, ``wait`` and ``returncode``. Its exit code cannot be read: once it is
-    gone, ``poll`` gives 0 where ``ended_well()`` says its work was done, else ``-SIGKILL`` (restart it)."""
+    ``subprocess.Popen``'s ``pid``, ``poll``, ``wait`` (no timeout) and ``returncode``. Its exit code cannot be
+    read: once it is gone, ``poll`` gives 0 where ``ended_well()`` says its work was done, else ``-SIGKILL``
+    (restart it)."""
 
     def __init__(self, pid: int, ended_well=lambda: False):
         self.pid, self.returncode, self._ended_well = pid, None, ended_well
@@ -164,26 +160,17 @@ class Adopted:
             self._proc = None
 
     def poll(self) -> int | None:
-        if self.returncode is None and not _running(self._proc):
+        if self.returncode is None:
+            with contextlib.suppress(psutil.Error):
+                if self._proc is not None and self._proc.status() != psutil.STATUS_ZOMBIE:
+                    return None   # running
             self.returncode = 0 if self._ended_well() else -signal.SIGKILL
         return self.returncode
 
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
+    def wait(self) -> int:
         while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(str(self.pid), timeout)
             time.sleep(0.05)
         return self.returncode
-
-
-def _running(proc: psutil.Process | None) -> bool:
-    if proc is None:
-        return False
-    try:
-        return proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def swarm_processes(markers: set[str]) -> dict[str, list[tuple[int, list[str]]]]:
@@ -203,18 +190,12 @@ def swarm_processes(markers: set[str]) -> dict[str, list[tuple[int, list[str]]]]
 
 
 def leftover_processes(pgids: list[int]) -> list[int]:
-    """PIDs of live (non-zombie) processes in any of the given process groups (scans /proc)."""
+    """PIDs of live (non-zombie) processes in any of the given process groups (one gone meanwhile is skipped)."""
     wanted, found = set(pgids), []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if fields[0] != "Z" and int(fields[2]) in wanted:
-            found.append(int(entry.name))
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if proc.status() != psutil.STATUS_ZOMBIE and os.getpgid(proc.pid) in wanted:
+                found.append(proc.pid)
     return found
 
 

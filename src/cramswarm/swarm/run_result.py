@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import json
 import time
+from collections import Counter
 from collections.abc import Iterator
 
 import torch
@@ -26,7 +26,7 @@ from cramswarm.swarm.progress import overshoot, progress_records, stage_stalls
 from cramswarm.swarm.routing import NoPeersError
 from cramswarm.swarm.run_state import mb_of, step_of
 from cramswarm.swarm.shards import load_shard, newest_shard
-from cramswarm.swarm.wire import request, unpack
+from cramswarm.swarm.wire import BufferReader, request, unpack
 
 IDLE_READS = 3            # a stage is idle once this many reads in a row show no held samples and one step
 COLLECT_ATTEMPTS = 3      # the end of a run asks a stage for its state this many times (twice the wait each time)
@@ -36,10 +36,9 @@ PEER_MEMORY_KEYS = ("uid", "stage", "stage_parameter_count", "parameter_bytes", 
 
 def _summed(counts) -> dict[str, int]:
     """Per key, the sum of the counts of several dicts (the peers' counters)."""
-    total: dict[str, int] = {}
+    total: Counter[str] = Counter()
     for one in counts:
-        for key, n in one.items():
-            total[key] = total.get(key, 0) + n
+        total.update(one)
     return dict(sorted(total.items()))
 
 
@@ -114,7 +113,7 @@ class RunResult:
                 print(f"[launcher] {uid} sent no state of stage {stage} within {floor_s:.0f} s + transfer: {e!r}",
                       flush=True)
                 continue
-            blob = torch.load(io.BytesIO(tensors["blob"].numpy().tobytes()), weights_only=True, map_location="cpu")
+            blob = torch.load(BufferReader(tensors["blob"].numpy()), weights_only=True, map_location="cpu")
             replicas.append((uid, meta["step"], blob["module"]))
         return replicas
 
@@ -142,13 +141,18 @@ class RunResult:
         return states, steps, spread
 
     # -- the result --------------------------------------------------------------------------------------------
-    def _log(self) -> list[dict]:
-        rows = {}
-        for path in sorted(self.workdir.glob(f"log-s{self.plan.stages - 1}[pr]*.jsonl")):
+    def _rows(self, pattern: str) -> Iterator[dict]:
+        """The JSON lines of the run folder's files matching ``pattern``, file by file in name order (a line cut short
+        by a kill is skipped)."""
+        for path in sorted(self.workdir.glob(pattern)):
             for line in path.read_text().splitlines():
                 with contextlib.suppress(ValueError):
-                    row = json.loads(line)
-                    rows.setdefault(row["step"], row)
+                    yield json.loads(line)
+
+    def _log(self) -> list[dict]:
+        rows = {}
+        for row in self._rows(f"log-s{self.plan.stages - 1}[pr]*.jsonl"):
+            rows.setdefault(row["step"], row)
         return [{k: v for k, v in row.items() if k not in ("time", "group")}
                 | {"elapsed_s": round(row["time"] - self.first_start_wall, 3)} for _, row in sorted(rows.items())]
 
@@ -162,14 +166,8 @@ class RunResult:
         return min((s for s in steps if s >= 0), default=None)
 
     def _loss_rows(self) -> Iterator[dict]:
-        """The trainers' loss records (one per microbatch done; a line cut short by a kill is skipped)."""
-        for path in sorted(self.workdir.glob("trainer*.losses.jsonl")):   # the launcher's trainers and added ones
-            for line in path.read_text().splitlines():
-                with contextlib.suppress(ValueError):
-                    yield json.loads(line)
-
-    def _trainer_losses(self) -> dict[int, float]:
-        return {row["mb"]: row["loss"] for row in self._loss_rows()}
+        """The trainers' loss records (one per microbatch done): the launcher's trainers and added ones."""
+        return self._rows("trainer*.losses.jsonl")
 
     def _done_times(self) -> list[float]:
         """Seconds into training at which each microbatch was done (a resumed one: its last time), sorted."""
@@ -219,15 +217,6 @@ class RunResult:
                 found.append(read_json(path))
         return found
 
-    def _sync_rows(self) -> list[dict]:
-        """The peers' step lines (``SYNC_LOG``; a line cut short by a kill is skipped)."""
-        rows = []
-        for path in sorted(self.workdir.glob(SYNC_LOG.format(uid="*"))):
-            for line in path.read_text().splitlines():
-                with contextlib.suppress(ValueError):
-                    rows.append(json.loads(line))
-        return rows
-
     def _step_stalls(self, rows: list[dict]) -> dict[str, list[dict]]:
         """``progress.stage_stalls`` of the peers' step lines, times rounded to ms and ``end`` as seconds from the
         first start (as the log's ``elapsed_s``); keyed by the stage as a string (JSON keys)."""
@@ -237,9 +226,9 @@ class RunResult:
                               for k, v in entry.items()} for entry in entries] for stage, entries in stalls.items()}
 
     def _result(self, stage_states, replica_steps, spread, wall_s) -> TrainResult:
-        losses = self._trainer_losses()
+        losses = {row["mb"]: row["loss"] for row in self._loss_rows()}
         done = len(losses)   # microbatches with a loss record: trained to the end (every life, every trainer)
-        counters, rows = self._peer_counters(), self._sync_rows()
+        counters, rows = self._peer_counters(), list(self._rows(SYNC_LOG.format(uid="*")))
         micro = self.plan.recipe["micro_batch_sequences"]
         def stage_max(key: str) -> list[int]:   # stage state every replica holds (the most advanced one's)
             return [max((c.get(key, 0) for c in counters if c["stage"] == s), default=0)

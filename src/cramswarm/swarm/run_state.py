@@ -215,11 +215,6 @@ class RunFolder:
         """What the command line of every process of this folder's swarm names: its config or its address file."""
         return {str(self.workdir / CONFIG_FILE), str(self.workdir / ADDR_FILE)}
 
-    def _stale_processes(self) -> list[int]:
-        """PIDs of live processes of an earlier launcher of this folder (their command line names its config or its
-        DHT address file), whatever their role."""
-        return [pid for role in swarm_processes(self._markers()).values() for pid, _ in role]
-
     def _live_swarm(self) -> str | None:
         """The run id of the swarm still training in this folder: the one its config names, once that run's
         training clock was written, while a stage peer or trainer of it lives on this host (local placement only:
@@ -236,9 +231,10 @@ class RunFolder:
 
     def _wait_for_stale_processes(self) -> None:
         """The killed run's peers and trainers exit by themselves (their parent is gone, or its heartbeat): wait
-        for them, so that none writes a shard or a progress file under the resumed run."""
+        for them (every live process, whatever its role, whose command line names this folder's config or DHT address
+        file), so that none writes a shard or a progress file under the resumed run."""
         deadline = time.monotonic() + STALE_WAIT_S
-        while stale := self._stale_processes():
+        while stale := [pid for role in swarm_processes(self._markers()).values() for pid, _ in role]:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"processes {stale} of the interrupted swarm run in {self.workdir} are still "
                                    f"running after {STALE_WAIT_S:.0f} s; end them before resuming")

@@ -29,38 +29,26 @@ import time
 STEP_TIMEOUT_S = 30.0  # seconds for a step to end after its SIGKILL (and for one just started to be listed)
 
 
-def slurm(*cmd: str, timeout_s: float = 30.0) -> str:
-    """Run a SLURM client command; its stdout (a failing command raises with its stderr)."""
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed with code {proc.returncode}: {proc.stderr.strip()}")
-    return proc.stdout
-
-
 class SrunPlacement:
-    """``ProcessGroups.place`` running each process as its own job step of ``job_id`` (default: this process's
-    ``SLURM_JOB_ID``); step names start with ``prefix`` (the launcher's run id); ``srun_args`` go to the stage
-    peers' steps only."""
+    """``ProcessGroups.place`` running each process as its own job step of this process's SLURM job
+    (``SLURM_JOB_ID``), one CPU each; step names start with ``prefix`` (the launcher's run id); ``srun_args`` go to
+    the stage peers' steps only."""
 
-    def __init__(self, prefix: str, srun_args: list[str] | None = None, job_id: str | None = None,
-                 cpus_per_process: int = 1):
-        self.job_id = job_id or os.environ.get("SLURM_JOB_ID")
+    def __init__(self, prefix: str, srun_args: list[str] | None = None):
+        self.job_id = os.environ.get("SLURM_JOB_ID")
         if not self.job_id:
             raise ValueError("swarm.impl.placement=srun starts each process as a job step of the SLURM job it runs in, "
                              "but SLURM_JOB_ID is unset: run it through profiles/slurm (or placement: local)")
-        self.prefix, self.srun_args, self.cpus = prefix, list(srun_args or []), cpus_per_process
+        self.prefix, self.srun_args = prefix, list(srun_args or [])
         self.started: dict[str, int] = {}   # process name -> steps started under it
         self.steps: dict[int, str] = {}     # srun client pid -> its step's name
         self._last: str | None = None
 
-    def step_name(self, name: str) -> str:
-        self.started[name] = self.started.get(name, 0) + 1
-        return f"{self.prefix}.{name}.{self.started[name]}"
-
     def __call__(self, name: str) -> tuple[list[str], dict[str, str]]:
-        self._last = step = self.step_name(name)
+        self.started[name] = self.started.get(name, 0) + 1
+        self._last = step = f"{self.prefix}.{name}.{self.started[name]}"
         peer = re.fullmatch(r"s\d+p\d+", name) is not None  # a stage peer (launcher.Launcher._start_peer's names)
-        prefix = ["srun", f"--jobid={self.job_id}", "--ntasks=1", "--nodes=1", f"--cpus-per-task={self.cpus}",
+        prefix = ["srun", f"--jobid={self.job_id}", "--ntasks=1", "--nodes=1", "--cpus-per-task=1",
                   "--exact", "--overlap", f"--job-name={step}", "--kill-on-bad-exit=0", "--quiet",
                   *(self.srun_args if peer else [])]
         # under slurmstepd the parent is not the launcher: no parent watchdog, the DHT heartbeat ends them
@@ -71,10 +59,14 @@ class SrunPlacement:
         self.steps[proc.pid] = self._last
 
     def live_steps(self) -> dict[str, str]:
-        """Step name -> ``<job>.<step>`` of this run's steps SLURM lists now."""
-        out = slurm("squeue", "-h", "--steps", f"--jobs={self.job_id}", "-o", "%i %j")
+        """Step name -> ``<job>.<step>`` of this run's steps SLURM lists now (a failing ``squeue`` raises with its
+        stderr)."""
+        cmd = ["squeue", "-h", "--steps", f"--jobs={self.job_id}", "-o", "%i %j"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed with code {proc.returncode}: {proc.stderr.strip()}")
         found = {}
-        for line in out.splitlines():
+        for line in proc.stdout.splitlines():
             step, _, name = line.strip().partition(" ")
             if name.startswith(f"{self.prefix}."):
                 found[name.strip()] = step
@@ -101,12 +93,13 @@ class SrunPlacement:
                     break
                 time.sleep(0.1)
 
-    def close(self, timeout_s: float = STEP_TIMEOUT_S) -> None:
-        """SIGKILL every step of this run and wait until SLURM lists none of them."""
+    def close(self) -> None:
+        """SIGKILL every step of this run and wait until SLURM lists none of them (``STEP_TIMEOUT_S``, else it
+        raises)."""
         names = set(self.steps.values())
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + STEP_TIMEOUT_S
         while left := self.signal_steps(names):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"job steps {sorted(left)} of this swarm are still listed by SLURM {timeout_s:.0f} "
-                                   "s after their SIGKILL")
+                raise RuntimeError(f"job steps {sorted(left)} of this swarm are still listed by SLURM "
+                                   f"{STEP_TIMEOUT_S:.0f} s after their SIGKILL")
             time.sleep(0.5)
