@@ -5,18 +5,16 @@ Swarm training takes a scheme of the codec (:mod:`cramswarm.codec`: ``none``, ``
 narrowing layer (:mod:`cramswarm.models.narrowing`), ``bottleneck2``/``bottleneck4``/``maxout2``/``maxout4``
 (``COMPRESSIONS``; the digit is the factor): the model then holds one such layer at the end of every stage but the
 last (``CrammedBertConfig.boundary_*``), split in two halves (:func:`split_narrowing`): the sending stage ends with
-the narrowing half (:class:`NarrowingSend`) and the next stage starts with the widening ``up`` projection, so the
-narrowed tensor (and its gradient) is what travels, in fp32 (:func:`wire_scheme`). The codec's and the layers' names
-are re-exported here.
+the narrowing half (``models.narrowing.NarrowingSend``) and the next stage starts with the widening ``up`` projection,
+so the narrowed tensor (and its gradient) is what travels, in fp32 (:func:`wire_scheme`). The codec's and the layers'
+names the swarm modules and tests use are re-exported here.
 """
 
 from __future__ import annotations
 
 from cramswarm.codec import (  # noqa: F401 (the codec's names, as the swarm modules and tests import them here)
     SCHEMES,
-    Boundary,
     boundary,
-    check_scheme,
     decode,
     encode,
     payload_bytes,
@@ -26,8 +24,6 @@ from cramswarm.codec import (  # noqa: F401 (the codec's names, as the swarm mod
 from cramswarm.models.narrowing import (  # noqa: F401 (the narrowing layers, as above)
     Bottleneck,
     Maxout,
-    NarrowingSend,
-    make_narrowing,
     split_narrowing,
 )
 

@@ -367,10 +367,14 @@ def train(plan: SwarmPlan, *, batches: Iterator[tuple[torch.Tensor, torch.Tensor
     for thread in trainers + helpers:
         thread.start()
     try:
-        while any(t.is_alive() for t in trainers):
-            time.sleep(0.1)
+        while True:
+            running = any(t.is_alive() for t in trainers)   # before the error check: a trainer records, then ends
+            if running:
+                time.sleep(0.1)
             if sw.errors:
                 raise RuntimeError("swarm training failed in a peer or trainer thread") from sw.errors[0]
+            if not running:
+                break
             if progress:
                 elapsed = time.perf_counter() - wall_start
                 row = sw.log[-1] if sw.log else None
@@ -381,8 +385,6 @@ def train(plan: SwarmPlan, *, batches: Iterator[tuple[torch.Tensor, torch.Tensor
                     lr=f"{row['lr']:.2e}" if row else "-",
                     tok_s=f"{counts['tokens'] / elapsed:,.0f}",
                 )
-        if sw.errors:
-            raise RuntimeError("swarm training failed in a peer or trainer thread") from sw.errors[0]
         sw.flush()
     finally:
         sw.shutdown()

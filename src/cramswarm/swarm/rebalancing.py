@@ -131,9 +131,12 @@ def _is_number(value, minimum: float | None = 0.0) -> bool:
             and (minimum is None or value >= minimum))
 
 
-def _parsed(cls, value: dict):
+def _parsed(cls, value):
     """``cls`` built from the entries of ``value`` named after its fields (a missing one keeps its default), or
-    None where a field without default is missing or the record is not valid (``_valid``)."""
+    None where ``value`` is no dict, a field without default is missing or the record is not valid (``_valid``):
+    the ``from_value`` of a record stored flat."""
+    if not isinstance(value, dict):
+        return None
     try:
         record = cls(**{f.name: value[f.name] for f in fields(cls) if f.name in value})
         return record if record._valid() else None
@@ -154,13 +157,10 @@ class Move:
     from_stage: int
     to_stage: int
 
-    @classmethod
-    def from_value(cls, value) -> Move | None:
-        """The move a wire value's ``uid``, ``from_stage`` and ``to_stage`` name, or None where they do not (a
-        missing or empty uid, a stage that is not an index >= 0)."""
-        return _parsed(cls, value) if isinstance(value, dict) else None
+    from_value = classmethod(_parsed)   # the move a wire value names, or None (``_valid``)
 
     def _valid(self) -> bool:
+        """The wire value's ``uid``, ``from_stage`` and ``to_stage`` name a move: a uid not empty, stages >= 0."""
         return isinstance(self.uid, str) and bool(self.uid) and _is_int(self.from_stage) and _is_int(self.to_stage)
 
     def value(self) -> dict:
@@ -186,13 +186,10 @@ class LoadRecord:
         """The record of a ``LoadMeter.window`` published for period ``period``."""
         return cls(period, **{f.name: window[f.name] for f in fields(cls) if f.name != "period"})
 
-    @classmethod
-    def from_value(cls, value) -> LoadRecord | None:
-        """The record a DHT value holds, or None where it is not one (a missing ``period``, ``queue`` or ``rate``,
-        a count or measure that is not a finite number >= 0)."""
-        return _parsed(cls, value) if isinstance(value, dict) else None
+    from_value = classmethod(_parsed)   # the record a DHT value holds, or None (``_valid``)
 
     def _valid(self) -> bool:
+        """Counts and measures finite numbers >= 0 (``period``, ``queue`` and ``rate`` have no default)."""
         return (_is_int(self.period) and _is_int(self.calls)
                 and all(_is_number(v) for v in (self.queue, self.units, self.busy_s, self.span_s))
                 and (self.rate is None or _is_number(self.rate)))
@@ -248,7 +245,7 @@ class MoveEvent:
     @classmethod
     def from_value(cls, value) -> MoveEvent | None:
         """The event a parsed line holds, or None where it is not one (another layout, garbage)."""
-        if not isinstance(value, dict) or (move := Move.from_value(value)) is None:
+        if (move := Move.from_value(value)) is None:   # None for a value that is no dict, too
             return None
         return _parsed(cls, value | {"move": move})
 
@@ -346,7 +343,7 @@ class Rebalancer:
     microbatch of service time so that with empty queues a stage with little capacity still counts as the
     bottleneck (a stage with no throughput has infinite load). Donor = argmin ``L`` among stages with at least
     two peers (a stage is never emptied); recipient = argmax ``L``. The move happens only if
-    ``L_max / L_min > hysteresis`` and the projected bottleneck throughput ``min_s sum throughput`` strictly
+    ``L_max / L_min > 1.5`` (the hysteresis) and the projected bottleneck throughput ``min_s sum throughput`` strictly
     improves, by more than the relative margin ``min_gain`` (the mover brings its own measured rate along). Queue
     lengths fluctuate, so the load ratio alone would let a peer ping-pong between two stages of equal capacity
     (3/2 <-> 2/3 peers); measured rates carry a few per cent of noise, hence the margin (0 = plain strict
@@ -360,21 +357,13 @@ class Rebalancer:
     peer to be measured would stall rebalancing at scale, where some peer has always just rejoined.
     """
 
-    def __init__(self, period_s: float, *, hysteresis: float = 1.5, cooldown_periods: int = 0,
-                 transit_s: float | None = None, min_gain: float = 0.05):
+    def __init__(self, period_s: float, *, min_gain: float = 0.05):
         if period_s <= 0:
             raise ValueError(f"period_s must be positive, got {period_s}")
-        if hysteresis < 1.0:
-            raise ValueError(f"hysteresis must be >= 1, got {hysteresis}")
         self.period_s = period_s
-        self.hysteresis = hysteresis
-        self.gate = MoveGate(cooldown_periods, MoveGate.transit_s if transit_s is None else transit_s)
+        self.gate = MoveGate()
         self.min_gain = min_gain
         self.last: LastMove | None = None
-
-    def period(self, now: float) -> int:
-        """The index of the period that ends at ``now`` (the driver decides on period boundaries)."""
-        return round(now / self.period_s)
 
     @staticmethod
     def stage_load(queue_len: float, samples_per_s: float) -> float:
@@ -398,11 +387,11 @@ class Rebalancer:
 
     def decide(self, loads: dict[int, list[PeerLoad]], now: float) -> Move | None:
         """``loads``: stage -> its live peers' loads over the period ending at ``now`` (a stage with no peer: empty
-        list)."""
-        period = self.period(now)
+        list; the driver decides on period boundaries)."""
+        period = round(now / self.period_s)   # the index of the period that ends at ``now``
         if self.gate.quiet(self.last, period, now):
             return None
-        move = choose_move(loads, hysteresis=self.hysteresis, min_gain=self.min_gain)
+        move = choose_move(loads, min_gain=self.min_gain)
         if move is not None:
             self.last = LastMove(period, now, move=move)
         return move

@@ -45,8 +45,6 @@ class PerformanceEMA:
     """
 
     def __init__(self, alpha: float = 0.1):
-        if not 0.0 < alpha <= 1.0:
-            raise ValueError(f"alpha must lie in (0, 1], got {alpha}")
         self.alpha = alpha
         self._raw = 0.0
         self._updates = 0
@@ -58,25 +56,18 @@ class PerformanceEMA:
         self._updates += 1
 
     @property
-    def seconds_per_sample(self) -> float | None:
+    def samples_per_second(self) -> float | None:
+        """The inverse of the corrected average; None before the first update."""
         if self._updates == 0:
             return None
-        return self._raw / (1.0 - (1.0 - self.alpha) ** self._updates)
-
-    @property
-    def samples_per_second(self) -> float | None:
-        """None before the first update."""
-        spp = self.seconds_per_sample
-        if spp is None:
-            return None
-        return 1.0 / max(spp, 1e-12)
+        return 1.0 / max(self._raw / (1.0 - (1.0 - self.alpha) ** self._updates), 1e-12)
 
 
 class StageBalancer:
     """Virtual-finish-time weighted round-robin over the peers of one stage (SWARM's IWRR).
 
     The heap holds one ``[virtual_time, tiebreak, uid]`` entry per known peer. ``choose`` pops the smallest
-    usable entry, charges it ``size / throughput`` (``size`` is the task size, x ``backward_multiplier`` for
+    usable entry, charges it ``size / throughput`` (``size`` is the task size, x ``BACKWARD_MULTIPLIER`` for
     backward tasks) and pushes it back. A peer not measured yet is charged at the mean throughput of the stage's
     measured peers. While no peer of the stage is measured, a call is charged 1 s per sample (as SWARM's balancer
     charges an unmeasured peer); at the stage's first measurement those charges are made again (``_reprice``): the
@@ -84,20 +75,19 @@ class StageBalancer:
     charged seconds beside peers charged measured milliseconds, which would leave it idle for most of a run.
     """
 
-    def __init__(self, stage: int, *, alpha: float = 0.1, backward_multiplier: float = 2.5,
-                 rng: random.Random | None = None):
+    ALPHA = 0.1                 # the throughput EMA's weight of a new measurement (``PerformanceEMA``)
+    BACKWARD_MULTIPLIER = 2.5   # a backward task's size, in forward tasks
+
+    def __init__(self, stage: int, *, rng: random.Random):
         self.stage = stage
-        self.alpha = alpha
-        self.backward_multiplier = backward_multiplier
-        self.rng = rng if rng is not None else random.Random(stage)
+        self.rng = rng
         self._heap: list[list] = []           # [virtual_time, tiebreak, uid]
         self._records: dict[str, float] = {}  # uid -> record expiration time
         self._banned: dict[str, float] = {}   # uid -> the expiration of the record it was banned under
         self._ema: dict[str, PerformanceEMA] = {}
         self._provisional: dict[str, float] = {}  # uid -> samples charged at 1 s each while none was measured
         self._now = -math.inf
-        self.stats: dict[str, int] = {"chosen": 0, "timeouts": 0, "errors": 0}
-        self.chosen_per_peer: dict[str, int] = {}
+        self.stats: dict[str, int] = {"timeouts": 0, "errors": 0}
 
     # -- membership ------------------------------------------------------------------------------------
     def update_peers(self, records: dict[str, float], now: float) -> None:
@@ -140,7 +130,7 @@ class StageBalancer:
     # -- routing ---------------------------------------------------------------------------------------
     def _charge(self, uid: str, task_size: float, backward: bool) -> float:
         """What a call of ``task_size`` to ``uid`` is charged (seconds of its virtual time)."""
-        size = task_size * (self.backward_multiplier if backward else 1.0)
+        size = task_size * (self.BACKWARD_MULTIPLIER if backward else 1.0)
         rate = self.throughput(uid)
         if rate is None:
             rate = self._mean_rate()
@@ -148,11 +138,6 @@ class StageBalancer:
                 self._provisional[uid] = self._provisional.get(uid, 0.0) + size
                 return size
         return size / rate
-
-    def _record_choice(self, uid: str) -> str:
-        self.stats["chosen"] += 1
-        self.chosen_per_peer[uid] = self.chosen_per_peer.get(uid, 0) + 1
-        return uid
 
     def choose(self, task_size: float, now: float, *, backward: bool = False) -> str:
         """The peer with the earliest virtual finish time; its key grows by the task's expected duration."""
@@ -171,13 +156,13 @@ class StageBalancer:
             raise NoPeersError(self.stage)
         chosen[0] += self._charge(chosen[2], task_size, backward)
         heapq.heappush(self._heap, chosen)
-        return self._record_choice(chosen[2])
+        return chosen[2]
 
     # -- feedback --------------------------------------------------------------------------------------
     def report_success(self, uid: str, samples: float, seconds: float) -> None:
         """Feed a call's duration into the peer's EMA: end to end (network + the peer's queue + compute). The
         stage's first measurement re-prices what was charged before it (``_reprice``)."""
-        self._ema.setdefault(uid, PerformanceEMA(self.alpha)).update(seconds, samples)
+        self._ema.setdefault(uid, PerformanceEMA(self.ALPHA)).update(seconds, samples)
         if self._provisional:
             self._reprice()
 
@@ -214,7 +199,7 @@ class UniformBalancer(StageBalancer):
         usable = self.peers
         if not usable:
             raise NoPeersError(self.stage)
-        return self._record_choice(self.rng.choice(usable))
+        return self.rng.choice(usable)
 
 
 ROUTINGS = ("weighted", "uniform")  # a trainer's routing over a stage's peers (hivemind transport: SwarmPlan.routing)

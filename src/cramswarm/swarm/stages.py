@@ -250,14 +250,19 @@ STATE_BYTES_PER_PARAMETER = 16   # what a training peer holds per fp32 parameter
 PEAK_BYTES_PER_PARAMETER = 20
 
 
-def stage_state_bytes(arch: dict, vocab_size: int, num_stages: int, compression: str = "none") -> list[int]:
-    """Bytes of model state (:data:`STATE_BYTES_PER_PARAMETER` per parameter) each stage's peer holds, counted
-    on the ``meta`` device (no memory; the global RNG untouched). The last of several stages counts its own
-    decoder copy."""
+def _stage_parameters(arch: dict, vocab_size: int, num_stages: int, compression: str) -> list[list[nn.Parameter]]:
+    """Each stage's parameters (a tied one once), of the swarm model built on the ``meta`` device: no memory, the
+    global RNG untouched. The last of several stages holds its own decoder copy."""
     with torch.device("meta"):
         model = CrammedBertForMaskedLM(swarm_config(arch, vocab_size, num_stages, compression))
-    return [STATE_BYTES_PER_PARAMETER * sum(p.numel() for p in stage.parameters())
-            for stage in split_model(model, num_stages)]
+    return [list(stage.parameters()) for stage in split_model(model, num_stages)]
+
+
+def stage_state_bytes(arch: dict, vocab_size: int, num_stages: int, compression: str = "none") -> list[int]:
+    """Bytes of model state (:data:`STATE_BYTES_PER_PARAMETER` per parameter, frozen ones too) each stage's peer
+    holds, counted on the ``meta`` device (:func:`_stage_parameters`)."""
+    return [STATE_BYTES_PER_PARAMETER * sum(p.numel() for p in params)
+            for params in _stage_parameters(arch, vocab_size, num_stages, compression)]
 
 
 def check_memory_cap(state_bytes: list[int], cap_mb: float | None) -> None:
@@ -286,17 +291,17 @@ def rss_bytes(field: str = "VmRSS") -> int | None:
     return None
 
 
-class SavedActivations:
+class SavedActivations(torch.autograd.graph.saved_tensors_hooks):
     """Context manager counting the bytes autograd saves for backward in a forward pass run inside it: the
     activations (and the decoder's logits) a backward call holds. Each storage counts once; storages of the
     ``exclude`` tensors (the stage's parameters: counted as model state) do not count. The tensors themselves are
-    passed through unchanged (``torch.autograd.graph.saved_tensors_hooks`` with identity hooks)."""
+    passed through unchanged (saved-tensor hooks that count and return the tensor as it is)."""
 
     def __init__(self, exclude: list[torch.Tensor] = ()):
         self.exclude = {t.untyped_storage().data_ptr() for t in exclude}
         self.seen: set[int] = set()
         self.bytes = 0
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        super().__init__(self._pack, lambda t: t)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
@@ -307,11 +312,8 @@ class SavedActivations:
         return tensor
 
     def __enter__(self) -> "SavedActivations":
-        self._hooks.__enter__()
+        super().__enter__()
         return self
-
-    def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
 
 
 def stage_memory(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
@@ -408,8 +410,7 @@ def assemble_model(stages: list[nn.Module], config: CrammedBertConfig) -> Cramme
 
 
 def stage_parameter_counts(arch: dict, vocab_size: int, stages: int, compression: str = "none") -> list[int]:
-    """Trainable parameters of each stage (a narrowing ``compression``'s boundary layers included), counted on a
-    model built on the meta device (no memory, and the global RNG is left as it was)."""
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):
-        model = build_swarm_model(arch, vocab_size, 0, stages, compression)
-    return [sum(p.numel() for p in stage.parameters() if p.requires_grad) for stage in split_model(model, stages)]
+    """Trainable parameters of each stage (a narrowing ``compression``'s boundary layers included), counted on the
+    ``meta`` device (:func:`_stage_parameters`)."""
+    return [sum(p.numel() for p in params if p.requires_grad)
+            for params in _stage_parameters(arch, vocab_size, stages, compression)]

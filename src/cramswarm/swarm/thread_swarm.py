@@ -29,7 +29,7 @@ import time
 from typing import Any, Callable
 
 from cramswarm.swarm.fault_rules import kill_candidates
-from cramswarm.swarm.rebalancing import LoadMeter, Move, Rebalancer
+from cramswarm.swarm.rebalancing import LoadMeter, Rebalancer
 from cramswarm.swarm.routing import RetryPolicy, StageBalancer, StageCall, UniformBalancer
 from cramswarm.swarm.setups import RECORD_TTL_TIMEOUTS, FailureEvent, PeerSpec
 
@@ -59,13 +59,12 @@ class Directory:
 
     def __init__(self, ttl_s: float):
         self.ttl_s = ttl_s
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._records: dict[int, dict[str, float]] = {}
 
     def declare(self, uid: str, stage: int, now: float) -> None:
-        with self._lock:
-            for records in self._records.values():
-                records.pop(uid, None)
+        with self._lock:   # withdrawn and declared at once: no reader finds it at no stage
+            self.withdraw(uid)
             self._records.setdefault(stage, {})[uid] = now + self.ttl_s
 
     def withdraw(self, uid: str) -> None:
@@ -172,8 +171,7 @@ class Peer(threading.Thread):
                 continue
             if self.status == "joining":
                 swarm.join_state(self)
-                clock.sleep(swarm.state_download_s)
-                self.meter, self.status, self._next_declare = LoadMeter(clock.now()), "up", -math.inf
+                self._arrive()
                 continue
             if self.pending_move is not None:
                 self._move(self.pending_move)
@@ -207,16 +205,19 @@ class Peer(threading.Thread):
             self.served[request.kind] += 1
             request.reply(result)
 
+    def _arrive(self) -> None:
+        """Serve again once the stage's state is downloaded (a restart, a move): a fresh meter, declared at once."""
+        self.swarm.clock.sleep(self.swarm.state_download_s)
+        self.meter, self.status, self._next_declare = LoadMeter(self.swarm.clock.now()), "up", -math.inf
+
     def _move(self, to_stage: int) -> None:
         swarm = self.swarm
         self.status = "moving"
         swarm.directory.withdraw(self.uid)
         self._drain(f"{self.uid} left stage {self.stage}")
         swarm.move_state(self, self.stage, to_stage)
-        self.stage = to_stage
-        swarm.clock.sleep(swarm.state_download_s)
-        self.pending_move = None
-        self.meter, self.status, self._next_declare = LoadMeter(swarm.clock.now()), "up", -math.inf
+        self.stage, self.pending_move = to_stage, None   # unseen while it is moving (not alive)
+        self._arrive()
         if swarm.rebalancer is not None:  # no lock: the rebalancer decides nothing while this move is in transit
             swarm.rebalancer.arrived(swarm.clock.now())
 
@@ -295,7 +296,9 @@ class Swarm(abc.ABC):
                 loads = {s: [p.meter.load(p.uid, now) for p in self.live(s)] for s in range(stages)}
                 move = rebalancer.decide(loads, now)
                 if move is not None:
-                    self.begin_move(move)
+                    with self.lock:
+                        self.moves.append({"t_s": round(now, 3), **move.value()})
+                    self.by_uid[move.uid].pending_move = move.to_stage
 
     def fault_loop(self, schedule: list[FailureEvent], kill_every_s: float | None = None,
                    rejoin_after_s: float | None = None, seed: int = 0, start: float = 0.0) -> None:
@@ -321,10 +324,8 @@ class Swarm(abc.ABC):
                 kills.remove(event)
                 with self.membership:
                     if event[1] is None:
-                        live = {p.uid for p in self.peers if p.alive and p.pending_move is None}
-                        steps = {s: {p.uid: 0 for p in self.peers if p.alive and p.stage == s} for s in
-                                 {p.stage for p in self.peers}}
-                        candidates = kill_candidates(steps, live)
+                        steps = {s: {p.uid: 0 for p in self.live(s)} for s in {p.stage for p in self.peers}}
+                        candidates = kill_candidates(steps, self.by_uid)   # steps: the live peers only, all at 0
                         victim = self.by_uid[rng.choice(candidates)] if candidates else None
                     else:
                         victim = self.peers[event[1]] if self.peers[event[1]].alive else None
@@ -338,19 +339,6 @@ class Swarm(abc.ABC):
             if upcoming == math.inf:
                 return
             self.stop.wait(min(0.05, self.clock.wall(upcoming - (self.clock.now() - start))))
-
-    def begin_move(self, move: Move) -> None:
-        peer = self.by_uid[move.uid]
-        with self.lock:
-            self.moves.append(
-                {
-                    "t_s": round(self.clock.now(), 3),
-                    "uid": move.uid,
-                    "from_stage": move.from_stage,
-                    "to_stage": move.to_stage,
-                }
-            )
-        peer.pending_move = move.to_stage
 
 
 class StopRun(Exception):
