@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import io
 import os
+import random
 import signal
 import threading
 import time
@@ -40,7 +41,7 @@ from hivemind.utils.asyncio import achain, aiter_with_timeout, as_aiter
 from cramswarm.precision import resolve_precision
 from cramswarm.swarm.averaging import StageAllReduce, average, chunk_timeout_s, codec, state_chunk_timeout_s
 from cramswarm.swarm.compression import decode, encode, payload_to, wire_scheme
-from cramswarm.swarm.membership import DECLARE_PERIOD_S, RECORD_TTL_S, stage_key, stage_namespace
+from cramswarm.swarm.membership import DECLARE_PERIOD_S, RECORD_TTL_S, stage_key, stage_namespace, stage_records
 from cramswarm.swarm.replica import StageReplica
 from cramswarm.swarm.settings import ProcessConfig
 from cramswarm.swarm.stages import build_stage, rss_bytes
@@ -280,6 +281,36 @@ class StagePeer(ServicerBase):
             raise ValueError(f"the state loaded from {meta['uid']} has parameter digest {digest[:12]}, "
                              f"not the {meta['digest'][:12]} it sent")
         return step
+
+    async def _source_order(self, sources: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """(uid, peer id) of the replicas to download from, in the order to try them: at random (``peer_sync``: the
+        newest step first)."""
+        return random.sample(sources, len(sources))
+
+    async def load_from_replica(self, give_up_after_s: float, alone_after_s: float | None = None) -> bool:
+        """Download parameters + optimizer state from a live replica of this stage before serving: True once loaded.
+        With ``alone_after_s``, False once no other replica has been declared for that long (the caller serves the
+        state it has); a RuntimeError once ``give_up_after_s`` passed without a download."""
+        alone_since = time.monotonic()  # the last time another replica was declared
+        deadline = alone_since + give_up_after_s
+        while True:
+            records = await stage_records(self.node, self.run_id, self.stage)
+            sources = await self._source_order([(uid, peer) for uid, (peer, _) in records.items() if uid != self.uid])
+            if sources:
+                alone_since = time.monotonic()
+            for uid, peer in sources:
+                try:
+                    step = await self.download_state(PeerID.from_base58(peer))
+                    print(f"[{self.uid}] loaded stage {self.stage} state at step {step} from {uid}", flush=True)
+                    return True
+                except Exception as e:
+                    print(f"[{self.uid}] state download from {uid} failed: {e!r}", flush=True)
+            if alone_after_s is not None and time.monotonic() - alone_since > alone_after_s:
+                return False
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"stage {self.stage}: no live replica to load the state from "
+                                   f"within {give_up_after_s:.0f} s")
+            await asyncio.sleep(0.5)
 
     async def declare_forever(self) -> None:
         """This peer's stage record, every ``DECLARE_PERIOD_S``; paused while it is ``leaving`` its stage (its record

@@ -48,7 +48,7 @@ from hivemind.utils import get_dht_time
 from cramswarm.io import write_json
 from cramswarm.swarm.averaging import averaging_timeout_s, state_timeout_s
 from cramswarm.swarm.hivemind_peer import StagePeer
-from cramswarm.swarm.membership import flush_key, progress_key, stage_records
+from cramswarm.swarm.membership import flush_key, progress_key
 from cramswarm.swarm.peer_rebalance import PeerRebalancer, call_units
 from cramswarm.swarm.progress import (
     MIN_GATHER_S,
@@ -125,36 +125,19 @@ class SyncingStagePeer(StagePeer):
             self.shard_step = self.counters["loaded_shard_step"] = self.step
             print(f"[{uid}] loaded stage {stage} shard {newest[1].name} (step {self.step})", flush=True)
 
-    async def load_from_replica(self, give_up_after_s: float) -> bool:
-        """Download parameters + optimizer state from a live replica of this stage before serving (``_source_order``),
-        as every joining peer does: True once loaded, a RuntimeError once ``give_up_after_s`` passed without a
-        download. A peer that loaded its stage's shard serves from that shard (False) once no other replica of the
-        stage has been declared for ``ALONE_AFTER_S`` (the stage's last replicas died: the run goes on from the
-        shard, losing at most one shard period of this stage's steps)."""
+    async def load_from_replica(self, give_up_after_s: float, alone_after_s: float | None = None) -> bool:
+        """A live replica's state, as every joining peer takes it; a peer that loaded its stage's shard serves from
+        that shard once no other replica of the stage has been declared for ``ALONE_AFTER_S`` (the stage's last
+        replicas died: the run goes on from the shard, losing at most one shard period of this stage's steps)."""
         shard_step = self.counters["loaded_shard_step"]
-        alone_since = time.monotonic()  # the last time another replica was declared
-        deadline = alone_since + give_up_after_s
-        while True:
-            records = await stage_records(self.node, self.run_id, self.stage)
-            sources = await self._source_order([(uid, peer) for uid, (peer, _) in records.items() if uid != self.uid])
-            if sources:
-                alone_since = time.monotonic()
-            for uid, peer in sources:
-                try:
-                    step = await self.download_state(PeerID.from_base58(peer))
-                    print(f"[{self.uid}] loaded stage {self.stage} state at step {step} from {uid}", flush=True)
-                    return True
-                except Exception as e:
-                    print(f"[{self.uid}] state download from {uid} failed: {e!r}", flush=True)
-            if shard_step is not None and time.monotonic() - alone_since > ALONE_AFTER_S:
-                self.counters["served_from_shard_alone"] = shard_step
-                print(f"[{self.uid}] no live replica of stage {self.stage} for {ALONE_AFTER_S:.0f} s: serving from "
-                      f"its shard at step {shard_step}", flush=True)
-                return False
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"stage {self.stage}: no live replica to load the state from "
-                                   f"within {give_up_after_s:.0f} s")
-            await asyncio.sleep(0.5)
+        if shard_step is None:
+            return await super().load_from_replica(give_up_after_s)
+        if await super().load_from_replica(give_up_after_s, alone_after_s=ALONE_AFTER_S):
+            return True
+        self.counters["served_from_shard_alone"] = shard_step
+        print(f"[{self.uid}] no live replica of stage {self.stage} for {ALONE_AFTER_S:.0f} s: serving from its shard "
+              f"at step {shard_step}", flush=True)
+        return False
 
     # -- compute thread ---------------------------------------------------------------------------------------
     def _forward(self, tensors: dict[str, torch.Tensor], meta: dict) -> tuple[dict, dict]:
@@ -253,7 +236,7 @@ class SyncingStagePeer(StagePeer):
         """(uid, peer id) of the replicas to download from, in the order to try them: the newest first (by the step
         of its progress record; ties, and replicas without a record, at random), as hivemind's
         ``load_state_from_peers`` takes the most advanced peer."""
-        shuffled = random.sample(sources, len(sources))
+        shuffled = await super()._source_order(sources)
         with contextlib.suppress(Exception):
             steps = {uid: record.step for uid, record in (await self._read_records()).items()}
             return sorted(shuffled, key=lambda source: -steps.get(source[0], -1))
