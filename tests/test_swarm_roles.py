@@ -26,6 +26,7 @@ from swarm_helpers import (  # noqa: E402
     MICRO,
     batches,
     plan,
+    process_config,
     source,
 )
 
@@ -620,6 +621,35 @@ def test_the_end_of_a_run_names_the_stage_whose_last_shard_is_missing(monkeypatc
     lacking = r"stages \[0\] wrote no shard of their last step .*stage0\.step0+3\.s0p1\.pt"
     with pytest.raises(RuntimeError, match=lacking):
         asyncio.run(launcher._final_shards({0: {"s0p1": 5}, 1: {"s1p2": 4}}))
+
+
+def test_a_process_joining_from_a_host_without_the_run_folder_runs_on_the_swarms_training_clock(monkeypatch, tmp_path):
+    """A peer (``swarm-join``) or trainer (``swarm-train``) that joins through an address from a host without the
+    run's folder keeps its files in its own folder and finds the swarm's training clock there (from the DHT
+    description), so a seconds budget's batch and learning rate run on the clock every other replica reads; on a
+    host with the run's folder it uses that folder and writes no clock."""
+    from cramswarm.swarm import membership
+
+    clock = {"run_id": "t", "origin_wall": 1234.5, "deadline_wall": 1300.0}
+    described = process_config(workdir=tmp_path / "launcher-host", clock=clock)
+
+    async def joined(initial_peers, **kwargs):
+        return "node"
+
+    async def description(node, wait_s):
+        return described
+
+    monkeypatch.setattr(membership, "join_dht", joined)
+    monkeypatch.setattr(membership, "read_swarm", description)
+    mine = tmp_path / "mine"
+    node, cfg = asyncio.run(membership.join_through("/ip4/10.0.0.1/tcp/1", host="127.0.0.1", wait_s=1.0,
+                                                    workdir=str(mine), prefix="x-"))
+    assert node == "node" and cfg.workdir == cfg.shard_dir == str(mine)
+    assert read_clock(mine, "t") == clock
+    (tmp_path / "launcher-host").mkdir()   # this host has the run's folder
+    node, cfg = asyncio.run(membership.join_through("/ip4/10.0.0.1/tcp/1", host="127.0.0.1", wait_s=1.0,
+                                                    workdir=str(tmp_path / "unused"), prefix="x-"))
+    assert Path(cfg.workdir) == tmp_path / "launcher-host" and not (tmp_path / "launcher-host" / CLOCK_FILE).exists()
 
 
 def test_the_hivemind_transport_gives_the_launcher_its_state_folder(monkeypatch, tmp_path):

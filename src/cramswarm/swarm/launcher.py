@@ -13,7 +13,7 @@ restarts nor kills):
   run's microbatch source (``data``).
 
 The launcher holds no training state: it keeps a heartbeat record in the DHT (``membership.launcher_key``), writes
-the training clock once its trainers have joined (``progress.CLOCK_FILE``), restarts a dead trainer of its own (not
+the training clock once its trainers have joined (``membership.CLOCK_FILE``), restarts a dead trainer of its own (not
 one that left, ``EXIT_LEFT``) and a dead stage peer (a fresh uid on the stage it last served, ``moves.jsonl``)
 ``rejoin_after_s`` later, and stops every process at the end or on SIGTERM / Ctrl-C (``_stop_swarm``). If it dies,
 the swarm trains on until its heartbeat has been missing ``launcher_grace_s``. Its parts: ``run_state`` (the run

@@ -24,6 +24,7 @@ from pathlib import Path
 import psutil
 from hivemind.dht.node import DHTNode
 
+from cramswarm.io import write_json
 from cramswarm.swarm.settings import ProcessConfig
 
 DECLARE_PERIOD_S = 2.0     # a peer re-declares its DHT record this often ...
@@ -34,6 +35,7 @@ ADDR_FILE, CONFIG_FILE = "dht_addrs.txt", "config.json"  # in a rendezvous folde
 SWARM_KEY = "cramswarm_swarm"  # DHT key of the running swarm's description (its config), read by a joining peer
 JOIN_THROUGH = 32          # a joining process tries this many of the address file's newest entries
 DONE_FILE = "done"         # in a rendezvous folder: the run id of a launcher that has finished
+CLOCK_FILE = "clock.json"  # in a run's folder: the training clock's origin and a seconds budget's deadline
 # Set by a placement that puts a process on a host of its own (``cramswarm.testbed.swarm``): the multiaddrs its
 # DHT node listens on and those it announces (space-separated; e.g. a relay's address that other hosts must dial).
 LISTEN_ENV, ANNOUNCE_ENV = "CRAMSWARM_P2P_LISTEN", "CRAMSWARM_P2P_ANNOUNCE"
@@ -104,15 +106,17 @@ async def join_swarm(addr_file: str | Path, *, host: str, timeout_s: float, anno
 
 
 async def join_through(initial_peer: str, *, host: str, wait_s: float, workdir: str | None,
-                       prefix: str) -> tuple[DHTNode, ProcessConfig, bool]:
-    """A full DHT node joined through ``initial_peer`` (a multiaddr of any live process of a running swarm), the
-    swarm's config (``read_swarm``) and whether it was moved: where this host lacks the run's folder, the process's
-    files go to ``workdir`` (or a new temporary folder named ``prefix...``: ``ProcessConfig.elsewhere``)."""
+                       prefix: str) -> tuple[DHTNode, ProcessConfig]:
+    """A full DHT node joined through ``initial_peer`` (a multiaddr of any live process of a running swarm) and the
+    swarm's config (``read_swarm``). Where this host lacks the run's folder, the process's files go to ``workdir``
+    (or a new temporary folder named ``prefix...``: ``ProcessConfig.elsewhere``), with the swarm's training clock
+    (``CLOCK_FILE``) written there from the description, so that a seconds budget runs on the same clock."""
     node = await join_dht([initial_peer], client_mode=False, host=host, timeout_s=wait_s)
     cfg = await read_swarm(node, wait_s)
-    if Path(cfg.workdir).is_dir():
-        return node, cfg, False
-    return node, cfg.elsewhere(workdir or tempfile.mkdtemp(prefix=prefix)), True
+    if not Path(cfg.workdir).is_dir():
+        cfg = cfg.elsewhere(workdir or tempfile.mkdtemp(prefix=prefix))
+        write_json(Path(cfg.workdir) / CLOCK_FILE, cfg.clock)
+    return node, cfg
 
 
 async def join_dht(initial_peers: list[str] | None, *, client_mode: bool, host: str = "127.0.0.1",

@@ -145,11 +145,12 @@ async def serve_joined(initial_peer: str, speed: float, host: str, workdir: str 
     on the stages' load records, else on their declared peers), download that stage's state from a live replica
     (or, with none and the run's shards on this host, its newest shard) and serve it until the launcher is done.
     Its logs and counters go to the run's folder where this host has it, else to ``workdir`` (or a temporary
-    folder); it takes no part in writing shards unless it is its stage's lowest uid."""
+    folder, with the swarm's training clock: ``membership.join_through``); it takes no part in writing shards unless
+    it is its stage's lowest uid."""
     bound_kernel_cache()
     torch.set_num_threads(1)
-    node, cfg, _ = await join_through(initial_peer, host=host, wait_s=wait_s, workdir=workdir,
-                                      prefix="cramswarm-joined-")
+    node, cfg = await join_through(initial_peer, host=host, wait_s=wait_s, workdir=workdir,
+                                   prefix="cramswarm-joined-")
     declared = await asyncio.gather(*(stage_records(node, cfg.run_id, s) for s in range(cfg.stages)))
     loads = None
     if cfg.rebalance_period_s:   # the peers publish their loads each period: the latest complete one

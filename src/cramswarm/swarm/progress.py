@@ -15,7 +15,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from cramswarm.swarm.membership import progress_key
+from cramswarm.swarm.membership import CLOCK_FILE, progress_key
 from cramswarm.training import budget_progress, step_accumulation
 
 PROGRESS_PERIOD_S = 0.25  # a peer publishes its progress record and reads its stage's this often ...
@@ -23,7 +23,6 @@ PROGRESS_TTL_S = 2.0      # ... with this expiration: a dead peer drops out of i
 GATHER_S = 2.0            # a ready peer waits at most this long for the other peers at its step to be ready
 DHT_ROUNDS = 4            # ... and the TTL and that wait are at least this many of the peer's own DHT rounds
 MIN_GATHER_S = 0.05       # ... and at least this long (a record that changed just before the read)
-CLOCK_FILE = "clock.json"  # in the run's folder: the training clock's origin and a seconds budget's deadline
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,7 @@ not: they train on for ``launcher_grace_s`` without a heartbeat) re-attaches ins
 run's id and clock, joins its DHT, beats its heartbeat and adopts its processes (``launcher``); nothing is resumed
 and nothing trained again. The same settings and data are required as for a resume.
 
-The training clock (``progress.CLOCK_FILE``) holds the origin of training time and a seconds budget's deadline. Only
+The training clock (``membership.CLOCK_FILE``) holds the origin of training time and a seconds budget's deadline. Only
 training time counts: a resumed run's origin is its start less its earlier lives' training time (``TIME_FILE``).
 """
 
@@ -35,9 +35,9 @@ import time
 
 from cramswarm.io import read_json, write_json, write_text
 from cramswarm.swarm import data
-from cramswarm.swarm.membership import ADDR_FILE, CONFIG_FILE
+from cramswarm.swarm.membership import ADDR_FILE, CLOCK_FILE, CONFIG_FILE
 from cramswarm.swarm.processes import swarm_processes
-from cramswarm.swarm.progress import CLOCK_FILE, read_clock
+from cramswarm.swarm.progress import read_clock
 from cramswarm.swarm.shards import load_shard, newest_shard
 from cramswarm.swarm.work import WorkOrder
 
@@ -241,7 +241,7 @@ class RunFolder:
             time.sleep(0.5)
 
     def _write_clock(self) -> None:
-        """The training clock the trainers and peers read (``progress.CLOCK_FILE``): training time 0 is this
+        """The training clock the trainers and peers read (``membership.CLOCK_FILE``): training time 0 is this
         life's start less the earlier lives' training time; a seconds budget ends ``budget`` seconds after it."""
         origin = self.start_wall - self.wall_before
         budget = self.plan.recipe["budget"]

@@ -6,7 +6,7 @@ the stage peers.
 
 The run's config names the microbatch source (``data``: ``cramswarm.swarm.data``, e.g. the packed training
 blocks, memory-mapped), the number of microbatches and the work order (``order``: ``work.WorkOrder``); the run's
-folder holds the DHT address file and the launcher's ``clock.json`` (``progress.CLOCK_FILE``). No trainer owns a
+folder holds the DHT address file and the launcher's ``clock.json`` (``membership.CLOCK_FILE``). No trainer owns a
 share of the data: each takes leases of the order from the claim records in the DHT (``work``; ``WorkClaims``
 reads and stores them), so trainers can join and leave during a run and every microbatch is still trained. A
 trainer makes each microbatch itself (``source[i]``: the blocks of microbatch ``i``, masked with a generator
@@ -70,7 +70,7 @@ from cramswarm.swarm.membership import (
     work_key,
 )
 from cramswarm.swarm.peer_sync import SyncingStagePeer
-from cramswarm.swarm.progress import CLOCK_FILE, read_clock
+from cramswarm.swarm.progress import read_clock
 from cramswarm.swarm.rebalancing import WORK_UNITS
 from cramswarm.swarm.routing import (
     NoPeersError,
@@ -370,10 +370,8 @@ async def train_joined(initial_peer: str, name: str | None, host: str, workdir: 
     it): it reads the swarm's description from the DHT (``membership.read_swarm``) and trains leases like the
     launcher's trainers. Its files go to the run's folder where this host has it, else to ``workdir`` (or a
     temporary folder), with the training clock from the description."""
-    node, cfg, moved = await join_through(initial_peer, host=host, wait_s=wait_s, workdir=workdir,
-                                          prefix="cramswarm-trainer-")
-    if moved:   # another host's folder: this trainer's files, and the training clock, go elsewhere
-        write_json(Path(cfg.workdir) / CLOCK_FILE, cfg.clock)
+    node, cfg = await join_through(initial_peer, host=host, wait_s=wait_s, workdir=workdir,
+                                   prefix="cramswarm-trainer-")
     name = name or f"j{socket.gethostname()}-{os.getpid()}"
     print(f"[trainer {name}] joined swarm {cfg.run_id} through {initial_peer}", flush=True)
     return await train(cfg, name, node=node)
