@@ -652,6 +652,21 @@ def test_a_process_joining_from_a_host_without_the_run_folder_runs_on_the_swarms
     assert Path(cfg.workdir) == tmp_path / "launcher-host" and not (tmp_path / "launcher-host" / CLOCK_FILE).exists()
 
 
+def test_a_resumed_runs_stage_state_is_its_most_advanced_replicas_not_an_earlier_lifes():
+    """The result reads a stage's stepped samples and duplicates from one replica, its most advanced: the counters an
+    earlier life's peers left (past the shard the run resumed from, stepped again since) do not add their duplicates
+    to this life's samples."""
+    counters = [{"uid": "s0p1", "stage": 0, "step": 3, "stepped_samples": 72, "duplicate_microbatches": 1},
+                {"uid": "s0p5", "stage": 0, "step": 31, "stepped_samples": 640, "duplicate_microbatches": 0},
+                {"uid": "s1p3", "stage": 1, "step": 3, "stepped_samples": 72, "duplicate_microbatches": 1},
+                {"uid": "s1p7", "stage": 1, "step": 31, "stepped_samples": 680, "duplicate_microbatches": 10},
+                {"uid": "s1p8", "stage": 1, "step": 31, "stepped_samples": 676, "duplicate_microbatches": 9}]
+    latest = run_result.latest_stage_state(counters, 3)
+    assert [c.get("uid") for c in latest] == ["s0p5", "s1p7", None]
+    assert [(c.get("stepped_samples", 0), c.get("duplicate_microbatches", 0)) for c in latest] == [(640, 0), (680, 10),
+                                                                                                 (0, 0)]
+
+
 def test_the_hivemind_transport_gives_the_launcher_its_state_folder(monkeypatch, tmp_path):
     """The hivemind transport hands the launcher the plan with its resumable state folder (None: no such state) and
     the microbatch source; without a source it refuses (the rule always gives one)."""

@@ -42,6 +42,15 @@ def _summed(counts) -> dict[str, int]:
     return dict(sorted(total.items()))
 
 
+def latest_stage_state(counters: list[dict], stages: int) -> list[dict]:
+    """Per stage, the counters of its most advanced replica (the highest step, then stepped samples; ``{}`` for a
+    stage without any): the stage's state every replica holds, read from one replica so that its stepped samples and
+    duplicates agree. A folder also holds the counters of an earlier life's peers, whose steps past the shard a
+    resume started from were stepped again."""
+    return [max((c for c in counters if c["stage"] == s), key=lambda c: (c.get("step", 0), c.get("stepped_samples", 0)),
+                default={}) for s in range(stages)]
+
+
 class RunResult:
     """``Launcher``'s end of run: it uses the launcher's ``plan``, ``total``, ``node``, ``run_id``, ``workdir``,
     ``shard_dir``, ``stage_params``, ``stats``, ``peers``, ``groups``, ``start_wall``, ``first_start_wall``,
@@ -230,11 +239,8 @@ class RunResult:
         done = len(losses)   # microbatches with a loss record: trained to the end (every life, every trainer)
         counters, rows = self._peer_counters(), list(self._rows(SYNC_LOG.format(uid="*")))
         micro = self.plan.recipe["micro_batch_sequences"]
-        def stage_max(key: str) -> list[int]:   # stage state every replica holds (the most advanced one's)
-            return [max((c.get(key, 0) for c in counters if c["stage"] == s), default=0)
-                    for s in range(self.plan.stages)]
-
-        stepped = stage_max("stepped_samples")
+        latest = latest_stage_state(counters, self.plan.stages)
+        stepped = [c.get("stepped_samples", 0) for c in latest]
 
         def per_stage(key: str) -> list[int]:
             return [sum(c.get(key, 0) for c in counters if c["stage"] == s) for s in range(self.plan.stages)]
@@ -259,7 +265,7 @@ class RunResult:
             steps=len(log), stage_steps=[max(steps.values()) for steps in replica_steps.values()],
             # at least once (peer_sync): a stage's stepped samples may pass the microbatches' by the duplicates;
             # lost are the microbatches of the run that the stage's final shard does not list as stepped
-            stepped_samples=stepped, duplicate_microbatches=stage_max("duplicate_microbatches"),
+            stepped_samples=stepped, duplicate_microbatches=[c.get("duplicate_microbatches", 0) for c in latest],
             lost_gradient_samples=[(requested - n) * micro for n in self.stats.get("stepped_microbatches",
                                                                                    [requested] * len(stepped))],
             resent_samples=per_stage("resent_samples"),
